@@ -1,0 +1,118 @@
+"""Attention backend interface: per-step metadata and the forward context.
+
+A step's batch is a flat run of ``T`` tokens from ``B`` requests, ordered by request;
+requests with one new token (decodes) come first, then requests computing several
+(prefill chunks, possibly with earlier context already in the KV cache).
+
+KV cache layout (per layer): ``[num_blocks, 2, block_size, num_kv_heads, head_dim]``;
+index 0 of dim 1 is K, 1 is V. A token at position ``p`` of a request lives in slot
+``block_table[p // block_size] * block_size + p % block_size``.
+"""
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+from typing import Iterator, Optional
+
+import torch
+
+
+@dataclass
+class AttentionMetadata:
+    """Inputs every attention layer of one forward pass shares.
+
+    Attributes:
+        num_reqs: B.
+        num_decodes: requests ``0..num_decodes-1`` have exactly one query token.
+        num_decode_tokens: == num_decodes.
+        query_start_loc: int64 ``[B + 1]``, cumulative query lengths (token offsets in the batch).
+        query_lens: python list of B ints.
+        seq_lens: int64 ``[B]``: context length after this step (tokens in cache + new ones).
+        seq_lens_list: python list of the same.
+        block_tables: int64 ``[B, max_blocks]`` (rows padded with 0).
+        slot_mapping: int64 ``[T]`` flat slot of every new token; -1 = padding, not written.
+        block_size: tokens per block.
+        max_seq_len: max(seq_lens).
+    """
+
+    num_reqs: int
+    num_decodes: int
+    num_decode_tokens: int
+    query_start_loc: torch.Tensor
+    query_lens: list[int]
+    seq_lens: torch.Tensor
+    seq_lens_list: list[int]
+    block_tables: torch.Tensor
+    slot_mapping: torch.Tensor
+    block_size: int
+    max_seq_len: int
+
+
+class AttentionImpl:
+    """One backend's attention computation (implemented by ``torch_paged`` on CPU)."""
+
+    def forward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        kv_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        scale: float,
+        sliding_window: Optional[int],
+        logits_soft_cap: Optional[float],
+    ) -> torch.Tensor:
+        """Write new K/V into ``kv_cache`` and attend.
+
+        Args:
+            q: ``[T, num_heads, head_dim]``; k, v: ``[T, num_kv_heads, head_dim]`` (compute dtype).
+            kv_cache: ``[num_blocks, 2, block_size, num_kv_heads, head_dim]``.
+            meta: the step's metadata.
+            scale: softmax scale (usually head_dim ** -0.5).
+            sliding_window: a query at position p sees keys at positions > p - window; None = all.
+            logits_soft_cap: if set, scores become ``cap * tanh(scores / cap)``.
+
+        Returns:
+            ``[T, num_heads, head_dim]``.
+        """
+        raise NotImplementedError
+
+
+@dataclass
+class ForwardContext:
+    """Per-forward state every attention layer reads: metadata, KV caches, backend."""
+
+    attn_metadata: Optional[AttentionMetadata]
+    kv_caches: list[torch.Tensor]
+    impl: AttentionImpl
+
+
+_forward_context: Optional[ForwardContext] = None
+
+
+@contextlib.contextmanager
+def set_forward_context(ctx: ForwardContext) -> Iterator[ForwardContext]:
+    """Install ``ctx`` for the duration of one model forward.
+
+    Raises:
+        RuntimeError: if a forward context is already set (nesting is refused).
+    """
+    global _forward_context
+    if _forward_context is not None:
+        raise RuntimeError("set_forward_context: a forward context is already active")
+    _forward_context = ctx
+    try:
+        yield ctx
+    finally:
+        _forward_context = None
+
+
+def get_forward_context() -> ForwardContext:
+    """Return the active forward context.
+
+    Raises:
+        RuntimeError: outside ``set_forward_context``.
+    """
+    if _forward_context is None:
+        raise RuntimeError("no forward context: call the model inside set_forward_context()")
+    return _forward_context

@@ -1,0 +1,204 @@
+"""CPU paged attention in plain torch; also the reference oracle for other backends.
+
+Decodes (one query token each) use a batched manual grouped matmul -> float32 softmax ->
+matmul, which on CPU is much faster than SDPA at q_len=1 (FACTS §5). Prefill chunks use
+``F.scaled_dot_product_attention`` per request over the context gathered from the cache,
+except with a logit soft-cap, which SDPA cannot express (manual path then).
+"""
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+
+from pagedllm.attention.backend import AttentionImpl, AttentionMetadata
+
+
+def build_metadata(reqs: list[tuple[int, int, list[int]]], block_size: int) -> AttentionMetadata:
+    """Build the metadata for one step by hand (tests, dummy runs).
+
+    Args:
+        reqs: per request ``(start_pos, num_new_tokens, block_ids)``: the request already has
+            ``start_pos`` tokens in the cache and computes ``num_new_tokens`` more, stored in
+            ``block_ids`` (which must cover ``start_pos + num_new_tokens`` tokens). Requests with
+            one new token must come first (they are the decodes).
+        block_size: tokens per block.
+
+    Returns:
+        AttentionMetadata with int64 CPU tensors.
+
+    Raises:
+        ValueError: if a one-token request follows a multi-token one, or blocks are too few.
+    """
+    num_decodes = 0
+    while num_decodes < len(reqs) and reqs[num_decodes][1] == 1:
+        num_decodes += 1
+    if any(n == 1 for _, n, _ in reqs[num_decodes:]):
+        raise ValueError("build_metadata: one-token (decode) requests must come first")
+    query_lens = [n for _, n, _ in reqs]
+    seq_lens = [s + n for s, n, _ in reqs]
+    max_blocks = max([len(b) for _, _, b in reqs] + [1])
+    block_tables = torch.zeros(len(reqs), max_blocks, dtype=torch.int64)
+    slots: list[int] = []
+    for i, (start, n, blocks) in enumerate(reqs):
+        if len(blocks) * block_size < start + n:
+            raise ValueError(f"build_metadata: request {i} needs {start + n} slots, has {len(blocks)} blocks")
+        block_tables[i, : len(blocks)] = torch.tensor(blocks, dtype=torch.int64)
+        slots += [blocks[p // block_size] * block_size + p % block_size for p in range(start, start + n)]
+    qsl = torch.zeros(len(reqs) + 1, dtype=torch.int64)
+    qsl[1:] = torch.cumsum(torch.tensor(query_lens, dtype=torch.int64), 0)
+    return AttentionMetadata(
+        num_reqs=len(reqs),
+        num_decodes=num_decodes,
+        num_decode_tokens=num_decodes,
+        query_start_loc=qsl,
+        query_lens=query_lens,
+        seq_lens=torch.tensor(seq_lens, dtype=torch.int64),
+        seq_lens_list=seq_lens,
+        block_tables=block_tables,
+        slot_mapping=torch.tensor(slots, dtype=torch.int64),
+        block_size=block_size,
+        max_seq_len=max(seq_lens, default=0),
+    )
+
+
+def write_kv(kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    """Store ``k``/``v`` ``[T, Hkv, D]`` at flat slots ``slot_mapping`` ``[T]`` (-1 = skip)."""
+    block_size = kv_cache.shape[2]
+    valid = slot_mapping >= 0
+    if not bool(valid.all()):
+        slot_mapping, k, v = slot_mapping[valid], k[valid], v[valid]
+    blk = slot_mapping // block_size
+    off = slot_mapping % block_size
+    kv_cache[blk, 0, off] = k.to(kv_cache.dtype)
+    kv_cache[blk, 1, off] = v.to(kv_cache.dtype)
+
+
+def _gather(kv_cache: torch.Tensor, blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """K and V of ``blocks`` (int64 ``[..., n]``) as ``[..., n * block_size, Hkv, D]`` each."""
+    k = kv_cache[:, 0][blocks]  # [..., n, bs, H, D], contiguous
+    v = kv_cache[:, 1][blocks]
+    return k.flatten(-4, -3), v.flatten(-4, -3)
+
+
+def _manual_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    allowed: torch.Tensor,
+    scale: float,
+    soft_cap: Optional[float],
+) -> torch.Tensor:
+    """Grouped attention with float32 softmax.
+
+    Args:
+        q: ``[B, Hq, Lq, D]``; k, v: ``[B, Hkv, Lk, D]``; allowed: bool, broadcastable to
+            ``[B, 1, Lq, Lk]``.
+
+    Returns:
+        ``[B, Hq, Lq, D]`` in v's dtype. A row with no allowed key gives zeros.
+    """
+    b, hq, lq, d = q.shape
+    hkv = k.shape[1]
+    qg = q.reshape(b, hkv, (hq // hkv) * lq, d)
+    scores = torch.matmul(qg, k.transpose(-1, -2)).float().view(b, hkv, hq // hkv, lq, -1) * scale
+    if soft_cap is not None:
+        scores = torch.tanh(scores / soft_cap) * soft_cap
+    scores = scores.masked_fill(~allowed.unsqueeze(1), float("-inf"))
+    probs = torch.softmax(scores, dim=-1).nan_to_num_(0.0)
+    out = torch.matmul(probs.to(v.dtype).view(b, hkv, -1, probs.shape[-1]), v)
+    return out.view(b, hq, lq, d)
+
+
+class TorchPagedAttention(AttentionImpl):
+    """Paged attention on CPU (see ``AttentionImpl.forward`` for the contract)."""
+
+    def forward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        kv_cache: torch.Tensor,
+        meta: Optional[AttentionMetadata],
+        scale: float,
+        sliding_window: Optional[int],
+        logits_soft_cap: Optional[float],
+    ) -> torch.Tensor:
+        """Write K/V of all tokens, then attend decodes (batched) and prefill chunks (each).
+
+        With ``meta=None`` (a dummy/profiling run) the batch is treated as one causal
+        sequence and nothing is written to the cache.
+        """
+        if meta is None:
+            return self._prefill(q, k, v, 0, scale, sliding_window, logits_soft_cap)
+        # NOTE: all writes come first, so a request may read blocks another request of the
+        # same step wrote (e.g. a prefix-cache block shared within one step).
+        write_kv(kv_cache, k, v, meta.slot_mapping)
+        out = torch.empty_like(q)
+        nd = meta.num_decodes
+        if nd > 0:
+            out[:nd] = self._decode(q[:nd], kv_cache, meta, scale, sliding_window, logits_soft_cap)
+        bs = meta.block_size
+        same_dtype = kv_cache.dtype == k.dtype
+        for i in range(nd, meta.num_reqs):
+            qs, ql = int(meta.query_start_loc[i]), meta.query_lens[i]
+            seq_len = meta.seq_lens_list[i]
+            ctx = seq_len - ql
+            if ctx == 0 and same_dtype:
+                # NOTE: no earlier context: the new k/v are exactly what the cache holds.
+                kc, vc, first = k[qs : qs + ql], v[qs : qs + ql], 0
+            else:
+                first = 0 if sliding_window is None else max(0, ctx - sliding_window + 1)
+                first = (first // bs) * bs  # gather whole blocks from here
+                blocks = meta.block_tables[i, first // bs : math.ceil(seq_len / bs)]
+                kc, vc = _gather(kv_cache, blocks)
+                kc, vc = kc[: seq_len - first].to(q.dtype), vc[: seq_len - first].to(q.dtype)
+            out[qs : qs + ql] = self._prefill(
+                q[qs : qs + ql], kc, vc, ctx - first, scale, sliding_window, logits_soft_cap
+            )
+        return out
+
+    @staticmethod
+    def _decode(q, kv_cache, meta, scale, window, soft_cap) -> torch.Tensor:
+        """q ``[Bd, Hq, D]`` -> ``[Bd, Hq, D]``; context gathered padded to the longest."""
+        nd, bs = meta.num_decodes, meta.block_size
+        seq_lens = meta.seq_lens[:nd]
+        max_len = max(meta.seq_lens_list[:nd])
+        first_blk = 0
+        if window is not None:
+            # NOTE: keys older than every decode's window are never needed.
+            first_blk = max(0, min(meta.seq_lens_list[:nd]) - window) // bs
+        blocks = meta.block_tables[:nd, first_blk : math.ceil(max_len / bs)]
+        kc, vc = _gather(kv_cache, blocks)  # [Bd, L, Hkv, D]
+        kc = kc.to(q.dtype).transpose(1, 2)
+        vc = vc.to(q.dtype).transpose(1, 2)
+        kpos = torch.arange(first_blk * bs, first_blk * bs + kc.shape[2]).unsqueeze(0)  # [1, L]
+        qpos = (seq_lens - 1).unsqueeze(1)  # [Bd, 1]
+        allowed = kpos <= qpos
+        if window is not None:
+            allowed &= kpos > qpos - window
+        out = _manual_attention(q.unsqueeze(2), kc, vc, allowed[:, None, None, :], scale, soft_cap)
+        return out.squeeze(2)
+
+    @staticmethod
+    def _prefill(q, kc, vc, q_offset, scale, window, soft_cap) -> torch.Tensor:
+        """q ``[Lq, Hq, D]`` at positions ``q_offset + i``; kc/vc ``[Lk, Hkv, D]`` at ``0..Lk-1``."""
+        lq, lk = q.shape[0], kc.shape[0]
+        qt, kt, vt = q.transpose(0, 1).unsqueeze(0), kc.transpose(0, 1).unsqueeze(0), vc.transpose(0, 1).unsqueeze(0)
+        allowed = None
+        if window is not None or q_offset != 0 or soft_cap is not None:
+            qpos = torch.arange(q_offset, q_offset + lq).unsqueeze(1)
+            kpos = torch.arange(lk).unsqueeze(0)
+            allowed = kpos <= qpos
+            if window is not None:
+                allowed &= kpos > qpos - window
+        if soft_cap is not None:
+            out = _manual_attention(qt, kt, vt, allowed.unsqueeze(0), scale, soft_cap).to(q.dtype)
+        else:
+            out = F.scaled_dot_product_attention(
+                qt, kt, vt, attn_mask=allowed, is_causal=allowed is None, scale=scale,
+                enable_gqa=kt.shape[1] != qt.shape[1],
+            )
+        return out.squeeze(0).transpose(0, 1)

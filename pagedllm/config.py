@@ -1,0 +1,73 @@
+"""Engine configuration, with vLLM's argument names and defaults where they apply."""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+# Default KV cache budget on CPU (bytes). vLLM's CPU backend uses VLLM_CPU_KVCACHE_SPACE (GiB);
+# we take an explicit byte budget (--kv-cache-memory) and default to 2 GiB.
+DEFAULT_CPU_KV_CACHE_BYTES = 2 * 1024**3
+
+
+@dataclass
+class EngineArgs:
+    """Every engine setting (offline ``LLM(...)`` keywords and ``pagedllm serve`` flags).
+
+    Attributes:
+        model: path to a GGUF file or HF directory, or a known name (``SmolLM2-135M-Instruct``).
+        tokenizer: optional tokenizer path (defaults to the model's).
+        dtype: "auto" (bfloat16 on CPUs with native bf16 matmul, else float32), "float32",
+            "bfloat16", "float16".
+        max_model_len: max prompt + output tokens per request; None = the model's context length
+            capped by what the KV cache holds.
+        max_num_seqs: max requests per step.
+        max_num_batched_tokens: token budget per step (chunked prefill splits longer prompts).
+        block_size: tokens per KV cache block.
+        kv_cache_memory: KV cache budget in bytes (None = DEFAULT_CPU_KV_CACHE_BYTES on CPU).
+        seed: global seed for unseeded random sampling.
+        enable_prefix_caching: automatic prefix caching (on by default, as in vLLM v1).
+        prefix_caching_hash_algo: "sha256" or "xxhash".
+        num_threads: torch intra-op threads for the engine (None = measured default).
+        served_model_name: name(s) reported by the API (default: the model argument).
+        max_logprobs: cap on ``logprobs`` / ``prompt_logprobs`` per request.
+        generation_config: "auto" (model's generation config supplies default sampling
+            values), "vllm" (ignore it), or a directory holding generation_config.json.
+        chat_template: a Jinja template string or path to a file holding one.
+        device: "auto", "cpu" or "cuda".
+        runner: "generate" or "pooling"; convert: "embed" / "classify" (pooling runner).
+        pooler_config: dict or PoolerConfig for the pooling runner.
+        ignore_patterns: fnmatch patterns of checkpoint files not to load.
+        disable_log_stats: no periodic stats log line.
+        enforce_eager: no CUDA graphs.
+        gpu_memory_utilization: fraction of GPU memory for weights + activations + KV cache.
+    """
+
+    model: str = "SmolLM2-135M-Instruct"
+    tokenizer: Optional[str] = None
+    dtype: str = "auto"
+    max_model_len: Optional[int] = None
+    max_num_seqs: int = 128
+    max_num_batched_tokens: int = 2048
+    block_size: int = 16
+    kv_cache_memory: Optional[int] = None
+    seed: int = 0
+    enable_prefix_caching: bool = True
+    prefix_caching_hash_algo: str = "sha256"
+    num_threads: Optional[int] = None
+    served_model_name: Optional[list[str] | str] = None
+    max_logprobs: int = 20
+    generation_config: str = "auto"
+    chat_template: Optional[str] = None
+    device: str = "auto"
+    runner: str = "generate"
+    convert: Optional[str] = None
+    pooler_config: Optional[Any] = None
+    ignore_patterns: list[str] = field(default_factory=list)
+    disable_log_stats: bool = False
+    enforce_eager: bool = False
+    gpu_memory_utilization: float = 0.9
+
+    @classmethod
+    def field_names(cls) -> set[str]:
+        return {f.name for f in dataclasses.fields(cls)}

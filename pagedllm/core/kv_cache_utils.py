@@ -1,0 +1,98 @@
+"""Chained block hashes for the prefix cache (pure Python, no torch).
+
+A full block's hash is ``H(parent_hash, tuple(token_ids), extra_keys)``: it names the
+block's tokens *and* everything before them, so equal hashes mean equal prefixes.
+The first block's parent is a root hash derived from ``hash_seed`` or, by default,
+from ``os.urandom`` (so two servers never share hash values by accident).
+``extra_keys`` carries the request's ``cache_salt`` on the first block only (the
+chain carries it to every later block).
+
+Hashes are ``bytes``: 32 bytes for ``"sha256"``, 16 bytes for ``"xxhash"`` (xxh3_128).
+"""
+from __future__ import annotations
+
+import hashlib
+import os
+import pickle
+from typing import Any, Callable, Optional, Sequence
+
+BlockHash = bytes
+HashFn = Callable[[bytes], bytes]
+
+HASH_ALGOS = ("sha256", "xxhash")
+
+
+def _sha256(data: bytes) -> bytes:
+    return hashlib.sha256(data).digest()
+
+
+def get_hash_fn(algo: str) -> HashFn:
+    """Return ``bytes -> bytes`` for ``algo`` ("sha256" or "xxhash").
+
+    Raises:
+        ValueError: unknown algorithm.
+        ImportError: "xxhash" requested but the ``xxhash`` package is missing.
+    """
+    if algo == "sha256":
+        return _sha256
+    if algo == "xxhash":
+        import xxhash  # NOTE: optional dependency; only imported when selected.
+
+        return xxhash.xxh3_128_digest
+    raise ValueError(f"unknown prefix-cache hash algorithm {algo!r}; expected one of {HASH_ALGOS}")
+
+
+def make_root_hash(hash_fn: HashFn, seed: Optional[int | str | bytes] = None) -> BlockHash:
+    """Parent hash of every request's first block.
+
+    ``seed=None`` draws 32 random bytes (``os.urandom``): hashes are then only
+    comparable inside this process. Pass a seed to make them reproducible.
+    """
+    if seed is None:
+        return hash_fn(os.urandom(32))
+    if isinstance(seed, int):
+        seed = str(seed)
+    if isinstance(seed, str):
+        seed = seed.encode("utf-8")
+    return hash_fn(b"pagedllm-root:" + seed)
+
+
+def hash_block_tokens(
+    hash_fn: HashFn,
+    parent_block_hash: BlockHash,
+    token_ids: Sequence[int],
+    extra_keys: Optional[tuple[Any, ...]] = None,
+) -> BlockHash:
+    """Hash one full block chained on its parent.
+
+    NOTE: pickle of a tuple of bytes/ints/str is a stable serialization within one
+    Python version, which is all a per-process cache needs.
+    """
+    data = pickle.dumps((parent_block_hash, tuple(token_ids), extra_keys), protocol=5)
+    return hash_fn(data)
+
+
+def block_extra_keys(request: Any, block_index: int) -> Optional[tuple[Any, ...]]:
+    """Extra keys mixed into block ``block_index`` of ``request`` (cache_salt on block 0)."""
+    if block_index == 0 and getattr(request, "cache_salt", None):
+        return (request.cache_salt,)
+    return None
+
+
+def update_block_hashes(
+    request: Any, block_size: int, hash_fn: HashFn, root_hash: BlockHash
+) -> int:
+    """Extend ``request.block_hashes`` to cover every full block of ``request.all_token_ids``.
+
+    Each block's hash is computed once (the list only grows; tokens of a full block
+    never change). Returns the number of hashes added.
+    """
+    hashes = request.block_hashes
+    token_ids = request.all_token_ids
+    num_full = len(token_ids) // block_size
+    start = len(hashes)
+    for i in range(start, num_full):
+        parent = hashes[i - 1] if i > 0 else root_hash
+        toks = token_ids[i * block_size:(i + 1) * block_size]
+        hashes.append(hash_block_tokens(hash_fn, parent, toks, block_extra_keys(request, i)))
+    return max(0, num_full - start)

@@ -1,0 +1,123 @@
+"""The engine core's view of one request: token ids and progress counters.
+
+Pure Python (no torch). The scheduler's one equation: every request has
+``num_tokens`` (prompt + output tokens) and ``num_computed_tokens`` (tokens whose
+K/V are in the KV cache); each step lets the second catch up with the first.
+"""
+from __future__ import annotations
+
+import enum
+import time
+from typing import Any, Optional
+
+
+class RequestStatus(enum.IntEnum):
+    """Life cycle of a request inside the engine core."""
+
+    WAITING = 0
+    RUNNING = 1
+    PREEMPTED = 2
+    # Everything above PREEMPTED is finished.
+    FINISHED_STOPPED = 3
+    FINISHED_LENGTH = 4
+    FINISHED_ABORTED = 5
+
+    @staticmethod
+    def is_finished(status: "RequestStatus") -> bool:
+        return status > RequestStatus.PREEMPTED
+
+    @staticmethod
+    def finish_reason(status: "RequestStatus") -> Optional[str]:
+        """OpenAI ``finish_reason`` for a finished status ("stop", "length", "abort")."""
+        return {
+            RequestStatus.FINISHED_STOPPED: "stop",
+            RequestStatus.FINISHED_LENGTH: "length",
+            RequestStatus.FINISHED_ABORTED: "abort",
+        }.get(status)
+
+
+class Request:
+    """One sequence scheduled by the engine core.
+
+    Attributes:
+        request_id: unique id (str).
+        prompt_token_ids: prompt token ids (list[int], length >= 1).
+        sampling_params: a ``SamplingParams`` for generation, or None for pooling.
+        pooling_params: a ``PoolingParams`` for pooling requests, else None.
+        eos_token_id: the tokenizer's EOS id (int) or None.
+        output_token_ids: generated token ids so far.
+        num_computed_tokens: tokens (prompt + output) whose K/V are in the cache.
+        num_cached_tokens: prompt tokens found in the prefix cache at first admission
+            (-1 until the request is first scheduled).
+        cache_salt: optional string mixed into the first block hash (prefix-cache isolation).
+        block_hashes: chained hashes of the request's full blocks (filled by the KV cache manager).
+        stop_reason: the token id that stopped the request (int), or None.
+        arrival_time: ``time.time()`` seconds when the request reached the core.
+        priority: lower value is served first (FCFS within the same value).
+    """
+
+    def __init__(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        sampling_params: Any = None,
+        pooling_params: Any = None,
+        eos_token_id: Optional[int] = None,
+        arrival_time: Optional[float] = None,
+        cache_salt: Optional[str] = None,
+        priority: int = 0,
+    ) -> None:
+        self.request_id = request_id
+        self.prompt_token_ids = list(prompt_token_ids)
+        self.sampling_params = sampling_params
+        self.pooling_params = pooling_params
+        self.eos_token_id = eos_token_id
+        self.arrival_time = time.time() if arrival_time is None else arrival_time
+        self.cache_salt = cache_salt
+        self.priority = priority
+        self.status = RequestStatus.WAITING
+        self.output_token_ids: list[int] = []
+        self.all_token_ids: list[int] = list(self.prompt_token_ids)
+        self.num_computed_tokens = 0
+        self.num_cached_tokens = -1
+        self.num_preemptions = 0
+        self.block_hashes: list[Any] = []
+        self.stop_reason: Optional[int | str] = None
+        self.first_scheduled_time: Optional[float] = None
+        if sampling_params is not None:
+            self.max_tokens = sampling_params.max_tokens
+        else:
+            self.max_tokens = 0
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        """Prompt + output tokens (the target ``num_computed_tokens`` chases)."""
+        return len(self.all_token_ids)
+
+    @property
+    def is_pooling(self) -> bool:
+        return self.pooling_params is not None
+
+    def append_output_token_ids(self, token_ids: int | list[int]) -> None:
+        if isinstance(token_ids, int):
+            token_ids = [token_ids]
+        self.output_token_ids.extend(token_ids)
+        self.all_token_ids.extend(token_ids)
+
+    def is_finished(self) -> bool:
+        return RequestStatus.is_finished(self.status)
+
+    def get_finished_reason(self) -> Optional[str]:
+        return RequestStatus.finish_reason(self.status)
+
+    def __repr__(self) -> str:
+        return (f"Request({self.request_id!r}, status={self.status.name}, "
+                f"num_tokens={self.num_tokens}, computed={self.num_computed_tokens})")

@@ -1,0 +1,103 @@
+"""What the scheduler hands the model runner each step (pure Python, no torch)."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+
+@dataclass
+class ScheduledRequest:
+    """One request's work in this step.
+
+    Attributes:
+        req_id: request id.
+        token_ids: the request's whole token list (prompt + output), by reference
+            (no copy); the runner computes ``token_ids[start_pos : start_pos + num_tokens]``.
+        start_pos: ``num_computed_tokens`` before this step (position of the first new token).
+        num_tokens: tokens to compute this step (>= 1); 1 for a decode.
+        block_ids: the request's whole block table (list[int]) after this step's allocation.
+        is_last_chunk: True when ``start_pos + num_tokens == len(token_ids)``, i.e. this step
+            produces the next token (generation) or finishes the prompt (pooling).
+        sampling_params: the request's SamplingParams, or None for pooling.
+        pooling_params: the request's PoolingParams, or None for generation.
+        prompt_len: number of prompt tokens (so ``token_ids[:prompt_len]`` is the prompt).
+        is_new: True the first step after (re)admission: the runner drops any old state.
+    """
+
+    req_id: str
+    token_ids: list[int]
+    start_pos: int
+    num_tokens: int
+    block_ids: list[int]
+    is_last_chunk: bool
+    sampling_params: Any = None
+    pooling_params: Any = None
+    prompt_len: int = 0
+    is_new: bool = False
+
+
+@dataclass
+class SchedulerOutput:
+    """The step's batch.
+
+    Attributes:
+        scheduled: requests in batch order (the runner may reorder decodes first).
+        total_num_scheduled_tokens: sum of ``num_tokens`` over ``scheduled`` (<= token budget).
+        finished_req_ids: ids finished or aborted since the last step (runner frees their state).
+        preempted_req_ids: ids preempted in this step (their blocks were freed).
+    """
+
+    scheduled: list[ScheduledRequest] = field(default_factory=list)
+    total_num_scheduled_tokens: int = 0
+    finished_req_ids: set[str] = field(default_factory=set)
+    preempted_req_ids: set[str] = field(default_factory=set)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.scheduled
+
+
+@dataclass
+class ModelRunnerOutput:
+    """What the runner returns for a step.
+
+    Attributes:
+        sampled_token_ids: req_id -> list of new token ids (empty list or absent for a
+            request whose chunk did not reach the end of its tokens).
+        logprobs: req_id -> per new token, a tuple ``(token_ids: list[int], logprobs:
+            list[float], sampled_rank: int)``; the sampled token first, then the top-k.
+        prompt_logprobs: req_id -> list (one per prompt position computed this step) of the
+            same tuple shape, or None entries.
+        pooler_output: req_id -> pooled tensor (float32, on CPU) for finished pooling requests.
+    """
+
+    sampled_token_ids: dict[str, list[int]] = field(default_factory=dict)
+    logprobs: dict[str, list[Any]] = field(default_factory=dict)
+    prompt_logprobs: dict[str, list[Any]] = field(default_factory=dict)
+    pooler_output: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class EngineCoreOutput:
+    """One request's news after a step (consumed by the output processor).
+
+    Attributes:
+        req_id: request id.
+        new_token_ids: tokens appended this step.
+        new_logprobs: per new token the runner's logprobs tuple, or None.
+        new_prompt_logprobs: prompt logprobs produced this step, or None.
+        finish_reason: "stop", "length", "abort" or None while running.
+        stop_reason: stopping token id (int) or None (stop strings are the output
+            processor's business).
+        pooled: pooled tensor for a finished pooling request.
+        num_cached_tokens: prompt tokens served from the prefix cache.
+    """
+
+    req_id: str
+    new_token_ids: list[int]
+    new_logprobs: Optional[list[Any]] = None
+    new_prompt_logprobs: Optional[list[Any]] = None
+    finish_reason: Optional[str] = None
+    stop_reason: Optional[int | str] = None
+    pooled: Any = None
+    num_cached_tokens: int = 0

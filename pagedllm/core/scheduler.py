@@ -1,0 +1,340 @@
+"""The step scheduler: one equation, one token budget (pure Python, no torch).
+
+Every request has ``num_tokens`` (prompt + output) and ``num_computed_tokens``; each
+``schedule()`` spends up to ``max_num_batched_tokens`` tokens (and at most
+``max_num_seqs`` running requests) letting the second catch up with the first:
+running requests first (in admission order), then waiting ones (FCFS). A decode is
+the one-token case, a chunked prefill a request that still needs many. When a
+running request cannot get blocks, the newest running request is preempted (blocks
+freed, recomputed later from scratch — prompt and output so far).
+
+``num_computed_tokens`` is advanced at the end of ``schedule()`` (as vLLM v1 does):
+the scheduled tokens count as computed as soon as they are handed to the runner.
+"""
+from __future__ import annotations
+
+import os
+import time
+from collections import deque
+from typing import Any, Iterable, Optional
+
+from pagedllm.core.kv_cache_manager import KVCacheManager
+from pagedllm.core.request import Request, RequestStatus
+from pagedllm.core.sched_output import (EngineCoreOutput, ModelRunnerOutput, ScheduledRequest,
+                                        SchedulerOutput)
+
+
+class Scheduler:
+    """Decides, each step, which requests compute how many tokens.
+
+    Args:
+        max_num_seqs: most requests in the running set.
+        max_num_batched_tokens: token budget per step.
+        max_model_len: most tokens (prompt + output) per request.
+        kv_cache_manager: the block tables.
+        long_prefill_token_threshold: if > 0, a request computes at most this many
+            tokens per step (keeps long prefills from starving decodes).
+        debug: assert invariants at the end of every ``schedule()``; None reads the
+            environment variable ``PAGEDLLM_DEBUG=1``.
+    """
+
+    def __init__(
+        self,
+        max_num_seqs: int,
+        max_num_batched_tokens: int,
+        max_model_len: int,
+        kv_cache_manager: KVCacheManager,
+        long_prefill_token_threshold: int = 0,
+        debug: Optional[bool] = None,
+    ) -> None:
+        if max_num_seqs < 1 or max_num_batched_tokens < 1:
+            raise ValueError("max_num_seqs and max_num_batched_tokens must be >= 1")
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.max_model_len = max_model_len
+        self.kv_cache_manager = kv_cache_manager
+        self.long_prefill_token_threshold = long_prefill_token_threshold
+        self.debug = os.environ.get("PAGEDLLM_DEBUG", "0") == "1" if debug is None else debug
+        self.requests: dict[str, Request] = {}
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        # Finished/aborted since the last schedule(): the runner drops their state.
+        self.finished_req_ids: set[str] = set()
+        self.num_preemptions_total = 0
+
+    # ---- bookkeeping ---------------------------------------------------------------
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    @property
+    def prefix_cache_queries(self) -> int:
+        """Prompt tokens looked up in the prefix cache (first admissions only)."""
+        return self.kv_cache_manager.prefix_cache_stats.queries
+
+    @property
+    def prefix_cache_hits(self) -> int:
+        """Of those, tokens served from the cache."""
+        return self.kv_cache_manager.prefix_cache_stats.hits
+
+    @property
+    def kv_cache_usage(self) -> float:
+        return self.kv_cache_manager.usage
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.running or self.waiting)
+
+    def has_finished_requests(self) -> bool:
+        """True when finished ids still have to reach the runner through a schedule()."""
+        return bool(self.finished_req_ids)
+
+    def get_num_unfinished_requests(self) -> int:
+        return len(self.running) + len(self.waiting)
+
+    def reset_prefix_cache(self) -> bool:
+        return self.kv_cache_manager.reset_prefix_cache()
+
+    def add_request(self, request: Request) -> None:
+        """Queue a new request (status WAITING). Raises ValueError on a duplicate id."""
+        if request.request_id in self.requests:
+            raise ValueError(f"duplicate request id {request.request_id!r}")
+        request.status = RequestStatus.WAITING
+        self.requests[request.request_id] = request
+        self.waiting.append(request)
+
+    def finish_requests(self, request_ids: str | Iterable[str], finished_status: RequestStatus) -> None:
+        """Finish requests from outside the step (abort, stop string). Frees their blocks.
+
+        Unknown or already finished ids are ignored. The ids reach the runner in the
+        next ``SchedulerOutput.finished_req_ids``; if the request is in flight (scheduled
+        but not yet updated), ``update_from_output`` skips it.
+        """
+        assert RequestStatus.is_finished(finished_status), finished_status
+        if isinstance(request_ids, str):
+            request_ids = (request_ids,)
+        ids = set()
+        for req_id in request_ids:
+            req = self.requests.get(req_id)
+            if req is None or req.is_finished():
+                continue
+            ids.add(req_id)
+            if req.status == RequestStatus.RUNNING:
+                self.running.remove(req)
+            else:
+                self.waiting.remove(req)
+            req.status = finished_status
+            self._free_request(req)
+
+    def _free_request(self, request: Request) -> None:
+        self.kv_cache_manager.free(request)
+        self.finished_req_ids.add(request.request_id)
+        del self.requests[request.request_id]
+
+    def _preempt(self, request: Request) -> None:
+        self.kv_cache_manager.free(request)
+        request.status = RequestStatus.PREEMPTED
+        request.num_computed_tokens = 0
+        request.num_preemptions += 1
+        self.num_preemptions_total += 1
+        self.waiting.appendleft(request)
+
+    def _cap(self, num_new: int) -> int:
+        t = self.long_prefill_token_threshold
+        return t if 0 < t < num_new else num_new
+
+    # ---- schedule ------------------------------------------------------------------
+
+    def schedule(self) -> SchedulerOutput:
+        """Build this step's batch (see module docstring). Mutates request counters."""
+        mgr = self.kv_cache_manager
+        budget = self.max_num_batched_tokens
+        num_scheduled: dict[str, int] = {}
+        order: list[Request] = []
+        is_new: set[str] = set()
+        preempted: set[str] = set()
+
+        # 1. Running requests, oldest first; preempt the newest when out of blocks.
+        i = 0
+        while i < len(self.running) and budget > 0:
+            req = self.running[i]
+            num_new = min(self._cap(req.num_tokens - req.num_computed_tokens), budget,
+                          self.max_model_len - req.num_computed_tokens)
+            if num_new <= 0:
+                i += 1
+                continue
+            while True:
+                if mgr.allocate_slots(req, num_new) is not None:
+                    scheduled = True
+                    break
+                victim = self.running.pop()
+                self._preempt(victim)
+                preempted.add(victim.request_id)
+                if victim is req:
+                    scheduled = False
+                    break
+            if not scheduled:
+                break
+            num_scheduled[req.request_id] = num_new
+            order.append(req)
+            budget -= num_new
+            i += 1
+
+        # 2. Waiting requests, FCFS (not in a step that had to preempt: no thrashing).
+        if not preempted:
+            while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+                req = self.waiting[0]
+                hit_blocks, num_hit = mgr.get_computed_blocks(req)
+                req.num_computed_tokens = 0
+                num_new = min(self._cap(req.num_tokens - num_hit), budget)
+                if mgr.allocate_slots(req, num_new, hit_blocks) is None:
+                    break
+                self.waiting.popleft()
+                if req.num_cached_tokens < 0:
+                    req.num_cached_tokens = num_hit
+                if req.first_scheduled_time is None:
+                    req.first_scheduled_time = time.time()
+                req.num_computed_tokens = num_hit
+                req.status = RequestStatus.RUNNING
+                self.running.append(req)
+                num_scheduled[req.request_id] = num_new
+                order.append(req)
+                is_new.add(req.request_id)
+                budget -= num_new
+
+        # 3. Emit and advance num_computed_tokens.
+        out = SchedulerOutput(
+            finished_req_ids=self.finished_req_ids,
+            preempted_req_ids=preempted,
+        )
+        self.finished_req_ids = set()
+        for req in order:
+            n = num_scheduled[req.request_id]
+            start = req.num_computed_tokens
+            out.scheduled.append(ScheduledRequest(
+                req_id=req.request_id,
+                token_ids=req.all_token_ids,
+                start_pos=start,
+                num_tokens=n,
+                block_ids=mgr.get_block_ids(req.request_id),
+                is_last_chunk=start + n == req.num_tokens,
+                sampling_params=req.sampling_params,
+                pooling_params=req.pooling_params,
+                prompt_len=req.num_prompt_tokens,
+                is_new=req.request_id in is_new,
+            ))
+            req.num_computed_tokens = start + n
+            out.total_num_scheduled_tokens += n
+        if self.debug:
+            self.check_invariants(out)
+        return out
+
+    def check_invariants(self, out: Optional[SchedulerOutput] = None) -> None:
+        """Assert block, budget and counter invariants (debug builds and tests)."""
+        mgr = self.kv_cache_manager
+        mgr.check_invariants()
+        assert len(self.running) <= self.max_num_seqs, (len(self.running), self.max_num_seqs)
+        assert set(mgr.req_to_blocks) == {r.request_id for r in self.running}, "block tables != running"
+        for req in self.running:
+            assert req.status == RequestStatus.RUNNING, req
+            assert 0 <= req.num_computed_tokens <= req.num_tokens, req
+            assert len(mgr.req_to_blocks[req.request_id]) * mgr.block_size >= req.num_computed_tokens, req
+        for req in self.waiting:
+            assert req.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED), req
+            assert req.num_computed_tokens == 0, req
+        assert len(self.requests) == len(self.running) + len(self.waiting)
+        if out is not None:
+            assert out.total_num_scheduled_tokens == sum(s.num_tokens for s in out.scheduled)
+            assert out.total_num_scheduled_tokens <= self.max_num_batched_tokens
+            assert all(s.num_tokens >= 1 for s in out.scheduled)
+            assert len({s.req_id for s in out.scheduled}) == len(out.scheduled)
+
+    # ---- update --------------------------------------------------------------------
+
+    def update_from_output(
+        self, scheduler_output: SchedulerOutput, runner_output: ModelRunnerOutput
+    ) -> list[EngineCoreOutput]:
+        """Append sampled tokens, apply stop conditions, free finished requests.
+
+        Returns one ``EngineCoreOutput`` per request that got new tokens, new prompt
+        logprobs, or finished. Requests finished via ``finish_requests`` while in
+        flight are skipped.
+        """
+        outputs: list[EngineCoreOutput] = []
+        any_finished = False
+        for sr in scheduler_output.scheduled:
+            req = self.requests.get(sr.req_id)
+            if req is None or req.status != RequestStatus.RUNNING:
+                continue  # aborted (or otherwise gone) while in flight
+            prompt_lps = runner_output.prompt_logprobs.get(sr.req_id)
+            if req.is_pooling:
+                if sr.is_last_chunk:
+                    # NOTE: finish even if the runner gave no pooled output, or the request
+                    # would sit in `running` with nothing left to compute, forever.
+                    req.status = RequestStatus.FINISHED_STOPPED
+                    any_finished = True
+                    outputs.append(EngineCoreOutput(
+                        req_id=req.request_id, new_token_ids=[], finish_reason="stop",
+                        pooled=runner_output.pooler_output.get(sr.req_id),
+                        num_cached_tokens=max(req.num_cached_tokens, 0)))
+                continue
+            new_ids = runner_output.sampled_token_ids.get(sr.req_id) or []
+            appended: list[int] = []
+            for tok in new_ids:
+                req.append_output_token_ids(tok)
+                appended.append(tok)
+                if self._check_stop(req):
+                    break
+            if not appended and not prompt_lps:
+                continue
+            lps = runner_output.logprobs.get(sr.req_id)
+            if lps is not None:
+                lps = lps[:len(appended)]
+            finished = req.is_finished()
+            any_finished |= finished
+            outputs.append(EngineCoreOutput(
+                req_id=req.request_id,
+                new_token_ids=appended,
+                new_logprobs=lps,
+                new_prompt_logprobs=prompt_lps,
+                finish_reason=req.get_finished_reason(),
+                stop_reason=req.stop_reason,
+                num_cached_tokens=max(req.num_cached_tokens, 0),
+            ))
+        if any_finished:
+            still = []
+            for req in self.running:
+                if req.is_finished():
+                    self._free_request(req)
+                else:
+                    still.append(req)
+            self.running = still
+        return outputs
+
+    def _check_stop(self, req: Request) -> bool:
+        """Stop checks after appending one token, in order: stop_token_ids, EOS (both
+        gated by min_tokens), max_tokens, max_model_len. Sets status/stop_reason."""
+        sp = req.sampling_params
+        last = req.output_token_ids[-1]
+        if req.num_output_tokens >= (getattr(sp, "min_tokens", 0) or 0):
+            stop_ids = getattr(sp, "stop_token_ids", None)
+            if stop_ids and last in stop_ids:
+                req.status = RequestStatus.FINISHED_STOPPED
+                req.stop_reason = last
+                return True
+            if (req.eos_token_id is not None and last == req.eos_token_id
+                    and not getattr(sp, "ignore_eos", False)):
+                req.status = RequestStatus.FINISHED_STOPPED
+                return True
+        max_tokens = req.max_tokens
+        if max_tokens is not None and req.num_output_tokens >= max_tokens:
+            req.status = RequestStatus.FINISHED_LENGTH
+            return True
+        if req.num_tokens >= self.max_model_len:
+            req.status = RequestStatus.FINISHED_LENGTH
+            return True
+        return False

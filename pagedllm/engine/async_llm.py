@@ -1,0 +1,219 @@
+"""asyncio front end for the server: the engine loop runs in its own thread.
+
+Each request gets an ``asyncio.Queue``; the engine thread pushes RequestOutputs into it with
+``loop.call_soon_threadsafe`` so the HTTP side never blocks the loop and vice versa. Adds and
+aborts cross into the engine thread through a command queue drained before every step.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+import time
+from typing import Any, AsyncIterator, Optional
+
+from pagedllm.config import EngineArgs
+from pagedllm.outputs import RequestOutput
+
+logger = logging.getLogger("pagedllm")
+
+
+class _LoopQueue:
+    """Adapter the output processor writes to from the engine thread."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, q: asyncio.Queue) -> None:
+        self._loop = loop
+        self._q = q
+
+    def put_nowait(self, item: Any) -> None:
+        try:
+            self._loop.call_soon_threadsafe(self._q.put_nowait, item)
+        except RuntimeError:  # event loop closed during shutdown
+            pass
+
+
+class EngineDeadError(RuntimeError):
+    """The engine loop stopped after an internal error."""
+
+
+class AsyncLLM:
+    """Async engine used by the OpenAI server (see ``generate``).
+
+    Attributes:
+        tokenizer: the model's tokenizer.
+        max_model_len: max prompt + output tokens.
+        vocab_size: model vocabulary size.
+        model_name: the model argument.
+        runner: "generate" or "pooling".
+        default_sampling_params: dict of defaults from the model's generation config.
+        kv_capacity_tokens: tokens the KV cache holds.
+        stat_loggers: objects with ``record(scheduler_stats, iteration_stats)``, called after
+            every engine step from the engine thread.
+    """
+
+    def __init__(self, args: EngineArgs) -> None:
+        from pagedllm.engine.llm_engine import LLMEngine
+
+        self.args = args
+        self.engine = LLMEngine(args)
+        self.tokenizer = self.engine.tokenizer
+        self.max_model_len = self.engine.max_model_len
+        self.vocab_size = self.engine.vocab_size
+        self.model_name = args.model
+        self.runner = args.runner
+        self.default_sampling_params = dict(self.engine.default_sampling_params)
+        self.kv_capacity_tokens = self.engine.core.kv_capacity_tokens
+        self.stat_loggers: list[Any] = []
+        self._cmds: "queue.SimpleQueue[tuple]" = queue.SimpleQueue()
+        self._wake = threading.Event()
+        self._stop = threading.Event()
+        self._thread: Optional[threading.Thread] = None
+        self._loop: Optional[asyncio.AbstractEventLoop] = None
+        self._queues: dict[str, _LoopQueue] = {}
+        self._dead: Optional[BaseException] = None
+        self._stats_lock = threading.Lock()
+        self._last_stats: dict = self.engine.core.get_scheduler_stats()
+
+    @classmethod
+    def from_engine_args(cls, args: EngineArgs) -> "AsyncLLM":
+        return cls(args)
+
+    # ------------------------------------------------------------------ loop
+    def _ensure_started(self) -> None:
+        if self._thread is None:
+            self._loop = asyncio.get_running_loop()
+            self._thread = threading.Thread(target=self._run, name="pagedllm-engine", daemon=True)
+            self._thread.start()
+
+    def _submit(self, cmd: tuple) -> None:
+        self._cmds.put(cmd)
+        self._wake.set()
+
+    def _drain(self) -> None:
+        eng = self.engine
+        while True:
+            try:
+                cmd = self._cmds.get_nowait()
+            except queue.Empty:
+                return
+            kind = cmd[0]
+            if kind == "add":
+                _, rid, pp, params, q = cmd
+                self._queues[rid] = q
+                eng.add_processed_request(rid, pp, params, queue=q)
+            elif kind == "abort":
+                ids = [r for r in cmd[1] if r in self._queues]
+                for r in ids:
+                    self._queues.pop(r, None)
+                if ids:
+                    eng.abort_request(ids)
+            elif kind == "reset_prefix_cache":
+                fut, loop = cmd[1], cmd[2]
+                ok = eng.core.reset_prefix_cache()
+                loop.call_soon_threadsafe(lambda f=fut, v=ok: f.done() or f.set_result(v))
+
+    def _run(self) -> None:
+        eng = self.engine
+        while not self._stop.is_set():
+            try:
+                self._drain()
+                if not eng.has_unfinished_requests():
+                    self._wake.wait(0.5)
+                    self._wake.clear()
+                    continue
+                t0 = time.time()
+                outputs = eng.step()
+                for o in outputs:
+                    if o.finished:
+                        self._queues.pop(o.request_id, None)
+                stats = eng.core.get_scheduler_stats()
+                with self._stats_lock:
+                    self._last_stats = stats
+                for lg in self.stat_loggers:
+                    try:
+                        lg.record(stats, eng.pop_iteration_stats() if hasattr(eng, "pop_iteration_stats") else None)
+                    except Exception:  # a metrics bug must not stop the engine
+                        logger.exception("stat logger failed")
+                del t0
+            except Exception as e:  # engine bug: fail in-flight requests, keep serving new ones
+                logger.exception("engine step failed; aborting in-flight requests")
+                ids = list(self._queues)
+                for rid in ids:
+                    self._queues[rid].put_nowait(e)
+                self._queues.clear()
+                try:
+                    eng.abort_request(ids)
+                except Exception:
+                    logger.exception("abort after failure failed")
+                    self._dead = e
+                    return
+
+    # ------------------------------------------------------------------ API
+    async def generate(self, prompt: Any, sampling_params: Any, request_id: str,
+                       add_special_tokens: bool = True) -> AsyncIterator[RequestOutput]:
+        """Stream a request's RequestOutputs (per ``sampling_params.output_kind``).
+
+        Args:
+            prompt: text, or ``{"prompt_token_ids": [...]}`` (+ optional "prompt", "cache_salt").
+            sampling_params: SamplingParams.
+            request_id: unique id.
+            add_special_tokens: tokenizer flag for text prompts (False for chat-templated text).
+
+        Raises:
+            ValueError: invalid input (before anything is yielded): empty prompt, ids out of
+                vocabulary, prompt + max_tokens over max_model_len, bad parameters, duplicate id.
+            EngineDeadError: the engine loop has died.
+        """
+        if self._dead is not None:
+            raise EngineDeadError(f"engine loop is dead: {self._dead!r}")
+        self._ensure_started()
+        if request_id in self._queues:
+            raise ValueError(f"request_id: {request_id!r} is already in use")
+        pp, params = self.engine.validate(prompt, sampling_params, strict_length=True,
+                                          add_special_tokens=add_special_tokens)
+        q: asyncio.Queue = asyncio.Queue()
+        self._submit(("add", request_id, pp, params, _LoopQueue(self._loop, q)))
+        finished = False
+        try:
+            while True:
+                item = await q.get()
+                if isinstance(item, BaseException):
+                    raise item
+                finished = item.finished
+                yield item
+                if finished:
+                    return
+        finally:
+            if not finished:
+                self._submit(("abort", [request_id]))
+
+    async def abort(self, request_id: str) -> None:
+        """Abort a request and free its KV blocks (no-op when unknown or finished)."""
+        self._submit(("abort", [request_id]))
+
+    async def reset_prefix_cache(self) -> bool:
+        """Reset the prefix cache from the engine thread; True on success."""
+        self._ensure_started()
+        fut = self._loop.create_future()
+        self._submit(("reset_prefix_cache", fut, self._loop))
+        return await fut
+
+    def get_scheduler_stats(self) -> dict:
+        with self._stats_lock:
+            return dict(self._last_stats)
+
+    async def check_health(self) -> None:
+        if self._dead is not None or (self._thread is not None and not self._thread.is_alive()
+                                      and not self._stop.is_set()):
+            raise EngineDeadError(f"engine loop is dead: {self._dead!r}")
+
+    def shutdown(self) -> None:
+        """Abort every request and stop the engine thread."""
+        ids = list(self._queues)
+        if ids:
+            self._submit(("abort", ids))
+        self._stop.set()
+        self._wake.set()
+        if self._thread is not None and self._thread is not threading.current_thread():
+            self._thread.join(timeout=10)

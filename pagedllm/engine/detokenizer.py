@@ -1,0 +1,172 @@
+"""Incremental (streaming) detokenization and stop-string matching.
+
+The detokenizer uses the prefix/read-offset algorithm of HF TGI and vLLM: it keeps two
+offsets into the token list, ``prefix_offset`` (start of a small context window) and
+``read_offset`` (end of the tokens whose text was already emitted). Each step it decodes
+``tokens[prefix_offset:]`` and ``tokens[prefix_offset:read_offset]``; the difference is
+the new text, emitted only when it does not end with U+FFFD (a UTF-8 character split
+across byte-level BPE tokens is held back until its last byte arrives). Because the
+window always starts on a character boundary reached earlier, the concatenation of the
+deltas equals ``tokenizer.decode(all_ids)`` for byte-level tokenizers.
+"""
+from __future__ import annotations
+
+from typing import Any, Optional, Sequence
+
+# Prompt tokens kept as left context so the first output tokens decode as they would
+# inside the full sequence (vLLM: INITIAL_INCREMENTAL_DETOKENIZATION_OFFSET).
+_INITIAL_CONTEXT = 5
+_REPLACEMENT = "\ufffd"
+
+
+class IncrementalDetokenizer:
+    """Turns a stream of output token ids into a stream of text deltas.
+
+    Attributes:
+        token_ids: the output token ids added so far (prompt context excluded).
+        output_text: all text emitted so far (concatenation of ``add_tokens`` results).
+    """
+
+    def __init__(
+        self,
+        tokenizer: Any,
+        prompt_token_ids: Optional[Sequence[int]] = None,
+        skip_special_tokens: bool = True,
+        spaces_between_special_tokens: bool = True,
+    ) -> None:
+        self.tokenizer = tokenizer
+        self.skip_special_tokens = skip_special_tokens
+        self.spaces_between_special_tokens = spaces_between_special_tokens
+        # Fast tokenizers: call the Rust tokenizer directly (no Python-side post-processing;
+        # same result as ``tokenizer.decode`` with clean_up_tokenization_spaces=False).
+        self._backend = getattr(tokenizer, "backend_tokenizer", None)
+        ctx = list(prompt_token_ids[-_INITIAL_CONTEXT:]) if prompt_token_ids else []
+        self._num_ctx = len(ctx)
+        self._ids: list[int] = ctx  # context + output ids
+        self.prefix_offset = 0
+        self.read_offset = len(ctx)
+        self.output_text = ""
+        self._token_text_cache: dict[int, str] = {}
+
+    # ------------------------------------------------------------------ decoding
+    def _decode(self, ids: list[int]) -> str:
+        if not ids:
+            return ""
+        if self._backend is not None:
+            return self._backend.decode(ids, skip_special_tokens=self.skip_special_tokens)
+        return self.tokenizer.decode(
+            ids,
+            skip_special_tokens=self.skip_special_tokens,
+            spaces_between_special_tokens=self.spaces_between_special_tokens,
+            clean_up_tokenization_spaces=False,
+        )
+
+    @property
+    def token_ids(self) -> list[int]:
+        return self._ids[self._num_ctx:]
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self._ids) - self._num_ctx
+
+    def _step(self, force: bool) -> str:
+        if self.read_offset >= len(self._ids) and not force:
+            return ""
+        prefix_text = self._decode(self._ids[self.prefix_offset:self.read_offset])
+        new_text = self._decode(self._ids[self.prefix_offset:])
+        if len(new_text) > len(prefix_text) and (force or not new_text.endswith(_REPLACEMENT)):
+            delta = new_text[len(prefix_text):]
+            self.prefix_offset = self.read_offset
+            self.read_offset = len(self._ids)
+            self.output_text += delta
+            return delta
+        if force:
+            self.prefix_offset = self.read_offset
+            self.read_offset = len(self._ids)
+        return ""
+
+    def add_tokens(self, new_token_ids: Sequence[int]) -> str:
+        """Append ``new_token_ids``; return the newly decodable text ("" if none yet).
+
+        Text ending in an incomplete UTF-8 character is held back until it completes.
+        """
+        if not new_token_ids:
+            return ""
+        self._ids.extend(int(t) for t in new_token_ids)
+        return self._step(force=False)
+
+    def flush(self) -> str:
+        """Emit whatever is still held back (e.g. a dangling partial character, which then
+        decodes to U+FFFD exactly as ``tokenizer.decode`` would). Call at the end."""
+        return self._step(force=True)
+
+    def get_token_text(self, token_id: int) -> str:
+        """Text of a single token (for ``Logprob.decoded_token``), as vLLM computes it:
+        ``convert_tokens_to_string([convert_ids_to_tokens(id)])``; may be a partial
+        character (U+FFFD) for byte-level pieces."""
+        token_id = int(token_id)
+        text = self._token_text_cache.get(token_id)
+        if text is None:
+            text = decode_token_text(self.tokenizer, token_id)
+            self._token_text_cache[token_id] = text
+        return text
+
+
+def decode_token_text(tokenizer: Any, token_id: int) -> str:
+    """Single-token text via ``convert_ids_to_tokens`` + ``convert_tokens_to_string``."""
+    tok = tokenizer.convert_ids_to_tokens(int(token_id))
+    if tok is None:
+        return ""
+    try:
+        return tokenizer.convert_tokens_to_string([tok])
+    except Exception:  # pragma: no cover - tokenizer without the method
+        return tokenizer.decode([int(token_id)])
+
+
+# ---------------------------------------------------------------------- stop strings
+def normalize_stop(stop: Any) -> list[str]:
+    """``SamplingParams.stop`` (None, str or list) -> list of non-empty strings."""
+    if not stop:
+        return []
+    if isinstance(stop, str):
+        return [stop]
+    return [s for s in stop if s]
+
+
+def find_stop_string(
+    text: str, prev_len: int, stop: Sequence[str]
+) -> Optional[tuple[str, int]]:
+    """Find the earliest stop string in ``text`` that ends after ``prev_len``.
+
+    ``text[:prev_len]`` was already checked (contains no complete stop string), so only
+    matches ending in the new part are possible. "Earliest" means the one that completes
+    first (smallest end position; ties: the longer one), which is the stop the generation
+    would hit when streaming one character at a time, independent of tokenization.
+
+    Returns ``(stop_str, start_index)`` or None.
+    """
+    best: Optional[tuple[int, int, str]] = None  # (end, start, s)
+    for s in stop:
+        start = text.find(s, max(0, prev_len - len(s) + 1))
+        if start < 0:
+            continue
+        end = start + len(s)
+        if best is None or end < best[0] or (end == best[0] and start < best[1]):
+            best = (end, start, s)
+    if best is None:
+        return None
+    return best[2], best[1]
+
+
+def stop_holdback(text: str, stop: Sequence[str]) -> int:
+    """Number of trailing chars of ``text`` that could still start a stop string: the
+    longest suffix of ``text`` that is a proper prefix of some stop string. Bounded by
+    ``len(longest stop) - 1``; never makes the releasable length shrink as text grows."""
+    hold = 0
+    n = len(text)
+    for s in stop:
+        for k in range(min(len(s) - 1, n), hold, -1):
+            if text.endswith(s[:k]):
+                hold = k
+                break
+    return hold

@@ -1,0 +1,166 @@
+"""The engine core: load the model, size the KV cache, and run the step loop.
+
+``step()`` = ``scheduler.schedule()`` -> ``runner.execute()`` -> ``scheduler.update_from_output()``.
+"""
+from __future__ import annotations
+
+import logging
+import time
+from typing import Optional
+
+import torch
+
+from pagedllm.config import DEFAULT_CPU_KV_CACHE_BYTES, EngineArgs
+from pagedllm.core.request import Request, RequestStatus
+from pagedllm.core.sched_output import EngineCoreOutput
+from pagedllm.platforms import default_num_threads, resolve_device, resolve_dtype
+
+logger = logging.getLogger("pagedllm")
+
+
+def _fmt_bytes(n: float) -> str:
+    return f"{n / 1024**3:.2f} GiB" if n >= 1024**3 else f"{n / 1024**2:.1f} MiB"
+
+
+class EngineCore:
+    """Owns the model, KV cache, scheduler and runner.
+
+    Args:
+        args: EngineArgs.
+
+    Raises:
+        ValueError: unknown model / bad settings, or a ``max_model_len`` that the KV cache
+            cannot hold (the message says what would fit).
+    """
+
+    def __init__(self, args: EngineArgs) -> None:
+        from pagedllm.core.kv_cache_manager import KVCacheManager
+        from pagedllm.core.scheduler import Scheduler
+        from pagedllm.loader import load_model
+        from pagedllm.models.registry import get_model_class
+        from pagedllm.worker.model_runner import ModelRunner
+
+        t0 = time.perf_counter()
+        self.args = args
+        torch.set_num_threads(args.num_threads or default_num_threads())
+        torch.manual_seed(args.seed)
+        self.device = resolve_device(args.device)
+        self.dtype = resolve_dtype(args.dtype, self.device)
+        if args.block_size < 1:
+            raise ValueError(f"block_size: must be >= 1, got {args.block_size}")
+        if args.max_num_seqs < 1:
+            raise ValueError(f"max_num_seqs: must be >= 1, got {args.max_num_seqs}")
+        if args.max_num_batched_tokens < 1:
+            raise ValueError(f"max_num_batched_tokens: must be >= 1, got {args.max_num_batched_tokens}")
+
+        loaded = load_model(args.model, dtype=self.dtype, tokenizer=args.tokenizer,
+                            ignore_patterns=args.ignore_patterns or None)
+        self.loaded = loaded
+        self.hf_config = loaded.hf_config
+        self.tokenizer = loaded.tokenizer
+        model_cls = get_model_class(list(getattr(self.hf_config, "architectures", None) or []))
+        with torch.device(self.device):
+            model = model_cls(self.hf_config, self.dtype)
+        model.load_weights(loaded.weights())
+        model.eval()
+        self.model = model
+        self.vocab_size = int(self.hf_config.vocab_size)
+        weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+
+        # KV cache sizing from an explicit byte budget.
+        num_layers, num_kv_heads, head_dim = model.get_kv_cache_spec()
+        elem = torch.empty((), dtype=self.dtype).element_size()
+        bytes_per_token = 2 * num_layers * num_kv_heads * head_dim * elem
+        kv_bytes = args.kv_cache_memory if args.kv_cache_memory is not None else DEFAULT_CPU_KV_CACHE_BYTES
+        num_blocks = int(kv_bytes // (bytes_per_token * args.block_size))
+        if num_blocks < 2:
+            raise ValueError(
+                f"kv_cache_memory: {kv_bytes} bytes hold {num_blocks} block(s) of {args.block_size} tokens "
+                f"({bytes_per_token * args.block_size} bytes each); need at least 2")
+        # Block 0 is reserved by the block pool as a null block.
+        capacity_tokens = (num_blocks - 1) * args.block_size
+        model_ctx = int(getattr(self.hf_config, "max_position_embeddings", 0) or 0) or capacity_tokens
+        if args.max_model_len is None:
+            max_model_len = min(model_ctx, capacity_tokens)
+        else:
+            max_model_len = int(args.max_model_len)
+            if max_model_len < 1:
+                raise ValueError(f"max_model_len: must be >= 1, got {max_model_len}")
+            if max_model_len > model_ctx:
+                raise ValueError(
+                    f"max_model_len: {max_model_len} exceeds the model's context length {model_ctx}")
+            if max_model_len > capacity_tokens:
+                raise ValueError(
+                    f"max_model_len: {max_model_len} tokens do not fit in the KV cache "
+                    f"({_fmt_bytes(kv_bytes)} holds {capacity_tokens} tokens at {bytes_per_token} bytes/token); "
+                    f"use max_model_len <= {capacity_tokens} or kv_cache_memory >= "
+                    f"{(-(-max_model_len // args.block_size) + 1) * args.block_size * bytes_per_token} bytes")
+        self.max_model_len = max_model_len
+        self.num_blocks = num_blocks
+        self.block_size = args.block_size
+        self.kv_capacity_tokens = capacity_tokens
+
+        eos = getattr(self.tokenizer, "eos_token_id", None)
+        if eos is None:
+            eos = getattr(self.hf_config, "eos_token_id", None)
+        if isinstance(eos, (list, tuple)):
+            eos = eos[0] if eos else None
+        self.eos_token_id = eos
+
+        self.kv_cache_manager = KVCacheManager(
+            num_blocks=num_blocks, block_size=args.block_size,
+            enable_caching=args.enable_prefix_caching,
+            hash_algo=args.prefix_caching_hash_algo, max_model_len=max_model_len)
+        self.scheduler = Scheduler(
+            max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+            max_model_len=max_model_len, kv_cache_manager=self.kv_cache_manager)
+        pooler = None
+        if args.runner == "pooling":
+            from pagedllm.pooling.pooler import build_pooler
+            pooler = build_pooler(args, self.hf_config, model)
+        self.runner = ModelRunner(model, num_blocks, args.block_size,
+                                  (num_layers, num_kv_heads, head_dim), self.dtype,
+                                  self.vocab_size, self.device, pooler=pooler,
+                                  eos_token_id=self.eos_token_id)
+        self.startup_seconds = time.perf_counter() - t0
+        logger.info(
+            "pagedllm: model %s (%s, %s) loaded in %.2f s; weights %s; KV cache %s = %d blocks x %d tokens "
+            "= %d tokens (%d bytes/token); max_model_len %d",
+            args.model, self.hf_config.architectures[0], str(self.dtype).replace("torch.", ""),
+            self.startup_seconds, _fmt_bytes(weight_bytes), _fmt_bytes(num_blocks * args.block_size * bytes_per_token),
+            num_blocks, args.block_size, capacity_tokens, bytes_per_token, max_model_len)
+        self.weight_bytes = weight_bytes
+
+    # ------------------------------------------------------------------ requests
+    def add_request(self, request: Request) -> None:
+        self.scheduler.add_request(request)
+
+    def abort_requests(self, request_ids: list[str],
+                       status: RequestStatus = RequestStatus.FINISHED_ABORTED) -> None:
+        if request_ids:
+            self.scheduler.finish_requests(request_ids, status)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished_requests()
+
+    def step(self) -> list[EngineCoreOutput]:
+        """Schedule, run the model and update request states once."""
+        so = self.scheduler.schedule()
+        runner_out = self.runner.execute(so)
+        if so.is_empty:
+            return []
+        return self.scheduler.update_from_output(so, runner_out)
+
+    def reset_prefix_cache(self) -> bool:
+        return self.kv_cache_manager.reset_prefix_cache()
+
+    def get_scheduler_stats(self) -> dict:
+        s = self.scheduler
+        return {
+            "num_running": s.num_running,
+            "num_waiting": s.num_waiting,
+            "kv_cache_usage": self.kv_cache_manager.usage,
+            "num_preemptions_total": s.num_preemptions_total,
+            "prefix_cache_queries": s.prefix_cache_queries,
+            "prefix_cache_hits": s.prefix_cache_hits,
+        }

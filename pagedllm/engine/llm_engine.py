@@ -1,0 +1,172 @@
+"""Synchronous front end: input processing, n-way fan-out, the core's step, output processing."""
+from __future__ import annotations
+
+import itertools
+import time
+from typing import Any, Optional
+
+from pagedllm.config import EngineArgs
+from pagedllm.core.request import Request, RequestStatus
+from pagedllm.engine.engine_core import EngineCore
+from pagedllm.engine.input_processor import InputProcessor
+from pagedllm.outputs import RequestOutput
+
+
+def child_request_id(index: int, parent_id: str) -> str:
+    """Id of sample ``index`` of an ``n > 1`` request (vLLM's scheme)."""
+    return f"{index}_{parent_id}"
+
+
+class LLMEngine:
+    """Adds requests and steps the engine; used by the offline ``LLM`` and ``AsyncLLM``.
+
+    Args:
+        args: EngineArgs.
+    """
+
+    def __init__(self, args: EngineArgs) -> None:
+        from pagedllm.engine.output_processor import OutputProcessor
+
+        self.args = args
+        self.core = EngineCore(args)
+        self.tokenizer = self.core.tokenizer
+        if args.chat_template:
+            self.tokenizer.chat_template = load_chat_template(args.chat_template)
+        self.max_model_len = self.core.max_model_len
+        self.vocab_size = self.core.vocab_size
+        self.input_processor = InputProcessor(self.tokenizer, self.max_model_len, self.vocab_size,
+                                              args.max_logprobs)
+        self.output_processor = OutputProcessor(self.tokenizer)
+        self.default_sampling_params = self._generation_defaults()
+        self._ids = itertools.count()
+        # parent request id -> child core request ids
+        self._children: dict[str, list[str]] = {}
+
+    def _generation_defaults(self) -> dict:
+        """Default sampling values from the model's generation config (vLLM ``--generation-config``)."""
+        gc = self.args.generation_config
+        if gc == "vllm":
+            return {}
+        cfg: dict = {}
+        if gc == "auto":
+            cfg = dict(self.core.loaded.generation_config or {})
+        else:
+            import json
+            import os
+            path = os.path.join(gc, "generation_config.json") if os.path.isdir(gc) else gc
+            try:
+                with open(path) as f:
+                    cfg = json.load(f)
+            except OSError as e:
+                raise ValueError(f"generation_config: cannot read {path!r}: {e}") from None
+        out = {}
+        for src, dst in (("temperature", "temperature"), ("top_p", "top_p"), ("top_k", "top_k"),
+                         ("min_p", "min_p"), ("repetition_penalty", "repetition_penalty"),
+                         ("max_new_tokens", "max_tokens")):
+            if cfg.get(src) is not None:
+                out[dst] = cfg[src]
+        return out
+
+    def get_default_sampling_params(self):
+        from pagedllm.sampling_params import SamplingParams
+        return SamplingParams(**self.default_sampling_params)
+
+    def next_request_id(self) -> str:
+        return str(next(self._ids))
+
+    def validate(self, prompt: Any, params: Any, strict_length: bool = False,
+                 add_special_tokens: bool = True):
+        """Tokenize and validate one request without adding it.
+
+        Returns:
+            (ProcessedPrompt, SamplingParams with max_tokens filled).
+
+        Raises:
+            ValueError: naming the offending field.
+        """
+        pp = self.input_processor.process_prompt(
+            prompt, getattr(params, "truncate_prompt_tokens", None), add_special_tokens)
+        params = self.input_processor.process_sampling_params(params, len(pp.prompt_token_ids), strict_length)
+        return pp, params
+
+    def add_processed_request(self, request_id: str, pp: Any, params: Any,
+                              queue: Any = None, arrival_time: Optional[float] = None) -> None:
+        """Add an already validated request (fans out ``n > 1`` into child requests)."""
+        from pagedllm.engine.output_processor import ParentRequest
+
+        arrival_time = time.time() if arrival_time is None else arrival_time
+        n = params.n
+        if n == 1:
+            self.output_processor.add_request(
+                request_id, pp.prompt, pp.prompt_token_ids, params, None, 0, arrival_time=arrival_time,
+                queue=queue)
+            self._add_core(request_id, pp, params, arrival_time)
+            return
+        parent = ParentRequest(request_id, params)
+        kids = []
+        for i in range(n):
+            cp = params.clone()
+            cp.n = 1
+            if params.seed is not None:
+                cp.seed = params.seed + i
+            cid = child_request_id(i, request_id)
+            kids.append((cid, cp))
+            self.output_processor.add_request(
+                cid, pp.prompt, pp.prompt_token_ids, cp, parent, i, arrival_time=arrival_time, queue=queue)
+        for cid, cp in kids:
+            self._add_core(cid, pp, cp, arrival_time)
+        self._children[request_id] = [cid for cid, _ in kids]
+
+    def _add_core(self, rid: str, pp: Any, params: Any, arrival_time: float) -> None:
+        req = Request(rid, pp.prompt_token_ids, sampling_params=params, eos_token_id=self.core.eos_token_id,
+                      arrival_time=arrival_time, cache_salt=pp.cache_salt)
+        if params.prompt_logprobs is not None:
+            # Prompt logprobs need every prompt position computed: no prefix-cache hits.
+            req.skip_prefix_cache = True
+        self.core.add_request(req)
+
+    def add_request(self, request_id: str, prompt: Any, params: Any, queue: Any = None,
+                    strict_length: bool = False) -> None:
+        """Validate and add a generation request.
+
+        Raises:
+            ValueError: naming the offending field; nothing is added then.
+        """
+        pp, params = self.validate(prompt, params, strict_length)
+        self.add_processed_request(request_id, pp, params, queue)
+
+    def abort_request(self, request_ids: list[str]) -> None:
+        """Abort requests (parent ids of n > 1 requests abort every child)."""
+        core_ids = []
+        for rid in request_ids:
+            kids = self._children.pop(rid, None)
+            core_ids.extend(kids if kids else [rid])
+        self.core.abort_requests(core_ids)
+        self.output_processor.abort_requests(core_ids)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.core.has_unfinished_requests()
+
+    def step(self) -> list[RequestOutput]:
+        """One engine step; returns the RequestOutputs produced (per ``output_kind``)."""
+        core_outputs = self.core.step()
+        if not core_outputs:
+            return []
+        outputs, to_abort = self.output_processor.process_outputs(core_outputs)
+        if to_abort:
+            self.core.abort_requests(to_abort, RequestStatus.FINISHED_STOPPED)
+        for o in outputs:
+            if o.finished:
+                self._children.pop(o.request_id, None)
+        return outputs
+
+
+def load_chat_template(value: str) -> str:
+    """``--chat-template``: a path to a file holding a Jinja template, or the template itself."""
+    import os
+    if os.path.isfile(value):
+        with open(value) as f:
+            return f.read()
+    if any(c in value for c in "{}\n") or not os.path.splitext(value)[1]:
+        return value
+    raise ValueError(f"chat_template: file {value!r} does not exist")

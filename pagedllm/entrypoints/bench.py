@@ -1,0 +1,316 @@
+"""``pagedllm bench throughput | latency | hardware``: offline benchmarks (vLLM's output names).
+
+Speed is reported as ratios against a baseline measured in the same run; nothing here is a test.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import statistics
+import time
+from typing import Any, Optional
+
+# A fixed bank of plain English sentences; prompts are drawn from it with a seeded RNG.
+_SENTENCES = [
+    "The history of the printing press begins in the fifteenth century, when movable type changed how books were made.",
+    "Rivers shape the land around them slowly, carrying sand and stones from the mountains down to the sea.",
+    "A good recipe for bread needs only flour, water, salt and yeast, but patience matters more than any ingredient.",
+    "In the morning the market fills with farmers selling apples, cheese, fresh eggs and loaves still warm from the oven.",
+    "Engineers who design bridges must think about wind, traffic, temperature and the weight of the structure itself.",
+    "Many birds travel thousands of kilometres every year, following the same routes their ancestors used.",
+    "The library on the corner of the square has a reading room with tall windows and long wooden tables.",
+    "When the train left the station, the passengers settled into their seats and watched the city disappear.",
+    "Learning a new language takes time, but speaking with native speakers every day speeds it up a great deal.",
+    "The museum's newest exhibition explains how ancient sailors used the stars to find their way across the ocean.",
+    "Solar panels turn sunlight into electricity, and their price has fallen sharply over the last twenty years.",
+    "Our neighbours planted a small garden with tomatoes, beans, herbs and a row of bright yellow sunflowers.",
+    "A computer program is a list of instructions that tells the machine exactly what to do, step by step.",
+    "The old lighthouse still stands on the cliff, although ships now rely on satellites rather than its lamp.",
+    "Doctors recommend regular exercise, enough sleep and a varied diet as the basis of a healthy life.",
+    "During the winter the lake freezes, and families come on weekends to skate and drink hot chocolate.",
+    "The committee met on Tuesday to discuss the budget, the new schedule and the plans for the summer festival.",
+    "Mountains affect the weather, forcing moist air upward where it cools and falls as rain or snow.",
+    "She opened the letter carefully, unsure whether it would bring good news or bad.",
+    "Coffee was first grown in Africa and later spread to Arabia, Europe and the rest of the world.",
+    "Good teachers explain difficult ideas with simple examples and encourage students to ask questions.",
+    "The city council approved a plan to add more bicycle lanes and plant trees along the main avenue.",
+    "Volcanoes form where molten rock rises from deep inside the earth and breaks through the surface.",
+    "After the storm, the streets were covered with leaves and broken branches, and the air smelled of rain.",
+    "A well written report states its question, describes the method, presents the results and discusses them.",
+    "Honeybees communicate the location of flowers to each other with a dance performed inside the hive.",
+    "The orchestra rehearsed for weeks before the concert, practising the difficult passages again and again.",
+    "Saving a little money every month is easier than trying to save a large amount all at once.",
+    "Ancient roads built by the Romans connected distant cities and allowed trade to flourish across the empire.",
+    "The children built a small boat from wood and string and watched it float down the stream.",
+    "Please summarize the main ideas of the text above in three short sentences.",
+    "Explain in simple words why the sky looks blue during the day and red at sunset.",
+]
+
+
+def builtin_workload(tokenizer: Any, num_prompts: int = 64, min_len: int = 50, max_len: int = 300,
+                     seed: int = 0) -> list[list[int]]:
+    """Deterministic natural-English prompts as token ids.
+
+    Args:
+        tokenizer: encodes the text.
+        num_prompts: how many prompts.
+        min_len, max_len: prompt length range in tokens (uniform, inclusive).
+        seed: RNG seed; the same seed gives the same prompts.
+
+    Returns:
+        list of ``num_prompts`` token-id lists.
+    """
+    rng = random.Random(seed)
+    prompts = []
+    for _ in range(num_prompts):
+        target = rng.randint(min_len, max_len)
+        text, ids = "", []
+        while len(ids) < target:
+            text += (" " if text else "") + rng.choice(_SENTENCES)
+            ids = tokenizer.encode(text, add_special_tokens=False)
+        prompts.append(list(ids[:target]))
+    return prompts
+
+
+def sharegpt_like_workload(tokenizer: Any, num_prompts: int = 64, seed: int = 0
+                           ) -> tuple[list[list[int]], list[int]]:
+    """Variable lengths like ShareGPT: prompt and output lengths from lognormal draws.
+
+    Returns:
+        (prompt token ids, output lengths in tokens).
+    """
+    rng = random.Random(seed)
+    prompts, outs = [], []
+    for _ in range(num_prompts):
+        plen = int(min(1024, max(8, rng.lognormvariate(4.8, 0.9))))
+        olen = int(min(512, max(8, rng.lognormvariate(5.0, 0.8))))
+        prompts.append(builtin_workload(tokenizer, 1, plen, plen, rng.randrange(1 << 30))[0])
+        outs.append(olen)
+    return prompts, outs
+
+
+def _engine_kwargs(args: argparse.Namespace) -> dict:
+    kw = {"dtype": args.dtype, "max_num_seqs": args.max_num_seqs,
+          "max_num_batched_tokens": args.max_num_batched_tokens, "seed": args.seed,
+          "enable_prefix_caching": not args.no_enable_prefix_caching}
+    if args.num_threads:
+        kw["num_threads"] = args.num_threads
+    if args.max_model_len:
+        kw["max_model_len"] = args.max_model_len
+    if args.kv_cache_memory:
+        kw["kv_cache_memory"] = int(args.kv_cache_memory)
+    return kw
+
+
+def _common(p: argparse.ArgumentParser) -> None:
+    p.add_argument("model", nargs="?", default="SmolLM2-135M-Instruct")
+    p.add_argument("--dtype", default="auto")
+    p.add_argument("--num-threads", type=int, default=None)
+    p.add_argument("--max-num-seqs", type=int, default=128)
+    p.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    p.add_argument("--max-model-len", type=int, default=None)
+    p.add_argument("--kv-cache-memory", type=float, default=None, help="bytes")
+    p.add_argument("--no-enable-prefix-caching", action="store_true")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--json", action="store_true", help="print results as JSON")
+    p.add_argument("--output-json", default=None, help="also write results to this file")
+
+
+def add_throughput_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("throughput", help="offline throughput on a fixed workload")
+    _common(p)
+    p.add_argument("--dataset", choices=["builtin", "sharegpt-like"], default="builtin")
+    p.add_argument("--num-prompts", type=int, default=64)
+    p.add_argument("--input-len-min", type=int, default=50)
+    p.add_argument("--input-len-max", type=int, default=300)
+    p.add_argument("--output-len", type=int, default=128)
+    p.add_argument("--compare-transformers", action="store_true",
+                   help="run the same requests through transformers generate (batched, left-padded)")
+    p.add_argument("--hf-batch-size", type=int, default=16)
+
+
+def add_latency_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("latency", help="single-request latency (TTFT, TPOT)")
+    _common(p)
+    p.add_argument("--input-len", type=int, default=128)
+    p.add_argument("--output-len", type=int, default=128)
+    p.add_argument("--num-iters", type=int, default=3)
+
+
+def add_hardware_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("hardware", help="this machine's matmul GFLOP/s and memory bandwidth")
+    p.add_argument("--num-threads", type=int, default=None)
+    p.add_argument("--json", action="store_true")
+    p.add_argument("--output-json", default=None)
+
+
+def _emit(res: dict, args: argparse.Namespace) -> None:
+    if getattr(args, "json", False):
+        print(json.dumps(res, indent=2))
+    else:
+        for k, v in res.items():
+            print(f"{k:<40} {v:.3f}" if isinstance(v, float) else f"{k:<40} {v}")
+    if getattr(args, "output_json", None):
+        with open(args.output_json, "w") as f:
+            json.dump(res, f, indent=2)
+
+
+def run_throughput(args: argparse.Namespace) -> dict:
+    from pagedllm import LLM, SamplingParams
+
+    t0 = time.perf_counter()
+    llm = LLM(args.model, **_engine_kwargs(args))
+    load_s = time.perf_counter() - t0
+    tok = llm.get_tokenizer()
+    if args.dataset == "builtin":
+        prompts = builtin_workload(tok, args.num_prompts, args.input_len_min, args.input_len_max, args.seed)
+        out_lens = [args.output_len] * len(prompts)
+    else:
+        prompts, out_lens = sharegpt_like_workload(tok, args.num_prompts, args.seed)
+    params = [SamplingParams(temperature=0.0, max_tokens=o, ignore_eos=True) for o in out_lens]
+    inputs = [{"prompt_token_ids": p} for p in prompts]
+    # Warm-up (first-call allocations), not timed.
+    llm.generate(inputs[:2], SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True), use_tqdm=False)
+    llm.reset_prefix_cache()
+    t0 = time.perf_counter()
+    outs = llm.generate(inputs, params, use_tqdm=False)
+    el = time.perf_counter() - t0
+    n_out = sum(len(o.outputs[0].token_ids) for o in outs)
+    n_in = sum(len(p) for p in prompts)
+    res = {
+        "engine": "pagedllm", "model": args.model, "dtype": str(llm.llm_engine.core.dtype),
+        "num_requests": len(prompts), "total_prompt_tokens": n_in, "total_output_tokens": n_out,
+        "elapsed_s": el, "requests_per_s": len(prompts) / el, "output_tokens_per_s": n_out / el,
+        "total_tokens_per_s": (n_in + n_out) / el, "startup_s": load_s,
+    }
+    if args.compare_transformers:
+        hf = _transformers_throughput(llm, prompts, out_lens, args)
+        res.update({f"transformers_{k}": v for k, v in hf.items()})
+        res["ratio_output_tokens_per_s_vs_transformers"] = res["output_tokens_per_s"] / hf["output_tokens_per_s"]
+    return res
+
+
+def _transformers_throughput(llm: Any, prompts: list[list[int]], out_lens: list[int],
+                             args: argparse.Namespace) -> dict:
+    """Same requests through ``transformers`` generate, batched and left-padded, greedy."""
+    import os
+
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    path = llm.llm_engine.core.loaded.model_path
+    dtype = llm.llm_engine.core.dtype
+    if path.endswith(".gguf"):
+        model = AutoModelForCausalLM.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path),
+                                                     dtype=dtype)
+    else:
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
+    model.eval()
+    pad = llm.get_tokenizer().pad_token_id
+    pad = 0 if pad is None else pad
+    bs = args.hf_batch_size
+    n_out = 0
+    t0 = time.perf_counter()
+    with torch.inference_mode():
+        for i in range(0, len(prompts), bs):
+            chunk = prompts[i:i + bs]
+            olen = max(out_lens[i:i + bs])
+            L = max(len(p) for p in chunk)
+            ids = torch.full((len(chunk), L), pad, dtype=torch.long)
+            mask = torch.zeros((len(chunk), L), dtype=torch.long)
+            for j, p in enumerate(chunk):
+                ids[j, L - len(p):] = torch.tensor(p)
+                mask[j, L - len(p):] = 1
+            g = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=olen, min_new_tokens=olen,
+                               do_sample=False, pad_token_id=pad)
+            n_out += (g.shape[1] - L) * len(chunk)
+    el = time.perf_counter() - t0
+    return {"elapsed_s": el, "output_tokens_per_s": n_out / el, "batch_size": bs}
+
+
+def run_latency(args: argparse.Namespace) -> dict:
+    from pagedllm import LLM, SamplingParams
+    from pagedllm.sampling_params import RequestOutputKind
+
+    t0 = time.perf_counter()
+    llm = LLM(args.model, **_engine_kwargs(args))
+    load_s = time.perf_counter() - t0
+    prompt = builtin_workload(llm.get_tokenizer(), 1, args.input_len, args.input_len, args.seed)[0]
+    eng = llm.llm_engine
+    lat, ttft, tpot = [], [], []
+    first_token_s = None
+    for it in range(args.num_iters + 1):
+        llm.reset_prefix_cache()
+        sp = SamplingParams(temperature=0.0, max_tokens=args.output_len, ignore_eos=True,
+                            output_kind=RequestOutputKind.DELTA)
+        t = time.perf_counter()
+        eng.add_request(f"lat-{it}", {"prompt_token_ids": prompt}, sp)
+        times = []
+        done = False
+        while not done:
+            for o in eng.step():
+                times.append(time.perf_counter())
+                done = done or o.finished
+        if it == 0:
+            first_token_s = load_s + (times[0] - t)
+            continue  # warm-up
+        lat.append(times[-1] - t)
+        ttft.append(times[0] - t)
+        tpot.append((times[-1] - times[0]) / max(1, args.output_len - 1))
+    return {
+        "engine": "pagedllm", "input_len": args.input_len, "output_len": args.output_len,
+        "avg_latency_s": statistics.mean(lat), "median_ttft_ms": 1000 * statistics.median(ttft),
+        "median_tpot_ms": 1000 * statistics.median(tpot),
+        "decode_tokens_per_s": 1.0 / statistics.median(tpot),
+        "startup_s": load_s, "startup_to_first_token_s": first_token_s,
+    }
+
+
+def measure_hardware(num_threads: Optional[int] = None) -> dict:
+    """Matmul GFLOP/s (fp32, bf16; 2048^3) and read / copy bandwidth (GB/s) on this machine."""
+    import torch
+
+    if num_threads:
+        torch.set_num_threads(num_threads)
+    res: dict = {"threads": torch.get_num_threads()}
+    n = 2048
+    for name, dt in (("fp32", torch.float32), ("bf16", torch.bfloat16)):
+        a = torch.randn(n, n).to(dt)
+        b = torch.randn(n, n).to(dt)
+        a @ b
+        best = float("inf")
+        for _ in range(3):
+            t = time.perf_counter()
+            a @ b
+            best = min(best, time.perf_counter() - t)
+        res[f"matmul_{name}_gflops"] = 2 * n**3 / best / 1e9
+    x = torch.ones(256 * 1024 * 1024 // 4)  # 256 MiB fp32
+    y = torch.empty_like(x)
+    x.sum()
+    y.copy_(x)
+    best_r = best_c = float("inf")
+    for _ in range(3):
+        t = time.perf_counter()
+        x.sum()
+        best_r = min(best_r, time.perf_counter() - t)
+        t = time.perf_counter()
+        y.copy_(x)
+        best_c = min(best_c, time.perf_counter() - t)
+    nbytes = x.numel() * 4
+    res["read_bandwidth_gbps"] = nbytes / best_r / 1e9
+    res["copy_bandwidth_gbps"] = 2 * nbytes / best_c / 1e9
+    return res
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.bench_cmd == "throughput":
+        res = run_throughput(args)
+    elif args.bench_cmd == "latency":
+        res = run_latency(args)
+    elif args.bench_cmd == "hardware":
+        res = measure_hardware(args.num_threads)
+    else:
+        raise ValueError(f"unknown bench command {args.bench_cmd!r}")
+    _emit(res, args)
+    return 0

@@ -1,0 +1,186 @@
+"""GGUF file -> HF config + HF-named, dequantized weights.
+
+Sources:
+- Block formats (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q2_K..Q6_K, IQ*, F16, BF16, F32) are llama.cpp's ggml quant types;
+  dequantization is `gguf.quants.dequantize` (the gguf-py reference, bit-exact with what transformers loads).
+- Tensor names are llama.cpp's (gguf-py `constants.TENSOR_NAMES`), mapped to HF names by `_NAME_MAP`.
+- Config keys follow transformers' own GGUF config mapping (`integrations/ggml.py`), so `hf_config` equals
+  `AutoConfig.from_pretrained(dir, gguf_file=name)` on the fields a model needs.
+
+Per-architecture fixes (see FACTS.md §4):
+- llama: llama.cpp's convert script permutes q/k rows for its rope layout; `_unpermute` undoes it
+  (n_head for Q, n_head_kv for K), after which HF rope (rotate_half) applies.
+- gemma3: llama.cpp stores RMSNorm weights as `1 + w`; HF Gemma RMSNorm computes `x * (1 + w)`, so 1 is
+  subtracted from every `*norm.weight`.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+from collections.abc import Iterator
+
+import numpy as np
+import torch
+from gguf.constants import GGMLQuantizationType
+from gguf.quants import dequantize
+
+from .gguf_file import GGUFFile
+
+logger = logging.getLogger(__name__)
+
+# GGUF general.architecture -> (transformers model_type, HF architectures entry)
+ARCHITECTURES = {
+    "llama": ("llama", "LlamaForCausalLM"),
+    "gemma3": ("gemma3_text", "Gemma3ForCausalLM"),
+    "qwen2": ("qwen2", "Qwen2ForCausalLM"),
+    "qwen3": ("qwen3", "Qwen3ForCausalLM"),
+}
+
+# GGUF metadata suffix (after "<arch>.") -> HF config field. Mirrors transformers integrations/ggml.py.
+_CONFIG_KEYS = {
+    "context_length": "max_position_embeddings",
+    "block_count": "num_hidden_layers",
+    "feed_forward_length": "intermediate_size",
+    "embedding_length": "hidden_size",
+    "rope.freq_base": "rope_theta",
+    "attention.head_count": "num_attention_heads",
+    "attention.head_count_kv": "num_key_value_heads",
+    "attention.layer_norm_rms_epsilon": "rms_norm_eps",
+    "vocab_size": "vocab_size",
+}
+_TOKEN_ID_KEYS = {
+    "tokenizer.ggml.bos_token_id": "bos_token_id",
+    "tokenizer.ggml.eos_token_id": "eos_token_id",
+    "tokenizer.ggml.unknown_token_id": "unk_token_id",
+    "tokenizer.ggml.padding_token_id": "pad_token_id",
+}
+
+_COMMON_NAMES = {
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output_norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
+_LAYER_NAMES = {
+    "attn_norm": "input_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+    "ffn_norm": "post_attention_layernorm",
+}
+_GEMMA3_LAYER_NAMES = {
+    **_LAYER_NAMES,
+    "ffn_norm": "pre_feedforward_layernorm",
+    "post_attention_norm": "post_attention_layernorm",
+    "post_ffw_norm": "post_feedforward_layernorm",
+}
+# Tensors llama.cpp adds that HF recomputes from the config (e.g. llama 3 rope scaling frequencies).
+_IGNORED = {"rope_freqs.weight"}
+_BLK = re.compile(r"^blk\.(\d+)\.([a-z_0-9]+)\.(weight|bias)$")
+
+SUPPORTED_QTYPES = frozenset(GGMLQuantizationType)  # whatever gguf.quants.dequantize implements
+
+
+def hf_name(gguf_name: str, arch: str) -> str | None:
+    """HF parameter name for a GGUF tensor name, or None if it has no HF counterpart.
+    E.g. ("blk.3.ffn_norm.weight", "gemma3") -> "model.layers.3.pre_feedforward_layernorm.weight"."""
+    if gguf_name in _COMMON_NAMES:
+        return _COMMON_NAMES[gguf_name]
+    m = _BLK.match(gguf_name)
+    if not m:
+        return None
+    table = _GEMMA3_LAYER_NAMES if arch == "gemma3" else _LAYER_NAMES
+    part = table.get(m.group(2))
+    return None if part is None else f"model.layers.{m.group(1)}.{part}.{m.group(3)}"
+
+
+def _unpermute(w: np.ndarray, n_head: int) -> np.ndarray:
+    """Undo llama.cpp's q/k row permutation (convert_hf_to_gguf.py LlamaModel.permute).
+    w: [n_head * head_dim, ...] (weight [out, in] or bias [out]); returns the same shape."""
+    # llama.cpp's forward permute is reshape(n_head, 2, d/2, ...).swapaxes(1, 2); this is its inverse.
+    return w.reshape(n_head, w.shape[0] // n_head // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def gguf_config(f: GGUFFile):
+    """Build the transformers config (LlamaConfig / Gemma3TextConfig / Qwen2Config / Qwen3Config) from GGUF
+    metadata. Raises ValueError for an unsupported architecture.
+
+    Gemma3: local rope base 10000, sliding pattern 6 (layer_types) and query_pre_attn_scalar 256 are not in the
+    file; Gemma3TextConfig's defaults supply them, as in transformers' own GGUF loading."""
+    from transformers import AutoConfig
+
+    arch = f.architecture
+    if arch not in ARCHITECTURES:
+        raise ValueError(f"{f.path}: GGUF architecture {arch!r} not supported (supported: {sorted(ARCHITECTURES)})")
+    model_type, hf_arch = ARCHITECTURES[arch]
+    d: dict = {}
+    for suffix, field in _CONFIG_KEYS.items():
+        v = f.arch_get(suffix)
+        if v is not None:
+            d[field] = v
+    # head_dim: llama.cpp writes rope.dimension_count for llama (== head_dim there, as transformers assumes);
+    # for the others attention.key_length is the head size.
+    if arch == "llama" and f.arch_get("rope.dimension_count") is not None:
+        d["head_dim"] = f.arch_get("rope.dimension_count")
+    elif f.arch_get("attention.key_length") is not None:
+        d["head_dim"] = f.arch_get("attention.key_length")
+    if arch == "gemma3" and f.arch_get("attention.sliding_window") is not None:
+        d["sliding_window"] = f.arch_get("attention.sliding_window")
+    for key, field in _TOKEN_ID_KEYS.items():
+        if key in f.metadata:
+            d[field] = int(f.metadata[key])
+    if "vocab_size" not in d and "tokenizer.ggml.tokens" in f.metadata:
+        d["vocab_size"] = len(f.metadata["tokenizer.ggml.tokens"])
+    d["tie_word_embeddings"] = "output.weight" not in f.tensors
+    for k, v in list(d.items()):
+        if isinstance(v, (np.integer, np.floating)):
+            d[k] = v.item()
+    cfg = AutoConfig.for_model(model_type, **d)
+    cfg.architectures = [hf_arch]
+    return cfg
+
+
+def iter_gguf_weights(f: GGUFFile, config, dtype: torch.dtype = torch.float32) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield (HF name, tensor) for every GGUF tensor that has an HF counterpart, in file order, one at a time.
+
+    Each tensor is dequantized to float32 (numpy, `gguf.quants.dequantize`), fixed up per architecture (llama
+    Q/K un-permute, gemma3 norm - 1), then converted to `dtype`; shape is the HF shape (`[out, in]` for linear
+    weights, `[vocab, hidden]` for embeddings, `[n]` for norms). `lm_head.weight` is yielded only if the file has
+    `output.weight` (otherwise embeddings are tied). Raises NotImplementedError for a quant type gguf-py cannot
+    dequantize."""
+    arch = f.architecture
+    n_head = config.num_attention_heads
+    n_kv = config.num_key_value_heads
+    for name, info in f.tensors.items():
+        target = hf_name(name, arch)
+        if target is None:
+            if name not in _IGNORED:
+                logger.warning("GGUF tensor %s has no HF name for arch %s; skipped", name, arch)
+            continue
+        raw = f.raw(name)
+        if info.ggml_type == GGMLQuantizationType.F32:
+            arr = raw.view(np.float32).copy()
+        elif info.ggml_type == GGMLQuantizationType.F16:
+            arr = raw.view(np.float16).astype(np.float32)
+        else:
+            arr = dequantize(raw, info.ggml_type)
+        arr = arr.reshape(info.shape)
+        if arch == "llama":
+            if ".attn_q." in name:
+                arr = _unpermute(arr, n_head)
+            elif ".attn_k." in name:
+                arr = _unpermute(arr, n_kv)
+        if arch == "gemma3" and name.endswith("norm.weight"):
+            arr = arr - 1.0
+        if not arr.flags.writeable:
+            arr = arr.copy()
+        t = torch.from_numpy(arr)
+        if t.dtype != dtype:
+            t = t.to(dtype)
+        yield target, t

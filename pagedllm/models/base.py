@@ -1,0 +1,130 @@
+"""Common causal-LM plumbing: construction dtype, logits, KV-cache spec, checkpoint loading."""
+from __future__ import annotations
+
+import contextlib
+from typing import Iterable, Iterator, Optional
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+@contextlib.contextmanager
+def default_dtype(dtype: torch.dtype) -> Iterator[None]:
+    """Create parameters directly in ``dtype`` (no float32 copy first)."""
+    old = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(old)
+
+
+class CausalLM(nn.Module):
+    """Base of every model: subclasses build ``self.model`` (with ``embed_tokens``, ``layers``,
+    ``norm`` and ``forward(input_ids, positions)``) inside ``build()``.
+
+    Checkpoint names are HF's; ``packed_modules_mapping`` maps a checkpoint module name onto
+    ``(fused module name, shard id)`` (nano-vllm style).
+    """
+
+    packed_modules_mapping: dict[str, tuple[str, object]] = {
+        "q_proj": ("qkv_proj", "q"),
+        "k_proj": ("qkv_proj", "k"),
+        "v_proj": ("qkv_proj", "v"),
+        "gate_proj": ("gate_up_proj", 0),
+        "up_proj": ("gate_up_proj", 1),
+    }
+    # NOTE: buffers some older checkpoints carry; recomputed here.
+    ignored_weight_suffixes: tuple[str, ...] = ("rotary_emb.inv_freq",)
+
+    def __init__(self, config, dtype: torch.dtype = torch.float32) -> None:
+        super().__init__()
+        self.config, self.dtype = config, dtype
+        self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
+        with default_dtype(dtype):
+            self.model = self.build(config)
+            self.lm_head: Optional[nn.Linear] = None
+            if not self.tie_word_embeddings:
+                from pagedllm.models.layers import Linear
+                self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
+
+    def build(self, config) -> nn.Module:  # pragma: no cover - abstract
+        raise NotImplementedError
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """input_ids, positions int64 ``[T]`` -> hidden states after the final norm ``[T, hidden]``."""
+        return self.model(input_ids, positions)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden ``[N, hidden]`` -> float32 logits ``[N, vocab]`` (final soft-cap if configured)."""
+        w = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        logits = F.linear(hidden, w).float()
+        cap = getattr(self.config, "final_logit_softcapping", None)
+        if cap:
+            logits = torch.tanh(logits / cap) * cap
+        return logits
+
+    def get_kv_cache_spec(self) -> tuple[int, int, int]:
+        """``(num_layers, num_kv_heads, head_dim)`` of the per-layer KV cache."""
+        c = self.config
+        head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+        return c.num_hidden_layers, c.num_key_value_heads, head_dim
+
+    def _canonical_name(self, name: str) -> Optional[str]:
+        """Map a checkpoint name onto our naming (``model.`` prefix optional); None = ignore."""
+        if name.endswith(self.ignored_weight_suffixes):
+            return None
+        if name.startswith("model.language_model."):
+            name = "model." + name[len("model.language_model."):]
+        if not name.startswith(("model.", "lm_head.")):
+            name = "model." + name
+        return name
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        """Copy HF-named tensors into the parameters (casting to their dtype).
+
+        Returns:
+            the set of our parameter names that were loaded.
+
+        Raises:
+            ValueError: naming unexpected checkpoint tensors, shape mismatches, or parameters the
+                checkpoint did not provide.
+        """
+        params = dict(self.named_parameters())
+        loaded: set[str] = set()
+        shards: dict[str, set] = {}
+        unexpected: list[str] = []
+        for orig, tensor in weights:
+            name = self._canonical_name(orig)
+            if name is None:
+                continue
+            if name == "lm_head.weight" and self.lm_head is None:
+                continue  # NOTE: tied: the head is the embedding (HF state dicts list both)
+            shard = None
+            for ckpt, (fused, sid) in self.packed_modules_mapping.items():
+                if f".{ckpt}." in name:
+                    name, shard = name.replace(f".{ckpt}.", f".{fused}."), sid
+                    break
+            param = params.get(name)
+            if param is None:
+                unexpected.append(orig)
+                continue
+            with torch.no_grad():
+                if shard is not None:
+                    param.weight_loader(param, tensor.to(param.dtype), shard)
+                    shards.setdefault(name, set()).add(shard)
+                    if shards[name] == set(param.shard_ids):
+                        loaded.add(name)
+                else:
+                    if tensor.shape != param.shape:
+                        raise ValueError(f"{orig}: checkpoint shape {tuple(tensor.shape)} != "
+                                         f"parameter shape {tuple(param.shape)}")
+                    param.copy_(tensor.to(param.dtype))
+                    loaded.add(name)
+        if unexpected:
+            raise ValueError(f"unexpected checkpoint tensors: {sorted(unexpected)}")
+        missing = sorted(set(params) - loaded)
+        if missing:
+            raise ValueError(f"parameters missing from the checkpoint: {missing}")
+        return loaded

@@ -1,0 +1,211 @@
+"""Shared model building blocks: norms, rotary embedding, fused linears, gated MLP, attention block.
+
+All tensors are flat over the step's tokens: ``[T, ...]``, no batch dimension.
+Parameters are created uninitialised (``torch.empty``): every one is expected from ``load_weights``.
+"""
+from __future__ import annotations
+
+import math
+from typing import Callable, Optional
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from pagedllm.attention.layer import Attention
+
+ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
+    "silu": F.silu,
+    "gelu": F.gelu,
+    "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"),
+    "gelu_new": lambda x: F.gelu(x, approximate="tanh"),
+}
+
+
+class Linear(nn.Linear):
+    """``nn.Linear`` without random init (weights come from the checkpoint)."""
+
+    def reset_parameters(self) -> None:  # NOTE: skipping init saves seconds on big models
+        pass
+
+
+class Embedding(nn.Embedding):
+    """``nn.Embedding`` without random init."""
+
+    def reset_parameters(self) -> None:
+        pass
+
+
+class PackedLinear(Linear):
+    """One linear holding several checkpoint matrices stacked along the output dim.
+
+    Args:
+        in_features: input size.
+        shard_sizes: ``{shard_id: out_features}`` in stacking order (e.g. q, k, v or 0, 1).
+        bias: whether there is a bias (packed the same way).
+
+    ``param.weight_loader(param, tensor, shard_id)`` copies one checkpoint tensor into its rows.
+    """
+
+    def __init__(self, in_features: int, shard_sizes: dict, bias: bool = False) -> None:
+        super().__init__(in_features, sum(shard_sizes.values()), bias=bias)
+        self.shard_offsets: dict = {}
+        off = 0
+        for sid, size in shard_sizes.items():
+            self.shard_offsets[sid] = (off, size)
+            off += size
+        for p in self.parameters():
+            p.weight_loader = self._load_shard
+            p.shard_ids = tuple(shard_sizes)
+
+    def _load_shard(self, param: nn.Parameter, tensor: torch.Tensor, shard_id) -> None:
+        off, size = self.shard_offsets[shard_id]
+        if tensor.shape[0] != size or tensor.shape[1:] != param.shape[1:]:
+            raise ValueError(f"shard {shard_id!r}: got shape {tuple(tensor.shape)}, expected "
+                             f"{(size, *param.shape[1:])}")
+        param.data[off : off + size].copy_(tensor)
+
+
+class QKVLinear(PackedLinear):
+    """Fused q/k/v projection: ``[T, hidden] -> [T, (Hq + 2 Hkv) * D]`` (shards "q", "k", "v")."""
+
+    def __init__(self, hidden: int, num_heads: int, num_kv_heads: int, head_dim: int, bias: bool) -> None:
+        super().__init__(hidden, {"q": num_heads * head_dim, "k": num_kv_heads * head_dim,
+                                  "v": num_kv_heads * head_dim}, bias=bias)
+
+
+class RMSNorm(nn.Module):
+    """RMSNorm over the last dim, computed in float32 as HF does.
+
+    ``gemma=False`` (Llama/Qwen): ``w * normed.to(x.dtype)``; weight starts at 1.
+    ``gemma=True``: ``(normed * (1 + w.float())).to(x.dtype)``; weight starts at 0.
+    """
+
+    def __init__(self, dim: int, eps: float = 1e-6, gemma: bool = False) -> None:
+        super().__init__()
+        self.eps, self.gemma = eps, gemma
+        self.weight = nn.Parameter(torch.zeros(dim) if gemma else torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        if self.gemma:
+            return (xf * (1.0 + self.weight.float())).to(x.dtype)
+        return self.weight * xf.to(x.dtype)
+
+    def extra_repr(self) -> str:
+        return f"{tuple(self.weight.shape)}, eps={self.eps}, gemma={self.gemma}"
+
+
+def rope_inv_freq(config, head_dim: int, layer_type: Optional[str] = None) -> tuple[torch.Tensor, float]:
+    """Inverse frequencies ``[D/2]`` float32 and the cos/sin scaling for a config's rope.
+
+    Reads ``config.rope_parameters`` (transformers >= 5: flat, or keyed by layer type as in
+    Gemma 3) or the older ``rope_theta``/``rope_scaling``. Non-default rope types use
+    transformers' own init functions; dynamically rescaled types are refused.
+
+    Raises:
+        NotImplementedError: for "dynamic" / "longrope" rope types.
+    """
+    params = getattr(config, "rope_parameters", None) or {}
+    if layer_type is not None and layer_type in params:
+        params = params[layer_type]
+    else:
+        layer_type = None
+    rope_type = params.get("rope_type", params.get("type", "default"))
+    if rope_type == "default":
+        base = params.get("rope_theta", getattr(config, "rope_theta", 10000.0))
+        return 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.float) / head_dim)), 1.0
+    if rope_type in ("dynamic", "longrope"):
+        raise NotImplementedError(f"rope_type {rope_type!r} is not supported")
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    kwargs = {"layer_type": layer_type} if layer_type is not None else {}
+    inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](config, None, **kwargs)
+    return inv_freq.float(), float(scaling)
+
+
+class RotaryEmbedding(nn.Module):
+    """HF-style rope (``rotate_half``, ``cat(freqs, freqs)``) at arbitrary per-token positions.
+
+    The cos/sin table (float32 ``[n, D]``) grows on demand to the largest position seen.
+    """
+
+    def __init__(self, head_dim: int, inv_freq: torch.Tensor, scaling: float = 1.0) -> None:
+        super().__init__()
+        self.head_dim, self.scaling = head_dim, scaling
+        self.inv_freq = inv_freq.float()
+        self._cos = self._sin = torch.empty(0, head_dim)
+
+    def _table(self, n: int) -> None:
+        n = 1 << max(10, math.ceil(math.log2(n)))
+        freqs = torch.arange(n, dtype=torch.float).unsqueeze(1) * self.inv_freq.unsqueeze(0)
+        emb = torch.cat((freqs, freqs), dim=-1)
+        self._cos, self._sin = emb.cos() * self.scaling, emb.sin() * self.scaling
+
+    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """positions int64 ``[T]``; q ``[T, Hq, D]``, k ``[T, Hkv, D]`` -> rotated, same dtypes."""
+        if positions.numel() and int(positions.max()) >= self._cos.shape[0]:
+            self._table(int(positions.max()) + 1)
+        cos = self._cos[positions].to(q.dtype).unsqueeze(1)
+        sin = self._sin[positions].to(q.dtype).unsqueeze(1)
+        return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+class GatedMLP(nn.Module):
+    """``down(act(gate(x)) * up(x))`` with gate/up fused into ``gate_up_proj`` (shards 0, 1)."""
+
+    def __init__(self, hidden: int, intermediate: int, act: str, bias: bool = False) -> None:
+        super().__init__()
+        if act not in ACTIVATIONS:
+            raise ValueError(f"unsupported activation {act!r}; supported: {sorted(ACTIVATIONS)}")
+        self.gate_up_proj = PackedLinear(hidden, {0: intermediate, 1: intermediate}, bias=bias)
+        self.down_proj = Linear(intermediate, hidden, bias=bias)
+        self.act = ACTIVATIONS[act]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x ``[T, hidden]`` -> ``[T, hidden]``."""
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.down_proj(self.act(gate) * up)
+
+
+class SelfAttention(nn.Module):
+    """qkv projection -> optional per-head q/k norm -> rope -> paged attention -> o_proj.
+
+    Args:
+        hidden, num_heads, num_kv_heads, head_dim: sizes.
+        layer_idx: which KV cache this layer uses.
+        rotary: a (possibly shared) ``RotaryEmbedding``.
+        scale: softmax scale.
+        qkv_bias, o_bias: biases of the projections.
+        qk_norm: factory ``dim -> nn.Module`` for per-head q/k norms (Qwen3, Gemma 3), or None.
+        sliding_window, soft_cap: passed to ``Attention``.
+    """
+
+    def __init__(self, hidden: int, num_heads: int, num_kv_heads: int, head_dim: int, layer_idx: int,
+                 rotary: RotaryEmbedding, scale: float, qkv_bias: bool = False, o_bias: bool = False,
+                 qk_norm: Optional[Callable[[int], nn.Module]] = None,
+                 sliding_window: Optional[int] = None, soft_cap: Optional[float] = None) -> None:
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
+        self.qkv_proj = QKVLinear(hidden, num_heads, num_kv_heads, head_dim, qkv_bias)
+        self.o_proj = Linear(num_heads * head_dim, hidden, bias=o_bias)
+        self.q_norm = qk_norm(head_dim) if qk_norm else None
+        self.k_norm = qk_norm(head_dim) if qk_norm else None
+        self.rotary = [rotary]  # NOTE: a list, so a shared rope is not registered as a submodule
+        self.attn = Attention(num_heads, head_dim, scale, num_kv_heads, layer_idx, sliding_window, soft_cap)
+
+    def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """positions int64 ``[T]``, x ``[T, hidden]`` -> ``[T, hidden]``."""
+        t, d = x.shape[0], self.head_dim
+        q, k, v = self.qkv_proj(x).split([self.num_heads * d, self.num_kv_heads * d, self.num_kv_heads * d], -1)
+        q, k = q.reshape(t, self.num_heads, d), k.reshape(t, self.num_kv_heads, d)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = self.rotary[0](positions, q, k)
+        return self.o_proj(self.attn(q, k, v))

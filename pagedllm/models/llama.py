@@ -1,0 +1,64 @@
+"""Llama (and the Llama-shaped Qwen2/Qwen3): pre-norm decoder, GQA, rope, SiLU gated MLP."""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from pagedllm.models.base import CausalLM
+from pagedllm.models.layers import Embedding, GatedMLP, RMSNorm, RotaryEmbedding, SelfAttention, rope_inv_freq
+
+
+class LlamaDecoderLayer(nn.Module):
+    """``x += attn(norm(x)); x += mlp(norm(x))``; options come from the model class."""
+
+    def __init__(self, config, layer_idx: int, rotary: RotaryEmbedding, head_dim: int, spec: type) -> None:
+        super().__init__()
+        eps = config.rms_norm_eps
+        layer_types = getattr(config, "layer_types", None)
+        sliding = layer_types is not None and layer_types[layer_idx] == "sliding_attention"
+        attn_bias = bool(getattr(config, "attention_bias", False))
+        self.self_attn = SelfAttention(
+            config.hidden_size, config.num_attention_heads, config.num_key_value_heads, head_dim, layer_idx,
+            rotary, head_dim**-0.5, qkv_bias=spec.qkv_bias or attn_bias, o_bias=attn_bias and spec.o_bias_from_config,
+            qk_norm=(lambda d: RMSNorm(d, eps)) if spec.qk_norm else None,
+            sliding_window=config.sliding_window if sliding else None,
+        )
+        self.mlp = GatedMLP(config.hidden_size, config.intermediate_size, config.hidden_act,
+                            bias=bool(getattr(config, "mlp_bias", False)))
+        self.input_layernorm = RMSNorm(config.hidden_size, eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, eps)
+
+    def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.self_attn(positions, self.input_layernorm(x))
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class LlamaModel(nn.Module):
+    """Embedding -> decoder layers -> final norm. ``forward(ids [T], positions [T]) -> [T, hidden]``."""
+
+    def __init__(self, config, spec: type) -> None:
+        super().__init__()
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        self.rotary = RotaryEmbedding(head_dim, *rope_inv_freq(config, head_dim))
+        self.embed_tokens = Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(
+            LlamaDecoderLayer(config, i, self.rotary, head_dim, spec) for i in range(config.num_hidden_layers)
+        )
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        x = self.embed_tokens(input_ids)
+        for layer in self.layers:
+            x = layer(positions, x)
+        return self.norm(x)
+
+
+class LlamaForCausalLM(CausalLM):
+    """HF ``LlamaForCausalLM``: q/k/v/o bias = ``config.attention_bias``, mlp bias = ``config.mlp_bias``."""
+
+    qkv_bias = False  # always-on q/k/v bias (Qwen2)
+    o_bias_from_config = True  # o_proj bias follows config.attention_bias
+    qk_norm = False  # per-head RMSNorm of q and k before rope (Qwen3)
+
+    def build(self, config) -> nn.Module:
+        return LlamaModel(config, type(self))

@@ -1,0 +1,269 @@
+"""Vectorized token sampler (vLLM v1 ``Sampler`` semantics).
+
+Per step, on float32 logits ``[N, V]`` (row i = request i of the SamplingMetadata):
+
+1. Logprobs (if any row asked) are taken from the RAW model distribution,
+   ``log_softmax(logits)`` before any of the steps below (vLLM's default
+   ``logprobs_mode="raw_logprobs"``).
+2. ``allowed_token_ids``: every other token is set to -inf.
+3. ``bad_words``: the last token of a bad-word sequence is set to -inf when the
+   preceding tokens of that sequence match the tail of the output.
+4. ``min_tokens``: EOS and stop tokens are set to -inf while the output is shorter.
+5. ``logit_bias`` is added.
+6. Penalties: repetition (prompt + output tokens; positive logits divided, negative
+   multiplied), then frequency (times the count in the output) and presence (once if in
+   the output) subtracted.
+7. Greedy rows take the argmax. Random rows: temperature, min-p, top-k, top-p (this is
+   vLLM v1's order: min-p is an "argmax-invariant logits processor" applied right after
+   temperature), then an exponential race ``argmax(probs / q)``, ``q ~ Exp(1)``; a
+   seeded row draws ``q`` from its own generator, so its tokens do not depend on the
+   rest of the batch.
+
+Stages no row needs are skipped (flags in :class:`SamplingMetadata`).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+from pagedllm.sample.logprobs import compute_prompt_logprobs, gather_logprobs
+from pagedllm.sample.metadata import SamplingMetadata, _pad_2d
+from pagedllm.sampling_params import _SAMPLING_EPS
+
+__all__ = ["Sampler", "SamplerOutput", "compute_prompt_logprobs"]
+
+_NEG_INF = float("-inf")
+
+
+@dataclass
+class SamplerOutput:
+    """Result of one sampling step.
+
+    Attributes:
+        sampled_token_ids: int64 [N].
+        logprob_token_ids: int64 [N, 1 + max_k]: the sampled token first, then the
+            ``max_k`` most likely tokens (``max_k`` = the batch's largest ``logprobs``;
+            row i should keep only its first ``1 + logprobs_i`` columns). None when no row
+            asked for logprobs.
+        logprobs: float32 [N, 1 + max_k], RAW-distribution logprobs matching
+            ``logprob_token_ids``, or None.
+        sampled_ranks: int64 [N], 1-based rank of the sampled token in the raw
+            distribution, or None.
+    """
+
+    sampled_token_ids: torch.Tensor
+    logprob_token_ids: Optional[torch.Tensor] = None
+    logprobs: Optional[torch.Tensor] = None
+    sampled_ranks: Optional[torch.Tensor] = None
+
+
+class Sampler:
+    """Stateless batch sampler; see the module docstring for the order of operations."""
+
+    def __call__(self, logits: torch.Tensor, meta: SamplingMetadata) -> SamplerOutput:
+        return self.forward(logits, meta)
+
+    def forward(self, logits: torch.Tensor, meta: SamplingMetadata) -> SamplerOutput:
+        if logits.dim() != 2:
+            raise ValueError(f"logits must be [N, V], got shape {tuple(logits.shape)}")
+        if logits.shape[0] != meta.num_rows:
+            raise ValueError(
+                f"logits have {logits.shape[0]} rows but the metadata has {meta.num_rows}")
+        if meta.vocab_size and logits.shape[1] != meta.vocab_size:
+            raise ValueError(
+                f"logits have {logits.shape[1]} columns but SamplingMetadata.vocab_size is "
+                f"{meta.vocab_size}; build the metadata with the logits' width")
+
+        # 1. Raw logprobs (vLLM default logprobs_mode="raw_logprobs").
+        raw_logprobs = None
+        if meta.max_num_logprobs is not None:
+            raw_logprobs = torch.log_softmax(logits, dim=-1, dtype=torch.float32)
+
+        # Work on a float32 copy: the caller's tensor is never modified.
+        logits = logits.to(torch.float32, copy=True)
+
+        logits = self.apply_logits_processors(logits, meta)
+        sampled = self.sample(logits, meta)
+
+        if raw_logprobs is None:
+            return SamplerOutput(sampled_token_ids=sampled)
+        ids, lps, ranks = gather_logprobs(raw_logprobs, meta.max_num_logprobs, sampled)
+        return SamplerOutput(sampled_token_ids=sampled, logprob_token_ids=ids,
+                             logprobs=lps, sampled_ranks=ranks)
+
+    # ------------------------------------------------------------------ processors
+    def apply_logits_processors(self, logits: torch.Tensor,
+                                meta: SamplingMetadata) -> torch.Tensor:
+        """Steps 2-6 (in place on ``logits``, which is returned)."""
+        if meta.allowed_token_ids_mask is not None:
+            logits.masked_fill_(meta.allowed_token_ids_mask, _NEG_INF)
+        if meta.bad_words_token_ids:
+            apply_bad_words(logits, meta.bad_words_token_ids, meta.output_token_ids)
+        if meta.min_tokens_mask is not None:
+            rows, cols = meta.min_tokens_mask
+            logits[rows, cols] = _NEG_INF
+        if meta.logit_bias is not None:
+            rows, cols, vals = meta.logit_bias
+            logits.index_put_((rows, cols), vals, accumulate=True)
+        if not meta.no_penalties:
+            logits = apply_penalties(
+                logits,
+                meta.prompt_token_ids,
+                meta.output_token_ids,
+                meta.presence_penalties,
+                meta.frequency_penalties,
+                meta.repetition_penalties,
+            )
+        return logits
+
+    # ------------------------------------------------------------------ sampling
+    def sample(self, logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
+        """Step 7: int64 [N] token ids."""
+        greedy = None
+        if not meta.all_random:
+            greedy = logits.argmax(dim=-1)
+            if meta.all_greedy:
+                return greedy
+
+        # Temperature (greedy rows divide by 1; their result is discarded anyway).
+        temp = meta.temperature
+        if meta.greedy_mask is not None:
+            temp = torch.where(temp < _SAMPLING_EPS, torch.ones_like(temp), temp)
+        logits.div_(temp.unsqueeze(1))
+
+        if meta.min_p is not None:
+            logits = apply_min_p(logits, meta.min_p)
+        if meta.top_k is not None or meta.top_p is not None:
+            logits = apply_top_k_top_p(logits, meta.top_k, meta.top_p)
+
+        probs = torch.softmax(logits, dim=-1)
+        random = random_sample(probs, meta.generators)
+        if greedy is None:
+            return random
+        return torch.where(meta.greedy_mask, greedy, random)
+
+
+# ---------------------------------------------------------------------- functions
+def apply_bad_words(logits: torch.Tensor, bad_words_token_ids: dict[int, list[list[int]]],
+                    output_token_ids: list[list[int]]) -> None:
+    """Ban (-inf) the last token of each bad-word sequence whose other tokens match the
+    tail of the row's output (single-token words are always banned)."""
+    rows: list[int] = []
+    cols: list[int] = []
+    vocab = logits.shape[1]
+    for i, seqs in bad_words_token_ids.items():
+        past = output_token_ids[i]
+        for seq in seqs:
+            prefix_len = len(seq) - 1
+            if prefix_len > len(past):
+                continue
+            if prefix_len == 0 or list(past[len(past) - prefix_len:]) == list(seq[:-1]):
+                if 0 <= seq[-1] < vocab:
+                    rows.append(i)
+                    cols.append(seq[-1])
+    if rows:
+        logits[torch.tensor(rows, device=logits.device),
+               torch.tensor(cols, device=logits.device)] = _NEG_INF
+
+
+def _bin_counts(token_ids: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """Counts [N, vocab_size] of token ids in a [N, L] tensor padded with vocab_size."""
+    n = token_ids.shape[0]
+    counts = torch.zeros((n, vocab_size + 1), dtype=torch.int64, device=token_ids.device)
+    counts.scatter_add_(1, token_ids, torch.ones_like(token_ids))
+    return counts[:, :vocab_size]
+
+
+def apply_penalties(
+    logits: torch.Tensor,
+    prompt_token_ids: Optional[torch.Tensor],
+    output_token_ids: list[list[int]],
+    presence_penalties: torch.Tensor,
+    frequency_penalties: torch.Tensor,
+    repetition_penalties: torch.Tensor,
+) -> torch.Tensor:
+    """vLLM penalties (``apply_penalties``), in place.
+
+    * repetition ``r`` (tokens in prompt or output): ``l / r`` if ``l > 0`` else ``l * r``;
+    * frequency ``f``: ``l -= f * count_in_output``;
+    * presence ``p``: ``l -= p * (count_in_output > 0)``.
+
+    ``prompt_token_ids`` ([N, Lp] padded with V) may be None when no row has a repetition
+    penalty.
+    """
+    n, vocab = logits.shape
+    out_t = _pad_2d(output_token_ids, vocab).to(logits.device)
+    out_t = out_t.clamp_(0, vocab)  # out-of-range ids count as padding
+    out_counts = _bin_counts(out_t, vocab)
+    out_mask = out_counts > 0
+
+    if prompt_token_ids is not None and bool((repetition_penalties != 1.0).any()):
+        prompt_mask = _bin_counts(prompt_token_ids.clamp(0, vocab), vocab) > 0
+        seen = prompt_mask | out_mask
+        rep = torch.where(seen, repetition_penalties.unsqueeze(1), 1.0)
+        logits = torch.where(logits > 0, logits / rep, logits * rep)
+    elif bool((repetition_penalties != 1.0).any()):
+        rep = torch.where(out_mask, repetition_penalties.unsqueeze(1), 1.0)
+        logits = torch.where(logits > 0, logits / rep, logits * rep)
+
+    logits -= frequency_penalties.unsqueeze(1) * out_counts.to(logits.dtype)
+    logits -= presence_penalties.unsqueeze(1) * out_mask.to(logits.dtype)
+    return logits
+
+
+def apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
+    """Drop (-inf) tokens with ``prob < min_p * max_prob`` (probabilities after
+    temperature). ``min_p`` 0 rows are unchanged."""
+    probs = torch.softmax(logits, dim=-1)
+    max_probs = probs.amax(dim=-1, keepdim=True)
+    logits.masked_fill_(probs < min_p.unsqueeze(1) * max_probs, _NEG_INF)
+    return logits
+
+
+def apply_top_k_top_p(logits: torch.Tensor, k: Optional[torch.Tensor],
+                      p: Optional[torch.Tensor]) -> torch.Tensor:
+    """vLLM's top-k / top-p filter, in place.
+
+    * top-k keeps the tokens whose logit is >= the k-th largest (ties at the threshold
+      are kept); rows with ``k >= V`` are unchanged.
+    * top-p (after top-k) sorts ascending and drops every token whose cumulative
+      probability, counted from the least likely up to and including itself, is
+      ``<= 1 - p``; the most likely token is always kept.
+    """
+    vocab = logits.shape[1]
+    if p is None:
+        # top-k only: no full sort.
+        assert k is not None
+        no_k = (k >= vocab).unsqueeze(1)
+        k = torch.where(no_k.squeeze(1), torch.ones_like(k), k.clamp(min=1))
+        max_k = int(k.max())
+        top_vals = torch.topk(logits, max_k, dim=-1).values
+        thresh = top_vals.gather(1, (k - 1).unsqueeze(1))
+        thresh = torch.where(no_k, torch.full_like(thresh, _NEG_INF), thresh)
+        logits.masked_fill_(logits < thresh, _NEG_INF)
+        return logits
+
+    logits_sort, logits_idx = logits.sort(dim=-1, descending=False)
+    if k is not None:
+        k = k.clamp(1, vocab)
+        thresh = logits_sort.gather(1, (vocab - k).unsqueeze(1))
+        logits_sort.masked_fill_(logits_sort < thresh, _NEG_INF)
+    probs_sort = logits_sort.softmax(dim=-1)
+    cum = probs_sort.cumsum(dim=-1)
+    mask = cum <= (1.0 - p).unsqueeze(1)
+    mask[:, -1] = False
+    logits_sort.masked_fill_(mask, _NEG_INF)
+    return logits.scatter_(1, logits_idx, logits_sort)
+
+
+def random_sample(probs: torch.Tensor, generators: dict[int, torch.Generator]) -> torch.Tensor:
+    """Exponential race: ``argmax(probs / q)``, ``q ~ Exp(1)`` i.i.d. This samples exactly
+    from ``probs``. Seeded rows draw their ``q`` row from their own generator."""
+    q = torch.empty_like(probs)
+    if len(generators) != probs.shape[0]:
+        q.exponential_()
+    for i, gen in generators.items():
+        q[i].exponential_(generator=gen)
+    return probs.div_(q).argmax(dim=-1)

@@ -1,0 +1,204 @@
+"""Turns a SchedulerOutput into one forward pass: inputs, KV cache, model, sampler, pooler.
+
+The runner owns the KV cache tensors (one per layer, ``[num_blocks, 2, block_size,
+num_kv_heads, head_dim]``) and per-request state that must outlive a step (seeded
+generators, MEAN-pooling partial sums).
+"""
+from __future__ import annotations
+
+import logging
+from typing import Any, Optional
+
+import numpy as np
+import torch
+
+from pagedllm.attention.backend import AttentionMetadata, ForwardContext, set_forward_context
+from pagedllm.core.sched_output import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
+
+logger = logging.getLogger(__name__)
+
+
+class ModelRunner:
+    """Runs the model for the scheduler's batch.
+
+    Args:
+        model: a pagedllm model (``forward(input_ids [T], positions [T]) -> [T, hidden]``,
+            ``compute_logits(hidden [N, hidden]) -> [N, vocab] float32``).
+        num_blocks: KV cache blocks per layer.
+        block_size: tokens per block.
+        kv_spec: ``(num_layers, num_kv_heads, head_dim)``.
+        dtype: compute / KV cache dtype.
+        vocab_size: logits width.
+        device: torch device.
+        attn_impl: an ``AttentionImpl`` (defaults to the CPU torch backend).
+        pooler: optional pooler for the pooling runner (``pagedllm.pooling``).
+    """
+
+    def __init__(self, model: torch.nn.Module, num_blocks: int, block_size: int,
+                 kv_spec: tuple[int, int, int], dtype: torch.dtype, vocab_size: int,
+                 device: torch.device = torch.device("cpu"), attn_impl: Any = None,
+                 pooler: Any = None, eos_token_id: Optional[int] = None) -> None:
+        from pagedllm.sample.sampler import Sampler
+
+        self.model = model
+        self.block_size = block_size
+        self.num_blocks = num_blocks
+        self.dtype = dtype
+        self.device = device
+        self.vocab_size = vocab_size
+        self.eos_token_id = eos_token_id
+        num_layers, num_kv_heads, head_dim = kv_spec
+        self.kv_caches = [
+            torch.zeros(num_blocks, 2, block_size, num_kv_heads, head_dim, dtype=dtype, device=device)
+            for _ in range(num_layers)
+        ]
+        if attn_impl is None:
+            from pagedllm.attention.torch_paged import TorchPagedAttention
+            attn_impl = TorchPagedAttention()
+        self.attn_impl = attn_impl
+        self.sampler = Sampler()
+        self.pooler = pooler
+        self.generators: dict[str, torch.Generator] = {}
+        self.pool_state: dict[str, Any] = {}
+
+    # ------------------------------------------------------------------ inputs
+    def _prepare(self, reqs: list[ScheduledRequest]):
+        """Build flat input ids, positions and attention metadata (decodes must come first)."""
+        bs = self.block_size
+        query_lens = [r.num_tokens for r in reqs]
+        total = sum(query_lens)
+        ids = np.empty(total, dtype=np.int64)
+        pos = np.empty(total, dtype=np.int64)
+        slots = np.empty(total, dtype=np.int64)
+        max_blocks = max(len(r.block_ids) for r in reqs)
+        block_tables = np.zeros((len(reqs), max_blocks), dtype=np.int64)
+        seq_lens = []
+        off = 0
+        for i, r in enumerate(reqs):
+            n, s = r.num_tokens, r.start_pos
+            ids[off:off + n] = r.token_ids[s:s + n]
+            p = np.arange(s, s + n, dtype=np.int64)
+            pos[off:off + n] = p
+            bt = np.asarray(r.block_ids, dtype=np.int64)
+            block_tables[i, :len(bt)] = bt
+            slots[off:off + n] = bt[p // bs] * bs + p % bs
+            seq_lens.append(s + n)
+            off += n
+        qsl = np.zeros(len(reqs) + 1, dtype=np.int64)
+        np.cumsum(query_lens, out=qsl[1:])
+        num_decodes = 0
+        for q in query_lens:
+            if q != 1:
+                break
+            num_decodes += 1
+        meta = AttentionMetadata(
+            num_reqs=len(reqs), num_decodes=num_decodes, num_decode_tokens=num_decodes,
+            query_start_loc=torch.from_numpy(qsl), query_lens=query_lens,
+            seq_lens=torch.tensor(seq_lens, dtype=torch.int64), seq_lens_list=seq_lens,
+            block_tables=torch.from_numpy(block_tables), slot_mapping=torch.from_numpy(slots),
+            block_size=bs, max_seq_len=max(seq_lens),
+        )
+        return torch.from_numpy(ids), torch.from_numpy(pos), meta, qsl
+
+    def _generator_for(self, r: ScheduledRequest) -> Optional[torch.Generator]:
+        sp = r.sampling_params
+        if sp is None or sp.seed is None:
+            return None
+        g = self.generators.get(r.req_id)
+        if g is None:
+            g = torch.Generator(device=self.device)
+            g.manual_seed(int(sp.seed))
+            self.generators[r.req_id] = g
+        return g
+
+    # ------------------------------------------------------------------ step
+    @torch.inference_mode()
+    def execute(self, so: SchedulerOutput) -> ModelRunnerOutput:
+        """Run one step.
+
+        Returns:
+            ModelRunnerOutput with one sampled token per request whose chunk reached the end
+            of its tokens, logprobs where requested, and pooled vectors for finished pooling
+            requests.
+        """
+        for rid in so.finished_req_ids:
+            self.generators.pop(rid, None)
+            self.pool_state.pop(rid, None)
+        for rid in so.preempted_req_ids:
+            self.pool_state.pop(rid, None)
+        out = ModelRunnerOutput()
+        if not so.scheduled:
+            return out
+        # Decodes first (stable), as the attention metadata requires.
+        reqs = sorted(so.scheduled, key=lambda r: r.num_tokens != 1)
+        for r in reqs:
+            if r.is_new:
+                self.pool_state.pop(r.req_id, None)
+        input_ids, positions, meta, qsl = self._prepare(reqs)
+        ctx = ForwardContext(attn_metadata=meta, kv_caches=self.kv_caches, impl=self.attn_impl)
+        with set_forward_context(ctx):
+            hidden = self.model(input_ids.to(self.device), positions.to(self.device))
+
+        gen_rows = [i for i, r in enumerate(reqs) if r.sampling_params is not None and r.is_last_chunk]
+        if gen_rows:
+            self._sample(reqs, gen_rows, hidden, qsl, out)
+        for i, r in enumerate(reqs):
+            sp = r.sampling_params
+            if sp is not None and sp.prompt_logprobs is not None and r.start_pos < r.prompt_len:
+                self._prompt_logprobs(r, hidden[qsl[i]:qsl[i + 1]], out)
+        if self.pooler is not None:
+            for i, r in enumerate(reqs):
+                if r.pooling_params is not None:
+                    res = self.pooler.accumulate(self.pool_state, r, hidden[qsl[i]:qsl[i + 1]])
+                    if r.is_last_chunk:
+                        out.pooler_output[r.req_id] = res
+                        self.pool_state.pop(r.req_id, None)
+        return out
+
+    def _sample(self, reqs, rows, hidden, qsl, out: ModelRunnerOutput) -> None:
+        from pagedllm.sample.metadata import SamplingMetadata
+
+        last = torch.as_tensor([int(qsl[i + 1]) - 1 for i in rows], dtype=torch.int64)
+        logits = self.model.compute_logits(hidden[last]).float()
+        sel = [reqs[i] for i in rows]
+        meta = SamplingMetadata.from_requests(
+            params=[r.sampling_params for r in sel],
+            prompt_token_ids=[r.token_ids[:r.prompt_len] for r in sel],
+            output_token_ids=[r.token_ids[r.prompt_len:] for r in sel],
+            generators=[self._generator_for(r) for r in sel],
+            vocab_size=self.vocab_size,
+            eos_token_ids=[self.eos_token_id] * len(sel),
+            device=self.device,
+        )
+        so = self.sampler(logits, meta)
+        sampled = so.sampled_token_ids.tolist()
+        lp_ids = so.logprob_token_ids.tolist() if so.logprob_token_ids is not None else None
+        lps = so.logprobs.tolist() if so.logprobs is not None else None
+        ranks = so.sampled_ranks.tolist() if so.sampled_ranks is not None else None
+        for j, r in enumerate(sel):
+            out.sampled_token_ids[r.req_id] = [sampled[j]]
+            k = r.sampling_params.logprobs
+            if k is not None and lp_ids is not None:
+                n = 1 + k
+                out.logprobs[r.req_id] = [(lp_ids[j][:n], lps[j][:n], ranks[j])]
+
+    def _prompt_logprobs(self, r: ScheduledRequest, h: torch.Tensor, out: ModelRunnerOutput) -> None:
+        """Prompt logprobs for tokens ``start_pos+1 .. min(end, prompt_len-1)`` of this chunk.
+
+        Logits at position p predict the token at p+1 (vLLM semantics; position 0 has None).
+        """
+        from pagedllm.sample.sampler import compute_prompt_logprobs
+
+        s, e, P = r.start_pos, r.start_pos + r.num_tokens, r.prompt_len
+        n_rows = min(e, P - 1) - s
+        entries: list[Any] = [None] if s == 0 else []
+        if n_rows > 0:
+            logits = self.model.compute_logits(h[:n_rows]).float()
+            targets = torch.as_tensor(r.token_ids[s + 1:s + 1 + n_rows], dtype=torch.int64)
+            k = r.sampling_params.prompt_logprobs
+            ids, lps, ranks = compute_prompt_logprobs(logits, targets, k)
+            ids, lps, ranks = ids.tolist(), lps.tolist(), ranks.tolist()
+            for j in range(n_rows):
+                entries.append((ids[j][:1 + k], lps[j][:1 + k], ranks[j]))
+        if entries:
+            out.prompt_logprobs[r.req_id] = entries

