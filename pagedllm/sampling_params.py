@@ -341,8 +341,12 @@ class SamplingParams:
         self,
         generation_config: Optional[dict[str, Any]],
         model_eos_token_id: Optional[int] = None,
+        *,
+        eos_token_id: Optional[int] = None,
     ) -> None:
         """Apply the model's ``generation_config`` (vLLM semantics).
+
+        ``eos_token_id`` is accepted as an alias of ``model_eos_token_id``.
 
         * Sampling defaults: ``temperature``, ``top_p``, ``top_k``, ``min_p``,
           ``repetition_penalty`` and ``max_new_tokens`` (-> ``max_tokens``) from the
@@ -352,6 +356,8 @@ class SamplingParams:
           it); extra ``eos_token_id`` values of the generation config (int or list) also do,
           and become ``stop_token_ids`` unless ``ignore_eos``.
         """
+        if model_eos_token_id is None:
+            model_eos_token_id = eos_token_id
         gen = dict(generation_config or {})
         changed = False
         for key, name in _GEN_CONFIG_KEYS.items():

@@ -224,7 +224,7 @@ class BlockPool:
         for block in self.blocks:
             block.block_hash = None
         self.cached_block_hash_to_block.clear()
-        self.prefix_cache_stats = PrefixCacheStats()
+        # NOTE: stats stay monotonic totals (metrics take deltas of them).
         return True
 
     def check_invariants(self) -> None:

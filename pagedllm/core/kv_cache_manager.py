@@ -63,6 +63,8 @@ class KVCacheManager:
                     f"give the KV cache more memory or lower max_model_len")
         # request_id -> its block table (in token order).
         self.req_to_blocks: dict[str, list[KVCacheBlock]] = {}
+        # request_id -> the same table as block ids (kept in step: copying it is cheap).
+        self.req_to_block_ids: dict[str, list[int]] = {}
         # request_id -> how many leading blocks of its table are registered in the cache.
         self.num_cached_block: dict[str, int] = {}
 
@@ -83,7 +85,8 @@ class KVCacheManager:
 
     def get_block_ids(self, request_id: str) -> list[int]:
         """A fresh list of the request's block ids (empty if it holds none)."""
-        return [b.block_id for b in self.req_to_blocks.get(request_id, ())]
+        ids = self.req_to_block_ids.get(request_id)
+        return [] if ids is None else ids.copy()
 
     def skip_caching(self, request: Any) -> bool:
         """Requests that neither hit nor fill the prefix cache (pooling, caching off)."""
@@ -155,14 +158,18 @@ class KVCacheManager:
 
         if req_blocks is None:
             req_blocks = self.req_to_blocks[req_id] = []
+            self.req_to_block_ids[req_id] = []
             self.num_cached_block[req_id] = 0
         if new_computed_blocks:
             # NOTE: touch before get_new_blocks, or the hits could be evicted right here.
             self.block_pool.touch(new_computed_blocks)
             req_blocks.extend(new_computed_blocks)
+            self.req_to_block_ids[req_id].extend(b.block_id for b in new_computed_blocks)
             self.num_cached_block[req_id] = len(req_blocks)
         new_blocks = self.block_pool.get_new_blocks(num_new_blocks)
-        req_blocks.extend(new_blocks)
+        if new_blocks:
+            req_blocks.extend(new_blocks)
+            self.req_to_block_ids[req_id].extend(b.block_id for b in new_blocks)
 
         if self.skip_caching(request):
             return new_blocks
@@ -183,6 +190,7 @@ class KVCacheManager:
         """
         blocks = self.req_to_blocks.pop(request.request_id, None)
         self.num_cached_block.pop(request.request_id, None)
+        self.req_to_block_ids.pop(request.request_id, None)
         if blocks:
             self.block_pool.free_blocks(reversed(blocks))
 
@@ -197,5 +205,8 @@ class KVCacheManager:
         for blocks in self.req_to_blocks.values():
             for b in blocks:
                 counts[b.block_id] = counts.get(b.block_id, 0) + 1
+        assert self.req_to_block_ids.keys() == self.req_to_blocks.keys()
+        for req_id, blocks in self.req_to_blocks.items():
+            assert self.req_to_block_ids[req_id] == [b.block_id for b in blocks], req_id
         for b in self.block_pool.blocks[1:]:
             assert b.ref_cnt == counts.get(b.block_id, 0), (b, counts.get(b.block_id, 0))

@@ -453,10 +453,9 @@ class OutputProcessor:
                 co = state.make_completion_output()
                 if co is not None:
                     changed.append(co)
-            else:
-                # Cumulative snapshot per child (also the FINAL_ONLY store).
-                co = state.make_completion_output(force_cumulative=True)
-                p.latest[state.index] = co
+            elif kind == CUMULATIVE or state.finish_reason is not None:
+                # Cumulative snapshot per child (FINAL_ONLY: only the final one).
+                p.latest[state.index] = state.make_completion_output(force_cumulative=True)
         finished = p.finished
         if kind == FINAL_ONLY and not finished:
             return None

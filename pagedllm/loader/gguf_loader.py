@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import logging
 import re
+import warnings
 from collections.abc import Iterator
 
 import numpy as np
@@ -100,11 +101,57 @@ def hf_name(gguf_name: str, arch: str) -> str | None:
     return None if part is None else f"model.layers.{m.group(1)}.{part}.{m.group(3)}"
 
 
-def _unpermute(w: np.ndarray, n_head: int) -> np.ndarray:
+def _unpermute(w: torch.Tensor, n_head: int) -> torch.Tensor:
     """Undo llama.cpp's q/k row permutation (convert_hf_to_gguf.py LlamaModel.permute).
     w: [n_head * head_dim, ...] (weight [out, in] or bias [out]); returns the same shape."""
     # llama.cpp's forward permute is reshape(n_head, 2, d/2, ...).swapaxes(1, 2); this is its inverse.
-    return w.reshape(n_head, w.shape[0] // n_head // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+    return w.reshape(n_head, w.shape[0] // n_head // 2, 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
+
+
+_Q8_0_BLOCK = np.dtype([("d", "<f2"), ("q", "i1", (32,))])
+_CHUNK_ELEMS = 1 << 22  # dequantize ~4M values (16 MB of float32) at a time
+
+
+def _dequant_q8_0(raw: np.ndarray, out: np.ndarray) -> None:
+    """Q8_0 (llama.cpp ggml-common.h block_q8_0: fp16 scale d, then 32 int8 q; value = q * d) into float32
+    `out` [rows, ne0]. Same float32 ops as gguf.quants (f16 -> f32, then int8 * f32), hence bit-exact, but it
+    writes in place: ~4x faster on the 168M-value Gemma 3 embedding."""
+    blocks = raw.reshape(-1).view(_Q8_0_BLOCK)
+    np.multiply(blocks["q"], blocks["d"].astype(np.float32)[:, None], out=out.reshape(-1, 32), dtype=np.float32)
+
+
+def dequantize_tensor(f: GGUFFile, name: str, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """Dequantize GGUF tensor `name` into a new torch tensor of `dtype` and row-major shape `info.shape`.
+
+    Works in row chunks so the only large allocation is the output. Quant formats: anything
+    `gguf.quants.dequantize` supports (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q2_K..Q6_K, IQ*, BF16), F16 and F32.
+    Raises NotImplementedError (from gguf-py) for an unsupported type."""
+    info = f.tensors[name]
+    raw = f.raw(name)
+    rows, ne0 = raw.shape[0], (info.shape[-1] if info.shape else 1)
+    out = torch.empty((rows, ne0), dtype=dtype)
+    direct = dtype == torch.float32
+    step = max(1, _CHUNK_ELEMS // ne0)
+    qt = info.ggml_type
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # from_numpy on the read-only mmap: we only read it
+        for r0 in range(0, rows, step):
+            r = raw[r0:r0 + step]
+            dst = out[r0:r0 + step]
+            if qt == GGMLQuantizationType.F32:
+                dst.copy_(torch.from_numpy(r.view(np.float32)))
+            elif qt == GGMLQuantizationType.F16:
+                dst.copy_(torch.from_numpy(r.view(np.float16)))
+            elif qt == GGMLQuantizationType.Q8_0:
+                if direct:
+                    _dequant_q8_0(r, dst.numpy())
+                else:
+                    tmp = np.empty((r.shape[0], ne0), dtype=np.float32)
+                    _dequant_q8_0(r, tmp)
+                    dst.copy_(torch.from_numpy(tmp))
+            else:
+                dst.copy_(torch.from_numpy(dequantize(r, qt)))
+    return out.reshape(info.shape)
 
 
 def gguf_config(f: GGUFFile):
@@ -149,7 +196,7 @@ def gguf_config(f: GGUFFile):
 def iter_gguf_weights(f: GGUFFile, config, dtype: torch.dtype = torch.float32) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield (HF name, tensor) for every GGUF tensor that has an HF counterpart, in file order, one at a time.
 
-    Each tensor is dequantized to float32 (numpy, `gguf.quants.dequantize`), fixed up per architecture (llama
+    Each tensor is dequantized (`dequantize_tensor`; float32 when a fix-up follows), fixed up per architecture (llama
     Q/K un-permute, gemma3 norm - 1), then converted to `dtype`; shape is the HF shape (`[out, in]` for linear
     weights, `[vocab, hidden]` for embeddings, `[n]` for norms). `lm_head.weight` is yielded only if the file has
     `output.weight` (otherwise embeddings are tied). Raises NotImplementedError for a quant type gguf-py cannot
@@ -157,30 +204,20 @@ def iter_gguf_weights(f: GGUFFile, config, dtype: torch.dtype = torch.float32) -
     arch = f.architecture
     n_head = config.num_attention_heads
     n_kv = config.num_key_value_heads
-    for name, info in f.tensors.items():
+    for name in f.tensors:
         target = hf_name(name, arch)
         if target is None:
             if name not in _IGNORED:
                 logger.warning("GGUF tensor %s has no HF name for arch %s; skipped", name, arch)
             continue
-        raw = f.raw(name)
-        if info.ggml_type == GGMLQuantizationType.F32:
-            arr = raw.view(np.float32).copy()
-        elif info.ggml_type == GGMLQuantizationType.F16:
-            arr = raw.view(np.float16).astype(np.float32)
-        else:
-            arr = dequantize(raw, info.ggml_type)
-        arr = arr.reshape(info.shape)
-        if arch == "llama":
-            if ".attn_q." in name:
-                arr = _unpermute(arr, n_head)
-            elif ".attn_k." in name:
-                arr = _unpermute(arr, n_kv)
-        if arch == "gemma3" and name.endswith("norm.weight"):
-            arr = arr - 1.0
-        if not arr.flags.writeable:
-            arr = arr.copy()
-        t = torch.from_numpy(arr)
-        if t.dtype != dtype:
+        fix = (arch == "llama" and (".attn_q." in name or ".attn_k." in name)) or (
+            arch == "gemma3" and name.endswith("norm.weight"))
+        # NOTE: fix-ups run in float32 before the cast, as transformers does (norm - 1 in bf16 would round).
+        t = dequantize_tensor(f, name, torch.float32 if fix else dtype)
+        if fix:
+            if arch == "llama":
+                t = _unpermute(t, n_head if ".attn_q." in name else n_kv)
+            else:
+                t = t - 1.0
             t = t.to(dtype)
         yield target, t

@@ -39,14 +39,40 @@ class SchedulerStats:
         """Build from ``AsyncLLM.get_scheduler_stats()``-style totals (deltas vs ``prev``)."""
         prev = prev or {}
         return cls(
-            num_running_reqs=int(stats.get("num_running", 0)),
-            num_waiting_reqs=int(stats.get("num_waiting", 0)),
+            num_running_reqs=int(stats.get("num_running", stats.get("num_running_reqs", 0))),
+            num_waiting_reqs=int(stats.get("num_waiting", stats.get("num_waiting_reqs", 0))),
             kv_cache_usage=float(stats.get("kv_cache_usage", 0.0)),
-            prefix_cache_queries=int(stats.get("prefix_cache_queries", 0))
-            - int(prev.get("prefix_cache_queries", 0)),
-            prefix_cache_hits=int(stats.get("prefix_cache_hits", 0))
-            - int(prev.get("prefix_cache_hits", 0)),
+            prefix_cache_queries=_delta(stats, prev, "prefix_cache_queries"),
+            prefix_cache_hits=_delta(stats, prev, "prefix_cache_hits"),
         )
+
+
+def _delta(cur: dict, prev: dict, key: str) -> int:
+    c = int(cur.get(key, 0) or 0)
+    p = int(prev.get(key, 0) or 0)
+    return c - p if c >= p else c  # a total that went down was reset: count it from zero
+
+
+class SchedulerStatsAdapter:
+    """Accepts either a ``SchedulerStats`` or the engine's totals dict
+    (``get_scheduler_stats()``: num_running, num_waiting, kv_cache_usage,
+    num_preemptions_total, prefix_cache_queries, prefix_cache_hits) and returns
+    ``(SchedulerStats, preemptions_delta_or_None)``."""
+
+    def __init__(self) -> None:
+        self.prev: dict = {}
+
+    def __call__(self, stats) -> tuple[Optional["SchedulerStats"], Optional[int]]:
+        if stats is None or isinstance(stats, SchedulerStats):
+            return stats, None
+        if not isinstance(stats, dict):
+            stats = dict(vars(stats))
+        out = SchedulerStats.from_totals(stats, self.prev)
+        preempt = None
+        if "num_preemptions_total" in stats:
+            preempt = _delta(stats, self.prev, "num_preemptions_total")
+        self.prev = dict(stats)
+        return out, preempt
 
 
 @dataclass

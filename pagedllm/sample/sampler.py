@@ -81,8 +81,12 @@ class Sampler:
         if meta.max_num_logprobs is not None:
             raw_logprobs = torch.log_softmax(logits, dim=-1, dtype=torch.float32)
 
-        # Work on a float32 copy: the caller's tensor is never modified.
-        logits = logits.to(torch.float32, copy=True)
+        # Work on a float32 copy: the caller's tensor is never modified. (An all-greedy
+        # batch with no logits processing only reads the logits: no copy.)
+        mutates = (not meta.all_greedy or meta.allowed_token_ids_mask is not None
+                   or bool(meta.bad_words_token_ids) or meta.min_tokens_mask is not None
+                   or meta.logit_bias is not None or not meta.no_penalties)
+        logits = logits.to(torch.float32, copy=mutates)
 
         logits = self.apply_logits_processors(logits, meta)
         sampled = self.sample(logits, meta)

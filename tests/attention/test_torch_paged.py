@@ -112,3 +112,17 @@ def test_build_metadata():
     assert m.block_tables.tolist() == [[2, 0], [1, 0]]
     with pytest.raises(ValueError):
         build_metadata([(0, 3, [1]), (4, 1, [2, 0])], 4)
+
+
+def test_request_reads_block_written_by_another_in_same_step():
+    """B's cached prefix block is filled by A in the same step (writes happen before attention)."""
+    bs, h, d = 4, 2, 8
+    g = torch.Generator().manual_seed(3)
+    k, v, q = (torch.randn(7, h, d, generator=g) for _ in range(3))
+    cache = torch.zeros(5, 2, bs, h, d)
+    meta = build_metadata([(0, 6, [2, 0]), (4, 3, [2, 4])], bs)  # both use block 2 for tokens 0..3
+    kb, vb, qb = k, v, q  # A computes tokens 0..5, B (same prefix) computes 4..6
+    tk, tv, tq = (torch.cat([x[:6], x[4:7]]) for x in (kb, vb, qb))
+    out = TorchPagedAttention().forward(tq, tk, tv, cache, meta, d**-0.5, None, None)
+    torch.testing.assert_close(out[6:], dense_reference(qb[4:7], kb, vb, 4, d**-0.5, None, None))
+    torch.testing.assert_close(out[:6], dense_reference(qb[:6], kb[:6], vb[:6], 0, d**-0.5, None, None))

@@ -4,6 +4,7 @@ No torch anywhere (core/ is pure Python).
 """
 from __future__ import annotations
 
+import zlib
 from dataclasses import dataclass, field
 from typing import Optional
 
@@ -33,7 +34,9 @@ class PP:
 
 def make_req(req_id, prompt, max_tokens=16, eos=None, salt=None, **sp_kwargs) -> Request:
     if isinstance(prompt, int):
-        prompt = list(range(1000, 1000 + prompt))
+        # Distinct tokens per request id, so tests get no accidental prefix hits.
+        base = 10_000 + (zlib.crc32(req_id.encode()) % 1000) * 1000
+        prompt = list(range(base, base + prompt))
     return Request(req_id, prompt, SP(max_tokens=max_tokens, **sp_kwargs), eos_token_id=eos,
                    cache_salt=salt)
 

@@ -169,4 +169,5 @@ def test_reset_prefix_cache():
     mgr.free(a)
     assert mgr.reset_prefix_cache() is True
     assert admit(mgr, Request("b", list(range(9)))) == 0
+    assert mgr.prefix_cache_stats.queries == 18  # totals survive a reset
     assert mgr.usage > 0

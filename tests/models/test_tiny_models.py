@@ -1,5 +1,6 @@
 """Tiny random HF models vs ours on the same weights: prefill, decode, chunked prefill, batching."""
-import math
+
+import sys
 
 import pytest
 import torch
@@ -156,3 +157,16 @@ def test_bf16_close_to_fp32():
     assert logits.dtype == torch.float32
     ref = hf_logits(hf, PROMPT)
     assert (logits - ref).abs().max() < 0.1 * ref.abs().max()
+
+
+def test_llama3_rope_scaling(monkeypatch):
+    def config(arch, base=make_config):
+        c = base(arch)
+        c.rope_parameters = {"rope_type": "llama3", "rope_theta": 500.0, "factor": 8.0, "low_freq_factor": 1.0,
+                             "high_freq_factor": 4.0, "original_max_position_embeddings": 8}
+        return c
+
+    monkeypatch.setattr(sys.modules[__name__], "make_config", config)
+    hf, ours = make_pair("LlamaForCausalLM")
+    assert hf.config.rope_parameters["rope_type"] == "llama3"
+    torch.testing.assert_close(Runner(ours).step([("a", PROMPT)]), hf_logits(hf, PROMPT), atol=1e-4, rtol=1e-4)

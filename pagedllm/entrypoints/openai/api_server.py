@@ -1,0 +1,304 @@
+"""The OpenAI-compatible HTTP server (``pagedllm serve``).
+
+``build_app(engine, args)`` makes the FastAPI app around an ``AsyncLLM`` (or anything with its
+interface); ``run_server(args)`` builds the engine from the parsed ``pagedllm serve`` flags and
+serves the app with uvicorn until SIGINT/SIGTERM (then it stops accepting connections, aborts
+the requests in flight and returns, so the process exits 0).
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import dataclasses
+import hmac
+import logging
+import sys
+from typing import Any, Optional
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+
+from pagedllm.entrypoints.openai.errors import OpenAIError, error_response, install_exception_handlers
+from pagedllm.entrypoints.openai.protocol import (ChatCompletionRequest, CompletionRequest,
+                                                  DetokenizeRequest, TokenizeChatRequest,
+                                                  TokenizeCompletionRequest)
+from pagedllm.entrypoints.openai.serving_chat import OpenAIServingChat
+from pagedllm.entrypoints.openai.serving_completion import OpenAIServingCompletion
+from pagedllm.entrypoints.openai.serving_models import (OpenAIServingModels,
+                                                        OpenAIServingTokenization)
+from pagedllm.metrics.loggers import LoggingStatLogger
+from pagedllm.metrics.prometheus import PrometheusStatLogger
+
+logger = logging.getLogger("pagedllm.entrypoints.openai.api_server")
+
+STATS_LOG_INTERVAL_S = 5.0
+
+
+def _version() -> str:
+    try:
+        import pagedllm
+        v = getattr(pagedllm, "__version__", None)
+        if v:
+            return str(v)
+    except Exception:
+        pass
+    try:
+        from importlib.metadata import version
+        return version("pagedllm")
+    except Exception:
+        return "0.1.0"
+
+
+def _served_names(engine: Any, args: Any) -> list[str]:
+    names = getattr(args, "served_model_name", None) if args is not None else None
+    if isinstance(names, str):
+        names = [names]
+    if not names:
+        names = [str(getattr(engine, "model_name", "model"))]
+    return list(names)
+
+
+def build_app(engine: Any, args: Optional[argparse.Namespace] = None) -> FastAPI:
+    """The FastAPI app serving ``engine``.
+
+    ``args`` (optional, a ``pagedllm serve`` namespace or anything with those attributes):
+    served_model_name, api_key, max_logprobs, chat_template, disable_log_requests,
+    disable_log_stats.
+    """
+    get = (lambda name, default=None: getattr(args, name, default) if args is not None else default)
+    served = _served_names(engine, args)
+    api_key = get("api_key")
+    common = dict(max_logprobs=int(get("max_logprobs", 20) or 20),
+                  chat_template=get("chat_template"),
+                  log_requests=not bool(get("disable_log_requests", False)))
+
+    serving_completion = OpenAIServingCompletion(engine, served, **common)
+    serving_chat = OpenAIServingChat(engine, served, **common)
+    serving_models = OpenAIServingModels(engine, served, **common)
+    serving_tokenization = OpenAIServingTokenization(engine, served, **common)
+    servings = (serving_completion, serving_chat)
+
+    # Stat loggers: the engine calls record(scheduler_stats, iteration_stats) after each step.
+    prom = PrometheusStatLogger(model_name=served[0], max_model_len=int(engine.max_model_len))
+    if getattr(engine, "stat_loggers", None) is None:
+        try:
+            engine.stat_loggers = []
+        except Exception:
+            pass
+    loggers_list = getattr(engine, "stat_loggers", None)
+    log_stats: Optional[LoggingStatLogger] = None
+    if isinstance(loggers_list, list):
+        loggers_list.append(prom)
+        if not get("disable_log_stats", False):
+            existing = [x for x in loggers_list if isinstance(x, LoggingStatLogger)]
+            if existing:
+                log_stats = existing[0]
+            else:
+                log_stats = LoggingStatLogger(interval=STATS_LOG_INTERVAL_S)
+                loggers_list.append(log_stats)
+
+    async def abort_all() -> None:
+        for s in servings:
+            await s.abort_all()
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI):
+        app.state.loop = asyncio.get_running_loop()
+        task = None
+        if log_stats is not None:
+            async def periodic_log() -> None:
+                while True:
+                    await asyncio.sleep(log_stats.interval)
+                    try:
+                        log_stats.maybe_log()
+                    except Exception:  # pragma: no cover
+                        logger.debug("stats log failed", exc_info=True)
+            task = asyncio.create_task(periodic_log())
+        try:
+            yield
+        finally:
+            if task is not None:
+                task.cancel()
+                with contextlib.suppress(BaseException):
+                    await task
+            await abort_all()
+            if isinstance(loggers_list, list):
+                for x in (prom, log_stats):
+                    if x is not None and x in loggers_list:
+                        loggers_list.remove(x)
+
+    app = FastAPI(title="pagedllm OpenAI-compatible API", version=_version(), lifespan=lifespan)
+    app.state.engine = engine
+    app.state.served_model_names = served
+    app.state.prometheus = prom
+    app.state.log_stats = log_stats
+    app.state.abort_all = abort_all
+    app.state.servings = servings
+    install_exception_handlers(app)
+
+    if api_key:
+        expected = f"Bearer {api_key}".encode()
+
+        @app.middleware("http")
+        async def authentication(request: Request, call_next):
+            # Only the OpenAI routes are protected (as vLLM does).
+            if request.method != "OPTIONS" and request.url.path.startswith("/v1"):
+                got = request.headers.get("Authorization", "").encode()
+                if not hmac.compare_digest(got, expected):
+                    return error_response("Unauthorized: missing or invalid API key.", 401,
+                                          None, "AuthenticationError")
+            return await call_next(request)
+
+    def _check_generate_runner() -> None:
+        if getattr(engine, "runner", "generate") != "generate":
+            raise OpenAIError("This model does not support text generation (it was started "
+                              "with --runner pooling).", 400, "model")
+
+    @app.post("/v1/completions")
+    async def create_completion(request: CompletionRequest, raw_request: Request):
+        _check_generate_runner()
+        return await serving_completion.create_completion(request, raw_request)
+
+    @app.post("/v1/chat/completions")
+    async def create_chat_completion(request: ChatCompletionRequest, raw_request: Request):
+        _check_generate_runner()
+        return await serving_chat.create_chat_completion(request, raw_request)
+
+    @app.get("/v1/models")
+    async def show_available_models():
+        return JSONResponse(serving_models.show_available_models().model_dump(mode="json"))
+
+    @app.get("/health")
+    async def health():
+        try:
+            check = getattr(engine, "check_health", None)
+            if check is not None:
+                await check()
+        except Exception as e:
+            return error_response(f"Engine is not healthy: {e}", 503)
+        return Response(status_code=200)
+
+    @app.api_route("/ping", methods=["GET", "POST"])
+    async def ping():
+        return await health()
+
+    @app.get("/version")
+    async def show_version():
+        return JSONResponse({"version": _version()})
+
+    @app.post("/tokenize")
+    async def tokenize(request: TokenizeChatRequest | TokenizeCompletionRequest):
+        return JSONResponse(serving_tokenization.tokenize(request).model_dump(mode="json",
+                                                                              exclude_none=True))
+
+    @app.post("/detokenize")
+    async def detokenize(request: DetokenizeRequest):
+        return JSONResponse(serving_tokenization.detokenize(request).model_dump(mode="json"))
+
+    @app.get("/metrics")
+    async def metrics():
+        # Refresh the gauges from the scheduler now (the engine may be idle, not stepping).
+        try:
+            s = engine.get_scheduler_stats()
+            prom.gauge_running.set(s.get("num_running", 0))
+            prom.gauge_waiting.set(s.get("num_waiting", 0))
+            prom.gauge_kv_usage.set(s.get("kv_cache_usage", 0.0))
+        except Exception:
+            logger.debug("get_scheduler_stats failed", exc_info=True)
+        return Response(prom.render(), media_type=prom.content_type)
+
+    @app.post("/reset_prefix_cache")
+    async def reset_prefix_cache():
+        ok = await engine.reset_prefix_cache()
+        if ok is False:
+            return error_response("Failed to reset the prefix cache (requests are running).", 409)
+        return Response(status_code=200)
+
+    return app
+
+
+# ------------------------------------------------------------------------------------------
+# run_server
+# ------------------------------------------------------------------------------------------
+
+
+def engine_args_from_namespace(args: argparse.Namespace):
+    """EngineArgs from ``pagedllm serve`` flags (same names)."""
+    from pagedllm.config import EngineArgs
+
+    kwargs = {}
+    for f in dataclasses.fields(EngineArgs):
+        val = getattr(args, f.name, None)
+        if val is not None:  # unset flags keep EngineArgs' defaults
+            kwargs[f.name] = val
+    return EngineArgs(**kwargs)
+
+
+def _setup_logging() -> None:
+    root = logging.getLogger()
+    if not root.handlers:
+        logging.basicConfig(level=logging.INFO,
+                            format="%(levelname)s %(asctime)s [%(name)s] %(message)s",
+                            datefmt="%m-%d %H:%M:%S")
+    logging.getLogger("pagedllm").setLevel(logging.INFO)
+
+
+def run_server(args: argparse.Namespace) -> int:
+    """Build the engine from ``args``, serve until SIGINT/SIGTERM; returns 0."""
+    import uvicorn
+
+    from pagedllm.engine.async_llm import AsyncLLM
+
+    from pagedllm.entrypoints.openai.cli_args import normalize_args
+
+    _setup_logging()
+    normalize_args(args)
+    engine_args = engine_args_from_namespace(args)
+    engine = AsyncLLM.from_engine_args(engine_args)
+    app = build_app(engine, args)
+    host = getattr(args, "host", "127.0.0.1") or "127.0.0.1"
+    port = int(getattr(args, "port", 8000))
+    served = app.state.served_model_names
+    print(f"pagedllm: serving model {served[0]!r} on http://{host}:{port} "
+          f"(OpenAI API at http://{host}:{port}/v1)", flush=True)
+    cap = getattr(engine, "kv_cache_capacity_tokens", None) or getattr(engine, "kv_capacity_tokens", None)
+    print(f"pagedllm: KV cache capacity: {cap} tokens; max_model_len: {engine.max_model_len}",
+          flush=True)
+
+    config = uvicorn.Config(app, host=host, port=port,
+                            log_level=getattr(args, "uvicorn_log_level", "info") or "info",
+                            timeout_keep_alive=5, timeout_graceful_shutdown=10)
+
+    class _Server(uvicorn.Server):
+        def handle_exit(self, sig, frame):  # SIGINT / SIGTERM
+            first = not self.should_exit
+            super().handle_exit(sig, frame)
+            # A requested shutdown is a clean exit (status 0): don't re-raise the signal.
+            self._captured_signals.clear()
+            if first:
+                loop = getattr(app.state, "loop", None)
+                if loop is not None and not loop.is_closed():
+                    loop.call_soon_threadsafe(lambda: asyncio.ensure_future(app.state.abort_all()))
+
+    server = _Server(config)
+    try:
+        server.run()
+    finally:
+        try:
+            engine.shutdown()
+        except Exception:
+            logger.debug("engine shutdown failed", exc_info=True)
+    print("pagedllm: server stopped", flush=True)
+    return 0
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    from pagedllm.entrypoints.openai.cli_args import make_arg_parser
+
+    parser = make_arg_parser(argparse.ArgumentParser(prog="pagedllm serve"))
+    return run_server(parser.parse_args(argv))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,292 @@
+"""POST /v1/chat/completions (vLLM's serving_chat, text only)."""
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any, AsyncIterator, Optional
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, Response
+
+from pagedllm.entrypoints.openai.errors import OpenAIError, error_body, value_error_to_openai
+from pagedllm.entrypoints.openai.protocol import (ChatCompletionLogProb, ChatCompletionLogProbs,
+                                                  ChatCompletionLogProbsContent,
+                                                  ChatCompletionRequest, ChatCompletionResponse,
+                                                  ChatCompletionResponseChoice,
+                                                  ChatCompletionResponseStreamChoice,
+                                                  ChatCompletionStreamResponse, ChatMessage,
+                                                  ChatMessageParam, DeltaMessage,
+                                                  PromptTokenUsageInfo, UsageInfo, random_uuid)
+from pagedllm.entrypoints.openai.serving_engine import (SSE_DONE, ClientDisconnected,
+                                                        OpenAIServing, SSEResponse, decoded_token,
+                                                        lp_value, sse)
+
+logger = logging.getLogger("pagedllm.entrypoints.openai")
+
+
+def messages_to_dicts(messages: list[ChatMessageParam]) -> list[dict[str, Any]]:
+    """Messages as plain dicts for the Jinja chat template (content flattened to a string)."""
+    out = []
+    for m in messages:
+        d: dict[str, Any] = {"role": m.role, "content": m.text_content() or ""}
+        if m.name is not None:
+            d["name"] = m.name
+        if m.tool_calls:
+            d["tool_calls"] = m.tool_calls
+        if m.tool_call_id is not None:
+            d["tool_call_id"] = m.tool_call_id
+        if m.reasoning_content is not None:
+            d["reasoning_content"] = m.reasoning_content
+        out.append(d)
+    return out
+
+
+def render_chat(serving: OpenAIServing, messages: list[ChatMessageParam], *,
+                add_generation_prompt: bool, continue_final_message: bool,
+                chat_template: Optional[str], chat_template_kwargs: Optional[dict],
+                tools: Optional[list] = None, documents: Optional[list] = None) -> str:
+    """Apply the chat template (request template > server --chat-template > tokenizer's)."""
+    tok = serving.tokenizer
+    conv = messages_to_dicts(messages)
+    if continue_final_message and (not conv or conv[-1]["role"] != "assistant"):
+        raise OpenAIError("continue_final_message is set but the final message is not an "
+                          "assistant message.", 400, "messages")
+    kwargs: dict[str, Any] = dict(chat_template_kwargs or {})
+    template = chat_template or serving.chat_template
+    if template is not None:
+        kwargs["chat_template"] = template
+    if tools:
+        kwargs["tools"] = tools
+    if documents:
+        kwargs["documents"] = documents
+    try:
+        text = tok.apply_chat_template(conv, tokenize=False,
+                                       add_generation_prompt=add_generation_prompt,
+                                       continue_final_message=continue_final_message, **kwargs)
+    except (ValueError, TypeError, KeyError) as e:
+        raise OpenAIError(f"Could not apply the chat template: {e}", 400, "messages") from e
+    except Exception as e:  # jinja2 errors (TemplateError, UndefinedError, ...)
+        raise OpenAIError(f"Could not apply the chat template: {e.__class__.__name__}: {e}",
+                          400, "messages") from e
+    if not isinstance(text, str):  # some tokenizers return a list for batched input
+        text = text[0]
+    return text
+
+
+class OpenAIServingChat(OpenAIServing):
+    response_role = "assistant"
+
+    def get_role(self, request: ChatCompletionRequest) -> str:
+        if request.add_generation_prompt:
+            return self.response_role
+        return request.messages[-1].role
+
+    def create_logprobs(self, token_ids: list[int], top_logprobs: Optional[list],
+                        num_top: Optional[int], as_token_id: bool = False) -> ChatCompletionLogProbs:
+        tok = self.tokenizer
+        content: list[ChatCompletionLogProbsContent] = []
+        for i, token_id in enumerate(token_ids):
+            step = top_logprobs[i] if top_logprobs is not None and i < len(top_logprobs) else None
+            if step is None or step.get(token_id) is None:
+                token = decoded_token(tok, token_id, None, as_token_id)
+                content.append(ChatCompletionLogProbsContent(
+                    token=token, bytes=list(token.encode("utf-8", errors="replace"))))
+                continue
+            st = step[token_id]
+            token = decoded_token(tok, token_id, st, as_token_id)
+            tops: list[ChatCompletionLogProb] = []
+            if num_top:
+                ranked = sorted(step.items(), key=lambda kv: (
+                    getattr(kv[1], "rank", None) is None, getattr(kv[1], "rank", 0) or 0))
+                for tid, lp in ranked[:num_top]:
+                    t = decoded_token(tok, tid, lp, as_token_id)
+                    tops.append(ChatCompletionLogProb(token=t, logprob=lp_value(lp),
+                                                      bytes=list(t.encode("utf-8", errors="replace"))))
+            content.append(ChatCompletionLogProbsContent(
+                token=token, logprob=lp_value(st),
+                bytes=list(token.encode("utf-8", errors="replace")), top_logprobs=tops))
+        return ChatCompletionLogProbs(content=content)
+
+    async def create_chat_completion(self, request: ChatCompletionRequest,
+                                     raw_request: Optional[Request] = None) -> Response:
+        self.check_model(request.model)
+        request_id = f"chatcmpl-{request.request_id or random_uuid()}"
+        created = int(time.time())
+        model_name = self.response_model_name(request.model)
+        try:
+            prompt_text = render_chat(
+                self, request.messages, add_generation_prompt=request.add_generation_prompt,
+                continue_final_message=request.continue_final_message,
+                chat_template=request.chat_template,
+                chat_template_kwargs=request.chat_template_kwargs,
+                tools=request.tools if request.tool_choice != "none" else None,
+                documents=request.documents)
+        except ValueError as e:
+            raise value_error_to_openai(e, "messages") from e
+        ids = self.encode(prompt_text, request.add_special_tokens)
+        keep = request.resolve_truncation(self.max_model_len)
+        if keep is not None and len(ids) > keep:
+            ids = self.truncate(ids, keep)
+            prompt_text = self.tokenizer.decode(ids)
+        requested_max = (request.max_completion_tokens if request.max_completion_tokens is not None
+                         else request.max_tokens)
+        self.validate_input(ids, requested_max, prompt_param="messages",
+                            max_tokens_param=("max_completion_tokens"
+                                              if request.max_completion_tokens is not None
+                                              else "max_tokens"))
+        self.check_logprobs(request.top_logprobs if request.logprobs else None,
+                            request.prompt_logprobs, "top_logprobs")
+        try:
+            sp = request.to_sampling_params(self.max_model_len - len(ids), self.max_model_len,
+                                            self.default_sampling_params)
+        except ValueError as e:
+            raise value_error_to_openai(e) from e
+        self.log_request(request_id, prompt_text, ids, sp)
+        rids = [request_id]
+        try:
+            merged = await self.start([self.engine_prompt(ids, prompt_text, request.cache_salt)],
+                                      [sp], rids)
+        except ValueError as e:
+            raise value_error_to_openai(e) from e
+        if request.stream:
+            return SSEResponse(self._stream(request, merged, rids, request_id, created, model_name,
+                                            ids))
+        try:
+            results = await self.collect(merged, raw_request, rids)
+        except ClientDisconnected:
+            return Response(status_code=499)
+        except ValueError as e:
+            raise value_error_to_openai(e) from e
+        resp = self._build_response(request, results[0], request_id, created, model_name, ids)
+        return JSONResponse(resp.model_dump(mode="json"))
+
+    def _echo_text(self, request: ChatCompletionRequest, role: str) -> Optional[str]:
+        if request.echo and request.messages and request.messages[-1].role == role:
+            return request.messages[-1].text_content() or None
+        return None
+
+    def _build_response(self, request: ChatCompletionRequest, outs: list[Any], request_id: str,
+                        created: int, model_name: str, prompt_ids: list[int]) -> ChatCompletionResponse:
+        role = self.get_role(request)
+        final: dict[int, Any] = {}
+        num_cached = 0
+        prompt_logprobs = None
+        for ro in outs:
+            if ro.prompt_token_ids:
+                prompt_ids = list(ro.prompt_token_ids)
+            if ro.prompt_logprobs is not None:
+                prompt_logprobs = ro.prompt_logprobs
+            num_cached = int(getattr(ro, "num_cached_tokens", 0) or 0)
+            for co in ro.outputs:
+                final[co.index] = co
+        echo = self._echo_text(request, role)
+        as_tid = bool(request.return_tokens_as_token_ids)
+        choices = []
+        num_generated = 0
+        for idx in sorted(final):
+            co = final[idx]
+            logprobs = None
+            if request.logprobs and request.top_logprobs is not None:
+                logprobs = self.create_logprobs(list(co.token_ids), co.logprobs,
+                                                request.top_logprobs, as_tid)
+            text = co.text if echo is None else echo + co.text
+            num_generated += len(co.token_ids)
+            choices.append(ChatCompletionResponseChoice(
+                index=idx, message=ChatMessage(role=role, content=text), logprobs=logprobs,
+                finish_reason=co.finish_reason or "stop", stop_reason=co.stop_reason,
+                token_ids=list(co.token_ids) if request.return_token_ids else None))
+        pt = len(prompt_ids)
+        usage = UsageInfo(prompt_tokens=pt, completion_tokens=num_generated,
+                          total_tokens=pt + num_generated,
+                          prompt_tokens_details=PromptTokenUsageInfo(cached_tokens=num_cached))
+        pl = None
+        if request.prompt_logprobs is not None and prompt_logprobs is not None:
+            from pagedllm.entrypoints.openai.serving_completion import _prompt_logprobs_json
+            pl = _prompt_logprobs_json(prompt_logprobs, self.tokenizer)
+        return ChatCompletionResponse(
+            id=request_id, created=created, model=model_name, choices=choices, usage=usage,
+            prompt_logprobs=pl,
+            prompt_token_ids=list(prompt_ids) if request.return_token_ids else None)
+
+    async def _stream(self, request: ChatCompletionRequest, merged, rids: list[str],
+                      request_id: str, created: int, model_name: str,
+                      prompt_ids: list[int]) -> AsyncIterator[str]:
+        n = request.n or 1
+        previous_num_tokens = [0] * n
+        finish_sent = [False] * n
+        so = request.stream_options
+        include_usage = bool(so and so.include_usage)
+        include_continuous = include_usage and bool(so and so.continuous_usage_stats)
+        num_prompt_tokens = len(prompt_ids)
+        num_cached = 0
+        role = self.get_role(request)
+        as_tid = bool(request.return_tokens_as_token_ids)
+        completed = False
+
+        def chunk_json(choice: ChatCompletionResponseStreamChoice, completion_tokens: int) -> str:
+            chunk = ChatCompletionStreamResponse(id=request_id, created=created, model=model_name,
+                                                 choices=[choice])
+            if include_continuous:
+                chunk.usage = UsageInfo(prompt_tokens=num_prompt_tokens,
+                                        completion_tokens=completion_tokens,
+                                        total_tokens=num_prompt_tokens + completion_tokens)
+                return chunk.model_dump_json()
+            return chunk.model_dump_json(exclude={"usage"})
+
+        try:
+            # First chunk(s): the role, for each choice.
+            for i in range(n):
+                yield sse(chunk_json(ChatCompletionResponseStreamChoice(
+                    index=i, delta=DeltaMessage(role=role, content=""), logprobs=None,
+                    finish_reason=None), 0))
+            echo = self._echo_text(request, role)
+            if echo:
+                for i in range(n):
+                    yield sse(chunk_json(ChatCompletionResponseStreamChoice(
+                        index=i, delta=DeltaMessage(content=echo), logprobs=None,
+                        finish_reason=None), 0))
+            async for _, res in merged:
+                if res.prompt_token_ids:
+                    num_prompt_tokens = len(res.prompt_token_ids)
+                num_cached = int(getattr(res, "num_cached_tokens", 0) or 0)
+                for output in res.outputs:
+                    i = output.index
+                    if i >= n or finish_sent[i]:
+                        continue
+                    delta_text = output.text
+                    if (not delta_text and not output.token_ids and not previous_num_tokens[i]
+                            and output.finish_reason is None):
+                        continue
+                    logprobs = None
+                    if request.logprobs and request.top_logprobs is not None:
+                        logprobs = self.create_logprobs(list(output.token_ids), output.logprobs,
+                                                        request.top_logprobs, as_tid)
+                    previous_num_tokens[i] += len(output.token_ids)
+                    if output.finish_reason is not None:
+                        finish_sent[i] = True
+                    choice = ChatCompletionResponseStreamChoice(
+                        index=i, delta=DeltaMessage(content=delta_text), logprobs=logprobs,
+                        finish_reason=output.finish_reason,
+                        stop_reason=output.stop_reason if output.finish_reason else None,
+                        token_ids=list(output.token_ids) if request.return_token_ids else None)
+                    yield sse(chunk_json(choice, previous_num_tokens[i]))
+            completed = True
+            if include_usage:
+                ct = sum(previous_num_tokens)
+                final = ChatCompletionStreamResponse(
+                    id=request_id, created=created, model=model_name, choices=[],
+                    usage=UsageInfo(prompt_tokens=num_prompt_tokens, completion_tokens=ct,
+                                    total_tokens=num_prompt_tokens + ct,
+                                    prompt_tokens_details=PromptTokenUsageInfo(
+                                        cached_tokens=num_cached)))
+                yield sse(final.model_dump_json())
+        except ValueError as e:
+            completed = True
+            yield sse(value_error_to_openai(e).to_dict())
+        except Exception as e:
+            logger.exception("error in chat stream %s", request_id)
+            completed = True
+            yield sse(error_body(f"Internal server error: {e}", 500))
+        finally:
+            await self.finish(merged, rids, completed)
+        yield SSE_DONE

@@ -1,0 +1,53 @@
+"""GET /v1/models, POST /tokenize, POST /detokenize."""
+from __future__ import annotations
+
+from typing import Union
+
+from pagedllm.entrypoints.openai.errors import OpenAIError
+from pagedllm.entrypoints.openai.protocol import (DetokenizeRequest, DetokenizeResponse,
+                                                  ModelCard, ModelList, ModelPermission,
+                                                  TokenizeChatRequest, TokenizeCompletionRequest,
+                                                  TokenizeResponse)
+from pagedllm.entrypoints.openai.serving_chat import render_chat
+from pagedllm.entrypoints.openai.serving_engine import OpenAIServing
+
+
+class OpenAIServingModels(OpenAIServing):
+
+    def show_available_models(self) -> ModelList:
+        root = str(getattr(self.engine, "model_name", self.served_model_names[0]))
+        return ModelList(data=[
+            ModelCard(id=name, root=root, max_model_len=self.max_model_len,
+                      permission=[ModelPermission()])
+            for name in self.served_model_names
+        ])
+
+
+class OpenAIServingTokenization(OpenAIServing):
+
+    def tokenize(self, request: Union[TokenizeCompletionRequest, TokenizeChatRequest]) -> TokenizeResponse:
+        self.check_model(request.model)
+        if isinstance(request, TokenizeChatRequest):
+            text = render_chat(self, request.messages,
+                               add_generation_prompt=request.add_generation_prompt,
+                               continue_final_message=request.continue_final_message,
+                               chat_template=request.chat_template,
+                               chat_template_kwargs=request.chat_template_kwargs,
+                               tools=request.tools)
+        else:
+            text = request.prompt
+        ids = self.encode(text, request.add_special_tokens)
+        strs = None
+        if request.return_token_strs:
+            strs = list(self.tokenizer.convert_ids_to_tokens(ids))
+        return TokenizeResponse(count=len(ids), max_model_len=self.max_model_len, tokens=ids,
+                                token_strs=strs)
+
+    def detokenize(self, request: DetokenizeRequest) -> DetokenizeResponse:
+        self.check_model(request.model)
+        self.check_token_ids(request.tokens, "tokens")
+        try:
+            text = self.tokenizer.decode(request.tokens)
+        except (ValueError, OverflowError, TypeError) as e:
+            raise OpenAIError(f"Could not detokenize: {e}", 400, "tokens") from e
+        return DetokenizeResponse(prompt=text)

@@ -1,0 +1,100 @@
+"""Periodic log line with throughput and scheduler state (vLLM's LoggingStatLogger)."""
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import deque
+from typing import Optional
+
+from pagedllm.metrics.stats import IterationStats, SchedulerStats, SchedulerStatsAdapter
+
+logger = logging.getLogger("pagedllm.metrics")
+
+# Number of recent prefix-cache lookups (steps) the hit rate is computed over.
+_PREFIX_CACHE_WINDOW_QUERIES = 1_000_000
+
+
+class LoggingStatLogger:
+    """Accumulates stats from ``record`` and logs one line every ``interval`` seconds:
+
+    "Avg prompt throughput: X tokens/s, Avg generation throughput: Y tokens/s, Running: N reqs,
+    Waiting: M reqs, KV cache usage: P%, Prefix cache hit rate: H%"
+
+    ``record`` logs itself once the interval has passed; ``log()`` can also be called from a
+    timer (the API server does, every interval) so the line keeps coming while idle requests
+    drain. Idle periods (nothing processed, nothing running or waiting) log only once.
+    """
+
+    def __init__(self, interval: float = 5.0, log_fn=None):
+        self.interval = float(interval)
+        self._log_fn = log_fn or logger.info
+        self._lock = threading.Lock()
+        self._adapt = SchedulerStatsAdapter()
+        self.last_log_time = time.monotonic()
+        self.num_prompt_tokens = 0
+        self.num_generation_tokens = 0
+        self.num_preemptions = 0
+        self.last_scheduler_stats = SchedulerStats()
+        # (queries, hits) per step, bounded by total queries.
+        self._prefix_window: deque[tuple[int, int]] = deque()
+        self._prefix_queries = 0
+        self._prefix_hits = 0
+        self._last_line_idle = False
+        self.last_line: Optional[str] = None
+
+    def record(self, scheduler_stats: Optional[SchedulerStats],
+               iteration_stats: Optional[IterationStats]) -> None:
+        with self._lock:
+            scheduler_stats, preempt = self._adapt(scheduler_stats)
+            if iteration_stats is None and preempt:
+                self.num_preemptions += preempt
+            if iteration_stats is not None:
+                self.num_prompt_tokens += iteration_stats.num_prompt_tokens
+                self.num_generation_tokens += iteration_stats.num_generation_tokens
+                self.num_preemptions += iteration_stats.num_preempted
+            if scheduler_stats is not None:
+                self.last_scheduler_stats = scheduler_stats
+                q, h = scheduler_stats.prefix_cache_queries, scheduler_stats.prefix_cache_hits
+                if q > 0:
+                    self._prefix_window.append((q, h))
+                    self._prefix_queries += q
+                    self._prefix_hits += h
+                    while self._prefix_queries > _PREFIX_CACHE_WINDOW_QUERIES and len(self._prefix_window) > 1:
+                        oq, oh = self._prefix_window.popleft()
+                        self._prefix_queries -= oq
+                        self._prefix_hits -= oh
+        self.maybe_log()
+
+    def maybe_log(self) -> None:
+        if time.monotonic() - self.last_log_time >= self.interval:
+            self.log()
+
+    @property
+    def prefix_cache_hit_rate(self) -> float:
+        return self._prefix_hits / self._prefix_queries if self._prefix_queries else 0.0
+
+    def log(self) -> Optional[str]:
+        with self._lock:
+            now = time.monotonic()
+            elapsed = max(now - self.last_log_time, 1e-9)
+            prompt_tp = self.num_prompt_tokens / elapsed
+            gen_tp = self.num_generation_tokens / elapsed
+            s = self.last_scheduler_stats
+            self.num_prompt_tokens = 0
+            self.num_generation_tokens = 0
+            self.last_log_time = now
+            idle = (prompt_tp == 0 and gen_tp == 0 and s.num_running_reqs == 0
+                    and s.num_waiting_reqs == 0)
+            line = (f"Avg prompt throughput: {prompt_tp:.1f} tokens/s, "
+                    f"Avg generation throughput: {gen_tp:.1f} tokens/s, "
+                    f"Running: {s.num_running_reqs} reqs, Waiting: {s.num_waiting_reqs} reqs, "
+                    f"KV cache usage: {s.kv_cache_usage * 100:.1f}%, "
+                    f"Prefix cache hit rate: {self.prefix_cache_hit_rate * 100:.1f}%")
+            self.last_line = line
+            skip = idle and self._last_line_idle
+            self._last_line_idle = idle
+        if not skip:
+            self._log_fn(line)
+            return line
+        return None

@@ -1,0 +1,161 @@
+"""Prometheus metrics with vLLM's names (``vllm:`` -> ``pagedllm:``).
+
+Each ``PrometheusStatLogger`` owns its own ``CollectorRegistry`` so several servers/engines in
+one process never collide. Exposed names (Prometheus adds ``_total`` to counters):
+
+gauges     pagedllm:num_requests_running, pagedllm:num_requests_waiting,
+           pagedllm:kv_cache_usage_perc
+counters   pagedllm:prompt_tokens_total, pagedllm:generation_tokens_total,
+           pagedllm:request_success_total{finished_reason}, pagedllm:num_preemptions_total,
+           pagedllm:prefix_cache_queries_total, pagedllm:prefix_cache_hits_total
+histograms pagedllm:time_to_first_token_seconds, pagedllm:inter_token_latency_seconds,
+           pagedllm:e2e_request_latency_seconds, pagedllm:request_queue_time_seconds,
+           pagedllm:request_prompt_tokens, pagedllm:request_generation_tokens
+All carry the label ``model_name``.
+"""
+from __future__ import annotations
+
+import threading
+from typing import Optional
+
+from prometheus_client import (CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram,
+                               generate_latest)
+
+from pagedllm.metrics.stats import IterationStats, SchedulerStats, SchedulerStatsAdapter
+
+TTFT_BUCKETS = [0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,
+                7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0]
+ITL_BUCKETS = [0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5,
+               10.0, 20.0, 40.0, 80.0]
+REQUEST_LATENCY_BUCKETS = [0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0,
+                           50.0, 60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0]
+FINISH_REASONS = ("stop", "length", "abort")
+
+
+def _token_buckets(max_model_len: int) -> list[float]:
+    """1-2-5 buckets up to max_model_len (vLLM's build_1_2_5_buckets)."""
+    out: list[float] = []
+    mag = 1
+    while True:
+        for m in (1, 2, 5):
+            v = m * mag
+            if v > max_model_len:
+                return out
+            out.append(float(v))
+        mag *= 10
+
+
+class PrometheusStatLogger:
+    """Stat logger exporting the engine's metrics to a private Prometheus registry."""
+
+    PREFIX = "pagedllm:"
+
+    def __init__(self, model_name: str = "", max_model_len: int = 2048,
+                 registry: Optional[CollectorRegistry] = None):
+        self.registry = registry if registry is not None else CollectorRegistry(auto_describe=True)
+        self.model_name = model_name
+        self._lock = threading.Lock()
+        self._adapt = SchedulerStatsAdapter()
+        p = self.PREFIX
+        labels = ["model_name"]
+        reg = self.registry
+        self.gauge_running = Gauge(p + "num_requests_running",
+                                   "Number of requests in model execution batches.",
+                                   labels, registry=reg).labels(model_name)
+        self.gauge_waiting = Gauge(p + "num_requests_waiting",
+                                   "Number of requests waiting to be processed.",
+                                   labels, registry=reg).labels(model_name)
+        self.gauge_kv_usage = Gauge(p + "kv_cache_usage_perc",
+                                    "KV-cache usage. 1 means 100 percent usage.",
+                                    labels, registry=reg).labels(model_name)
+        self.counter_preemptions = Counter(p + "num_preemptions",
+                                           "Cumulative number of preemption from the engine.",
+                                           labels, registry=reg).labels(model_name)
+        self.counter_prompt_tokens = Counter(p + "prompt_tokens",
+                                             "Number of prefill tokens processed.",
+                                             labels, registry=reg).labels(model_name)
+        self.counter_generation_tokens = Counter(p + "generation_tokens",
+                                                 "Number of generation tokens processed.",
+                                                 labels, registry=reg).labels(model_name)
+        self.counter_prefix_queries = Counter(
+            p + "prefix_cache_queries",
+            "Prefix cache queries, in terms of number of queried tokens.",
+            labels, registry=reg).labels(model_name)
+        self.counter_prefix_hits = Counter(
+            p + "prefix_cache_hits",
+            "Prefix cache hits, in terms of number of cached tokens.",
+            labels, registry=reg).labels(model_name)
+        success = Counter(p + "request_success", "Count of successfully processed requests.",
+                          labels + ["finished_reason"], registry=reg)
+        self.counter_success = {r: success.labels(model_name, r) for r in FINISH_REASONS}
+        self._success_family = success
+        self.hist_ttft = Histogram(p + "time_to_first_token_seconds",
+                                   "Histogram of time to first token in seconds.",
+                                   labels, buckets=TTFT_BUCKETS, registry=reg).labels(model_name)
+        self.hist_itl = Histogram(p + "inter_token_latency_seconds",
+                                  "Histogram of inter-token latency in seconds.",
+                                  labels, buckets=ITL_BUCKETS, registry=reg).labels(model_name)
+        self.hist_e2e = Histogram(p + "e2e_request_latency_seconds",
+                                  "Histogram of e2e request latency in seconds.",
+                                  labels, buckets=REQUEST_LATENCY_BUCKETS,
+                                  registry=reg).labels(model_name)
+        self.hist_queue = Histogram(p + "request_queue_time_seconds",
+                                    "Histogram of time spent in WAITING phase for request.",
+                                    labels, buckets=REQUEST_LATENCY_BUCKETS,
+                                    registry=reg).labels(model_name)
+        tok_buckets = _token_buckets(max(1, int(max_model_len or 1)))
+        self.hist_req_prompt = Histogram(p + "request_prompt_tokens",
+                                         "Number of prefill tokens processed.", labels,
+                                         buckets=tok_buckets, registry=reg).labels(model_name)
+        self.hist_req_gen = Histogram(p + "request_generation_tokens",
+                                      "Number of generation tokens processed.", labels,
+                                      buckets=tok_buckets, registry=reg).labels(model_name)
+
+    def record(self, scheduler_stats: Optional[SchedulerStats],
+               iteration_stats: Optional[IterationStats]) -> None:
+        """scheduler_stats: a SchedulerStats, or the engine's totals dict (deltas are taken).
+        Preemptions come from iteration_stats.num_preempted, or (without iteration_stats)
+        from the dict's num_preemptions_total."""
+        with self._lock:
+            scheduler_stats, preempt = self._adapt(scheduler_stats)
+            if iteration_stats is None and preempt:
+                self.counter_preemptions.inc(preempt)
+            if scheduler_stats is not None:
+                self.gauge_running.set(scheduler_stats.num_running_reqs)
+                self.gauge_waiting.set(scheduler_stats.num_waiting_reqs)
+                self.gauge_kv_usage.set(scheduler_stats.kv_cache_usage)
+                if scheduler_stats.prefix_cache_queries > 0:
+                    self.counter_prefix_queries.inc(scheduler_stats.prefix_cache_queries)
+                if scheduler_stats.prefix_cache_hits > 0:
+                    self.counter_prefix_hits.inc(scheduler_stats.prefix_cache_hits)
+            if iteration_stats is None:
+                return
+            if iteration_stats.num_preempted > 0:
+                self.counter_preemptions.inc(iteration_stats.num_preempted)
+            if iteration_stats.num_prompt_tokens > 0:
+                self.counter_prompt_tokens.inc(iteration_stats.num_prompt_tokens)
+            if iteration_stats.num_generation_tokens > 0:
+                self.counter_generation_tokens.inc(iteration_stats.num_generation_tokens)
+            for t in iteration_stats.time_to_first_tokens_iter:
+                self.hist_ttft.observe(t)
+            for t in iteration_stats.inter_token_latencies_iter:
+                self.hist_itl.observe(t)
+            for fr in iteration_stats.finished_requests:
+                c = self.counter_success.get(fr.finish_reason)
+                if c is None:
+                    c = self._success_family.labels(self.model_name, fr.finish_reason)
+                    self.counter_success[fr.finish_reason] = c
+                c.inc()
+                self.hist_e2e.observe(fr.e2e_latency)
+                self.hist_queue.observe(fr.queue_time)
+                self.hist_req_prompt.observe(fr.num_prompt_tokens)
+                self.hist_req_gen.observe(fr.num_generation_tokens)
+
+    def log(self) -> None:  # stat-logger interface; Prometheus is pull-based
+        pass
+
+    def render(self) -> bytes:
+        """The metrics in Prometheus text exposition format."""
+        return generate_latest(self.registry)
+
+    content_type = CONTENT_TYPE_LATEST

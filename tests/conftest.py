@@ -1,0 +1,54 @@
+"""Shared fixtures. Real models and their transformers references load once per session."""
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("PAGEDLLM_NUM_THREADS", "1")
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+torch.set_num_threads(1)
+
+
+@pytest.fixture(scope="session")
+def smollm2_path() -> str:
+    from pagedllm.loader import get_smollm2_gguf_path
+    return get_smollm2_gguf_path()
+
+
+@pytest.fixture(scope="session")
+def gemma3_path() -> str:
+    from pagedllm.loader import get_gemma3_gguf_path
+    return get_gemma3_gguf_path()
+
+
+def _hf_from_gguf(path: str):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    d, f = os.path.dirname(path), os.path.basename(path)
+    model = AutoModelForCausalLM.from_pretrained(d, gguf_file=f, dtype=torch.float32)
+    model.eval()
+    tok = AutoTokenizer.from_pretrained(d, gguf_file=f)
+    return model, tok
+
+
+@pytest.fixture(scope="session")
+def hf_smollm2(smollm2_path):
+    """(transformers LlamaForCausalLM fp32, tokenizer) from the SmolLM2 GGUF (~15 s)."""
+    return _hf_from_gguf(smollm2_path)
+
+
+@pytest.fixture(scope="session")
+def hf_gemma3(gemma3_path):
+    """(transformers Gemma3ForCausalLM fp32, tokenizer) from the Gemma 3 GGUF (~40 s)."""
+    return _hf_from_gguf(gemma3_path)
+
+
+@pytest.fixture(scope="session")
+def smollm2_llm():
+    """A float32 SmolLM2 LLM shared by the real-model engine tests."""
+    from pagedllm import LLM
+    return LLM("SmolLM2-135M-Instruct", dtype="float32", kv_cache_memory=256 * 1024**2,
+               max_num_batched_tokens=512, seed=0)

