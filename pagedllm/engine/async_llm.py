@@ -57,6 +57,7 @@ class AsyncLLM:
 
         self.args = args
         self.engine = LLMEngine(args)
+        self.engine.collect_stats = True
         self.tokenizer = self.engine.tokenizer
         self.max_model_len = self.engine.max_model_len
         self.vocab_size = self.engine.vocab_size
@@ -122,7 +123,6 @@ class AsyncLLM:
                     self._wake.wait(0.5)
                     self._wake.clear()
                     continue
-                t0 = time.time()
                 outputs = eng.step()
                 for o in outputs:
                     if o.finished:
@@ -130,12 +130,12 @@ class AsyncLLM:
                 stats = eng.core.get_scheduler_stats()
                 with self._stats_lock:
                     self._last_stats = stats
+                it_stats = eng.pop_iteration_stats()
                 for lg in self.stat_loggers:
                     try:
-                        lg.record(stats, eng.pop_iteration_stats() if hasattr(eng, "pop_iteration_stats") else None)
+                        lg.record(stats, it_stats)
                     except Exception:  # a metrics bug must not stop the engine
                         logger.exception("stat logger failed")
-                del t0
             except Exception as e:  # engine bug: fail in-flight requests, keep serving new ones
                 logger.exception("engine step failed; aborting in-flight requests")
                 ids = list(self._queues)

@@ -9,6 +9,7 @@ from pagedllm.config import EngineArgs
 from pagedllm.core.request import Request, RequestStatus
 from pagedllm.engine.engine_core import EngineCore
 from pagedllm.engine.input_processor import InputProcessor
+from pagedllm.metrics.stats import IterationStats, RequestStateStats
 from pagedllm.outputs import RequestOutput
 
 
@@ -39,6 +40,12 @@ class LLMEngine:
         self.output_processor = OutputProcessor(self.tokenizer)
         self.default_sampling_params = self._generation_defaults()
         self._ids = itertools.count()
+        # Per core request: (Request, RequestStateStats) for TTFT/ITL/e2e metrics.
+        self._req_stats: dict[str, tuple[Request, RequestStateStats]] = {}
+        self._iter_stats = IterationStats()
+        self._preemptions_seen = 0
+        # Set by AsyncLLM, which drains pop_iteration_stats() every step; offline runs skip it.
+        self.collect_stats = False
         # parent request id -> child core request ids
         self._children: dict[str, list[str]] = {}
 
@@ -124,6 +131,8 @@ class LLMEngine:
             # Prompt logprobs need every prompt position computed: no prefix-cache hits.
             req.skip_prefix_cache = True
         self.core.add_request(req)
+        if self.collect_stats:
+            self._req_stats[rid] = (req, RequestStateStats(num_prompt_tokens=len(pp.prompt_token_ids)))
 
     def add_request(self, request_id: str, prompt: Any, params: Any, queue: Any = None,
                     strict_length: bool = False) -> None:
@@ -143,18 +152,48 @@ class LLMEngine:
             core_ids.extend(kids if kids else [rid])
         self.core.abort_requests(core_ids)
         self.output_processor.abort_requests(core_ids)
+        self._observe_finished(core_ids, "abort")
 
     def has_unfinished_requests(self) -> bool:
         return self.core.has_unfinished_requests()
+
+    def _observe_finished(self, core_ids: list[str], reason: str) -> None:
+        now = time.time()
+        for rid in core_ids:
+            entry = self._req_stats.pop(rid, None)
+            if entry is not None:
+                req, st = entry
+                st.observe(self._iter_stats, req.arrival_time, req.first_scheduled_time, now, 0, False, reason)
+
+    def pop_iteration_stats(self) -> IterationStats:
+        """Metrics gathered since the last call (tokens, TTFTs, ITLs, finished requests)."""
+        it = self._iter_stats
+        total = self.core.scheduler.num_preemptions_total
+        it.num_preempted = total - self._preemptions_seen
+        self._preemptions_seen = total
+        self._iter_stats = IterationStats()
+        return it
 
     def step(self) -> list[RequestOutput]:
         """One engine step; returns the RequestOutputs produced (per ``output_kind``)."""
         core_outputs = self.core.step()
         if not core_outputs:
             return []
+        now = time.time()
+        it = self._iter_stats
+        for co in core_outputs:
+            entry = self._req_stats.get(co.req_id)
+            if entry is None:
+                continue
+            req, st = entry
+            st.observe(it, req.arrival_time, req.first_scheduled_time, now, len(co.new_token_ids),
+                       st.first_token_time is None and len(co.new_token_ids) > 0, co.finish_reason)
+            if co.finish_reason is not None:
+                del self._req_stats[co.req_id]
         outputs, to_abort = self.output_processor.process_outputs(core_outputs)
         if to_abort:
             self.core.abort_requests(to_abort, RequestStatus.FINISHED_STOPPED)
+            self._observe_finished(to_abort, "stop")
         for o in outputs:
             if o.finished:
                 self._children.pop(o.request_id, None)

@@ -145,7 +145,7 @@ class OpenAIServingChat(OpenAIServing):
         rids = [request_id]
         try:
             merged = await self.start([self.engine_prompt(ids, prompt_text, request.cache_salt)],
-                                      [sp], rids)
+                                      [sp], rids, prime=bool(request.stream))
         except ValueError as e:
             raise value_error_to_openai(e) from e
         if request.stream:

@@ -126,7 +126,7 @@ class OpenAIServingCompletion(OpenAIServing):
             raise value_error_to_openai(e) from e
 
         try:
-            merged = await self.start(engine_prompts, params, rids)
+            merged = await self.start(engine_prompts, params, rids, prime=bool(request.stream))
         except ValueError as e:
             raise value_error_to_openai(e) from e
 

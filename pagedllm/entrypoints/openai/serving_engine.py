@@ -159,13 +159,12 @@ class OpenAIServing:
 
     def __init__(self, engine: Any, served_model_names: list[str], *, max_logprobs: int = 20,
                  chat_template: Optional[str] = None, log_requests: bool = True,
-                 disconnect_poll_s: float = 0.5):
+                 ):
         self.engine = engine
         self.served_model_names = list(served_model_names)
         self.max_logprobs = max_logprobs
         self.chat_template = resolve_chat_template(chat_template)
         self.log_requests = log_requests
-        self.disconnect_poll_s = disconnect_poll_s
         self.inflight: set[str] = set()
         self.inflight_streams: set[MergedGenerators] = set()
 
@@ -255,11 +254,18 @@ class OpenAIServing:
                     request_id, ptxt, params, len(ids))
 
     # ---- running -----------------------------------------------------------------------
-    async def start(self, prompts: list[dict], params: list[Any], request_ids: list[str]) -> MergedGenerators:
+    async def start(self, prompts: list[dict], params: list[Any], request_ids: list[str],
+                    prime: bool = True) -> MergedGenerators:
+        """Submit the requests. With ``prime`` (streaming), wait for each first output so a
+        ValueError from the engine surfaces before the response starts; without it
+        (non-streaming, FINAL_ONLY: the first output is the last) errors surface in
+        ``collect``."""
         gens = [self.engine.generate(p, sp, rid) for p, sp, rid in zip(prompts, params, request_ids)]
         merged = MergedGenerators(gens)
         self.inflight.update(request_ids)
         self.inflight_streams.add(merged)
+        if not prime:
+            return merged
         try:
             await merged.prime()
         except BaseException:
@@ -296,18 +302,28 @@ class OpenAIServing:
                 results[i].append(out)
 
         task = asyncio.ensure_future(consume())
+        watcher: Optional[asyncio.Future] = None
+        if raw_request is not None:
+            async def watch_disconnect() -> None:
+                # The request body has been read: the next message can only be a disconnect.
+                while True:
+                    msg = await raw_request.receive()
+                    if msg.get("type") == "http.disconnect":
+                        return
+            watcher = asyncio.ensure_future(watch_disconnect())
         completed = False
         try:
-            while True:
-                done, _ = await asyncio.wait({task}, timeout=self.disconnect_poll_s)
-                if done:
-                    task.result()
-                    completed = True
-                    return results
-                if raw_request is not None and await raw_request.is_disconnected():
-                    logger.info("Client disconnected; aborting request(s) %s", list(request_ids))
-                    raise ClientDisconnected()
+            waits = {task} if watcher is None else {task, watcher}
+            await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+            if task.done():
+                task.result()
+                completed = True
+                return results
+            logger.info("Client disconnected; aborting request(s) %s", list(request_ids))
+            raise ClientDisconnected()
         finally:
+            if watcher is not None and not watcher.done():
+                watcher.cancel()
             if not task.done():
                 task.cancel()
                 with anyio.CancelScope(shield=True):

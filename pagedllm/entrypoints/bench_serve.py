@@ -1,0 +1,290 @@
+"""``pagedllm bench serve``: an online serving benchmark client (vLLM's ``vllm bench serve``).
+
+Sends a workload of streamed /v1/completions requests to a running server and reports
+request/token throughput and TTFT / TPOT / ITL statistics in ms, printed like vLLM's.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import math
+import random
+import time
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+_WORDS = ("time person year way day thing man world life hand part child eye woman place work "
+          "week case point government company number group problem fact river mountain garden "
+          "music story city light water history science market language family house road "
+          "window morning evening summer winter library teacher student doctor engine system "
+          "question answer paper letter computer network picture island forest ocean bridge").split()
+
+_TOPICS = ["the history of the printing press", "how rivers shape valleys", "why the sky is blue",
+           "the life cycle of a star", "how bread is made", "the rules of chess",
+           "how vaccines train the immune system", "the water cycle", "how bridges carry loads",
+           "the migration of birds", "how a compiler works", "the causes of the seasons"]
+
+
+def synthetic_prompts(num: int, input_len: int, seed: int) -> list[str]:
+    """Deterministic English prompts of roughly ``input_len`` words."""
+    rng = random.Random(seed)
+    out = []
+    for i in range(num):
+        topic = _TOPICS[i % len(_TOPICS)]
+        words = [f"Write a short explanation of {topic}."]
+        filler = []
+        while len(" ".join(words + filler).split()) < input_len:
+            a, b, c = rng.choice(_WORDS), rng.choice(_WORDS), rng.choice(_WORDS)
+            filler.append(f"Mention the {a} and the {b} near the {c}.")
+        out.append(" ".join(words + filler))
+    return out
+
+
+def random_prompts(num: int, input_len: int, seed: int) -> list[str]:
+    rng = random.Random(seed)
+    return [" ".join(rng.choice(_WORDS) for _ in range(max(1, input_len))) for _ in range(num)]
+
+
+@dataclass
+class RequestResult:
+    success: bool = False
+    prompt_len: int = 0
+    output_tokens: int = 0
+    ttft: float = 0.0
+    latency: float = 0.0
+    itl: list[float] = field(default_factory=list)
+    generated_text: str = ""
+    error: str = ""
+
+
+async def _one_request(client, url: str, payload: dict, headers: dict) -> RequestResult:
+    res = RequestResult()
+    st = time.perf_counter()
+    most_recent = st
+    chunks = 0
+    try:
+        async with client.stream("POST", url, json=payload, headers=headers) as resp:
+            if resp.status_code != 200:
+                body = await resp.aread()
+                res.error = f"HTTP {resp.status_code}: {body[:500]!r}"
+                return res
+            async for line in resp.aiter_lines():
+                if not line.startswith("data:"):
+                    continue
+                data = line[len("data:"):].strip()
+                if data == "[DONE]":
+                    continue
+                obj = json.loads(data)
+                if "error" in obj:
+                    res.error = json.dumps(obj["error"])
+                    return res
+                now = time.perf_counter()
+                if obj.get("choices"):
+                    text = obj["choices"][0].get("text") or ""
+                    if chunks == 0:
+                        res.ttft = now - st
+                    else:
+                        res.itl.append(now - most_recent)
+                    most_recent = now
+                    chunks += 1
+                    res.generated_text += text
+                usage = obj.get("usage")
+                if usage:
+                    res.output_tokens = int(usage.get("completion_tokens") or 0)
+                    res.prompt_len = int(usage.get("prompt_tokens") or 0)
+        res.latency = most_recent - st
+        if not res.output_tokens:
+            res.output_tokens = chunks
+        res.success = chunks > 0
+        if not res.success:
+            res.error = "no tokens received"
+    except Exception as e:  # network errors etc.
+        res.error = f"{e.__class__.__name__}: {e}"
+    return res
+
+
+def _pct(xs: list[float], q: float) -> float:
+    if not xs:
+        return 0.0
+    s = sorted(xs)
+    k = (len(s) - 1) * q / 100.0
+    f, c = math.floor(k), math.ceil(k)
+    return s[f] if f == c else s[f] + (s[c] - s[f]) * (k - f)
+
+
+def _mean(xs):
+    return sum(xs) / len(xs) if xs else 0.0
+
+
+def _std(xs):
+    if not xs:
+        return 0.0
+    m = _mean(xs)
+    return math.sqrt(sum((x - m) ** 2 for x in xs) / len(xs))
+
+
+def compute_metrics(results: list[RequestResult], duration: float) -> dict[str, Any]:
+    ok = [r for r in results if r.success]
+    ttfts = [r.ttft for r in ok]
+    tpots = [(r.latency - r.ttft) / (r.output_tokens - 1) for r in ok if r.output_tokens > 1]
+    itls = [x for r in ok for x in r.itl]
+    e2es = [r.latency for r in ok]
+    total_in = sum(r.prompt_len for r in ok)
+    total_out = sum(r.output_tokens for r in ok)
+    m: dict[str, Any] = {
+        "duration": duration,
+        "completed": len(ok),
+        "failed": len(results) - len(ok),
+        "total_input_tokens": total_in,
+        "total_output_tokens": total_out,
+        "request_throughput": len(ok) / duration if duration > 0 else 0.0,
+        "output_throughput": total_out / duration if duration > 0 else 0.0,
+        "total_token_throughput": (total_in + total_out) / duration if duration > 0 else 0.0,
+    }
+    for name, xs in (("ttft", ttfts), ("tpot", tpots), ("itl", itls), ("e2el", e2es)):
+        ms = [x * 1000 for x in xs]
+        m[f"mean_{name}_ms"] = _mean(ms)
+        m[f"median_{name}_ms"] = _pct(ms, 50)
+        m[f"std_{name}_ms"] = _std(ms)
+        m[f"p99_{name}_ms"] = _pct(ms, 99)
+    m["input_lens"] = [r.prompt_len for r in results]
+    m["output_lens"] = [r.output_tokens for r in results]
+    m["ttfts"] = [r.ttft for r in results]
+    m["itls"] = [r.itl for r in results]
+    m["errors"] = [r.error for r in results]
+    return m
+
+
+def format_results(m: dict[str, Any], max_concurrency: Optional[int], request_rate: float) -> str:
+    lines = ["{s:{c}^{n}}".format(s=" Serving Benchmark Result ", n=50, c="=")]
+    row = lambda k, v: lines.append("{:<40} {:<10}".format(k, v))  # noqa: E731
+    rowf = lambda k, v: lines.append("{:<40} {:<10.2f}".format(k, v))  # noqa: E731
+    row("Successful requests:", m["completed"])
+    if m["failed"]:
+        row("Failed requests:", m["failed"])
+    if max_concurrency is not None:
+        row("Maximum request concurrency:", max_concurrency)
+    if request_rate != float("inf"):
+        rowf("Request rate configured (RPS):", request_rate)
+    rowf("Benchmark duration (s):", m["duration"])
+    row("Total input tokens:", m["total_input_tokens"])
+    row("Total generated tokens:", m["total_output_tokens"])
+    rowf("Request throughput (req/s):", m["request_throughput"])
+    rowf("Output token throughput (tok/s):", m["output_throughput"])
+    rowf("Total Token throughput (tok/s):", m["total_token_throughput"])
+    for key, title, header in (("ttft", "TTFT", "Time to First Token"),
+                               ("tpot", "TPOT", "Time per Output Token (excl. 1st token)"),
+                               ("itl", "ITL", "Inter-token Latency")):
+        lines.append("{s:{c}^{n}}".format(s=header, n=50, c="-"))
+        rowf(f"Mean {title} (ms):", m[f"mean_{key}_ms"])
+        rowf(f"Median {title} (ms):", m[f"median_{key}_ms"])
+        rowf(f"P99 {title} (ms):", m[f"p99_{key}_ms"])
+    lines.append("=" * 50)
+    return "\n".join(lines)
+
+
+def add_bench_serve_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    parser.add_argument("--base-url", default=None,
+                        help="Server base URL, e.g. http://127.0.0.1:8000 (overrides --host/--port).")
+    parser.add_argument("--host", default="127.0.0.1", help="Server host (default: 127.0.0.1).")
+    parser.add_argument("--port", type=int, default=8000, help="Server port (default: 8000).")
+    parser.add_argument("--endpoint", default="/v1/completions",
+                        help="API path (default: /v1/completions).")
+    parser.add_argument("--model", default=None,
+                        help="Model name to send (default: the first one /v1/models lists).")
+    parser.add_argument("--api-key", default=None, help="Bearer token, if the server needs one.")
+    parser.add_argument("--dataset-name", default="synthetic", choices=["synthetic", "random"],
+                        help="'synthetic': deterministic English prompts; 'random': random words.")
+    parser.add_argument("--num-prompts", type=int, default=100,
+                        help="Number of requests to send (default: 100).")
+    parser.add_argument("--input-len", "--random-input-len", dest="input_len", type=int,
+                        default=64, help="Approximate prompt length in words (default: 64).")
+    parser.add_argument("--max-tokens", "--output-len", "--random-output-len", dest="max_tokens",
+                        type=int, default=64, help="max_tokens per request (default: 64).")
+    parser.add_argument("--ignore-eos", action="store_true",
+                        help="Send ignore_eos so every request generates max_tokens tokens.")
+    parser.add_argument("--temperature", type=float, default=0.0,
+                        help="Sampling temperature (default: 0, greedy).")
+    parser.add_argument("--request-rate", type=float, default=float("inf"),
+                        help="Requests per second (Poisson arrivals); inf = all at once "
+                             "(default).")
+    parser.add_argument("--burstiness", type=float, default=1.0,
+                        help="Gamma shape of inter-arrival times (1 = Poisson).")
+    parser.add_argument("--max-concurrency", type=int, default=None,
+                        help="Max requests in flight (default: unlimited).")
+    parser.add_argument("--seed", type=int, default=0, help="Workload seed (default: 0).")
+    parser.add_argument("--timeout", type=float, default=600.0,
+                        help="Per-request timeout in seconds (default: 600).")
+    parser.add_argument("--json-output", action="store_true",
+                        help="Print the result as JSON instead of the table.")
+    parser.add_argument("--result-file", default=None,
+                        help="Also write the full result (incl. per-request data) as JSON here.")
+    parser.add_argument("--disable-tqdm", action="store_true", help="(accepted for vLLM compat)")
+    return parser
+
+
+async def _resolve_model(client, base: str, headers: dict) -> str:
+    r = await client.get(base + "/v1/models", headers=headers)
+    r.raise_for_status()
+    return r.json()["data"][0]["id"]
+
+
+async def benchmark(args: argparse.Namespace) -> dict[str, Any]:
+    import httpx
+
+    base = (args.base_url or f"http://{args.host}:{args.port}").rstrip("/")
+    headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
+    make = synthetic_prompts if args.dataset_name == "synthetic" else random_prompts
+    prompts = make(args.num_prompts, args.input_len, args.seed)
+    limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
+    transport = getattr(args, "transport", None)  # tests: an httpx.ASGITransport
+    async with httpx.AsyncClient(timeout=args.timeout, limits=limits,
+                                 transport=transport) as client:
+        model = args.model or await _resolve_model(client, base, headers)
+        sem = asyncio.Semaphore(args.max_concurrency) if args.max_concurrency else None
+        rng = random.Random(args.seed)
+
+        async def run(p: str) -> RequestResult:
+            payload = {"model": model, "prompt": p, "max_tokens": args.max_tokens,
+                       "temperature": args.temperature, "stream": True,
+                       "stream_options": {"include_usage": True}}
+            if args.ignore_eos:
+                payload["ignore_eos"] = True
+            if sem is None:
+                return await _one_request(client, base + args.endpoint, payload, headers)
+            async with sem:
+                return await _one_request(client, base + args.endpoint, payload, headers)
+
+        start = time.perf_counter()
+        tasks = []
+        for p in prompts:
+            tasks.append(asyncio.ensure_future(run(p)))
+            if args.request_rate != float("inf") and args.request_rate > 0:
+                theta = 1.0 / (args.request_rate * args.burstiness)
+                await asyncio.sleep(rng.gammavariate(args.burstiness, theta))
+        results = await asyncio.gather(*tasks)
+        duration = time.perf_counter() - start
+    m = compute_metrics(list(results), duration)
+    rate = args.request_rate if math.isfinite(args.request_rate) else "inf"
+    m.update(model_id=model, num_prompts=args.num_prompts, request_rate=rate,
+             max_concurrency=args.max_concurrency, burstiness=args.burstiness,
+             max_tokens=args.max_tokens, input_len=args.input_len)
+    return m
+
+
+def run_bench_serve(args: argparse.Namespace) -> int:
+    m = asyncio.run(benchmark(args))
+    summary = {k: v for k, v in m.items() if k not in ("input_lens", "output_lens", "ttfts",
+                                                        "itls", "errors")}
+    if args.json_output:
+        print(json.dumps(summary, indent=2, allow_nan=False, default=str))
+    else:
+        print(format_results(m, args.max_concurrency, float(args.request_rate)))
+        errs = [e for e in m["errors"] if e]
+        if errs:
+            print(f"First error: {errs[0]}")
+    if args.result_file:
+        with open(args.result_file, "w", encoding="utf-8") as f:
+            json.dump(m, f, indent=2, default=str)
+    return 0 if m["completed"] > 0 else 1
