@@ -91,13 +91,16 @@ class AsyncLLM:
         self._cmds.put(cmd)
         self._wake.set()
 
-    def _drain(self) -> None:
+    def _drain(self) -> int:
+        """Apply queued adds/aborts in the engine thread; returns how many were applied."""
         eng = self.engine
+        n = 0
         while True:
             try:
                 cmd = self._cmds.get_nowait()
             except queue.Empty:
-                return
+                return n
+            n += 1
             kind = cmd[0]
             if kind == "add":
                 _, rid, pp, params, q = cmd
@@ -114,12 +117,26 @@ class AsyncLLM:
                 ok = eng.core.reset_prefix_cache()
                 loop.call_soon_threadsafe(lambda f=fut, v=ok: f.done() or f.set_result(v))
 
+    def _record_stats(self) -> None:
+        eng = self.engine
+        stats = eng.core.get_scheduler_stats()
+        with self._stats_lock:
+            self._last_stats = stats
+        it_stats = eng.pop_iteration_stats()
+        for lg in self.stat_loggers:
+            try:
+                lg.record(stats, it_stats)
+            except Exception:  # a metrics bug must not stop the engine
+                logger.exception("stat logger failed")
+
     def _run(self) -> None:
         eng = self.engine
         while not self._stop.is_set():
             try:
-                self._drain()
+                drained = self._drain()
                 if not eng.has_unfinished_requests():
+                    if drained:  # e.g. an abort emptied the batch: publish the new state
+                        self._record_stats()
                     self._wake.wait(0.5)
                     self._wake.clear()
                     continue
@@ -127,15 +144,7 @@ class AsyncLLM:
                 for o in outputs:
                     if o.finished:
                         self._queues.pop(o.request_id, None)
-                stats = eng.core.get_scheduler_stats()
-                with self._stats_lock:
-                    self._last_stats = stats
-                it_stats = eng.pop_iteration_stats()
-                for lg in self.stat_loggers:
-                    try:
-                        lg.record(stats, it_stats)
-                    except Exception:  # a metrics bug must not stop the engine
-                        logger.exception("stat logger failed")
+                self._record_stats()
             except Exception as e:  # engine bug: fail in-flight requests, keep serving new ones
                 logger.exception("engine step failed; aborting in-flight requests")
                 ids = list(self._queues)
@@ -186,6 +195,44 @@ class AsyncLLM:
                     return
         finally:
             if not finished:
+                self._submit(("abort", [request_id]))
+
+    async def encode(self, prompt: Any, pooling_params: Any, request_id: str, *, task: Optional[str] = None,
+                     add_special_tokens: bool = True) -> Any:
+        """Run one pooling request (``runner="pooling"``) and return its PoolingRequestOutput.
+
+        Args:
+            prompt: text, or ``{"prompt_token_ids": [...]}`` (used exactly as given).
+            pooling_params: PoolingParams or None.
+            request_id: unique id.
+            task: "embed", "classify", "score" or "encode" (default: ``pooling_params.task``,
+                else the model's conversion).
+            add_special_tokens: tokenizer flag for text prompts.
+
+        Raises:
+            ValueError: not a pooling model, a task it does not serve, an invalid parameter, an
+                empty prompt or one over max_model_len, a duplicate id (nothing is run then).
+            EngineDeadError: the engine loop has died.
+        """
+        if self._dead is not None:
+            raise EngineDeadError(f"engine loop is dead: {self._dead!r}")
+        self._ensure_started()
+        if request_id in self._queues:
+            raise ValueError(f"request_id: {request_id!r} is already in use")
+        pooler = getattr(self.engine.core, "pooler", None)
+        task = task or getattr(pooling_params, "task", None) or (pooler.task if pooler else "embed")
+        pp, params = self.engine.validate_pooling(prompt, pooling_params, task, add_special_tokens)
+        q: asyncio.Queue = asyncio.Queue()
+        self._submit(("add", request_id, pp, params, _LoopQueue(self._loop, q)))
+        done = False
+        try:
+            item = await q.get()
+            done = True
+            if isinstance(item, BaseException):
+                raise item
+            return item
+        finally:
+            if not done:
                 self._submit(("abort", [request_id]))
 
     async def abort(self, request_id: str) -> None:

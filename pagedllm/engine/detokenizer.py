@@ -96,9 +96,17 @@ class IncrementalDetokenizer:
         return self._step(force=False)
 
     def flush(self) -> str:
-        """Emit whatever is still held back (e.g. a dangling partial character, which then
-        decodes to U+FFFD exactly as ``tokenizer.decode`` would). Call at the end."""
-        return self._step(force=True)
+        """Emit what is still held back when the sequence ends. Call at the end.
+
+        A dangling partial UTF-8 character (generation stopped in the middle of one) is
+        dropped rather than emitted as U+FFFD, as vLLM's detokenizer does, so no client ever
+        sees a replacement character for a split character.
+        """
+        delta = self._step(force=True)
+        stripped = delta.rstrip(_REPLACEMENT)
+        if len(stripped) != len(delta):
+            self.output_text = self.output_text[: len(self.output_text) - (len(delta) - len(stripped))]
+        return stripped
 
     def get_token_text(self, token_id: int) -> str:
         """Text of a single token (for ``Logprob.decoded_token``), as vLLM computes it:

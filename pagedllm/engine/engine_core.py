@@ -58,10 +58,27 @@ class EngineCore:
         self.loaded = loaded
         self.hf_config = loaded.hf_config
         self.tokenizer = loaded.tokenizer
-        model_cls = get_model_class(list(getattr(self.hf_config, "architectures", None) or []))
+        if args.runner not in ("generate", "pooling"):
+            raise ValueError(f"runner: must be 'generate' or 'pooling', got {args.runner!r}")
+        archs = list(getattr(self.hf_config, "architectures", None) or [])
+        if args.runner == "pooling":
+            # *ForSequenceClassification / bare *Model checkpoints load into the causal-LM body.
+            from pagedllm.pooling.adapters import pooling_architectures
+            archs = pooling_architectures(archs)
+        model_cls = get_model_class(archs)
         with torch.device(self.device):
             model = model_cls(self.hf_config, self.dtype)
-        model.load_weights(loaded.weights())
+        weights = loaded.weights()
+        pool_head: dict = {}
+        if args.runner == "pooling":
+            from pagedllm.pooling.adapters import drop_lm_head, split_head_weights
+            drop_lm_head(model)
+            weights = split_head_weights(weights, pool_head)
+        try:
+            model.load_weights(weights)
+        except ValueError as e:
+            from pagedllm.loader.hf_loader import annotate_load_error
+            raise annotate_load_error(e, loaded, args.ignore_patterns or None, model_cls.__name__) from None
         model.eval()
         self.model = model
         self.vocab_size = int(self.hf_config.vocab_size)
@@ -117,7 +134,8 @@ class EngineCore:
         pooler = None
         if args.runner == "pooling":
             from pagedllm.pooling.pooler import build_pooler
-            pooler = build_pooler(args, self.hf_config, model)
+            pooler = build_pooler(args, self.hf_config, model, pool_head.get("weight"), pool_head.get("bias"))
+        self.pooler = pooler
         self.runner = ModelRunner(model, num_blocks, args.block_size,
                                   (num_layers, num_kv_heads, head_dim), self.dtype,
                                   self.vocab_size, self.device, pooler=pooler,

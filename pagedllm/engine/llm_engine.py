@@ -48,6 +48,8 @@ class LLMEngine:
         self.collect_stats = False
         # parent request id -> child core request ids
         self._children: dict[str, list[str]] = {}
+        # pooling request id -> (prompt token ids, queue or None)
+        self._pooling: dict[str, tuple[list[int], Any]] = {}
 
     def _generation_defaults(self) -> dict:
         """Default sampling values from the model's generation config (vLLM ``--generation-config``)."""
@@ -91,6 +93,9 @@ class LLMEngine:
         Raises:
             ValueError: naming the offending field.
         """
+        if self.args.runner == "pooling":
+            raise ValueError("this model was loaded with runner='pooling' and does not generate text; use "
+                             "embed/encode/classify/score, or load it with runner='generate'")
         pp = self.input_processor.process_prompt(
             prompt, getattr(params, "truncate_prompt_tokens", None), add_special_tokens)
         params = self.input_processor.process_sampling_params(params, len(pp.prompt_token_ids), strict_length)
@@ -100,7 +105,11 @@ class LLMEngine:
                               queue: Any = None, arrival_time: Optional[float] = None) -> None:
         """Add an already validated request (fans out ``n > 1`` into child requests)."""
         from pagedllm.engine.output_processor import ParentRequest
+        from pagedllm.pooling_params import PoolingParams
 
+        if isinstance(params, PoolingParams):
+            self.add_processed_pooling_request(request_id, pp, params, queue, arrival_time)
+            return
         arrival_time = time.time() if arrival_time is None else arrival_time
         n = params.n
         if n == 1:
@@ -144,8 +153,84 @@ class LLMEngine:
         pp, params = self.validate(prompt, params, strict_length)
         self.add_processed_request(request_id, pp, params, queue)
 
+    # ------------------------------------------------------------------ pooling
+    def validate_pooling(self, prompt: Any, pooling_params: Any, task: str,
+                         add_special_tokens: bool = True):
+        """Tokenize and validate one pooling request (``task``: "embed", "classify", "score",
+        "encode") without adding it.
+
+        Returns:
+            (ProcessedPrompt, verified PoolingParams clone).
+
+        Raises:
+            ValueError: a generation model, a task this model does not serve, an invalid
+                parameter, an empty prompt or one over ``max_model_len`` (never cut unless
+                ``truncate_prompt_tokens``).
+        """
+        pooler = getattr(self.core, "pooler", None)
+        if pooler is None:
+            raise ValueError(f"this model is not a pooling model (loaded with runner={self.args.runner!r}); "
+                             f"{task} needs runner='pooling' (--runner pooling)")
+        params = pooler.prepare_params(pooling_params, task)
+        t = params.truncate_prompt_tokens
+        if t == -1:
+            t = self.max_model_len
+        pp = self.input_processor.process_prompt(prompt, t, add_special_tokens)
+        return pp, params
+
+    def add_processed_pooling_request(self, request_id: str, pp: Any, params: Any, queue: Any = None,
+                                      arrival_time: Optional[float] = None) -> None:
+        """Add a validated pooling request: prefill only; its PoolingRequestOutput comes out of
+        ``step()`` (and into ``queue`` when given) after its last prefill chunk."""
+        if request_id in self._pooling:
+            raise ValueError(f"request_id: {request_id!r} is already in use")
+        arrival_time = time.time() if arrival_time is None else arrival_time
+        req = Request(request_id, pp.prompt_token_ids, sampling_params=None, pooling_params=params,
+                      eos_token_id=self.core.eos_token_id, arrival_time=arrival_time)
+        self.core.add_request(req)
+        self._pooling[request_id] = (list(pp.prompt_token_ids), queue)
+
+    def add_pooling_request(self, request_id: str, prompt: Any, pooling_params: Any,
+                            task: Optional[str] = None, queue: Any = None) -> None:
+        """Validate and add a pooling request (``task`` defaults to ``pooling_params.task``, else
+        the model's: "embed" or "classify").
+
+        Raises:
+            ValueError: see ``validate_pooling``; nothing is added then.
+        """
+        pooler = getattr(self.core, "pooler", None)
+        task = task or getattr(pooling_params, "task", None) or (pooler.task if pooler else "embed")
+        pp, params = self.validate_pooling(prompt, pooling_params, task)
+        self.add_processed_pooling_request(request_id, pp, params, queue)
+
+    def _pooling_outputs(self, core_outputs: list) -> tuple[list, list]:
+        """Split finished pooling requests off the core outputs as PoolingRequestOutputs."""
+        from pagedllm.outputs import PoolingOutput, PoolingRequestOutput
+
+        pooled, rest = [], []
+        for co in core_outputs:
+            entry = self._pooling.pop(co.req_id, None)
+            if entry is None:
+                rest.append(co)
+                continue
+            ids, q = entry
+            if co.pooled is None:
+                err = RuntimeError(f"pooling request {co.req_id} finished without a pooled output")
+                if q is None:
+                    raise err
+                q.put_nowait(err)
+                continue
+            out = PoolingRequestOutput(request_id=co.req_id, outputs=PoolingOutput(co.pooled),
+                                       prompt_token_ids=ids, finished=True)
+            if q is not None:
+                q.put_nowait(out)
+            pooled.append(out)
+        return pooled, rest
+
     def abort_request(self, request_ids: list[str]) -> None:
         """Abort requests (parent ids of n > 1 requests abort every child)."""
+        for rid in request_ids:
+            self._pooling.pop(rid, None)
         core_ids = []
         for rid in request_ids:
             kids = self._children.pop(rid, None)
@@ -179,6 +264,11 @@ class LLMEngine:
         core_outputs = self.core.step()
         if not core_outputs:
             return []
+        pooled: list = []
+        if self._pooling:
+            pooled, core_outputs = self._pooling_outputs(core_outputs)
+            if not core_outputs:
+                return pooled
         now = time.time()
         it = self._iter_stats
         for co in core_outputs:
@@ -197,7 +287,7 @@ class LLMEngine:
         for o in outputs:
             if o.finished:
                 self._children.pop(o.request_id, None)
-        return outputs
+        return pooled + outputs if pooled else outputs
 
 
 def load_chat_template(value: str) -> str:

@@ -92,6 +92,168 @@ class LLM:
         ids = self.llm_engine.input_processor.tokenize(text, add_special_tokens=False)
         return {"prompt": text, "prompt_token_ids": ids}
 
+    # ------------------------------------------------------------------ pooling
+    def encode(self, prompts: Union[PromptType, Sequence[PromptType]], pooling_params: Any = None,
+               *, truncate_prompt_tokens: Optional[int] = None, use_tqdm: bool = True,
+               pooling_task: Optional[str] = None) -> list:
+        """Pooled outputs of a pooling model (``runner="pooling"``), in input order.
+
+        Args:
+            prompts: a string, a ``{"prompt_token_ids": [...]}`` dict (used exactly as given), or
+                a list of those.
+            pooling_params: one PoolingParams for all prompts, or a list (one per prompt).
+            truncate_prompt_tokens: keep only the last k tokens (-1 = max_model_len); None = an
+                input over max_model_len is an error.
+            use_tqdm: show a progress bar.
+            pooling_task: "encode" (default: the raw pooled hidden state, or a classifier's raw
+                logits), "embed", "classify" or "score".
+
+        Returns:
+            one PoolingRequestOutput per prompt (``outputs.data``: float32 tensor).
+
+        Raises:
+            ValueError: not a pooling model, a task it does not serve, an empty list, an
+                invalid prompt or parameter (nothing is run then).
+        """
+        return self._pool(prompts, pooling_params, pooling_task or "encode", truncate_prompt_tokens, use_tqdm)
+
+    def embed(self, prompts: Union[PromptType, Sequence[PromptType]], pooling_params: Any = None,
+              *, truncate_prompt_tokens: Optional[int] = None, use_tqdm: bool = True) -> list:
+        """Embeddings (``outputs.embedding``: list of floats; L2-normalized unless
+        ``normalize=False``; Matryoshka ``dimensions``), in input order. See ``encode``."""
+        return self._pool(prompts, pooling_params, "embed", truncate_prompt_tokens, use_tqdm)
+
+    def classify(self, prompts: Union[PromptType, Sequence[PromptType]], pooling_params: Any = None,
+                 *, truncate_prompt_tokens: Optional[int] = None, use_tqdm: bool = True) -> list:
+        """Class probabilities (``outputs.probs``; softmax, or sigmoid for one label; raw logits
+        with ``use_activation=False``) of a ``convert="classify"`` model. See ``encode``."""
+        return self._pool(prompts, pooling_params, "classify", truncate_prompt_tokens, use_tqdm)
+
+    def score(self, text_1: Union[PromptType, Sequence[PromptType]], text_2: Union[PromptType, Sequence[PromptType]],
+              /, *, truncate_prompt_tokens: Optional[int] = None, use_tqdm: bool = True,
+              pooling_params: Any = None) -> list:
+        """Scores of ``(text_1, text_2)`` pairs: 1 vs 1, 1 vs N, or N vs N (zipped).
+
+        Embed models: cosine similarity of the two embeddings. Classify models (cross-encoders,
+        one label): the pair encoded as one input (``tokenizer(text_1, text_2)``; token-id
+        inputs are concatenated) through the classifier (sigmoid unless ``use_activation=False``).
+
+        Returns:
+            one PoolingRequestOutput per pair (``outputs.score``), in pair order.
+
+        Raises:
+            ValueError: not a pooling model, mismatched lengths, empty lists.
+        """
+        import torch
+
+        from pagedllm.outputs import PoolingOutput, PoolingRequestOutput
+
+        pooler = getattr(self.llm_engine.core, "pooler", None)
+        if pooler is None:
+            raise ValueError("score: this model is not a pooling model (load it with runner='pooling')")
+        q = [text_1] if isinstance(text_1, (str, dict)) else list(text_1)
+        d = [text_2] if isinstance(text_2, (str, dict)) else list(text_2)
+        if not q or not d:
+            raise ValueError("score: text_1 and text_2 must not be empty")
+        if len(q) == 1:
+            q = q * len(d)
+        elif len(q) != len(d):
+            raise ValueError(f"score: text_1 has {len(q)} inputs and text_2 {len(d)}; give one text_1, "
+                             "or as many as text_2")
+        if pooler.task == "embed":
+            if pooling_params is not None and getattr(pooling_params, "use_activation", None) is not None:
+                raise ValueError("score: use_activation applies to cross-encoder (classify) models only")
+            uniq: list = []
+            index: dict = {}
+            for x in q + d:
+                key = repr(x)
+                if key not in index:
+                    index[key] = len(uniq)
+                    uniq.append(x)
+            embs = self._pool(uniq, pooling_params, "embed", truncate_prompt_tokens, use_tqdm)
+            results = []
+            for i, (a, b) in enumerate(zip(q, d)):
+                ea, eb = embs[index[repr(a)]], embs[index[repr(b)]]
+                s = torch.nn.functional.cosine_similarity(ea.outputs.data.float(), eb.outputs.data.float(), dim=-1)
+                results.append(PoolingRequestOutput(
+                    request_id=f"score-{i}", outputs=PoolingOutput(s.reshape(1)),
+                    prompt_token_ids=ea.prompt_token_ids + eb.prompt_token_ids))
+            return results
+        pairs = [self._pair_prompt(a, b, truncate_prompt_tokens) for a, b in zip(q, d)]
+        return self._pool(pairs, pooling_params, "score", truncate_prompt_tokens, use_tqdm)
+
+    def _pair_prompt(self, a: PromptType, b: PromptType, truncate_prompt_tokens: Optional[int]) -> dict:
+        """One cross-encoder input from a text pair (tokenizer pair encoding)."""
+        if isinstance(a, str) and isinstance(b, str):
+            ids = list(self.llm_engine.tokenizer(a, b)["input_ids"])
+            return {"prompt_token_ids": ids, "prompt": None}
+        ids = []
+        for x in (a, b):
+            if isinstance(x, dict) and "prompt_token_ids" in x:
+                ids.extend(x["prompt_token_ids"])
+            elif isinstance(x, str):
+                ids.extend(self.llm_engine.tokenizer.encode(x, add_special_tokens=False))
+            else:
+                raise ValueError(f"score: inputs must be strings or {{'prompt_token_ids': [...]}}, got {x!r}")
+        return {"prompt_token_ids": ids}
+
+    def _pool(self, prompts: Any, pooling_params: Any, task: str, truncate_prompt_tokens: Optional[int],
+              use_tqdm: bool) -> list:
+        from pagedllm.pooling_params import PoolingParams
+
+        eng = self.llm_engine
+        if getattr(eng.core, "pooler", None) is None:
+            raise ValueError(f"{task}: this model is not a pooling model (loaded with "
+                             f"runner={self.engine_args.runner!r}); load it with runner='pooling'")
+        if isinstance(prompts, (str, dict)):
+            prompts = [prompts]
+        prompts = list(prompts)
+        if not prompts:
+            raise ValueError(f"{task}: prompts is an empty list; give at least one input")
+        if isinstance(pooling_params, (list, tuple)):
+            if len(pooling_params) != len(prompts):
+                raise ValueError(f"pooling_params: got {len(pooling_params)} for {len(prompts)} prompts; "
+                                 "the lengths must match")
+            plist = list(pooling_params)
+        else:
+            plist = [pooling_params] * len(prompts)
+        validated = []
+        for i, (prompt, pp_) in enumerate(zip(prompts, plist)):
+            pp_ = PoolingParams() if pp_ is None else pp_.clone()
+            if truncate_prompt_tokens is not None:
+                pp_.truncate_prompt_tokens = truncate_prompt_tokens
+            try:
+                validated.append(eng.validate_pooling(prompt, pp_, task))
+            except ValueError as e:
+                raise ValueError(f"{e} (prompt index {i})") from None
+        ids = []
+        for proc, params in validated:
+            rid = eng.next_request_id()
+            eng.add_processed_pooling_request(rid, proc, params)
+            ids.append(rid)
+        results: dict = {}
+        pbar = None
+        if use_tqdm and ids:
+            from tqdm.auto import tqdm
+            pbar = tqdm(total=len(ids), desc="Processed prompts", dynamic_ncols=True)
+        try:
+            while len(results) < len(ids) and eng.has_unfinished_requests():
+                for out in eng.step():
+                    if out.finished:
+                        results[out.request_id] = out
+                        if pbar is not None:
+                            pbar.update(1)
+        except BaseException:
+            eng.abort_request([r for r in ids if r not in results])
+            raise
+        finally:
+            if pbar is not None:
+                pbar.close()
+        missing = [r for r in ids if r not in results]
+        if missing:
+            raise RuntimeError(f"engine stopped with {len(missing)} unfinished request(s)")
+        return [results[r] for r in ids]
+
     def reset_prefix_cache(self) -> bool:
         """Drop every cached block hash (only when no request holds blocks).
 

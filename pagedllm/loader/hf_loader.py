@@ -65,3 +65,58 @@ def iter_safetensors_weights(files: list[str], dtype: torch.dtype = torch.float3
                 if t.is_floating_point() and t.dtype != dtype:
                     t = t.to(dtype)
                 yield name, t
+
+
+def tensor_files(files: list[str], names: set[str] | None = None) -> dict[str, str]:
+    """Map tensor name -> the safetensors file (path) holding it (reads headers only).
+    With `names`, only those tensors are looked up."""
+    from safetensors import safe_open
+
+    out: dict[str, str] = {}
+    for fname in files:
+        with safe_open(fname, framework="pt") as fh:
+            for name in fh.keys():
+                if names is None or name in names:
+                    out.setdefault(name, fname)
+    return out
+
+
+def describe_unexpected_tensors(model_path: str, unexpected: list[str], model_name: str = "the model",
+                                ignore_patterns: list[str] | None = None, limit: int = 20) -> str:
+    """An error message naming each safetensors file in `model_path` that holds tensors the model does not have,
+    with those tensor names, and how to skip the file on purpose (`ignore_patterns` / `--ignore-patterns`)."""
+    import os
+
+    files = safetensors_files(model_path, ignore_patterns)
+    where = tensor_files(files, set(unexpected))
+    by_file: dict[str, list[str]] = {}
+    for name in unexpected:
+        by_file.setdefault(os.path.basename(where.get(name, "?")), []).append(name)
+    parts = []
+    for fname, names in sorted(by_file.items()):
+        shown = sorted(names)[:limit]
+        more = f" (+{len(names) - limit} more)" if len(names) > limit else ""
+        parts.append(f"file {fname!r} holds {len(names)} tensor(s) that {model_name} does not have: {shown}{more}")
+    files_named = sorted(f for f in by_file if f != "?")
+    hint = (f"; remove the file(s), or skip them on purpose with ignore_patterns={files_named} "
+            f"(--ignore-patterns {' '.join(files_named)})") if files_named else ""
+    return f"{model_path}: " + "; ".join(parts) + hint
+
+
+_UNEXPECTED_PREFIX = "unexpected checkpoint tensors: "
+
+
+def annotate_load_error(err: ValueError, loaded, ignore_patterns: list[str] | None = None,
+                        model_name: str = "the model") -> ValueError:
+    """`err` from `model.load_weights` rewritten to name the safetensors file(s) holding the unexpected tensors
+    (HF directories only; any other error is returned unchanged)."""
+    import ast
+
+    msg = str(err)
+    if getattr(loaded, "source", None) != "hf" or not msg.startswith(_UNEXPECTED_PREFIX):
+        return err
+    try:
+        names = list(ast.literal_eval(msg[len(_UNEXPECTED_PREFIX):]))
+    except (ValueError, SyntaxError):
+        return err
+    return ValueError(describe_unexpected_tensors(loaded.model_path, names, model_name, ignore_patterns))

@@ -1,6 +1,13 @@
 """Pooling over chunked prefills: LAST / MEAN / CLS / ALL, normalize, classifier heads.
 
-All pooling math runs in float32 on hidden states taken after the model's final norm.
+All pooling math runs in float32 on hidden states taken after the model's final norm
+(what HF returns as ``model.model(ids).last_hidden_state``).
+
+Tasks (vLLM's names): a model loaded with ``convert="embed"`` serves ``embed`` (normalize,
+Matryoshka ``dimensions``) and ``encode`` (the raw pooled hidden state); one loaded with
+``convert="classify"`` serves ``classify`` (classifier + activation), ``score`` (the same,
+for cross-encoder pairs) and ``encode`` (raw logits). ``LLM.score`` on an embed model is the
+cosine similarity of two ``embed`` outputs, computed by the caller.
 """
 from __future__ import annotations
 
@@ -11,25 +18,81 @@ import torch.nn.functional as F
 
 from pagedllm.pooling.config import PoolerConfig
 
+EMBED_TASKS = ("embed", "encode")
+CLASSIFY_TASKS = ("classify", "score", "encode")
+
 
 class Pooler:
     """Accumulates a request's hidden states across prefill chunks and finishes its output.
 
     Args:
         config: PoolerConfig (pooling_type defaults to LAST).
-        task: "embed" or "classify".
+        task: "embed" or "classify" (the model's conversion).
         score_weight: float32 ``[num_labels, hidden]`` classifier head (classify only), with an
             optional bias ``[num_labels]``.
+        hidden_size: the model's hidden size (checks ``dimensions``).
+        id2label: label names of a classifier (``hf_config.id2label``).
     """
 
     def __init__(self, config: PoolerConfig, task: str, score_weight: Optional[torch.Tensor] = None,
-                 score_bias: Optional[torch.Tensor] = None) -> None:
+                 score_bias: Optional[torch.Tensor] = None, hidden_size: Optional[int] = None,
+                 id2label: Optional[dict] = None) -> None:
+        if task not in ("embed", "classify"):
+            raise ValueError(f"convert: must be 'embed' or 'classify', got {task!r}")
+        if task == "classify" and score_weight is None:
+            raise ValueError("convert='classify' needs a classifier head: the checkpoint has no "
+                             "'score.weight' tensor (a *ForSequenceClassification checkpoint)")
         self.config = config
         self.pooling_type = config.pooling_type or "LAST"
         self.task = task
+        self.hidden_size = hidden_size
         self.score_weight = None if score_weight is None else score_weight.float()
         self.score_bias = None if score_bias is None else score_bias.float()
+        self.num_labels = None if score_weight is None else int(score_weight.shape[0])
+        self.id2label = dict(id2label or {})
 
+    # ------------------------------------------------------------------ requests
+    @property
+    def supported_tasks(self) -> tuple[str, ...]:
+        return EMBED_TASKS if self.task == "embed" else CLASSIFY_TASKS
+
+    def label(self, index: int) -> str:
+        """Label name of class ``index`` (``id2label``; ``LABEL_i`` when unnamed)."""
+        return str(self.id2label.get(index, self.id2label.get(str(index), f"LABEL_{index}")))
+
+    def prepare_params(self, params: Any, task: str) -> Any:
+        """A verified copy of ``params`` (PoolingParams or None) for ``task``, with the
+        PoolerConfig defaults filled in (``normalize``, ``use_activation``, ``dimensions``).
+
+        Raises:
+            ValueError: the model does not serve ``task`` (the message says what it serves), or
+                a parameter the task does not take / an invalid ``dimensions``.
+        """
+        from pagedllm.pooling_params import PoolingParams
+
+        if task not in self.supported_tasks:
+            what = {"embed": "embeddings", "classify": "classification", "score": "cross-encoder scoring",
+                    "encode": "encode"}.get(task, task)
+            raise ValueError(
+                f"this model was loaded with convert={self.task!r} and does not support {what} "
+                f"(task {task!r}); it supports {list(self.supported_tasks)}")
+        p = PoolingParams() if params is None else params.clone()
+        cfg = self.config
+        if task == "embed":
+            if p.normalize is None and cfg.normalize is not None:
+                p.normalize = bool(cfg.normalize)
+            if p.dimensions is None and cfg.dimensions is not None:
+                p.dimensions = int(cfg.dimensions)
+        elif task in ("classify", "score"):
+            if p.use_activation is None and cfg.use_activation is not None:
+                p.use_activation = bool(cfg.use_activation)
+        p.verify(task, hidden_size=self.hidden_size)
+        if task == "score" and self.num_labels != 1:
+            raise ValueError(f"score: cross-encoder scoring needs a classifier with 1 label; this model "
+                             f"has num_labels={self.num_labels} (use classify)")
+        return p
+
+    # ------------------------------------------------------------------ runner side
     def accumulate(self, state: dict, r: Any, hidden: torch.Tensor) -> Optional[torch.Tensor]:
         """Fold one chunk into ``state[r.req_id]``; on the last chunk return the finished output.
 
@@ -40,7 +103,7 @@ class Pooler:
 
         Returns:
             float32 tensor on CPU when ``r.is_last_chunk`` (``[hidden]`` or ``[dims]`` for embed,
-            ``[num_labels]`` for classify, ``[T, hidden]`` for ALL), else None.
+            ``[num_labels]`` for classify, ``[T, ...]`` for ALL), else None.
         """
         h = hidden.float()
         pt = self.pooling_type
@@ -53,7 +116,8 @@ class Pooler:
                 st = h[0].clone()
         elif pt == "ALL":
             st = [h.clone()] if st is None else st + [h.clone()]
-        state[r.req_id] = st
+        if st is not None:
+            state[r.req_id] = st
         if not r.is_last_chunk:
             return None
         if pt == "LAST":
@@ -61,6 +125,8 @@ class Pooler:
         elif pt == "MEAN":
             pooled = st[0] / st[1]
         elif pt == "CLS":
+            if st is None:
+                raise RuntimeError(f"CLS pooling: request {r.req_id} never computed its first token")
             pooled = st
         else:
             pooled = torch.cat(st, dim=0)
@@ -68,15 +134,19 @@ class Pooler:
         return self.head(pooled, r.pooling_params).cpu()
 
     def head(self, pooled: torch.Tensor, params: Any) -> torch.Tensor:
-        """Apply the task head: normalize / Matryoshka truncation (embed) or classifier + activation."""
+        """Apply the task head: normalize / Matryoshka truncation (embed), classifier +
+        activation (classify / score), nothing more for encode."""
+        task = getattr(params, "task", None) or self.task
         if self.task == "classify":
-            if self.score_weight is None:
-                raise ValueError("convert='classify' needs a classifier head (score.weight) in the checkpoint")
             logits = F.linear(pooled, self.score_weight, self.score_bias)
+            if task == "encode":
+                return logits
             use_act = _first(getattr(params, "use_activation", None), self.config.use_activation, True)
             if not use_act:
                 return logits
             return torch.sigmoid(logits) if logits.shape[-1] == 1 else torch.softmax(logits, dim=-1)
+        if task == "encode":
+            return pooled
         dims = _first(getattr(params, "dimensions", None), self.config.dimensions, None)
         if dims is not None:
             if dims > pooled.shape[-1]:
@@ -97,9 +167,15 @@ def _first(*vals):
 
 def build_pooler(args: Any, hf_config: Any, model: Any, score_weight: Optional[torch.Tensor] = None,
                  score_bias: Optional[torch.Tensor] = None) -> Pooler:
-    """The pooler for ``runner="pooling"`` (``convert`` = "embed" unless the checkpoint is a classifier)."""
+    """The pooler for ``runner="pooling"`` (``convert`` = "embed" unless the checkpoint is a classifier).
+
+    Raises:
+        ValueError: bad pooler_config / convert, or convert="classify" without a classifier head.
+    """
     cfg = PoolerConfig.from_any(args.pooler_config)
     task = args.convert or ("classify" if score_weight is not None else "embed")
     if task not in ("embed", "classify"):
         raise ValueError(f"convert: must be 'embed' or 'classify', got {task!r}")
-    return Pooler(cfg, task, score_weight, score_bias)
+    id2label = getattr(hf_config, "id2label", None) if score_weight is not None else None
+    return Pooler(cfg, task, score_weight, score_bias,
+                  hidden_size=int(getattr(hf_config, "hidden_size", 0) or 0) or None, id2label=id2label)

@@ -104,7 +104,8 @@ def test_random_token_sequences_match_full_decode(tok):
             chunks.append(c)
             left -= c
         deltas, _ = _stream(tok, ids, chunks, skip=skip)
-        assert "".join(deltas) == tok.decode(ids, skip_special_tokens=skip), (ids, skip)
+        # A partial character left dangling at the end is dropped (vLLM), never sent as U+FFFD.
+        assert "".join(deltas) == tok.decode(ids, skip_special_tokens=skip).rstrip("\ufffd"), (ids, skip)
 
 
 def test_valid_random_concatenations_never_emit_replacement(tok):
@@ -125,13 +126,14 @@ def test_special_tokens_skip_and_keep(tok):
     assert "".join(deltas) == "Hi<|im_end|> there"
 
 
-def test_flush_emits_dangling_partial_character(tok):
+def test_flush_drops_dangling_partial_character(tok):
     ids = tok.encode("ok 😀")[:-1]  # cut the emoji's last piece
     det = IncrementalDetokenizer(tok, None)
     text = det.add_tokens(ids)
     assert "\ufffd" not in text
     text += det.flush()
-    assert text == tok.decode(ids) and text.endswith("\ufffd")
+    assert tok.decode(ids).endswith("\ufffd")
+    assert text == tok.decode(ids).rstrip("\ufffd") and not text.endswith("\ufffd")
 
 
 def test_get_token_text(tok):

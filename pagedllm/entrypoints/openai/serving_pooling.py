@@ -1,0 +1,355 @@
+"""HTTP pooling endpoints (vLLM's shapes): embeddings, pooling, classify, score, rerank.
+
+    app.include_router(build_pooling_router(engine, served_model_names))
+
+``engine`` is an ``AsyncLLM`` (or anything with ``runner``, ``tokenizer``, ``model_name`` and
+``async encode(prompt, pooling_params, request_id, task=..., add_special_tokens=...)``).
+
+Routes:
+    POST /v1/embeddings           OpenAI: input str | list[str] | list[int] | list[list[int]],
+                                  encoding_format "float" | "base64" (little-endian float32),
+                                  dimensions; data[{object "embedding", index, embedding}], usage.
+    POST /pooling                 vLLM: data[{object "pooling", index, data}] (nested lists).
+    POST /classify                vLLM: data[{index, label, probs, num_classes}].
+    POST /score, /v1/score        vLLM: text_1/text_2 (or queries/documents, data_1/data_2);
+                                  data[{index, object "score", score}].
+    POST /rerank, /v1/rerank, /v2/rerank
+                                  Jina/Cohere: query, documents, top_n, return_documents;
+                                  results[{index, relevance_score, document{text}}] sorted by
+                                  relevance_score (descending).
+
+Scores: an embed model scores a pair by the cosine similarity of the two embeddings; a
+classify (cross-encoder) model encodes the pair as one input (``tokenizer(text_1, text_2)``).
+Errors are OpenAI bodies: 400 for a generation model, an over-long or empty input, an empty
+input list or a bad parameter; 404 for an unknown model name.
+"""
+from __future__ import annotations
+
+import asyncio
+import base64
+import time
+import uuid
+from typing import Any, Literal, Optional, Union
+
+from fastapi import APIRouter
+from fastapi.responses import JSONResponse
+from pydantic import BaseModel, ConfigDict, Field
+
+from pagedllm.entrypoints.openai.errors import OpenAIError, value_error_to_openai
+
+TokenIds = list[int]
+EmbeddingInput = Union[str, list[str], TokenIds, list[TokenIds]]
+
+
+class _Base(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+
+class EmbeddingRequest(_Base):
+    model: Optional[str] = None
+    input: EmbeddingInput
+    encoding_format: Literal["float", "base64"] = "float"
+    dimensions: Optional[int] = None
+    user: Optional[str] = None
+    truncate_prompt_tokens: Optional[int] = None
+    add_special_tokens: bool = True
+    normalize: Optional[bool] = None
+
+
+class PoolingRequest(EmbeddingRequest):
+    task: Optional[Literal["embed", "classify", "score", "encode"]] = None
+    use_activation: Optional[bool] = None
+
+
+class ClassificationRequest(_Base):
+    model: Optional[str] = None
+    input: EmbeddingInput
+    truncate_prompt_tokens: Optional[int] = None
+    add_special_tokens: bool = True
+    use_activation: Optional[bool] = None
+    activation: Optional[bool] = None
+    user: Optional[str] = None
+
+
+ScoreSide = Union[str, list[str]]
+
+
+class ScoreRequest(_Base):
+    model: Optional[str] = None
+    text_1: Optional[ScoreSide] = None
+    text_2: Optional[ScoreSide] = None
+    queries: Optional[ScoreSide] = None
+    documents: Optional[ScoreSide] = None
+    data_1: Optional[ScoreSide] = None
+    data_2: Optional[ScoreSide] = None
+    truncate_prompt_tokens: Optional[int] = None
+    use_activation: Optional[bool] = None
+    activation: Optional[bool] = None
+    user: Optional[str] = None
+
+
+class RerankDocumentIn(_Base):
+    text: str
+
+
+class RerankRequest(_Base):
+    model: Optional[str] = None
+    query: str
+    documents: list[Union[str, RerankDocumentIn]]
+    top_n: Optional[int] = Field(default=None)
+    return_documents: bool = True
+    truncate_prompt_tokens: Optional[int] = None
+    use_activation: Optional[bool] = None
+    activation: Optional[bool] = None
+    user: Optional[str] = None
+
+
+# ---------------------------------------------------------------------------------------- helpers
+def engine_pooler(engine: Any) -> Any:
+    """The engine's Pooler (None for a generation model)."""
+    core = getattr(getattr(engine, "engine", None), "core", None)
+    return getattr(core, "pooler", None)
+
+
+def encode_base64(values: Any) -> str:
+    """base64 of the little-endian float32 bytes of ``values`` (a tensor or nested list)."""
+    import numpy as np
+
+    arr = values.detach().cpu().float().numpy() if hasattr(values, "detach") else np.asarray(values)
+    return base64.b64encode(np.ascontiguousarray(arr, dtype="<f4").tobytes()).decode("ascii")
+
+
+def _is_token_ids(x: Any) -> bool:
+    return isinstance(x, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in x)
+
+
+def to_prompts(inp: Any, param: str = "input") -> list:
+    """Request ``input`` -> engine prompts (texts or ``{"prompt_token_ids": ids}``).
+
+    Raises:
+        OpenAIError: an empty list (400).
+    """
+    if isinstance(inp, str):
+        return [inp]
+    if not isinstance(inp, list) or not inp:
+        raise OpenAIError(f"{param}: the input list is empty; give at least one input", 400, param)
+    if _is_token_ids(inp):
+        return [{"prompt_token_ids": list(inp)}]
+    if all(isinstance(x, str) for x in inp):
+        return list(inp)
+    if all(_is_token_ids(x) for x in inp):
+        return [{"prompt_token_ids": list(x)} for x in inp]
+    raise OpenAIError(f"{param}: must be a string, a list of strings, a list of token ids or a list of "
+                      "token-id lists", 400, param)
+
+
+def _use_activation(req: Any) -> Optional[bool]:
+    ua, a = getattr(req, "use_activation", None), getattr(req, "activation", None)
+    return ua if ua is not None else a
+
+
+def _usage(n: int) -> dict:
+    return {"prompt_tokens": n, "total_tokens": n, "completion_tokens": 0, "prompt_tokens_details": None}
+
+
+class _Handler:
+    def __init__(self, engine: Any, served_model_names: Optional[list[str]]) -> None:
+        self.engine = engine
+        names = served_model_names or [str(getattr(engine, "model_name", "model"))]
+        self.served = [names] if isinstance(names, str) else list(names)
+
+    # ---- checks
+    def check(self, model: Optional[str], what: str) -> str:
+        if model and model not in self.served:
+            raise OpenAIError(f"The model `{model}` does not exist.", 404, "model")
+        if getattr(self.engine, "runner", "generate") != "pooling" or engine_pooler(self.engine) is None:
+            raise OpenAIError(
+                f"This model does not support the {what} API: it is a generation model (started with "
+                f"--runner {getattr(self.engine, 'runner', 'generate')}); serve a pooling model with "
+                "--runner pooling.", 400, "model")
+        return model if model in self.served else self.served[0]
+
+    @property
+    def pooler(self) -> Any:
+        return engine_pooler(self.engine)
+
+    # ---- engine calls
+    async def run(self, prompts: list, params_fn, task: str, prefix: str, add_special_tokens: bool = True) -> list:
+        """Encode every prompt concurrently; the first error cancels (aborts) the rest."""
+        base = f"{prefix}-{uuid.uuid4().hex}"
+        tasks = [asyncio.ensure_future(self.engine.encode(p, params_fn(), f"{base}-{i}", task=task,
+                                                          add_special_tokens=add_special_tokens))
+                 for i, p in enumerate(prompts)]
+        try:
+            return await asyncio.gather(*tasks)
+        except BaseException as e:
+            for t in tasks:
+                t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            if isinstance(e, ValueError):
+                raise value_error_to_openai(e, "input") from None
+            raise
+
+    async def scores(self, q: list[str], d: list[str], truncate: Optional[int], use_act: Optional[bool],
+                     prefix: str) -> tuple[list[float], int]:
+        """One score per (q[i], d[i]) and the prompt tokens used."""
+        from pagedllm.pooling_params import PoolingParams
+
+        if self.pooler.task == "embed":
+            if use_act is not None:
+                raise OpenAIError("use_activation: applies to cross-encoder (classify) models only", 400,
+                                  "use_activation")
+            uniq = list(dict.fromkeys(q + d))
+            outs = await self.run(uniq, lambda: PoolingParams(truncate_prompt_tokens=truncate), "embed", prefix)
+            by = {t: o for t, o in zip(uniq, outs)}
+            import torch
+            res = [float(torch.nn.functional.cosine_similarity(by[a].outputs.data.float(),
+                                                               by[b].outputs.data.float(), dim=-1))
+                   for a, b in zip(q, d)]
+            return res, sum(len(o.prompt_token_ids) for o in outs)
+        tok = self.engine.tokenizer
+        prompts = [{"prompt_token_ids": list(tok(a, b)["input_ids"])} for a, b in zip(q, d)]
+        outs = await self.run(prompts, lambda: PoolingParams(truncate_prompt_tokens=truncate,
+                                                             use_activation=use_act), "score", prefix)
+        return [o.outputs.score for o in outs], sum(len(o.prompt_token_ids) for o in outs)
+
+
+def _pair_lists(a: Any, b: Any, pa: str, pb: str) -> tuple[list[str], list[str]]:
+    q = [a] if isinstance(a, str) else list(a or [])
+    d = [b] if isinstance(b, str) else list(b or [])
+    if not q:
+        raise OpenAIError(f"{pa}: empty; give at least one text", 400, pa)
+    if not d:
+        raise OpenAIError(f"{pb}: empty; give at least one text", 400, pb)
+    if len(q) == 1:
+        q = q * len(d)
+    elif len(q) != len(d):
+        raise OpenAIError(f"{pa} has {len(q)} texts and {pb} {len(d)}: give one {pa}, or as many as {pb}",
+                          400, pa)
+    return q, d
+
+
+def _wrap(e: BaseException) -> OpenAIError:
+    if isinstance(e, OpenAIError):
+        return e
+    return value_error_to_openai(e, "input")
+
+
+# ---------------------------------------------------------------------------------------- router
+def build_pooling_router(engine: Any, served_model_names: Optional[list[str]] = None) -> APIRouter:
+    """FastAPI router with the pooling endpoints for ``engine`` (see the module docstring)."""
+    from pagedllm.pooling_params import PoolingParams
+
+    h = _Handler(engine, served_model_names)
+    router = APIRouter()
+
+    async def guarded(coro_fn):
+        try:
+            return await coro_fn()
+        except OpenAIError as e:
+            return e.to_response()
+        except ValueError as e:
+            return _wrap(e).to_response()
+
+    @router.post("/v1/embeddings")
+    async def create_embedding(request: EmbeddingRequest):
+        async def go():
+            model = h.check(request.model, "embeddings")
+            prompts = to_prompts(request.input)
+            mk = lambda: PoolingParams(dimensions=request.dimensions, normalize=request.normalize,  # noqa: E731
+                                       truncate_prompt_tokens=request.truncate_prompt_tokens)
+            mk()  # parameter errors before any work
+            outs = await h.run(prompts, mk, "embed", "embd", request.add_special_tokens)
+            data = []
+            for i, o in enumerate(outs):
+                emb = encode_base64(o.outputs.data) if request.encoding_format == "base64" else o.outputs.data.tolist()
+                data.append({"index": i, "object": "embedding", "embedding": emb})
+            n = sum(len(o.prompt_token_ids) for o in outs)
+            return JSONResponse({"id": f"embd-{uuid.uuid4().hex}", "object": "list", "created": int(time.time()),
+                                 "model": model, "data": data, "usage": _usage(n)})
+        return await guarded(go)
+
+    @router.post("/pooling")
+    async def create_pooling(request: PoolingRequest):
+        async def go():
+            model = h.check(request.model, "pooling")
+            prompts = to_prompts(request.input)
+            task = request.task or "encode"
+            mk = lambda: PoolingParams(  # noqa: E731
+                dimensions=request.dimensions, normalize=request.normalize,
+                use_activation=request.use_activation, truncate_prompt_tokens=request.truncate_prompt_tokens)
+            mk()
+            outs = await h.run(prompts, mk, task, "pool", request.add_special_tokens)
+            data = []
+            for i, o in enumerate(outs):
+                val = encode_base64(o.outputs.data) if request.encoding_format == "base64" else o.outputs.data.tolist()
+                data.append({"index": i, "object": "pooling", "data": val})
+            n = sum(len(o.prompt_token_ids) for o in outs)
+            return JSONResponse({"id": f"pool-{uuid.uuid4().hex}", "object": "list", "created": int(time.time()),
+                                 "model": model, "data": data, "usage": _usage(n)})
+        return await guarded(go)
+
+    @router.post("/classify")
+    async def create_classify(request: ClassificationRequest):
+        async def go():
+            model = h.check(request.model, "classification")
+            prompts = to_prompts(request.input)
+            mk = lambda: PoolingParams(use_activation=_use_activation(request),  # noqa: E731
+                                       truncate_prompt_tokens=request.truncate_prompt_tokens)
+            mk()
+            outs = await h.run(prompts, mk, "classify", "classify", request.add_special_tokens)
+            data = []
+            for i, o in enumerate(outs):
+                probs = o.outputs.data.float().reshape(-1).tolist()
+                best = max(range(len(probs)), key=probs.__getitem__)
+                data.append({"index": i, "label": h.pooler.label(best), "probs": probs,
+                             "num_classes": len(probs)})
+            n = sum(len(o.prompt_token_ids) for o in outs)
+            return JSONResponse({"id": f"classify-{uuid.uuid4().hex}", "object": "list",
+                                 "created": int(time.time()), "model": model, "data": data, "usage": _usage(n)})
+        return await guarded(go)
+
+    async def score(request: ScoreRequest):
+        async def go():
+            model = h.check(request.model, "score")
+            if request.text_1 is not None or request.text_2 is not None:
+                a, b, pa, pb = request.text_1, request.text_2, "text_1", "text_2"
+            elif request.queries is not None or request.documents is not None:
+                a, b, pa, pb = request.queries, request.documents, "queries", "documents"
+            else:
+                a, b, pa, pb = request.data_1, request.data_2, "data_1", "data_2"
+            q, d = _pair_lists(a, b, pa, pb)
+            res, n = await h.scores(q, d, request.truncate_prompt_tokens, _use_activation(request), "score")
+            data = [{"index": i, "object": "score", "score": s} for i, s in enumerate(res)]
+            return JSONResponse({"id": f"score-{uuid.uuid4().hex}", "object": "list", "created": int(time.time()),
+                                 "model": model, "data": data, "usage": _usage(n)})
+        return await guarded(go)
+
+    async def rerank(request: RerankRequest):
+        async def go():
+            model = h.check(request.model, "rerank")
+            docs = [x if isinstance(x, str) else x.text for x in request.documents]
+            if not docs:
+                raise OpenAIError("documents: empty; give at least one document", 400, "documents")
+            if request.top_n is not None and request.top_n < 0:
+                raise OpenAIError(f"top_n: must be >= 0, got {request.top_n}", 400, "top_n")
+            res, n = await h.scores([request.query] * len(docs), docs, request.truncate_prompt_tokens,
+                                    _use_activation(request), "rerank")
+            order = sorted(range(len(docs)), key=lambda i: res[i], reverse=True)
+            if request.top_n:
+                order = order[:request.top_n]
+            results = []
+            for i in order:
+                r: dict = {"index": i, "relevance_score": res[i]}
+                if request.return_documents:
+                    r["document"] = {"text": docs[i]}
+                results.append(r)
+            return JSONResponse({"id": f"rerank-{uuid.uuid4().hex}", "model": model,
+                                 "usage": {"prompt_tokens": n, "total_tokens": n}, "results": results})
+        return await guarded(go)
+
+    for path in ("/score", "/v1/score"):
+        router.add_api_route(path, score, methods=["POST"])
+    for path in ("/rerank", "/v1/rerank", "/v2/rerank"):
+        router.add_api_route(path, rerank, methods=["POST"])
+    return router
