@@ -120,7 +120,19 @@ def _manual_attention(
 
 
 class TorchPagedAttention(AttentionImpl):
-    """Paged attention on CPU (see ``AttentionImpl.forward`` for the contract)."""
+    """Paged attention on CPU (see ``AttentionImpl.forward`` for the contract).
+
+    Args:
+        use_cpu_kernel: run decodes through the C++ kernel (``pagedllm.attention.cpu_ops``)
+            when it is available; it reads K/V through the block table instead of gathering a
+            contiguous copy. False keeps the pure-torch path (the test oracle).
+    """
+
+    def __init__(self, use_cpu_kernel: bool = True) -> None:
+        self._ops = None
+        if use_cpu_kernel:
+            from pagedllm.attention.cpu_ops import get_ops
+            self._ops = get_ops()
 
     def forward(
         self,
@@ -146,7 +158,12 @@ class TorchPagedAttention(AttentionImpl):
         out = torch.empty_like(q)
         nd = meta.num_decodes
         if nd > 0:
-            out[:nd] = self._decode(q[:nd], kv_cache, meta, scale, sliding_window, logits_soft_cap)
+            if self._ops is not None and q.device.type == "cpu" and q.dtype == kv_cache.dtype:
+                out[:nd] = self._ops.paged_decode_attention(
+                    q[:nd], kv_cache, meta.block_tables[:nd], meta.seq_lens[:nd], float(scale),
+                    int(sliding_window or 0), float(logits_soft_cap or 0.0))
+            else:
+                out[:nd] = self._decode(q[:nd], kv_cache, meta, scale, sliding_window, logits_soft_cap)
         bs = meta.block_size
         same_dtype = kv_cache.dtype == k.dtype
         for i in range(nd, meta.num_reqs):

@@ -74,6 +74,11 @@ class EngineCore:
             from pagedllm.pooling.adapters import drop_lm_head, split_head_weights
             drop_lm_head(model)
             weights = split_head_weights(weights, pool_head)
+        if loaded.source == "hf":
+            from pagedllm.loader.hf_loader import check_checkpoint_files, safetensors_files
+            check_checkpoint_files(model, loaded.model_path,
+                                   safetensors_files(loaded.model_path, args.ignore_patterns or None),
+                                   skip_names=("score.weight", "score.bias") if args.runner == "pooling" else ())
         try:
             model.load_weights(weights)
         except ValueError as e:

@@ -120,3 +120,70 @@ def annotate_load_error(err: ValueError, loaded, ignore_patterns: list[str] | No
     except (ValueError, SyntaxError):
         return err
     return ValueError(describe_unexpected_tensors(loaded.model_path, names, model_name, ignore_patterns))
+
+
+def check_checkpoint_files(model, model_path: str, files: list[str], skip_names: tuple[str, ...] = (),
+                           ignore_patterns: list[str] | None = None) -> None:
+    """Before loading: every tensor of every safetensors file must be a parameter of `model` that no other tensor
+    provides. Names are mapped like `model.load_weights` does (`model.` prefix optional, q/k/v and gate/up packed).
+    A head saved beside the encoder (e.g. `norm.weight`, `fc1.weight` in head.safetensors) would otherwise be
+    rejected only in part, or silently overwrite the model's own `norm.weight`.
+
+    Raises ValueError naming each offending file and its tensors (unknown ones, and ones another file already
+    provides), and how to skip the file on purpose (`ignore_patterns` / `--ignore-patterns`)."""
+    import os
+
+    from safetensors import safe_open
+
+    params = dict(model.named_parameters())
+    packed = getattr(model, "packed_modules_mapping", {}) or {}
+    no_head = getattr(model, "lm_head", "absent") is None
+    providers: dict[str, list[tuple[str, str]]] = {}  # canonical name -> [(file, checkpoint name)]
+    valid: dict[str, int] = {}
+    unknown: dict[str, list[str]] = {}
+    dup: dict[str, list[str]] = {}
+    for fname in files:
+        base = os.path.basename(fname)
+        with safe_open(fname, framework="pt") as fh:
+            names = list(fh.keys())
+        for name in names:
+            if name in skip_names:
+                continue
+            canon = model._canonical_name(name)
+            if canon is None or (canon == "lm_head.weight" and no_head):
+                continue
+            target = canon
+            for ckpt, (fused, _sid) in packed.items():
+                if f".{ckpt}." in canon:
+                    target = canon.replace(f".{ckpt}.", f".{fused}.")
+                    break
+            if target not in params:
+                unknown.setdefault(base, []).append(name)
+            else:
+                providers.setdefault(canon, []).append((base, name))
+                valid[base] = valid.get(base, 0) + 1
+    for canon, prov in providers.items():
+        if len(prov) > 1:
+            # The file holding most of the model keeps the tensor; the others are blamed.
+            keep = max(prov, key=lambda fp: (valid.get(fp[0], 0), fp[0] not in unknown))
+            for base, name in prov:
+                if (base, name) != keep:
+                    dup.setdefault(base, []).append(f"{name} (also in {keep[0]} as {keep[1]})")
+    if not unknown and not dup:
+        return
+    parts = []
+    model_name = type(model).__name__
+    for base in sorted(set(unknown) | set(dup)):
+        bits = []
+        if unknown.get(base):
+            u = sorted(unknown[base])
+            bits.append(f"{len(u)} tensor(s) that {model_name} does not have: {u[:20]}"
+                        + (f" (+{len(u) - 20} more)" if len(u) > 20 else ""))
+        if dup.get(base):
+            d = sorted(dup[base])
+            bits.append(f"{len(d)} tensor(s) another file already provides: {d[:20]}"
+                        + (f" (+{len(d) - 20} more)" if len(d) > 20 else ""))
+        parts.append(f"file {base!r} holds " + " and ".join(bits))
+    names = sorted(set(unknown) | set(dup))
+    raise ValueError(f"{model_path}: " + "; ".join(parts) + f"; remove the file(s), or skip them on purpose with "
+                     f"ignore_patterns={names} (--ignore-patterns {' '.join(names)})")

@@ -27,6 +27,14 @@ def _import_backend():
     try:
         triton = pytest.importorskip("triton", reason="triton is not installed (pip install triton; CUDA torch pins it)")
         if DEVICE.type == "cpu" and type(triton.language.zeros).__name__ != "InterpretedFunction":
+            # Imported earlier in compiled mode (transformers imports triton when installed):
+            # import a fresh copy under the interpreter (earlier importers keep their own).
+            stale = [m for m in sys.modules if (m == "triton" or m.startswith("triton."))
+                     and not m.startswith("triton._C")]  # the C extension cannot be re-imported
+            for name in stale + ["pagedllm.attention.triton_paged"]:
+                sys.modules.pop(name, None)
+            triton = importlib.import_module("triton")
+        if DEVICE.type == "cpu" and type(triton.language.zeros).__name__ != "InterpretedFunction":
             pytest.skip("triton was imported before TRITON_INTERPRET=1 was set (its helpers are compiled-mode); "
                         "run with TRITON_INTERPRET=1 in the environment", allow_module_level=True)
         # The triton package reads TRITON_INTERPRET when a kernel is decorated (module import):

@@ -257,11 +257,9 @@ _GEMMA_FIELDS = ["sliding_window", "layer_types", "query_pre_attn_scalar", "hidd
 @pytest.mark.slow
 @pytest.mark.parametrize("which", ["smollm2", "gemma3"])
 def test_config_matches_transformers(which, request):
-    from transformers import AutoConfig
-
     path = request.getfixturevalue(f"{which}_path")
     lm = load_model(path)
-    ref = AutoConfig.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path))
+    ref = request.getfixturevalue(f"hf_{which}")[0].config  # transformers' GGUF config (root conftest reference)
     fields = _CFG_FIELDS + (_GEMMA_FIELDS if which == "gemma3" else [])
     for f in fields:
         assert getattr(lm.hf_config, f) == getattr(ref, f), f
@@ -307,12 +305,10 @@ _TEXTS = ["Hello world", "The capital of France is Paris.\n  indented\ttab", "ü
 @pytest.mark.slow
 @pytest.mark.parametrize("which", ["smollm2", "gemma3"])
 def test_tokenizer_matches_transformers(which, request):
-    from transformers import AutoTokenizer
-
     from pagedllm.loader.tokenizer import load_gguf_tokenizer
 
     path = request.getfixturevalue(f"{which}_path")
-    ref = AutoTokenizer.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path))
+    ref = request.getfixturevalue(f"hf_{which}")[1]  # the session's transformers tokenizer (root conftest)
     tok = load_gguf_tokenizer(path)  # cached if a previous run converted it
     tok2 = load_gguf_tokenizer(path)  # certainly from the cache
     for t in (tok, tok2):

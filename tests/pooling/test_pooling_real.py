@@ -1,0 +1,195 @@
+"""Pooling on real weights (Gemma 3 270M GGUF, SmolLM2 GGUF) against transformers, fp32.
+
+Tolerance: pooled vectors are compared to ``hf.model(ids).last_hidden_state`` (HF's final-normed
+hidden state, fp32) with ``|ours - ref| <= 1e-4 * max|ref| + 1e-4 * |ref|`` elementwise
+(``assert_close(rtol=1e-4, atol=1e-4 * max|ref|)``); ranking scores within 1e-4 absolute.
+"""
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+pytestmark = pytest.mark.slow
+
+TEXTS = [
+    "Hi",
+    "The quick brown fox jumps over the lazy dog near the river bank.",
+    "Paged attention stores the key/value cache in fixed-size blocks, so memory is allocated on demand "
+    "and shared between sequences that have a common prefix. " * 3,
+    "A pooling model turns hidden states into vectors: last token, mean over tokens, or the first token. "
+    "Long inputs are prefilled in chunks and pooling must still cover every token of the input. " * 2,
+]
+
+
+def _set_pooling_type(llm, pooling_type: str) -> None:
+    """Swap the engine's pooler for one with another pooling type (same runner path; saves a reload)."""
+    from pagedllm.pooling.config import PoolerConfig
+    from pagedllm.pooling.pooler import Pooler
+
+    core = llm.llm_engine.core
+    p = Pooler(PoolerConfig(pooling_type=pooling_type, normalize=False), "embed",
+               hidden_size=int(core.hf_config.hidden_size))
+    core.pooler = p
+    core.runner.pooler = p
+
+
+def _reference(hf_model, ids_list):
+    out = []
+    with torch.no_grad():
+        for ids in ids_list:
+            h = hf_model.model(torch.tensor([ids])).last_hidden_state[0].float()
+            out.append({"LAST": h[-1], "MEAN": h.mean(0), "CLS": h[0]})
+    return out
+
+
+def _close(a, b):
+    torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4 * float(b.abs().max()))
+
+
+def _check_model(path, hf_model, budget_chunked):
+    from pagedllm import LLM, PoolerConfig
+
+    ids_list = None
+    for budget in (2048, budget_chunked):
+        llm = LLM(path, runner="pooling", dtype="float32", kv_cache_memory=64 * 1024**2,
+                  max_num_batched_tokens=budget, enable_prefix_caching=True,
+                  pooler_config=PoolerConfig(pooling_type="LAST", normalize=False))
+        tok = llm.get_tokenizer()
+        if ids_list is None:
+            ids_list = [tok.encode(t) for t in TEXTS]
+            lens = [len(i) for i in ids_list]
+            assert min(lens) < budget_chunked < max(lens), lens
+            ref = _reference(hf_model, ids_list)
+        prompts = [{"prompt_token_ids": ids} for ids in ids_list]
+        for pt in ("LAST", "MEAN", "CLS"):
+            if pt != "LAST":
+                _set_pooling_type(llm, pt)
+            outs = llm.embed(prompts, use_tqdm=False)
+            assert [o.prompt_token_ids for o in outs] == ids_list
+            for o, r in zip(outs, ref):
+                _close(o.outputs.data, r[pt])
+        # normalize=True (the embed default) is the L2-normalized vector.
+        _set_pooling_type(llm, "LAST")
+        llm.llm_engine.core.pooler.config.normalize = None
+        outs = llm.embed(prompts[:2], use_tqdm=False)
+        for o, r in zip(outs, ref):
+            _close(o.outputs.data, F.normalize(r["LAST"], dim=-1))
+        del llm
+    return ids_list
+
+
+def test_gemma3_pooled_vectors_match_transformers(gemma3_path, hf_gemma3):
+    _check_model(gemma3_path, hf_gemma3[0], budget_chunked=48)
+
+
+def test_smollm2_pooled_vectors_match_transformers(smollm2_path, hf_smollm2):
+    _check_model(smollm2_path, hf_smollm2[0], budget_chunked=40)
+
+
+@pytest.fixture(scope="module")
+def bare_gemma_dir(gemma3_path, tmp_path_factory):
+    """A bare Gemma3TextModel HF directory (names without ``model.``, no LM head) from the GGUF weights."""
+    from safetensors.torch import save_file
+
+    from pagedllm.loader import load_model
+
+    d = str(tmp_path_factory.mktemp("bare_gemma3"))
+    lm = load_model(gemma3_path)
+    sd = {}
+    for name, t in lm.weights():
+        assert not name.startswith("lm_head")
+        sd[name[len("model."):] if name.startswith("model.") else name] = t.contiguous()
+    save_file(sd, os.path.join(d, "model.safetensors"))
+    del sd
+    cfg = lm.hf_config.to_dict()
+    cfg["architectures"] = ["Gemma3ForCausalLM"]
+    assert cfg["model_type"] == "gemma3_text" and cfg.get("tie_word_embeddings", True)
+    with open(os.path.join(d, "config.json"), "w") as f:
+        json.dump(cfg, f)
+    lm.tokenizer.save_pretrained(d)
+    return d
+
+
+def test_bare_gemma3_text_model_dir(gemma3_path, bare_gemma_dir):
+    from safetensors.torch import save_file
+
+    from pagedllm import LLM, PoolerConfig
+
+    kw = dict(runner="pooling", dtype="float32", kv_cache_memory=64 * 1024**2,
+              pooler_config=PoolerConfig(pooling_type="MEAN", normalize=False))
+    full = LLM(gemma3_path, **kw)
+    ids = [full.get_tokenizer().encode(t) for t in TEXTS[:3]]
+    prompts = [{"prompt_token_ids": i} for i in ids]
+    ref = [o.outputs.data for o in full.embed(prompts, use_tqdm=False)]
+    del full
+    for archs in (["Gemma3ForCausalLM"], ["Gemma3TextModel"]):
+        cfg_path = os.path.join(bare_gemma_dir, "config.json")
+        cfg = json.load(open(cfg_path))
+        cfg["architectures"] = archs
+        json.dump(cfg, open(cfg_path, "w"))
+        bare = LLM(bare_gemma_dir, **kw)
+        got = [o.outputs.data for o in bare.embed(prompts, use_tqdm=False)]
+        for a, b in zip(got, ref):
+            torch.testing.assert_close(a, b, rtol=0, atol=0)
+        del bare
+    # A file holding tensors the model does not have: an error naming the file and the tensors ...
+    save_file({"norm.weight": torch.ones(640), "fc1.weight": torch.zeros(4, 640)},
+              os.path.join(bare_gemma_dir, "head.safetensors"))
+    try:
+        with pytest.raises(ValueError) as ei:
+            LLM(bare_gemma_dir, **kw)
+        msg = str(ei.value)
+        assert "head.safetensors" in msg and "norm.weight" in msg and "'fc1.weight'" in msg, msg
+        assert "ignore_patterns=['head.safetensors']" in msg, msg  # only the head file is blamed
+        # ... unless ignore_patterns skips it on purpose.
+        llm = LLM(bare_gemma_dir, ignore_patterns=["head.safetensors"], **kw)
+        got = llm.embed(prompts[0], use_tqdm=False)[0].outputs.data
+        torch.testing.assert_close(got, ref[0], rtol=0, atol=0)
+    finally:
+        os.remove(os.path.join(bare_gemma_dir, "head.safetensors"))
+
+
+def _load_example():
+    here = os.path.dirname(os.path.abspath(__file__))
+    path = os.path.join(here, "..", "..", "examples", "rank_with_gemma_encoder.py")
+    spec = importlib.util.spec_from_file_location("rank_with_gemma_encoder", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_ranking_recipe_matches_transformers(gemma3_path, hf_gemma3, tmp_path):
+    """The documented example vs a plain transformers + torch implementation of the same recipe."""
+    from safetensors.torch import load_file
+
+    ex = _load_example()
+    head_path = str(tmp_path / "head.safetensors")
+    ex.write_random_head(head_path, hidden=640, inner=64, seed=3)
+    head = ex.load_head(head_path)
+    cands = ex.EXAMPLE_CANDIDATES
+    assert len(cands) == 8
+    llm = ex.make_encoder(gemma3_path, kv_cache_memory=64 * 1024**2, max_num_batched_tokens=32)
+    scores, order = ex.rank_offline(llm, head, ex.EXAMPLE_STATE, ex.EXAMPLE_QUESTION, cands)
+
+    # Reference: transformers last hidden state of the last token, fp32, L2-normalize, head by hand.
+    hf_model, hf_tok = hf_gemma3
+    sd = load_file(head_path)
+    ref = []
+    with torch.no_grad():
+        for c in cands:
+            text = f"State: {ex.EXAMPLE_STATE}\nQuestion: {ex.EXAMPLE_QUESTION}\nCandidate: {c}"
+            ids = hf_tok(text, return_tensors="pt")["input_ids"]
+            v = hf_model.model(ids).last_hidden_state[0, -1].float()
+            v = v / v.norm()
+            x = F.layer_norm(v, (640,), sd["norm.weight"], sd["norm.bias"], eps=1e-5)
+            x = F.gelu(x @ sd["fc1.weight"].T + sd["fc1.bias"])
+            ref.append(float(x @ sd["fc2.weight"][0] + sd["fc2.bias"][0]))
+    ref = torch.tensor(ref)
+    torch.testing.assert_close(scores, ref, rtol=0, atol=1e-4)
+    assert order == torch.argsort(ref, descending=True).tolist()
+    assert len(set(round(float(s), 3) for s in ref)) == 8  # a meaningful order (no ties)
