@@ -69,15 +69,17 @@ def resolve_dtype(dtype: str | torch.dtype, device: torch.device) -> torch.dtype
         raise ValueError(f"dtype: must be one of 'auto', {sorted(_DTYPES)}, got {dtype!r}") from None
 
 
-def default_num_threads() -> int:
+def default_num_threads(leave_one_core_for_http: bool = False) -> int:
     """Engine torch threads when ``num_threads`` is not set.
 
-    OMP_NUM_THREADS / PAGEDLLM_NUM_THREADS win when set; otherwise all cores
-    (FACTS.md section 3: 2 threads are 1.3-2x faster on a quiet machine but collapse when
-    another process is busy, so tests and shared hosts should pass 1).
+    PAGEDLLM_NUM_THREADS / OMP_NUM_THREADS win when set. Otherwise all cores offline; the
+    server leaves one core to its HTTP side (FACTS.md section 3: an OpenMP team that loses a
+    core to another busy thread slows 50-100x on small ops, so the engine must never count on
+    a core the event loop is using).
     """
     for var in ("PAGEDLLM_NUM_THREADS", "OMP_NUM_THREADS"):
         v = os.environ.get(var)
         if v and v.isdigit() and int(v) > 0:
             return int(v)
-    return max(1, os.cpu_count() or 1)
+    n = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return max(1, n - 1) if leave_one_core_for_http else max(1, n)

@@ -138,6 +138,16 @@ def add_latency_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--num-iters", type=int, default=3)
 
 
+def add_prefix_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("prefix-caching",
+                       help="shared system prompt workload: TTFT and total time, prefix caching on vs off")
+    _common(p)
+    p.add_argument("--num-prompts", type=int, default=32)
+    p.add_argument("--system-len", type=int, default=1000)
+    p.add_argument("--question-len", type=int, default=50)
+    p.add_argument("--output-len", type=int, default=64)
+
+
 def add_hardware_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("hardware", help="this machine's matmul GFLOP/s and memory bandwidth")
     p.add_argument("--num-threads", type=int, default=None)
@@ -267,6 +277,54 @@ def run_latency(args: argparse.Namespace) -> dict:
     }
 
 
+def _timed_run(eng: Any, prompts: list[list[int]], output_len: int) -> dict:
+    """Submit every prompt at once and step the engine; per-request TTFT (s) and total time (s)."""
+    from pagedllm import SamplingParams
+    from pagedllm.sampling_params import RequestOutputKind
+
+    sp = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True,
+                        output_kind=RequestOutputKind.DELTA)
+    t0 = time.perf_counter()
+    ids = [eng.next_request_id() for _ in prompts]
+    for rid, p in zip(ids, prompts):
+        eng.add_request(rid, {"prompt_token_ids": p}, sp)
+    first: dict[str, float] = {}
+    done = 0
+    cached = 0
+    while done < len(ids):
+        for o in eng.step():
+            first.setdefault(o.request_id, time.perf_counter() - t0)
+            if o.finished:
+                done += 1
+                cached += o.num_cached_tokens
+    ttft = sorted(first.values())
+    return {"total_s": time.perf_counter() - t0, "ttft_median_s": statistics.median(ttft),
+            "ttft_p99_s": ttft[min(len(ttft) - 1, int(0.99 * len(ttft)))], "cached_tokens": cached}
+
+
+def run_prefix_caching(args: argparse.Namespace) -> dict:
+    """32 requests sharing a ~1,000-token system prompt, different ~50-token questions, 64 output
+    tokens each; the same engine settings with prefix caching on and off, run one after the other."""
+    from pagedllm import LLM
+
+    res: dict = {"num_requests": args.num_prompts, "system_len": args.system_len,
+                 "question_len": args.question_len, "output_len": args.output_len}
+    for mode in ("on", "off"):
+        kw = _engine_kwargs(args)
+        kw["enable_prefix_caching"] = mode == "on"
+        llm = LLM(args.model, **kw)
+        tok = llm.get_tokenizer()
+        system = builtin_workload(tok, 1, args.system_len, args.system_len, args.seed)[0]
+        qs = builtin_workload(tok, args.num_prompts, args.question_len, args.question_len, args.seed + 1)
+        prompts = [system + q for q in qs]
+        r = _timed_run(llm.llm_engine, prompts, args.output_len)
+        res.update({f"caching_{mode}_{k}": v for k, v in r.items()})
+        del llm
+    res["ratio_ttft_median_off_over_on"] = res["caching_off_ttft_median_s"] / res["caching_on_ttft_median_s"]
+    res["ratio_total_off_over_on"] = res["caching_off_total_s"] / res["caching_on_total_s"]
+    return res
+
+
 def measure_hardware(num_threads: Optional[int] = None) -> dict:
     """Matmul GFLOP/s (fp32, bf16; 2048^3) and read / copy bandwidth (GB/s) on this machine."""
     import torch
@@ -308,6 +366,8 @@ def run(args: argparse.Namespace) -> int:
         res = run_throughput(args)
     elif args.bench_cmd == "latency":
         res = run_latency(args)
+    elif args.bench_cmd == "prefix-caching":
+        res = run_prefix_caching(args)
     elif args.bench_cmd == "hardware":
         res = measure_hardware(args.num_threads)
     else:

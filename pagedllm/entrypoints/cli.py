@@ -13,6 +13,7 @@ def _add_bench_parsers(sub: argparse._SubParsersAction) -> None:
     bsub = p.add_subparsers(dest="bench_cmd", required=True)
     bench.add_throughput_parser(bsub)
     bench.add_latency_parser(bsub)
+    bench.add_prefix_parser(bsub)
     bench.add_hardware_parser(bsub)
     sp = bsub.add_parser("serve", help="load-test a running server (request rate / max concurrency)")
     from pagedllm.entrypoints.bench_serve import add_bench_serve_args

@@ -133,7 +133,7 @@ def add_serve_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"],
                    help="Device to run on (default: auto = cuda if available, else cpu).")
     g.add_argument("--num-threads", type=_positive_int, default=None,
-                   help="torch intra-op threads for the engine (default: a measured choice).")
+                   help="torch intra-op threads for the engine (default: PAGEDLLM_NUM_THREADS or OMP_NUM_THREADS if set, else all cores but one, which the HTTP side keeps: an OpenMP team that loses a core to another busy thread slows sharply).")
     g.add_argument("--enforce-eager", action="store_true",
                    help="Never use CUDA graphs.")
     return parser
