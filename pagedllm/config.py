@@ -40,7 +40,10 @@ class EngineArgs:
         ignore_patterns: fnmatch patterns of checkpoint files not to load.
         disable_log_stats: no periodic stats log line.
         enforce_eager: no CUDA graphs.
-        gpu_memory_utilization: fraction of GPU memory for weights + activations + KV cache.
+        gpu_memory_utilization: fraction of GPU memory for weights + activations + KV cache
+            (CUDA only; used when kv_cache_memory is not given).
+        attention_backend: "torch" | "triton" | "flashinfer" | None (CPU: torch, CUDA: triton;
+            also PAGEDLLM_ATTENTION_BACKEND).
     """
 
     model: str = "SmolLM2-135M-Instruct"
@@ -67,6 +70,7 @@ class EngineArgs:
     disable_log_stats: bool = False
     enforce_eager: bool = False
     gpu_memory_utilization: float = 0.9
+    attention_backend: Optional[str] = None
 
     @classmethod
     def field_names(cls) -> set[str]:

@@ -93,7 +93,12 @@ class EngineCore:
         num_layers, num_kv_heads, head_dim = model.get_kv_cache_spec()
         elem = torch.empty((), dtype=self.dtype).element_size()
         bytes_per_token = 2 * num_layers * num_kv_heads * head_dim * elem
-        kv_bytes = args.kv_cache_memory if args.kv_cache_memory is not None else DEFAULT_CPU_KV_CACHE_BYTES
+        if args.kv_cache_memory is not None:
+            kv_bytes = int(args.kv_cache_memory)
+        elif self.device.type == "cuda":
+            kv_bytes = self._profile_gpu_kv_bytes(model, args)
+        else:
+            kv_bytes = DEFAULT_CPU_KV_CACHE_BYTES
         num_blocks = int(kv_bytes // (bytes_per_token * args.block_size))
         if num_blocks < 2:
             raise ValueError(
@@ -141,9 +146,11 @@ class EngineCore:
             from pagedllm.pooling.pooler import build_pooler
             pooler = build_pooler(args, self.hf_config, model, pool_head.get("weight"), pool_head.get("bias"))
         self.pooler = pooler
+        from pagedllm.attention.selector import get_attn_backend
+        attn_impl = get_attn_backend(self.device, args.attention_backend)
         self.runner = ModelRunner(model, num_blocks, args.block_size,
                                   (num_layers, num_kv_heads, head_dim), self.dtype,
-                                  self.vocab_size, self.device, pooler=pooler,
+                                  self.vocab_size, self.device, attn_impl=attn_impl, pooler=pooler,
                                   eos_token_id=self.eos_token_id)
         self.startup_seconds = time.perf_counter() - t0
         logger.info(
@@ -153,6 +160,33 @@ class EngineCore:
             self.startup_seconds, _fmt_bytes(weight_bytes), _fmt_bytes(num_blocks * args.block_size * bytes_per_token),
             num_blocks, args.block_size, capacity_tokens, bytes_per_token, max_model_len)
         self.weight_bytes = weight_bytes
+
+    def _profile_gpu_kv_bytes(self, model, args: EngineArgs) -> int:
+        """KV bytes on CUDA: ``gpu_memory_utilization`` x total memory minus weights and the peak
+        activations of a dummy forward over ``max_num_batched_tokens`` tokens (vLLM's method)."""
+        from pagedllm.attention.backend import ForwardContext, set_forward_context
+        from pagedllm.attention.torch_paged import TorchPagedAttention
+
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(self.device)
+        n = args.max_num_batched_tokens
+        ids = torch.zeros(n, dtype=torch.long, device=self.device)
+        pos = torch.arange(n, device=self.device)
+        with torch.inference_mode(), set_forward_context(
+                ForwardContext(None, [], TorchPagedAttention(use_cpu_kernel=False))):
+            hidden = model(ids, pos)
+            model.compute_logits(hidden[-min(n, args.max_num_seqs):])
+        torch.cuda.synchronize(self.device)
+        peak = torch.cuda.max_memory_allocated(self.device)
+        total = torch.cuda.get_device_properties(self.device).total_memory
+        kv = int(total * args.gpu_memory_utilization - peak)
+        logger.info("pagedllm: GPU memory %s total x %.2f; peak with weights + activations %s; KV cache %s",
+                    _fmt_bytes(total), args.gpu_memory_utilization, _fmt_bytes(peak), _fmt_bytes(max(kv, 0)))
+        if kv <= 0:
+            raise ValueError(
+                f"gpu_memory_utilization: {args.gpu_memory_utilization} leaves no memory for the KV cache "
+                f"(weights + activations peak at {_fmt_bytes(peak)} of {_fmt_bytes(total)})")
+        return kv
 
     # ------------------------------------------------------------------ requests
     def add_request(self, request: Request) -> None:

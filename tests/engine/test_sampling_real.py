@@ -291,3 +291,49 @@ def test_invalid_against_model_then_still_works(smollm2_llm, story_greedy):
     assert llm.llm_engine.core.kv_cache_manager.usage == 0
     c = _gen(llm, STORY, temperature=0, max_tokens=24).outputs[0]
     assert c.token_ids == story_greedy[0]
+
+
+# ---------------------------------------------------------------- more edge cases
+
+
+def test_logprobs_zero_raw_mode_and_no_detokenize(smollm2_llm, hf_smollm2):
+    # logprobs=0: only the sampled token; at temperature 0.5 the logprobs are still the RAW distribution's
+    out = _gen(smollm2_llm, STORY, temperature=0.5, seed=11, logprobs=0, max_tokens=6)
+    c = out.outputs[0]
+    ref = _ref_logprobs(hf_smollm2, out.prompt_token_ids + c.token_ids)
+    P = len(out.prompt_token_ids)
+    for i, (t, pos) in enumerate(zip(c.token_ids, c.logprobs)):
+        assert list(pos) == [t]
+        assert pos[t].logprob == pytest.approx(ref[P - 1 + i, t].item(), abs=LP_ATOL)
+        assert pos[t].rank == int((ref[P - 1 + i] > ref[P - 1 + i, t]).sum()) + 1
+    # detokenize=False: no text, no decoded tokens, same ids
+    d = _gen(smollm2_llm, STORY, temperature=0.5, seed=11, logprobs=0, max_tokens=6, detokenize=False).outputs[0]
+    assert d.token_ids == c.token_ids and d.text == ""
+    assert all(lp.decoded_token is None for pos in d.logprobs for lp in pos.values())
+
+
+def test_truncation_knobs_equal_greedy(smollm2_llm, story_greedy):
+    for kw in (dict(top_p=1e-4), dict(min_p=1.0), dict(top_k=1, top_p=0.5)):
+        c = _gen(smollm2_llm, STORY, temperature=1.0, seed=1, max_tokens=24, **kw).outputs[0]
+        assert c.token_ids == story_greedy[0], kw
+
+
+def test_repetition_penalty_matches_transformers(smollm2_llm, hf_smollm2):
+    # transformers' RepetitionPenaltyLogitsProcessor, like vLLM, penalizes prompt AND output tokens
+    model, tok = hf_smollm2
+    prompt = "The cat sat on the mat. The cat sat on the"
+    ids = tok(prompt, return_tensors="pt").input_ids
+    with torch.inference_mode():
+        ref = model.generate(ids, max_new_tokens=16, do_sample=False, repetition_penalty=1.5,
+                             pad_token_id=0)[0, ids.shape[1]:].tolist()
+    c = _gen(smollm2_llm, prompt, temperature=0, max_tokens=16, repetition_penalty=1.5).outputs[0]
+    assert c.token_ids[:len(ref)] == ref
+    plain = _gen(smollm2_llm, prompt, temperature=0, max_tokens=16).outputs[0]
+    assert plain.token_ids != c.token_ids
+
+
+def test_n2_prompt_logprobs_and_stop(smollm2_llm, story_greedy):
+    out = _gen(smollm2_llm, STORY, n=2, temperature=0, max_tokens=24, prompt_logprobs=1, stop="wizard")
+    assert len(out.prompt_logprobs) == len(out.prompt_token_ids) and out.prompt_logprobs[0] is None
+    for c in out.outputs:
+        assert (c.text, c.finish_reason, c.stop_reason) == (" there was a wise old ", "stop", "wizard")

@@ -130,6 +130,12 @@ def add_serve_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                    help="Hash of prefix-cache blocks (default: sha256).")
 
     g = parser.add_argument_group("Device")
+    g.add_argument("--attention-backend", default=None, choices=["torch", "triton", "flashinfer"],
+                   help="Attention backend (default: torch on CPU, triton on CUDA; also "
+                        "PAGEDLLM_ATTENTION_BACKEND).")
+    g.add_argument("--gpu-memory-utilization", type=float, default=None,
+                   help="CUDA only: fraction of GPU memory for weights, activations and the KV cache "
+                        "when --kv-cache-memory is not given (default 0.9).")
     g.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"],
                    help="Device to run on (default: auto = cuda if available, else cpu).")
     g.add_argument("--num-threads", type=_positive_int, default=None,
