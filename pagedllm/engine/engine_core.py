@@ -152,6 +152,9 @@ class EngineCore:
                                   (num_layers, num_kv_heads, head_dim), self.dtype,
                                   self.vocab_size, self.device, attn_impl=attn_impl, pooler=pooler,
                                   eos_token_id=self.eos_token_id)
+        if self.device.type == "cuda" and not args.enforce_eager:
+            secs = self.runner.capture_cuda_graphs(args.max_num_seqs, max_model_len)
+            logger.info("pagedllm: captured decode CUDA graphs in %.2f s", secs)
         self.startup_seconds = time.perf_counter() - t0
         logger.info(
             "pagedllm: model %s (%s, %s) loaded in %.2f s; weights %s; KV cache %s = %d blocks x %d tokens "

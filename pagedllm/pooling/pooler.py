@@ -138,6 +138,9 @@ class Pooler:
         activation (classify / score), nothing more for encode."""
         task = getattr(params, "task", None) or self.task
         if self.task == "classify":
+            if self.score_weight.device != pooled.device:  # e.g. hidden states on CUDA
+                self.score_weight = self.score_weight.to(pooled.device)
+                self.score_bias = None if self.score_bias is None else self.score_bias.to(pooled.device)
             logits = F.linear(pooled, self.score_weight, self.score_bias)
             if task == "encode":
                 return logits

@@ -60,6 +60,19 @@ class ModelRunner:
         self.pooler = pooler
         self.generators: dict[str, torch.Generator] = {}
         self.pool_state: dict[str, Any] = {}
+        self.cuda_graphs = None
+
+    def capture_cuda_graphs(self, max_num_seqs: int, max_model_len: int) -> float:
+        """Capture decode-only CUDA graphs (CUDA + Triton backend only); returns seconds spent."""
+        from pagedllm.attention.triton_paged import TritonPagedAttention
+        from pagedllm.worker.cuda_graphs import CudaGraphRunner
+
+        if self.device.type != "cuda" or not isinstance(self.attn_impl, TritonPagedAttention):
+            return 0.0
+        self.cuda_graphs = CudaGraphRunner(
+            self.model, self.attn_impl, self.kv_caches, max_num_seqs,
+            -(-max_model_len // self.block_size), self.block_size, self.device)
+        return self.cuda_graphs.capture()
 
     # ------------------------------------------------------------------ inputs
     def _prepare(self, reqs: list[ScheduledRequest]):
@@ -136,8 +149,12 @@ class ModelRunner:
                 self.pool_state.pop(r.req_id, None)
         input_ids, positions, meta, qsl = self._prepare(reqs)
         ctx = ForwardContext(attn_metadata=meta, kv_caches=self.kv_caches, impl=self.attn_impl)
-        with set_forward_context(ctx):
-            hidden = self.model(input_ids.to(self.device), positions.to(self.device))
+        if self.cuda_graphs is not None and self.cuda_graphs.can_run(meta):
+            hidden = self.cuda_graphs.run(input_ids.to(self.device, non_blocking=True),
+                                          positions.to(self.device, non_blocking=True), meta)
+        else:
+            with set_forward_context(ctx):
+                hidden = self.model(input_ids.to(self.device), positions.to(self.device))
 
         gen_rows = [i for i, r in enumerate(reqs) if r.sampling_params is not None and r.is_last_chunk]
         if gen_rows:

@@ -162,3 +162,24 @@ def test_cache_salt_isolates(smollm2_llm):
     assert outs[0].outputs[0].token_ids == outs[1].outputs[0].token_ids
     assert outs[0].outputs[0].token_ids == llm.generate(plain, SamplingParams(temperature=0, max_tokens=6),
                                                         use_tqdm=False)[0].outputs[0].token_ids
+
+
+def test_seeded_sampling_survives_eviction_and_preemption(llm_tiny, smollm2_llm):
+    """Seeded random samples in a batch that the tiny cache must preempt equal the same requests run with
+    ample memory (the per-request generator survives preemption; recomputed prefixes give the same logits)."""
+    prompts = [llm_tiny.llm_engine_apply_chat_template([{"role": "system", "content": SYSTEM},
+                                                        {"role": "user", "content": q}]) for q in QUESTIONS]
+    params = [SamplingParams(temperature=0.8, top_p=0.95, seed=100 + i, max_tokens=24) for i in range(3)]
+    before = llm_tiny.llm_engine.core.scheduler.num_preemptions_total
+    got = _toks(llm_tiny.generate(prompts, params, use_tqdm=False))
+    assert llm_tiny.llm_engine.core.scheduler.num_preemptions_total > before
+    assert got == _toks(smollm2_llm.generate(prompts, params, use_tqdm=False))
+
+
+def test_stop_string_in_prompt_does_not_stop(smollm2_llm):
+    # both are in the prompt (not in the greedy continuation ".\n\nThe children of the village"): no stop
+    stop = ["orchards", "swallows"]
+    out = smollm2_llm.generate(LONG_TEXT, SamplingParams(temperature=0, max_tokens=8, stop=stop),
+                               use_tqdm=False)[0].outputs[0]
+    assert all(s in LONG_TEXT for s in stop)
+    assert out.finish_reason == "length" and len(out.token_ids) == 8 and out.text.endswith("village")
