@@ -136,6 +136,8 @@ def build_app(engine: Any, args: Optional[argparse.Namespace] = None) -> FastAPI
     app.state.abort_all = abort_all
     app.state.servings = servings
     install_exception_handlers(app)
+    from pagedllm.entrypoints.openai.serving_pooling import build_pooling_router
+    app.include_router(build_pooling_router(engine, served))
 
     if api_key:
         expected = f"Bearer {api_key}".encode()
