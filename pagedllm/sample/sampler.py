@@ -249,6 +249,70 @@ def apply_top_k_top_p(logits: torch.Tensor, k: Optional[torch.Tensor],
         logits.masked_fill_(logits < thresh, _NEG_INF)
         return logits
 
+    need_p = p < 1.0
+    if k is None and not bool(need_p.any()):
+        return logits
+    if bool(need_p.all()) or k is not None:
+        if _top_p_fast(logits, k, p):
+            return logits
+        return _top_k_top_p_sort(logits, k, p)
+    # Some rows have no top-p (and there is no top-k): filter only the others.
+    rows = need_p.nonzero().squeeze(1)
+    sub = logits.index_select(0, rows)
+    if not _top_p_fast(sub, None, p.index_select(0, rows)):
+        sub = _top_k_top_p_sort(sub, None, p.index_select(0, rows))
+    logits.index_copy_(0, rows, sub)
+    return logits
+
+
+# Candidates examined before falling back to a full-vocabulary sort for top-p.
+_TOP_P_CANDIDATES = 256
+
+
+def _top_p_fast(logits: torch.Tensor, k: Optional[torch.Tensor], p: torch.Tensor) -> bool:
+    """Top-k/top-p over the ``_TOP_P_CANDIDATES`` most likely tokens only, in place.
+
+    Same rule as ``_top_k_top_p_sort`` (a token is dropped when the probability of the
+    tokens more likely than it is >= p), valid whenever every row's nucleus lies inside the
+    candidates, which holds for peaked LM distributions; a full sort of a 49k-256k vocabulary
+    costs ~100x more on CPU. Returns False (nothing changed) when some row needs more.
+    """
+    vocab = logits.shape[1]
+    c = _TOP_P_CANDIDATES
+    if k is not None:
+        c = max(c, int(k.clamp(1, vocab).max()))
+    if c >= vocab:
+        return False
+    vals, idx = logits.topk(c, dim=-1)  # descending
+    if k is not None:
+        kk = k.clamp(1, vocab)
+        thresh = vals.gather(1, (kk - 1).unsqueeze(1))
+        if bool((vals[:, -1:] >= thresh).any() & (kk < vocab).any()):
+            # ties at the top-k threshold may extend past the candidates: use the sort path
+            return False
+        vals = vals.masked_fill(vals < thresh, _NEG_INF)
+        lse = torch.logsumexp(vals, dim=-1, keepdim=True)
+    else:
+        lse = torch.logsumexp(logits, dim=-1, keepdim=True)
+    probs = (vals - lse).exp()
+    cum = probs.cumsum(dim=-1)
+    no_p = p >= 1.0
+    # Rows without top-p keep every candidate (their top-k set lies inside the candidates).
+    pp = torch.where(no_p, torch.full_like(p, float("inf")), p).unsqueeze(1)
+    if k is None and bool(no_p.any()):
+        return False
+    if not bool(((cum[:, -1:] >= pp) | no_p.unsqueeze(1)).all()):
+        return False
+    keep = (cum - probs) < pp
+    keep[:, 0] = True
+    logits.fill_(_NEG_INF)
+    logits.scatter_(1, idx, vals.masked_fill(~keep, _NEG_INF))
+    return True
+
+
+def _top_k_top_p_sort(logits: torch.Tensor, k: Optional[torch.Tensor], p: torch.Tensor) -> torch.Tensor:
+    """Reference top-k/top-p via a full ascending sort (vLLM's formulation), in place."""
+    vocab = logits.shape[1]
     logits_sort, logits_idx = logits.sort(dim=-1, descending=False)
     if k is not None:
         k = k.clamp(1, vocab)
@@ -263,11 +327,23 @@ def apply_top_k_top_p(logits: torch.Tensor, k: Optional[torch.Tensor],
 
 
 def random_sample(probs: torch.Tensor, generators: dict[int, torch.Generator]) -> torch.Tensor:
-    """Exponential race: ``argmax(probs / q)``, ``q ~ Exp(1)`` i.i.d. This samples exactly
-    from ``probs``. Seeded rows draw their ``q`` row from their own generator."""
-    q = torch.empty_like(probs)
-    if len(generators) != probs.shape[0]:
-        q.exponential_()
+    """Inverse-CDF sampling: one uniform ``u`` per row, token = first index whose cumulative
+    probability exceeds ``u * total``. Exact for the given probabilities (zero-probability
+    tokens are never chosen) and ~30x cheaper on CPU than an exponential race over the whole
+    vocabulary. Seeded rows draw their ``u`` from their own generator, so their tokens do not
+    depend on the rest of the batch.
+
+    Args:
+        probs: float32 ``[N, V]`` (rows need not be exactly normalized).
+        generators: row index -> torch.Generator for seeded rows.
+
+    Returns:
+        int64 ``[N]`` token ids.
+    """
+    n = probs.shape[0]
+    u = torch.rand(n, 1, device=probs.device) if len(generators) != n else torch.empty(n, 1, device=probs.device)
     for i, gen in generators.items():
-        q[i].exponential_(generator=gen)
-    return probs.div_(q).argmax(dim=-1)
+        u[i] = torch.rand(1, generator=gen, device=probs.device)
+    cdf = probs.cumsum(dim=-1)
+    u = u * cdf[:, -1:]
+    return torch.searchsorted(cdf, u, right=True).squeeze(1).clamp_(max=probs.shape[1] - 1)

@@ -328,3 +328,31 @@ def test_metadata_skips_unneeded_tensors():
 def test_vocab_width_mismatch_raises():
     with pytest.raises(ValueError, match="vocab_size"):
         Sampler()(torch.zeros(1, V + 2), meta_for([SamplingParams()]))
+
+
+def test_fast_top_p_equals_full_sort_rule():
+    """The candidate-based top-p path keeps exactly the tokens the full-sort rule keeps."""
+    from pagedllm.sample.sampler import _top_k_top_p_sort, _top_p_fast
+
+    g = torch.Generator().manual_seed(0)
+    for trial in range(20):
+        n, v = 6, 5000
+        logits = torch.randn(n, v, generator=g) * (4.0 + trial)  # peaked rows
+        p = torch.tensor([0.5, 0.9, 0.95, 0.99, 0.3, 1.0])
+        k = torch.tensor([v, 40, v, 7, 300, 20]) if trial % 2 else None
+        a, b = logits.clone(), logits.clone()
+        if not _top_p_fast(a, k, p):
+            continue
+        _top_k_top_p_sort(b, k, p)
+        assert torch.equal(torch.isinf(a), torch.isinf(b)), trial
+        assert torch.equal(a[~torch.isinf(a)], b[~torch.isinf(b)])
+
+
+def test_inverse_cdf_sampling_frequencies_and_zero_probability():
+    from pagedllm.sample.sampler import random_sample
+
+    probs = torch.tensor([[0.0, 0.2, 0.0, 0.5, 0.3]]).repeat(20000, 1)
+    out = random_sample(probs.clone(), {})
+    counts = torch.bincount(out, minlength=5).float() / out.numel()
+    assert counts[0] == 0 and counts[2] == 0
+    torch.testing.assert_close(counts, torch.tensor([0.0, 0.2, 0.0, 0.5, 0.3]), atol=0.015, rtol=0)
