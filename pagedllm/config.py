@@ -44,6 +44,9 @@ class EngineArgs:
             (CUDA only; used when kv_cache_memory is not given).
         attention_backend: "torch" | "triton" | "flashinfer" | None (CPU: torch, CUDA: triton;
             also PAGEDLLM_ATTENTION_BACKEND).
+        quantization: weight-only quantization of the linear layers and LM head after loading:
+            None, "int8" (per-channel symmetric) or "int4" (group-wise, group 32); CPU only
+            (see pagedllm.quantization and docs/performance.md "Low-bit weights").
     """
 
     model: str = "SmolLM2-135M-Instruct"
@@ -71,6 +74,7 @@ class EngineArgs:
     enforce_eager: bool = False
     gpu_memory_utilization: float = 0.9
     attention_backend: Optional[str] = None
+    quantization: Optional[str] = None
 
     @classmethod
     def field_names(cls) -> set[str]:

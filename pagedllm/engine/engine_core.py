@@ -85,6 +85,11 @@ class EngineCore:
             from pagedllm.loader.hf_loader import annotate_load_error
             raise annotate_load_error(e, loaded, args.ignore_patterns or None, model_cls.__name__) from None
         model.eval()
+        if args.quantization:
+            from pagedllm.quantization import quantize_model
+            qstats = quantize_model(model, args.quantization, quantize_lm_head=args.runner == "generate")
+            logger.info("pagedllm: quantization %s: %d linear layers, %s -> %s", args.quantization,
+                        qstats["num_linears"], _fmt_bytes(qstats["float_bytes"]), _fmt_bytes(qstats["quantized_bytes"]))
         self.model = model
         self.vocab_size = int(self.hf_config.vocab_size)
         weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())

@@ -100,12 +100,16 @@ def _engine_kwargs(args: argparse.Namespace) -> dict:
         kw["max_model_len"] = args.max_model_len
     if args.kv_cache_memory:
         kw["kv_cache_memory"] = int(args.kv_cache_memory)
+    if getattr(args, "quantization", None):
+        kw["quantization"] = args.quantization
     return kw
 
 
 def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("model", nargs="?", default="SmolLM2-135M-Instruct")
     p.add_argument("--dtype", default="auto")
+    p.add_argument("--quantization", default=None, choices=["int8", "int4"],
+                   help="weight-only quantization of the linear layers")
     p.add_argument("--num-threads", type=int, default=None)
     p.add_argument("--max-num-seqs", type=int, default=128)
     p.add_argument("--max-num-batched-tokens", type=int, default=2048)

@@ -1,0 +1,55 @@
+"""pagedllm's start-up to first token, measured like the peers' (see _common.py): spawn -> import
+-> load -> one 1-token request. Runs in pagedllm's own venv. Throughput and latency for pagedllm come
+from ``pagedllm bench throughput|latency --json`` (compare.py runs those), so only ``startup``
+is meaningful here, though the other modes work too (they go through ``LLM.generate``).
+"""
+from __future__ import annotations
+
+import os
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import _common  # noqa: E402
+
+
+class Engine:
+    name = "pagedllm"
+
+    def __init__(self, w: dict, args):
+        from pagedllm import LLM, SamplingParams
+
+        self.SamplingParams = SamplingParams
+        self.llm = LLM(w["gguf"], dtype=args.dtype, num_threads=args.threads)
+        self.info = {"dtype": str(self.llm.llm_engine.core.dtype)}
+
+    def version(self) -> str:
+        import pagedllm
+        import torch
+        return f"pagedllm {pagedllm.__version__}, torch {torch.__version__}"
+
+    def _gen(self, prompts, n):
+        sp = self.SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
+        outs = self.llm.generate([{"prompt_token_ids": p} for p in prompts], sp, use_tqdm=False)
+        return sum(len(o.outputs[0].token_ids) for o in outs)
+
+    def generate(self, prompts, n) -> int:
+        return self._gen(prompts, n)
+
+    def stream(self, prompt, n):
+        self.llm.reset_prefix_cache()
+        t = time.perf_counter()
+        self._gen([prompt], 1)
+        first = time.perf_counter() - t
+        if n <= 1:
+            return first, first, 1
+        self.llm.reset_prefix_cache()
+        t = time.perf_counter()
+        made = self._gen([prompt], n)
+        return first, time.perf_counter() - t, made
+
+
+if __name__ == "__main__":
+    def extra(ap):
+        ap.add_argument("--dtype", default="auto")
+    _common.run(Engine, _common.parse_args(extra))
