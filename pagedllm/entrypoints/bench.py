@@ -152,6 +152,17 @@ def add_prefix_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--output-len", type=int, default=64)
 
 
+def add_embed_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("embed", help="embedding throughput (pooling runner) vs transformers padded batches")
+    _common(p)
+    p.add_argument("--num-prompts", type=int, default=256)
+    p.add_argument("--input-len-min", type=int, default=20)
+    p.add_argument("--input-len-max", type=int, default=500)
+    p.add_argument("--pooling-type", default="LAST")
+    p.add_argument("--compare-transformers", action="store_true")
+    p.add_argument("--hf-batch-size", type=int, default=16)
+
+
 def add_hardware_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("hardware", help="this machine's matmul GFLOP/s and memory bandwidth")
     p.add_argument("--num-threads", type=int, default=None)
@@ -329,6 +340,60 @@ def run_prefix_caching(args: argparse.Namespace) -> dict:
     return res
 
 
+def run_embed(args: argparse.Namespace) -> dict:
+    """Embedding throughput: inputs/s and tokens/s for mixed-length inputs (LAST pooling by default)."""
+    import os
+
+    import torch
+
+    from pagedllm import LLM
+
+    kw = _engine_kwargs(args)
+    kw.pop("enable_prefix_caching", None)
+    llm = LLM(args.model, runner="pooling", convert="embed",
+              pooler_config={"pooling_type": args.pooling_type, "normalize": True}, **kw)
+    prompts = builtin_workload(llm.get_tokenizer(), args.num_prompts, args.input_len_min, args.input_len_max,
+                               args.seed)
+    inputs = [{"prompt_token_ids": p} for p in prompts]
+    llm.embed(inputs[:2], use_tqdm=False)
+    t0 = time.perf_counter()
+    outs = llm.embed(inputs, use_tqdm=False)
+    el = time.perf_counter() - t0
+    n_tok = sum(len(p) for p in prompts)
+    res = {"engine": "pagedllm", "num_inputs": len(prompts), "total_tokens": n_tok, "elapsed_s": el,
+           "inputs_per_s": len(prompts) / el, "tokens_per_s": n_tok / el,
+           "dim": len(outs[0].outputs.embedding)}
+    if args.compare_transformers:
+        from transformers import AutoModel
+
+        path = llm.llm_engine.core.loaded.model_path
+        dtype = llm.llm_engine.core.dtype
+        if path.endswith(".gguf"):
+            model = AutoModel.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path), dtype=dtype)
+        else:
+            model = AutoModel.from_pretrained(path, dtype=dtype)
+        model.eval()
+        bs = args.hf_batch_size
+        t0 = time.perf_counter()
+        with torch.inference_mode():
+            for i in range(0, len(prompts), bs):
+                chunk = prompts[i:i + bs]
+                L = max(len(p) for p in chunk)
+                ids = torch.zeros((len(chunk), L), dtype=torch.long)
+                mask = torch.zeros((len(chunk), L), dtype=torch.long)
+                for j, p in enumerate(chunk):  # right padding: LAST = position len-1
+                    ids[j, :len(p)] = torch.tensor(p)
+                    mask[j, :len(p)] = 1
+                h = model(input_ids=ids, attention_mask=mask).last_hidden_state
+                last = torch.tensor([len(p) - 1 for p in chunk])
+                torch.nn.functional.normalize(h[torch.arange(len(chunk)), last].float(), dim=-1)
+        hf_el = time.perf_counter() - t0
+        res.update({"transformers_elapsed_s": hf_el, "transformers_inputs_per_s": len(prompts) / hf_el,
+                    "transformers_tokens_per_s": n_tok / hf_el,
+                    "ratio_inputs_per_s_vs_transformers": hf_el / el})
+    return res
+
+
 def measure_hardware(num_threads: Optional[int] = None) -> dict:
     """Matmul GFLOP/s (fp32, bf16; 2048^3) and read / copy bandwidth (GB/s) on this machine."""
     import torch
@@ -370,6 +435,8 @@ def run(args: argparse.Namespace) -> int:
         res = run_throughput(args)
     elif args.bench_cmd == "latency":
         res = run_latency(args)
+    elif args.bench_cmd == "embed":
+        res = run_embed(args)
     elif args.bench_cmd == "prefix-caching":
         res = run_prefix_caching(args)
     elif args.bench_cmd == "hardware":

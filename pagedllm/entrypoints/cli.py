@@ -14,6 +14,7 @@ def _add_bench_parsers(sub: argparse._SubParsersAction) -> None:
     bench.add_throughput_parser(bsub)
     bench.add_latency_parser(bsub)
     bench.add_prefix_parser(bsub)
+    bench.add_embed_parser(bsub)
     bench.add_hardware_parser(bsub)
     sp = bsub.add_parser("serve", help="load-test a running server (request rate / max concurrency)")
     from pagedllm.entrypoints.bench_serve import add_bench_serve_args
