@@ -293,6 +293,10 @@ def _last_json_line(out: str, prefix: str = "COMPARE_RESULT ") -> dict | None:
     return None
 
 
+def _quant(args) -> list[str]:
+    return ["--quantization", args.quantization] if args.quantization else []
+
+
 def run_pagedllm_offline(args, w, workloads, tag) -> dict:
     res: dict = {}
     py = args.pagedllm_python
@@ -302,7 +306,7 @@ def run_pagedllm_offline(args, w, workloads, tag) -> dict:
                "--num-prompts", str(args.num_prompts), "--input-len-min", str(args.input_len_min),
                "--input-len-max", str(args.input_len_max), "--output-len", str(args.output_len),
                "--seed", str(args.seed), "--dtype", args.dtype, "--num-threads", str(args.threads),
-               "--json", "--output-json", jf]
+               "--json", "--output-json", jf] + _quant(args)
         rc, _, _ = _run(cmd, args, f"{tag}-throughput")
         res["offline"] = _load(jf) if rc == 0 else {"error": f"exit {rc}, see {tag}-throughput.log"}
     if "latency" in workloads:
@@ -311,12 +315,12 @@ def run_pagedllm_offline(args, w, workloads, tag) -> dict:
                "--input-len", str(args.latency_input_len),
                "--output-len", str(w["latency_output_len"]), "--num-iters", str(args.latency_iters),
                "--seed", str(args.seed), "--dtype", args.dtype, "--num-threads", str(args.threads),
-               "--json", "--output-json", jf]
+               "--json", "--output-json", jf] + _quant(args)
         rc, _, _ = _run(cmd, args, f"{tag}-latency")
         res["latency"] = _load(jf) if rc == 0 else {"error": f"exit {rc}, see {tag}-latency.log"}
     if "startup" in workloads:
         cmd = [py, os.path.join(HELPERS, "pagedllm_startup.py"), "--workload", w["path"],
-               "--modes", "startup", "--threads", str(args.threads), "--dtype", args.dtype]
+               "--modes", "startup", "--threads", str(args.threads), "--dtype", args.dtype] + _quant(args)
         rc, out, _ = _run(cmd, args, f"{tag}-startup")
         res["startup"] = _last_json_line(out) or {"error": f"exit {rc}, see {tag}-startup.log"}
     return res
@@ -400,7 +404,7 @@ def run_server(engine: str, conc: int, args, w, tag) -> tuple[dict, dict]:
         cmd = [args.pagedllm_python, "-m", "pagedllm.entrypoints.cli", "serve", w["gguf"],
                "--host", "127.0.0.1", "--port", str(port), "--num-threads", str(args.threads),
                "--dtype", args.dtype, "--disable-log-requests", "--disable-log-stats",
-               "--uvicorn-log-level", "warning"]
+               "--uvicorn-log-level", "warning"] + _quant(args)
     else:
         binary = llama_server_binary()
         per_slot = args.server_ctx_per_slot
@@ -499,6 +503,7 @@ def print_table(summary: dict, versions: dict, args) -> None:
         return f"{v:,.1f}" if abs(v) >= 100 else f"{v:.3g}" if abs(v) < 10 else f"{v:.1f}"
 
     print(f"\npagedllm vs peers: {args.model}, threads={args.threads}, repeats={args.repeats}, "
+          f"pagedllm dtype={args.dtype} quantization={args.quantization or 'none'}, "
           f"offline {args.num_prompts} requests x {args.output_len} output tokens")
     for name, v in versions.items():
         print(f"  {name:<18} {v}")
@@ -543,6 +548,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--latency-iters", type=int, default=3)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--dtype", default="auto", help="pagedllm's --dtype")
+    ap.add_argument("--quantization", default=None, choices=["int8", "int4"],
+                    help="pagedllm's --quantization (weight-only int8/int4), for every pagedllm run")
     ap.add_argument("--hf-dtype", default="float32", help="transformers dtype")
     ap.add_argument("--hf-batch-size", type=int, default=16)
     ap.add_argument("--vllm-dtype", default="bfloat16")

@@ -250,6 +250,8 @@ class SamplingParams:
             raise ValueError(f"min_p must be in [0, 1], got {self.min_p}.")
         if self.seed is not None and not _is_int(self.seed):
             raise ValueError(f"seed must be an int or None, got {type(self.seed).__name__}.")
+        if self.seed is not None and not -(2**63) <= self.seed < 2**63:
+            raise ValueError(f"seed must be a 64-bit integer, got {self.seed}.")
         if self.max_tokens is not None:
             if not _is_int(self.max_tokens):
                 raise ValueError(

@@ -20,8 +20,9 @@ class Engine:
         from pagedllm import LLM, SamplingParams
 
         self.SamplingParams = SamplingParams
-        self.llm = LLM(w["gguf"], dtype=args.dtype, num_threads=args.threads)
-        self.info = {"dtype": str(self.llm.llm_engine.core.dtype)}
+        kw = {"quantization": args.quantization} if args.quantization else {}
+        self.llm = LLM(w["gguf"], dtype=args.dtype, num_threads=args.threads, **kw)
+        self.info = {"dtype": str(self.llm.llm_engine.core.dtype), "quantization": args.quantization}
 
     def version(self) -> str:
         import pagedllm
@@ -52,4 +53,5 @@ class Engine:
 if __name__ == "__main__":
     def extra(ap):
         ap.add_argument("--dtype", default="auto")
+        ap.add_argument("--quantization", default=None)
     _common.run(Engine, _common.parse_args(extra))

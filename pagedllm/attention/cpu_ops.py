@@ -1,16 +1,28 @@
-"""Optional C++ CPU kernels (compiled on first use with ``torch.utils.cpp_extension``).
+"""Optional C++ CPU kernels, compiled once with ``torch.utils.cpp_extension`` and cached.
 
 ``paged_decode_attention`` reads K/V straight from the paged cache through the block table,
 instead of gathering every request's context into a contiguous copy each step (which
 dominated the decode step in the pure-torch path, see docs/performance.md). If the compiler
 or headers are missing, ``get_ops()`` returns None and callers use the torch path.
 ``PAGEDLLM_CPU_KERNELS=0`` disables the kernels.
+
+The build runs in a private temporary directory and the finished ``.so`` is moved
+atomically into ``$PAGEDLLM_CACHE_DIR/kernels`` (default ``~/.cache/pagedllm/kernels``) under
+a name keyed by the source, torch version and flags: checkouts never rebuild each other's
+kernel, and an interrupted build leaves no lock behind for the next start to wait on.
 """
 from __future__ import annotations
 
+import hashlib
+import importlib.machinery
+import importlib.util
 import logging
 import os
+import shutil
+import sys
+import tempfile
 import threading
+import time
 from typing import Any, Optional
 
 logger = logging.getLogger("pagedllm")
@@ -18,6 +30,63 @@ logger = logging.getLogger("pagedllm")
 _lock = threading.Lock()
 _ops: Any = None
 _tried = False
+
+_SRC = os.path.join(os.path.dirname(__file__), "csrc", "paged_decode.cpp")
+_CFLAGS = ["-O3", "-march=native", "-fopenmp", "-ffast-math"]
+
+
+def _cache_dir() -> str:
+    base = os.environ.get("PAGEDLLM_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "pagedllm")
+    return os.path.join(base, "kernels")
+
+
+def _module_name() -> str:
+    import torch
+
+    h = hashlib.sha256()
+    with open(_SRC, "rb") as f:
+        h.update(f.read())
+    h.update(torch.__version__.encode())
+    h.update(" ".join(_CFLAGS).encode())
+    h.update(sys.version.encode())
+    h.update(_cpu_model().encode())  # -march=native code is only valid on this CPU model
+    return f"pagedllm_cpu_ops_{h.hexdigest()[:16]}"
+
+
+def _cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith(("model name", "flags")):
+                    return line
+    except OSError:
+        pass
+    import platform
+    return platform.processor() or platform.machine()
+
+
+def _import_so(name: str, path: str) -> Any:
+    loader = importlib.machinery.ExtensionFileLoader(name, path)
+    spec = importlib.util.spec_from_file_location(name, path, loader=loader)
+    mod = importlib.util.module_from_spec(spec)
+    loader.exec_module(mod)
+    return mod
+
+
+def _build(name: str, so_path: str) -> Any:
+    from torch.utils.cpp_extension import load
+
+    logger.info("pagedllm: compiling the C++ CPU attention kernel (first run only, about a minute)")
+    t0 = time.perf_counter()
+    with tempfile.TemporaryDirectory(prefix="pagedllm-build-") as tmp:
+        mod = load(name=name, sources=[_SRC], build_directory=tmp, extra_cflags=_CFLAGS,
+                   extra_ldflags=["-fopenmp"], verbose=False)
+        os.makedirs(os.path.dirname(so_path), exist_ok=True)
+        staged = f"{so_path}.{os.getpid()}.tmp"
+        shutil.copyfile(mod.__file__, staged)
+        os.replace(staged, so_path)
+    logger.info("pagedllm: CPU attention kernel built in %.1f s (cached at %s)", time.perf_counter() - t0, so_path)
+    return mod
 
 
 def get_ops() -> Optional[Any]:
@@ -32,16 +101,17 @@ def get_ops() -> Optional[Any]:
         if os.environ.get("PAGEDLLM_CPU_KERNELS", "1") == "0":
             return None
         try:
-            import time
+            import torch  # noqa: F401  (the extension links against libtorch)
 
-            from torch.utils.cpp_extension import load
-
-            src = os.path.join(os.path.dirname(__file__), "csrc", "paged_decode.cpp")
-            t0 = time.perf_counter()
-            _ops = load(name="pagedllm_cpu_ops", sources=[src],
-                        extra_cflags=["-O3", "-march=native", "-fopenmp", "-ffast-math"],
-                        extra_ldflags=["-fopenmp"], verbose=False)
-            logger.info("pagedllm: CPU attention kernel ready in %.1f s", time.perf_counter() - t0)
+            name = _module_name()
+            so_path = os.path.join(_cache_dir(), name + ".so")
+            if os.path.exists(so_path):
+                try:
+                    _ops = _import_so(name, so_path)
+                    return _ops
+                except ImportError as e:  # corrupt or foreign file: rebuild
+                    logger.warning("pagedllm: cached kernel %s unusable (%s); rebuilding", so_path, e)
+            _ops = _build(name, so_path)
         except Exception as e:  # no compiler / headers: the torch path still works
             logger.warning("pagedllm: C++ CPU kernels unavailable (%s); using the torch path", e)
             _ops = None

@@ -26,8 +26,7 @@ def build_parser() -> argparse.ArgumentParser:
         prog="pagedllm", description="pagedllm: paged-KV-cache LLM serving with vLLM's API")
     parser.add_argument("--version", action="store_true", help="print the version and exit")
     sub = parser.add_subparsers(dest="cmd")
-    sp = sub.add_parser("serve", help="serve a model behind an OpenAI-compatible HTTP API",
-                        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    sp = sub.add_parser("serve", help="serve a model behind an OpenAI-compatible HTTP API")
     from pagedllm.entrypoints.openai.cli_args import add_serve_args
     add_serve_args(sp)
     cp = sub.add_parser("complete", help="one completion from the command line")

@@ -120,7 +120,7 @@ class ModelRunner:
         g = self.generators.get(r.req_id)
         if g is None:
             g = torch.Generator(device=self.device)
-            g.manual_seed(int(sp.seed))
+            g.manual_seed(int(sp.seed) & 0xFFFF_FFFF_FFFF_FFFF)  # negative seeds too
             self.generators[r.req_id] = g
         return g
 

@@ -224,6 +224,39 @@ def test_other_errors(server):
     assert r.status_code in (400, 422) and "error" in r.json()
 
 
+def test_more_bad_inputs_are_400(server):
+    base, _ = server
+    msgs = [{"role": "user", "content": "hi"}]
+    # A lone surrogate is valid JSON but not encodable text.
+    raw = b'{"model": "%s", "messages": [{"role": "user", "content": "\\ud800 hi"}], "max_tokens": 3}' % MODEL.encode()
+    r = httpx.post(base + "/v1/chat/completions", content=raw, headers={**_h(), "content-type": "application/json"})
+    assert r.status_code == 400, r.text
+    r = httpx.post(base + "/v1/chat/completions", headers=_h(), json={
+        "model": MODEL, "messages": msgs, "tools": [{"type": "function", "function": {"name": "f"}}],
+        "tool_choice": "auto"})
+    assert r.status_code == 400 and "tool" in r.json()["error"]["message"]
+    r = httpx.post(base + "/v1/completions", headers=_h(), json={"model": MODEL, "prompt": "hi", "n": 129})
+    assert r.status_code == 400
+    r = httpx.post(base + "/v1/completions", headers=_h(), json={"model": MODEL, "prompt": "hi", "seed": 2**70})
+    assert r.status_code == 400 and "seed" in r.json()["error"]["message"]
+    # A prompt that alone is too long is reported as such.
+    r = httpx.post(base + "/v1/completions", headers=_h(), json={"model": MODEL, "prompt": "hello " * 1100,
+                                                                 "max_tokens": 2})
+    assert r.status_code == 400 and "input tokens" in r.json()["error"]["message"]
+
+
+def test_chat_template_kwargs_override_and_cors(server):
+    base, _ = server
+    msgs = [{"role": "user", "content": "hi"}]
+    a = httpx.post(base + "/tokenize", json={"model": MODEL, "messages": msgs}).json()
+    b = httpx.post(base + "/tokenize", json={"model": MODEL, "messages": msgs,
+                                             "chat_template_kwargs": {"add_generation_prompt": False}}).json()
+    assert b["count"] < a["count"]
+    r = httpx.options(base + "/v1/chat/completions", headers={
+        "Origin": "http://example.com", "Access-Control-Request-Method": "POST"})
+    assert r.status_code == 200 and r.headers.get("access-control-allow-origin") in ("*", "http://example.com")
+
+
 def test_tokenize_detokenize_metrics(server):
     base, _ = server
     r = httpx.post(base + "/tokenize", json={"model": MODEL, "prompt": "Hello world"}).json()
@@ -239,7 +272,24 @@ def test_tokenize_detokenize_metrics(server):
     assert _metric(base, "pagedllm:generation_tokens_total") > 0
 
 
-def test_sigterm_exits_zero(server):
-    _, proc = server
-    proc.send_signal(signal.SIGTERM)
+def test_sigterm_aborts_streams_and_exits_zero(server):
+    base, proc = server
+    finishes = []
+
+    async def go():
+        async with httpx.AsyncClient(timeout=60) as c:
+            async with c.stream("POST", base + "/v1/completions", headers=_h(),
+                                json={"model": MODEL, "prompt": "Tell me a long story.", "max_tokens": 800,
+                                      "ignore_eos": True, "stream": True}) as resp:
+                n = 0
+                async for line in resp.aiter_lines():
+                    if line.startswith("data: {"):
+                        n += 1
+                        d = json.loads(line[6:])
+                        finishes.extend(ch["finish_reason"] for ch in d["choices"] if ch["finish_reason"])
+                        if n == 3:
+                            proc.send_signal(signal.SIGTERM)
+
+    asyncio.run(go())
+    assert finishes == ["abort"]
     assert proc.wait(timeout=30) == 0

@@ -136,6 +136,11 @@ def build_app(engine: Any, args: Optional[argparse.Namespace] = None) -> FastAPI
     app.state.abort_all = abort_all
     app.state.servings = servings
     install_exception_handlers(app)
+    from fastapi.middleware.cors import CORSMiddleware
+    app.add_middleware(CORSMiddleware, allow_origins=list(get("allowed_origins", ["*"]) or ["*"]),
+                       allow_methods=list(get("allowed_methods", ["*"]) or ["*"]),
+                       allow_headers=list(get("allowed_headers", ["*"]) or ["*"]),
+                       allow_credentials=bool(get("allow_credentials", False)))
     from pagedllm.entrypoints.openai.serving_pooling import build_pooling_router
     app.include_router(build_pooling_router(engine, served))
 

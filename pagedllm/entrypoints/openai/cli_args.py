@@ -133,6 +133,13 @@ def add_serve_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                    help="Hash of prefix-cache blocks (default: sha256).")
 
     g = parser.add_argument_group("Device")
+    g.add_argument("--allowed-origins", type=json.loads, default=["*"],
+                   help='CORS allowed origins as a JSON list (vLLM default: ["*"]).')
+    g.add_argument("--allowed-methods", type=json.loads, default=["*"],
+                   help="CORS allowed methods as a JSON list.")
+    g.add_argument("--allowed-headers", type=json.loads, default=["*"],
+                   help="CORS allowed headers as a JSON list.")
+    g.add_argument("--allow-credentials", action="store_true", help="CORS: allow credentials.")
     g.add_argument("--attention-backend", default=None, choices=["torch", "triton", "flashinfer"],
                    help="Attention backend (default: torch on CPU, triton on CUDA; also "
                         "PAGEDLLM_ATTENTION_BACKEND).")

@@ -113,6 +113,10 @@ class ModelList(OpenAIBaseModel):
 # --------------------------------------------------------------------------------------------
 
 
+# OpenAI's upper bound on `n`; a larger fan-out from one request could fill the queue.
+MAX_N = 128
+
+
 class _SamplingFields(OpenAIBaseModel):
     """Fields shared by /v1/completions and /v1/chat/completions."""
 
@@ -162,6 +166,8 @@ class _SamplingFields(OpenAIBaseModel):
             raise ValueError("`prompt_logprobs` must be a positive value.")
         if self.use_beam_search:
             raise ValueError("`use_beam_search` is not supported.")
+        if isinstance(self.n, int) and self.n > MAX_N:
+            raise ValueError(f"n must be at most {MAX_N}, got {self.n}.")
         if self.best_of is not None and self.best_of != self.n:
             raise ValueError("`best_of` is not supported (must be unset or equal to `n`).")
         if self.response_format is not None and self.response_format.type != "text":
@@ -386,6 +392,19 @@ class ChatCompletionRequest(_SamplingFields):
     documents: Optional[list[dict[str, str]]] = None
     chat_template: Optional[str] = None
     chat_template_kwargs: Optional[dict[str, Any]] = None
+
+    @model_validator(mode="after")
+    def _check_tools(self):
+        # vLLM: "auto" needs a tool-call parser and "required"/named choices need structured
+        # outputs; pagedllm has neither yet, so these are refused rather than silently ignored.
+        tc = self.tool_choice
+        if tc is not None and tc != "none":
+            if tc == "auto":
+                raise ValueError('"auto" tool choice requires --enable-auto-tool-choice and '
+                                 '--tool-call-parser to be set, which pagedllm does not support yet')
+            raise ValueError(f"tool_choice {tc!r} is not supported (it needs structured outputs); "
+                             "use tool_choice \"none\"")
+        return self
 
     @model_validator(mode="after")
     def _check_chat(self):

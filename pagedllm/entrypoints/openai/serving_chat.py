@@ -51,7 +51,11 @@ def render_chat(serving: OpenAIServing, messages: list[ChatMessageParam], *,
     if continue_final_message and (not conv or conv[-1]["role"] != "assistant"):
         raise OpenAIError("continue_final_message is set but the final message is not an "
                           "assistant message.", 400, "messages")
-    kwargs: dict[str, Any] = dict(chat_template_kwargs or {})
+    # chat_template_kwargs override the request's own flags (vLLM); tokenize stays False.
+    kwargs: dict[str, Any] = {"add_generation_prompt": add_generation_prompt,
+                              "continue_final_message": continue_final_message}
+    kwargs.update(chat_template_kwargs or {})
+    kwargs["tokenize"] = False
     template = chat_template or serving.chat_template
     if template is not None:
         kwargs["chat_template"] = template
@@ -60,9 +64,7 @@ def render_chat(serving: OpenAIServing, messages: list[ChatMessageParam], *,
     if documents:
         kwargs["documents"] = documents
     try:
-        text = tok.apply_chat_template(conv, tokenize=False,
-                                       add_generation_prompt=add_generation_prompt,
-                                       continue_final_message=continue_final_message, **kwargs)
+        text = tok.apply_chat_template(conv, **kwargs)
     except (ValueError, TypeError, KeyError) as e:
         raise OpenAIError(f"Could not apply the chat template: {e}", 400, "messages") from e
     except Exception as e:  # jinja2 errors (TemplateError, UndefinedError, ...)
@@ -119,7 +121,7 @@ class OpenAIServingChat(OpenAIServing):
                 continue_final_message=request.continue_final_message,
                 chat_template=request.chat_template,
                 chat_template_kwargs=request.chat_template_kwargs,
-                tools=request.tools if request.tool_choice != "none" else None,
+                tools=request.tools,
                 documents=request.documents)
         except ValueError as e:
             raise value_error_to_openai(e, "messages") from e
@@ -270,6 +272,14 @@ class OpenAIServingChat(OpenAIServing):
                         stop_reason=output.stop_reason if output.finish_reason else None,
                         token_ids=list(output.token_ids) if request.return_token_ids else None)
                     yield sse(chunk_json(choice, previous_num_tokens[i]))
+            if merged._stopping:
+                # Server shutdown cut the stream: finish every open choice with "abort" (vLLM).
+                for i in range(n):
+                    if not finish_sent[i]:
+                        finish_sent[i] = True
+                        choice = ChatCompletionResponseStreamChoice(
+                            index=i, delta=DeltaMessage(content=""), logprobs=None, finish_reason="abort")
+                        yield sse(chunk_json(choice, previous_num_tokens[i]))
             completed = True
             if include_usage:
                 ct = sum(previous_num_tokens)

@@ -296,6 +296,15 @@ class OpenAIServingCompletion(OpenAIServing):
                                                 total_tokens=pt + previous_num_tokens[i])
                         exclude = set()
                     yield sse(chunk.model_dump_json(exclude=exclude, exclude_none=False))
+            if merged._stopping:
+                # Server shutdown cut the stream: tell the client, choice by choice (vLLM's "abort").
+                for i in range(total):
+                    if not finished[i]:
+                        finished[i] = True
+                        chunk = CompletionStreamResponse(
+                            id=request_id, created=created, model=model_name,
+                            choices=[CompletionResponseStreamChoice(index=i, text="", finish_reason="abort")])
+                        yield sse(chunk.model_dump_json(exclude={"usage"}, exclude_none=False))
             completed = True
             if include_usage:
                 pt = sum(num_prompt_tokens)

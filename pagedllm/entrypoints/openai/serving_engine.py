@@ -193,7 +193,12 @@ class OpenAIServing:
 
     # ---- prompts -----------------------------------------------------------------------
     def encode(self, text: str, add_special_tokens: bool) -> list[int]:
-        return list(self.tokenizer.encode(text, add_special_tokens=add_special_tokens))
+        try:
+            return list(self.tokenizer.encode(text, add_special_tokens=add_special_tokens))
+        except (TypeError, UnicodeError) as e:
+            # e.g. a lone UTF-16 surrogate ("\ud800") that JSON allows but UTF-8 cannot encode
+            raise OpenAIError(f"The input text cannot be tokenized (invalid Unicode?): {e}", 400,
+                              "prompt") from e
 
     def check_token_ids(self, ids: Sequence[int], param: str = "prompt") -> None:
         vocab = int(getattr(self.engine, "vocab_size", 0) or 0)
@@ -209,17 +214,17 @@ class OpenAIServing:
         if n == 0:
             raise OpenAIError("The prompt cannot be empty.", 400, prompt_param)
         mml = self.max_model_len
+        if n >= mml:
+            raise OpenAIError(
+                f"This model's maximum context length is {mml} tokens. However, your request "
+                f"has {n} input tokens. Please reduce the length of the input messages.",
+                400, prompt_param)
         if max_tokens is not None and n + max_tokens > mml:
             raise OpenAIError(
                 f"This model's maximum context length is {mml} tokens. However, you requested "
                 f"{n + max_tokens} tokens ({n} in the messages, {max_tokens} in the completion). "
                 "Please reduce the length of the messages or completion.",
                 400, max_tokens_param)
-        if n >= mml:
-            raise OpenAIError(
-                f"This model's maximum context length is {mml} tokens. However, your request "
-                f"has {n} input tokens. Please reduce the length of the input messages.",
-                400, prompt_param)
 
     def check_logprobs(self, logprobs: Optional[int], prompt_logprobs: Optional[int],
                        logprobs_param: str = "logprobs") -> None:
