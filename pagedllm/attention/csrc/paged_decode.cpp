@@ -23,6 +23,72 @@ inline void to_float<c10::BFloat16>(const c10::BFloat16* __restrict src, float* 
   for (int64_t i = 0; i < n; ++i) d[i] = static_cast<uint32_t>(s[i]) << 16;
 }
 
+// One (request, kv head) work item. DIM > 0 fixes the head size at compile time (full
+// unrolling and vectorization of the d loops); DIM == 0 handles any head size.
+template <int DIM, typename scalar_t>
+static void decode_one(const scalar_t* q, const scalar_t* kv, const int64_t* bt, int64_t L, int64_t b,
+                       int64_t h, scalar_t* out, int64_t Hq, int64_t G, int64_t D_rt, int64_t block_size,
+                       int64_t kv_block_stride, int64_t tok_stride, int64_t v_offset, float scale,
+                       int64_t window, float soft_cap, std::vector<float>& qf, std::vector<float>& acc,
+                       std::vector<float>& kf, std::vector<float>& scores) {
+  const int64_t D = DIM > 0 ? DIM : D_rt;
+  const int64_t first = (window > 0 && L > window) ? L - window : 0;
+  const int64_t n = L - first;
+  scores.resize(G * n);
+  for (int64_t g = 0; g < G; ++g) {
+    to_float(q + (b * Hq + h * G + g) * D, qf.data() + g * D, D);
+    for (int64_t d = 0; d < D; ++d) qf[g * D + d] *= scale;  // fold the scale into q
+  }
+  float* __restrict kb = kf.data();
+  // Pass 1: scores.
+  for (int64_t p = first; p < L; ++p) {
+    const scalar_t* kp = kv + bt[p / block_size] * kv_block_stride + (p % block_size) * tok_stride + h * D;
+    to_float(kp, kb, D);
+    for (int64_t g = 0; g < G; ++g) {
+      const float* __restrict qg = qf.data() + g * D;
+      float s = 0.f;
+#pragma omp simd reduction(+ : s)
+      for (int64_t d = 0; d < D; ++d) s += qg[d] * kb[d];
+      if (soft_cap > 0.f) s = soft_cap * std::tanh(s / soft_cap);
+      scores[g * n + (p - first)] = s;
+    }
+  }
+  // Softmax per query head (float32).
+  for (int64_t g = 0; g < G; ++g) {
+    float* __restrict sg = scores.data() + g * n;
+    float m = std::numeric_limits<float>::lowest();
+#pragma omp simd reduction(max : m)
+    for (int64_t i = 0; i < n; ++i) m = sg[i] > m ? sg[i] : m;
+    float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
+    for (int64_t i = 0; i < n; ++i) {
+      const float e = std::exp(sg[i] - m);
+      sg[i] = e;
+      sum += e;
+    }
+    const float inv = 1.f / sum;
+#pragma omp simd
+    for (int64_t i = 0; i < n; ++i) sg[i] *= inv;
+  }
+  // Pass 2: weighted sum of V.
+  std::fill(acc.begin(), acc.begin() + G * D, 0.f);
+  for (int64_t p = first; p < L; ++p) {
+    const scalar_t* vp = kv + bt[p / block_size] * kv_block_stride + v_offset + (p % block_size) * tok_stride + h * D;
+    to_float(vp, kb, D);
+    for (int64_t g = 0; g < G; ++g) {
+      const float wgt = scores[g * n + (p - first)];
+      float* __restrict ag = acc.data() + g * D;
+#pragma omp simd
+      for (int64_t d = 0; d < D; ++d) ag[d] += wgt * kb[d];
+    }
+  }
+  for (int64_t g = 0; g < G; ++g) {
+    scalar_t* o = out + (b * Hq + h * G + g) * D;
+    const float* ag = acc.data() + g * D;
+    for (int64_t d = 0; d < D; ++d) o[d] = static_cast<scalar_t>(ag[d]);
+  }
+}
+
 template <typename scalar_t>
 static void decode_kernel(const scalar_t* q, const scalar_t* kv, const int64_t* block_tables,
                           const int64_t* seq_lens, scalar_t* out, int64_t B, int64_t Hq, int64_t Hkv,
@@ -32,58 +98,20 @@ static void decode_kernel(const scalar_t* q, const scalar_t* kv, const int64_t* 
   const int64_t tok_stride = Hkv * D;              // between tokens inside a block
   const int64_t v_offset = block_size * Hkv * D;   // K -> V inside a block
   at::parallel_for(0, B * Hkv, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> qf(G * D), acc(G * D), kf(D);
-    std::vector<float> scores;
+    std::vector<float> qf(G * D), acc(G * D), kf(D), scores;
     for (int64_t w = begin; w < end; ++w) {
       const int64_t b = w / Hkv, h = w % Hkv;
-      const int64_t L = seq_lens[b];
-      const int64_t first = (window > 0 && L > window) ? L - window : 0;
-      const int64_t n = L - first;
-      scores.assign(G * n, 0.f);
-      for (int64_t g = 0; g < G; ++g)
-        to_float(q + (b * Hq + h * G + g) * D, qf.data() + g * D, D);
       const int64_t* bt = block_tables + b * max_blocks;
-      // Pass 1: scores.
-      for (int64_t p = first; p < L; ++p) {
-        const scalar_t* kp = kv + bt[p / block_size] * kv_block_stride + (p % block_size) * tok_stride + h * D;
-        to_float(kp, kf.data(), D);
-        for (int64_t g = 0; g < G; ++g) {
-          const float* qg = qf.data() + g * D;
-          float s = 0.f;
-#pragma omp simd reduction(+ : s)
-          for (int64_t d = 0; d < D; ++d) s += qg[d] * kf[d];
-          s *= scale;
-          if (soft_cap > 0.f) s = soft_cap * std::tanh(s / soft_cap);
-          scores[g * n + (p - first)] = s;
-        }
+#define PAGEDLLM_DECODE(DIMV)                                                                       \
+  decode_one<DIMV, scalar_t>(q, kv, bt, seq_lens[b], b, h, out, Hq, G, D, block_size, kv_block_stride, \
+                             tok_stride, v_offset, scale, window, soft_cap, qf, acc, kf, scores)
+      switch (D) {
+        case 64: PAGEDLLM_DECODE(64); break;
+        case 128: PAGEDLLM_DECODE(128); break;
+        case 256: PAGEDLLM_DECODE(256); break;
+        default: PAGEDLLM_DECODE(0); break;
       }
-      // Softmax per query head (float32).
-      for (int64_t g = 0; g < G; ++g) {
-        float* sg = scores.data() + g * n;
-        float m = std::numeric_limits<float>::lowest();
-        for (int64_t i = 0; i < n; ++i) m = sg[i] > m ? sg[i] : m;
-        float sum = 0.f;
-        for (int64_t i = 0; i < n; ++i) { sg[i] = std::exp(sg[i] - m); sum += sg[i]; }
-        const float inv = 1.f / sum;
-        for (int64_t i = 0; i < n; ++i) sg[i] *= inv;
-      }
-      // Pass 2: weighted sum of V.
-      std::fill(acc.begin(), acc.end(), 0.f);
-      for (int64_t p = first; p < L; ++p) {
-        const scalar_t* vp = kv + bt[p / block_size] * kv_block_stride + v_offset + (p % block_size) * tok_stride + h * D;
-        to_float(vp, kf.data(), D);
-        for (int64_t g = 0; g < G; ++g) {
-          const float wgt = scores[g * n + (p - first)];
-          float* ag = acc.data() + g * D;
-#pragma omp simd
-          for (int64_t d = 0; d < D; ++d) ag[d] += wgt * kf[d];
-        }
-      }
-      for (int64_t g = 0; g < G; ++g) {
-        scalar_t* o = out + (b * Hq + h * G + g) * D;
-        const float* ag = acc.data() + g * D;
-        for (int64_t d = 0; d < D; ++d) o[d] = static_cast<scalar_t>(ag[d]);
-      }
+#undef PAGEDLLM_DECODE
     }
   });
 }
