@@ -72,10 +72,11 @@ def resolve_dtype(dtype: str | torch.dtype, device: torch.device) -> torch.dtype
 def default_num_threads(leave_one_core_for_http: bool = False) -> int:
     """Engine torch threads when ``num_threads`` is not set.
 
-    PAGEDLLM_NUM_THREADS / OMP_NUM_THREADS win when set. Otherwise all cores offline; the
-    server leaves one core to its HTTP side (FACTS.md section 3: an OpenMP team that loses a
-    core to another busy thread slows 50-100x on small ops, so the engine must never count on
-    a core the event loop is using).
+    PAGEDLLM_NUM_THREADS / OMP_NUM_THREADS win when set; otherwise all cores, for the server too.
+    Measured on 2 cores (docs/performance.md): ``pagedllm serve`` with 16 streaming clients gave
+    222 output tok/s with 2 engine threads vs 165 with 1, so the HTTP side does not need a core
+    of its own. An OpenMP team that loses a core to another CPU-busy *process* slows sharply on
+    small ops, so on a shared host pass ``--num-threads`` (tests and CI use 1).
     """
     for var in ("PAGEDLLM_NUM_THREADS", "OMP_NUM_THREADS"):
         v = os.environ.get(var)

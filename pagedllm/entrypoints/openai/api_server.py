@@ -239,9 +239,6 @@ def engine_args_from_namespace(args: argparse.Namespace):
         val = getattr(args, f.name, None)
         if val is not None:  # unset flags keep EngineArgs' defaults
             kwargs[f.name] = val
-    if kwargs.get("num_threads") is None:
-        from pagedllm.platforms import default_num_threads
-        kwargs["num_threads"] = default_num_threads(leave_one_core_for_http=True)
     return EngineArgs(**kwargs)
 
 

@@ -149,7 +149,7 @@ def add_serve_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"],
                    help="Device to run on (default: auto = cuda if available, else cpu).")
     g.add_argument("--num-threads", type=_positive_int, default=None,
-                   help="torch intra-op threads for the engine (default: PAGEDLLM_NUM_THREADS or OMP_NUM_THREADS if set, else all cores but one, which the HTTP side keeps: an OpenMP team that loses a core to another busy thread slows sharply).")
+                   help="torch intra-op threads for the engine (default: PAGEDLLM_NUM_THREADS or OMP_NUM_THREADS if set, else all cores; on a host shared with other CPU-busy processes use fewer: an OpenMP team that loses a core slows sharply).")
     g.add_argument("--enforce-eager", action="store_true",
                    help="Never use CUDA graphs.")
     return parser
