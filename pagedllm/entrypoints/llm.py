@@ -231,28 +231,7 @@ class LLM:
             rid = eng.next_request_id()
             eng.add_processed_pooling_request(rid, proc, params)
             ids.append(rid)
-        results: dict = {}
-        pbar = None
-        if use_tqdm and ids:
-            from tqdm.auto import tqdm
-            pbar = tqdm(total=len(ids), desc="Processed prompts", dynamic_ncols=True)
-        try:
-            while len(results) < len(ids) and eng.has_unfinished_requests():
-                for out in eng.step():
-                    if out.finished:
-                        results[out.request_id] = out
-                        if pbar is not None:
-                            pbar.update(1)
-        except BaseException:
-            eng.abort_request([r for r in ids if r not in results])
-            raise
-        finally:
-            if pbar is not None:
-                pbar.close()
-        missing = [r for r in ids if r not in results]
-        if missing:
-            raise RuntimeError(f"engine stopped with {len(missing)} unfinished request(s)")
-        return [results[r] for r in ids]
+        return self._run_until_done(ids, use_tqdm)
 
     def reset_prefix_cache(self) -> bool:
         """Drop every cached block hash (only when no request holds blocks).
@@ -291,7 +270,16 @@ class LLM:
             rid = eng.next_request_id()
             eng.add_processed_request(rid, pp, sp)
             ids.append(rid)
-        results: dict[str, RequestOutput] = {}
+        return self._run_until_done(ids, use_tqdm)
+
+    def _run_until_done(self, ids: list[str], use_tqdm: bool) -> list:
+        """Step the engine until every request in ``ids`` finished; outputs in ``ids`` order.
+
+        Raises:
+            RuntimeError: the engine ran out of work with requests unfinished.
+        """
+        eng = self.llm_engine
+        results: dict = {}
         pbar = None
         if use_tqdm and ids:
             from tqdm.auto import tqdm
