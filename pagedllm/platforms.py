@@ -69,7 +69,7 @@ def resolve_dtype(dtype: str | torch.dtype, device: torch.device) -> torch.dtype
         raise ValueError(f"dtype: must be one of 'auto', {sorted(_DTYPES)}, got {dtype!r}") from None
 
 
-def default_num_threads(leave_one_core_for_http: bool = False) -> int:
+def default_num_threads() -> int:
     """Engine torch threads when ``num_threads`` is not set.
 
     PAGEDLLM_NUM_THREADS / OMP_NUM_THREADS win when set; otherwise all cores, for the server too.
@@ -83,4 +83,4 @@ def default_num_threads(leave_one_core_for_http: bool = False) -> int:
         if v and v.isdigit() and int(v) > 0:
             return int(v)
     n = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    return max(1, n - 1) if leave_one_core_for_http else max(1, n)
+    return max(1, n)
