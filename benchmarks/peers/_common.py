@@ -35,6 +35,33 @@ import time
 import traceback
 
 
+class VllmStyleEngine:
+    """Shared driver for engines with vLLM's offline API (pagedllm and vLLM itself): subclasses
+    set ``self.llm`` (an ``LLM``) and ``self.SamplingParams`` in ``__init__``."""
+
+    def _gen(self, prompts, n):
+        sp = self.SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
+        outs = self.llm.generate([{"prompt_token_ids": p} for p in prompts], sp, use_tqdm=False)
+        return sum(len(o.outputs[0].token_ids) for o in outs)
+
+    def generate(self, prompts, n) -> int:
+        return self._gen(prompts, n)
+
+    def stream(self, prompt, n):
+        """(TTFT s, decode-run s, tokens made); prefix caching is reset so the second call's
+        prefill is not free."""
+        self.llm.reset_prefix_cache()
+        t = time.perf_counter()
+        self._gen([prompt], 1)
+        first = time.perf_counter() - t
+        if n <= 1:
+            return first, first, 1
+        self.llm.reset_prefix_cache()
+        t = time.perf_counter()
+        made = self._gen([prompt], n)
+        return first, time.perf_counter() - t, made
+
+
 def parse_args(extra=None) -> argparse.Namespace:
     ap = argparse.ArgumentParser()
     ap.add_argument("--workload", required=True, help="workload JSON written by compare.py")

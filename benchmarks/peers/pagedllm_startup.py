@@ -7,13 +7,12 @@ from __future__ import annotations
 
 import os
 import sys
-import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import _common  # noqa: E402
 
 
-class Engine:
+class Engine(_common.VllmStyleEngine):
     name = "pagedllm"
 
     def __init__(self, w: dict, args):
@@ -28,26 +27,6 @@ class Engine:
         import pagedllm
         import torch
         return f"pagedllm {pagedllm.__version__}, torch {torch.__version__}"
-
-    def _gen(self, prompts, n):
-        sp = self.SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
-        outs = self.llm.generate([{"prompt_token_ids": p} for p in prompts], sp, use_tqdm=False)
-        return sum(len(o.outputs[0].token_ids) for o in outs)
-
-    def generate(self, prompts, n) -> int:
-        return self._gen(prompts, n)
-
-    def stream(self, prompt, n):
-        self.llm.reset_prefix_cache()
-        t = time.perf_counter()
-        self._gen([prompt], 1)
-        first = time.perf_counter() - t
-        if n <= 1:
-            return first, first, 1
-        self.llm.reset_prefix_cache()
-        t = time.perf_counter()
-        made = self._gen([prompt], n)
-        return first, time.perf_counter() - t, made
 
 
 if __name__ == "__main__":

@@ -158,6 +158,20 @@ class AsyncLLM:
                     self._dead = e
                     return
 
+    def _check_can_add(self, request_id: str) -> None:
+        """Start the loop if needed; refuse a dead engine or a request id in use."""
+        if self._dead is not None:
+            raise EngineDeadError(f"engine loop is dead: {self._dead!r}")
+        self._ensure_started()
+        if request_id in self._queues:
+            raise ValueError(f"request_id: {request_id!r} is already in use")
+
+    def _add(self, request_id: str, pp: Any, params: Any) -> asyncio.Queue:
+        """Hand a validated request to the engine thread; its outputs arrive on the returned queue."""
+        q: asyncio.Queue = asyncio.Queue()
+        self._submit(("add", request_id, pp, params, _LoopQueue(self._loop, q)))
+        return q
+
     # ------------------------------------------------------------------ API
     async def generate(self, prompt: Any, sampling_params: Any, request_id: str,
                        add_special_tokens: bool = True) -> AsyncIterator[RequestOutput]:
@@ -174,15 +188,10 @@ class AsyncLLM:
                 vocabulary, prompt + max_tokens over max_model_len, bad parameters, duplicate id.
             EngineDeadError: the engine loop has died.
         """
-        if self._dead is not None:
-            raise EngineDeadError(f"engine loop is dead: {self._dead!r}")
-        self._ensure_started()
-        if request_id in self._queues:
-            raise ValueError(f"request_id: {request_id!r} is already in use")
+        self._check_can_add(request_id)
         pp, params = self.engine.validate(prompt, sampling_params, strict_length=True,
                                           add_special_tokens=add_special_tokens)
-        q: asyncio.Queue = asyncio.Queue()
-        self._submit(("add", request_id, pp, params, _LoopQueue(self._loop, q)))
+        q = self._add(request_id, pp, params)
         finished = False
         try:
             while True:
@@ -214,16 +223,11 @@ class AsyncLLM:
                 empty prompt or one over max_model_len, a duplicate id (nothing is run then).
             EngineDeadError: the engine loop has died.
         """
-        if self._dead is not None:
-            raise EngineDeadError(f"engine loop is dead: {self._dead!r}")
-        self._ensure_started()
-        if request_id in self._queues:
-            raise ValueError(f"request_id: {request_id!r} is already in use")
+        self._check_can_add(request_id)
         pooler = getattr(self.engine.core, "pooler", None)
         task = task or getattr(pooling_params, "task", None) or (pooler.task if pooler else "embed")
         pp, params = self.engine.validate_pooling(prompt, pooling_params, task, add_special_tokens)
-        q: asyncio.Queue = asyncio.Queue()
-        self._submit(("add", request_id, pp, params, _LoopQueue(self._loop, q)))
+        q = self._add(request_id, pp, params)
         done = False
         try:
             item = await q.get()

@@ -180,8 +180,8 @@ class ModelRunner:
         sel = [reqs[i] for i in rows]
         meta = SamplingMetadata.from_requests(
             params=[r.sampling_params for r in sel],
-            prompt_token_ids=[r.token_ids[:r.prompt_len] for r in sel],
-            output_token_ids=[r.token_ids[r.prompt_len:] for r in sel],
+            prompt_token_ids=[_prompt_if_needed(r) for r in sel],
+            output_token_ids=[_output_if_needed(r) for r in sel],
             generators=[self._generator_for(r) for r in sel],
             vocab_size=self.vocab_size,
             eos_token_ids=[self.eos_token_id] * len(sel),
@@ -219,3 +219,20 @@ class ModelRunner:
                 entries.append((ids[j][:1 + k], lps[j][:1 + k], ranks[j]))
         if entries:
             out.prompt_logprobs[r.req_id] = entries
+
+
+def _prompt_if_needed(r: ScheduledRequest) -> list[int]:
+    """The prompt ids, copied only for a repetition penalty (the one reader); else ``[]``.
+
+    NOTE: slicing every request's token list every step would copy whole prompts per token.
+    """
+    return r.token_ids[:r.prompt_len] if r.sampling_params.repetition_penalty != 1.0 else []
+
+
+def _output_if_needed(r: ScheduledRequest) -> list[int]:
+    """The generated ids, copied only when penalties, ``min_tokens`` or ``bad_words`` read them."""
+    sp = r.sampling_params
+    if (sp.repetition_penalty != 1.0 or sp.presence_penalty or sp.frequency_penalty
+            or sp.min_tokens or sp.bad_words):
+        return r.token_ids[r.prompt_len:]
+    return []
