@@ -44,9 +44,10 @@ class EngineArgs:
             (CUDA only; used when kv_cache_memory is not given).
         attention_backend: "torch" | "triton" | "flashinfer" | None (CPU: torch, CUDA: triton;
             also PAGEDLLM_ATTENTION_BACKEND).
-        quantization: weight-only quantization of the linear layers and LM head after loading:
-            None, "int8" (per-channel symmetric) or "int4" (group-wise, group 32); CPU only
-            (see pagedllm.quantization and docs/performance.md "Low-bit weights").
+        quantization: quantization of the linear layers and LM head after loading: None,
+            "int8" (weight-only, per-channel symmetric), "int4" (weight-only, group-wise, group
+            32) or "w8a8" (int8 per-channel weights and dynamic per-token int8 activations);
+            CPU only (see pagedllm.quantization and docs/performance.md "Low-bit weights").
     """
 
     model: str = "SmolLM2-135M-Instruct"

@@ -64,8 +64,16 @@ def build_metadata(reqs: list[tuple[int, int, list[int]]], block_size: int) -> A
     )
 
 
-def write_kv(kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
-    """Store ``k``/``v`` ``[T, Hkv, D]`` at flat slots ``slot_mapping`` ``[T]`` (-1 = skip)."""
+def write_kv(kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor,
+             ops=None) -> None:
+    """Store ``k``/``v`` ``[T, Hkv, D]`` at flat slots ``slot_mapping`` ``[T]`` (-1 = skip).
+
+    ``ops``: the C++ CPU kernels (``reshape_and_cache``, one pass) or None for the torch path.
+    """
+    if (ops is not None and k.dtype == kv_cache.dtype and v.dtype == kv_cache.dtype and kv_cache.is_contiguous()
+            and k.stride(-1) == 1 and v.stride(-1) == 1 and kv_cache.device.type == "cpu"):
+        ops.reshape_and_cache(k, v, kv_cache, slot_mapping)
+        return
     block_size = kv_cache.shape[2]
     valid = slot_mapping >= 0
     if not bool(valid.all()):
@@ -123,7 +131,7 @@ class TorchPagedAttention(AttentionImpl):
     """Paged attention on CPU (see ``AttentionImpl.forward`` for the contract).
 
     Args:
-        use_cpu_kernel: run decodes through the C++ kernel (``pagedllm.attention.cpu_ops``)
+        use_cpu_kernel: run decodes through the C++ kernel (``pagedllm.kernels.cpu_ops``)
             when it is available; it reads K/V through the block table instead of gathering a
             contiguous copy. False keeps the pure-torch path (the test oracle).
     """
@@ -131,7 +139,7 @@ class TorchPagedAttention(AttentionImpl):
     def __init__(self, use_cpu_kernel: bool = True) -> None:
         self._ops = None
         if use_cpu_kernel:
-            from pagedllm.attention.cpu_ops import get_ops
+            from pagedllm.kernels.cpu_ops import get_ops
             self._ops = get_ops()
 
     def forward(
@@ -154,11 +162,16 @@ class TorchPagedAttention(AttentionImpl):
             return self._prefill(q, k.transpose(0, 1), v.transpose(0, 1), 0, scale, sliding_window, logits_soft_cap)
         # NOTE: all writes come first, so a request may read blocks another request of the
         # same step wrote (e.g. a prefix-cache block shared within one step).
-        write_kv(kv_cache, k, v, meta.slot_mapping)
-        out = torch.empty_like(q)
+        write_kv(kv_cache, k, v, meta.slot_mapping, self._ops)
         nd = meta.num_decodes
+        use_kernel = self._ops is not None and q.device.type == "cpu" and q.dtype == kv_cache.dtype
+        if nd == meta.num_reqs and use_kernel:  # a decode-only step: the kernel's output is the result
+            return self._ops.paged_decode_attention(
+                q, kv_cache, meta.block_tables, meta.seq_lens, float(scale),
+                int(sliding_window or 0), float(logits_soft_cap or 0.0))
+        out = torch.empty_like(q)
         if nd > 0:
-            if self._ops is not None and q.device.type == "cpu" and q.dtype == kv_cache.dtype:
+            if use_kernel:
                 out[:nd] = self._ops.paged_decode_attention(
                     q[:nd], kv_cache, meta.block_tables[:nd], meta.seq_lens[:nd], float(scale),
                     int(sliding_window or 0), float(logits_soft_cap or 0.0))

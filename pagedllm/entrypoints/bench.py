@@ -108,8 +108,8 @@ def _engine_kwargs(args: argparse.Namespace) -> dict:
 def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("model", nargs="?", default="SmolLM2-135M-Instruct")
     p.add_argument("--dtype", default="auto")
-    p.add_argument("--quantization", default=None, choices=["int8", "int4"],
-                   help="weight-only quantization of the linear layers")
+    p.add_argument("--quantization", default=None, choices=["int8", "int4", "w8a8"],
+                   help="int8/int4: weight-only; w8a8: int8 weights and dynamic per-token int8 activations")
     p.add_argument("--num-threads", type=int, default=None)
     p.add_argument("--max-num-seqs", type=int, default=128)
     p.add_argument("--max-num-batched-tokens", type=int, default=2048)

@@ -15,6 +15,9 @@ from pagedllm.models.layers import Embedding, GatedMLP, RMSNorm, RotaryEmbedding
 class Gemma3DecoderLayer(nn.Module):
     """``x += post_attn_norm(attn(in_norm(x))); x += post_ffw_norm(mlp(pre_ffw_norm(x)))``."""
 
+    # Which norm's output is the direct input of which projection (W8A8 fuses norm + quantize).
+    norm_feeds = {"input_layernorm": "self_attn.qkv_proj", "pre_feedforward_layernorm": "mlp.gate_up_proj"}
+
     def __init__(self, config, layer_idx: int, rotary: RotaryEmbedding, head_dim: int) -> None:
         super().__init__()
         eps, hidden = config.rms_norm_eps, config.hidden_size

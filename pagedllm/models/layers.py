@@ -79,14 +79,26 @@ class RMSNorm(nn.Module):
 
     ``gemma=False`` (Llama/Qwen): ``w * normed.to(x.dtype)``; weight starts at 1.
     ``gemma=True``: ``(normed * (1 + w.float())).to(x.dtype)``; weight starts at 0.
+
+    ``quantize_output`` (set by W8A8 quantization when this norm feeds a ``W8A8Linear``): the
+    output is a ``QuantizedActivation`` computed in one fused pass (``rms_norm_quant``).
     """
 
     def __init__(self, dim: int, eps: float = 1e-6, gemma: bool = False) -> None:
         super().__init__()
         self.eps, self.gemma = eps, gemma
         self.weight = nn.Parameter(torch.zeros(dim) if gemma else torch.ones(dim))
+        self.quantize_output = False
+        self._quant_weight: Optional[torch.Tensor] = None
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor):
+        if self.quantize_output and x.dim() == 2:
+            from pagedllm.quantization.w8a8 import rms_norm_quant
+
+            if self._quant_weight is None:  # NOTE: weights are final once the model is quantized
+                w = self.weight.detach().float()
+                self._quant_weight = (1.0 + w) if self.gemma else w
+            return rms_norm_quant(x.contiguous(), None, self._quant_weight, self.eps)
         xf = x.float()
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
         if self.gemma:
@@ -142,6 +154,25 @@ class RotaryEmbedding(nn.Module):
         freqs = torch.arange(n, dtype=torch.float).unsqueeze(1) * self.inv_freq.unsqueeze(0)
         emb = torch.cat((freqs, freqs), dim=-1)
         self._cos, self._sin = emb.cos() * self.scaling, emb.sin() * self.scaling
+        half = self.head_dim // 2
+        self._cos_half, self._sin_half = self._cos[:, :half].contiguous(), self._sin[:, :half].contiguous()
+
+    def apply_(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Like ``forward`` but may rotate ``q``/``k`` in place (they must not be needed unrotated).
+
+        On CPU with the C++ kernels this is one pass over q and k in float32 math with no
+        temporaries (``rotary_inplace``); otherwise it is ``forward``.
+        """
+        from pagedllm.kernels.cpu_ops import get_ops
+
+        ops = get_ops() if q.device.type == "cpu" else None
+        if (ops is None or not hasattr(ops, "rotary_inplace") or q.dtype not in (torch.float32, torch.bfloat16)
+                or q.stride(-1) != 1 or k.stride(-1) != 1 or positions.dtype != torch.int64):
+            return self.forward(positions, q, k)
+        if positions.numel() and int(positions.max()) >= self._cos.shape[0]:
+            self._table(int(positions.max()) + 1)
+        ops.rotary_inplace(q, k, positions.contiguous(), self._cos_half, self._sin_half)
+        return q, k
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """positions int64 ``[T]``; q ``[T, Hq, D]``, k ``[T, Hkv, D]`` -> rotated, same dtypes."""
@@ -169,7 +200,10 @@ class GatedMLP(nn.Module):
         self.act = ACTIVATIONS[act]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """x ``[T, hidden]`` -> ``[T, hidden]``."""
+        """x ``[T, hidden]`` (or a W8A8 ``QuantizedActivation``) -> ``[T, hidden]``."""
+        fused = getattr(self.gate_up_proj, "forward_silu_mul_quant", None)
+        if fused is not None and self.act is F.silu and self.gate_up_proj.bias is None:
+            return self.down_proj(fused(x))  # W8A8: silu(gate) * up quantized in one pass
         gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
         return self.down_proj(self.act(gate) * up)
 
@@ -201,11 +235,11 @@ class SelfAttention(nn.Module):
         self.attn = Attention(num_heads, head_dim, scale, num_kv_heads, layer_idx, sliding_window, soft_cap)
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-        """positions int64 ``[T]``, x ``[T, hidden]`` -> ``[T, hidden]``."""
-        t, d = x.shape[0], self.head_dim
+        """positions int64 ``[T]``, x ``[T, hidden]`` (or a W8A8 ``QuantizedActivation``) -> ``[T, hidden]``."""
+        t, d = positions.shape[0], self.head_dim
         q, k, v = self.qkv_proj(x).split([self.num_heads * d, self.num_kv_heads * d, self.num_kv_heads * d], -1)
         q, k = q.reshape(t, self.num_heads, d), k.reshape(t, self.num_kv_heads, d)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = self.rotary[0](positions, q, k)
+        q, k = self.rotary[0].apply_(positions, q, k)  # NOTE: q/k are fresh views of qkv: in place is safe
         return self.o_proj(self.attn(q, k, v))

@@ -11,6 +11,9 @@ from pagedllm.models.layers import Embedding, GatedMLP, RMSNorm, RotaryEmbedding
 class LlamaDecoderLayer(nn.Module):
     """``x += attn(norm(x)); x += mlp(norm(x))``; options come from the model class."""
 
+    # Which norm's output is the direct input of which projection (W8A8 fuses norm + quantize).
+    norm_feeds = {"input_layernorm": "self_attn.qkv_proj", "post_attention_layernorm": "mlp.gate_up_proj"}
+
     def __init__(self, config, layer_idx: int, rotary: RotaryEmbedding, head_dim: int, spec: type) -> None:
         super().__init__()
         eps = config.rms_norm_eps

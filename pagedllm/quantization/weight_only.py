@@ -1,4 +1,4 @@
-"""Weight-only int8 / int4 quantization of a built model's linear layers (gpt-fast style, CPU).
+"""Weight-only int8 / int4 (and the W8A8 entry point) quantization of a built model's linear layers (gpt-fast style, CPU).
 
 ``quantize_model(model, "int8" | "int4")`` walks the model after ``load_weights`` and swaps every
 ``nn.Linear`` (``Linear``, ``PackedLinear``, ``QKVLinear``, an untied ``lm_head``) for a
@@ -30,7 +30,7 @@ from torch import nn
 
 logger = logging.getLogger("pagedllm")
 
-QUANTIZATION_METHODS = ("int8", "int4")
+QUANTIZATION_METHODS = ("int8", "int4", "w8a8")
 DEFAULT_INT4_GROUP_SIZE = 32
 # Above this many rows the packed kernels lose to dequantize + bf16 matmul (measured, see docs):
 # int8 dequantizes cheaply (one pass), int4 unpacking costs ~5x more, so its crossover is higher.
@@ -168,10 +168,34 @@ class WeightOnlyInt4Linear(_WeightOnlyLinear):
         return w.reshape(n, k)
 
 
-def _make(method: str, weight: torch.Tensor, bias: Optional[torch.Tensor], group_size: int) -> _WeightOnlyLinear:
+def _make(method: str, weight: torch.Tensor, bias: Optional[torch.Tensor], group_size: int,
+          head: bool = False) -> nn.Module:
     if method == "int8":
         return WeightOnlyInt8Linear(weight, bias)
+    if method == "w8a8":
+        from pagedllm.quantization.w8a8 import W8A8Linear
+
+        return W8A8Linear(weight, bias, out_dtype=torch.float32 if head else None)
     return WeightOnlyInt4Linear(weight, bias, group_size)
+
+
+def _fuse_norms(model: nn.Module) -> int:
+    """W8A8: let each norm that directly feeds a ``W8A8Linear`` emit quantized rows (one pass).
+
+    Decoder layers declare ``norm_feeds = {norm name: projection path}``; returns how many norms
+    were switched.
+    """
+    from pagedllm.quantization.w8a8 import W8A8Linear
+
+    n = 0
+    for layer in model.modules():
+        for norm_name, proj_path in getattr(type(layer), "norm_feeds", {}).items():
+            norm = getattr(layer, norm_name, None)
+            proj = layer.get_submodule(proj_path)
+            if norm is not None and hasattr(norm, "quantize_output") and isinstance(proj, W8A8Linear):
+                norm.quantize_output = True
+                n += 1
+    return n
 
 
 def _quantized_compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -228,7 +252,7 @@ def quantize_model(model: nn.Module, method: str, group_size: int = DEFAULT_INT4
                 w, b = head.weight, head.bias
             else:
                 w, b = model.model.embed_tokens.weight, None
-            qhead = _make(method, w, b, group_size)
+            qhead = _make(method, w, b, group_size, head=True)
             stats["float_bytes"] += w.numel() * w.element_size()
             stats["quantized_bytes"] += nbytes(qhead)
             model.quantized_lm_head = qhead
@@ -236,4 +260,6 @@ def quantize_model(model: nn.Module, method: str, group_size: int = DEFAULT_INT4
                 model.lm_head = None  # NOTE: frees the float head; compute_logits below no longer reads it
             model.compute_logits = types.MethodType(_quantized_compute_logits, model)
             stats["num_linears"] += 1
+        if method == "w8a8":
+            stats["fused_norms"] = _fuse_norms(model)
     return stats

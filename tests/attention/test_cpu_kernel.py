@@ -7,7 +7,7 @@ import random
 import pytest
 import torch
 
-from pagedllm.attention.cpu_ops import get_ops
+from pagedllm.kernels.cpu_ops import get_ops
 from pagedllm.attention.torch_paged import TorchPagedAttention, build_metadata
 
 ops = get_ops()

@@ -109,9 +109,11 @@ def add_serve_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g.add_argument("--pooler-config", type=_json_dict, default=None,
                    help='Pooler settings as JSON, e.g. \'{"pooling_type": "MEAN", '
                         '"normalize": true}\'.')
-    g.add_argument("--quantization", "-q", default=None, choices=["int8", "int4"],
-                   help="Weight-only quantization of the linear layers and LM head (CPU): int8 "
-                        "per-channel or int4 group-wise (group 32). Faster single-stream decode.")
+    g.add_argument("--quantization", "-q", default=None, choices=["int8", "int4", "w8a8"],
+                   help="Quantization of the linear layers and LM head (CPU): weight-only int8 "
+                        "per-channel or int4 group-wise (group 32), or w8a8 (int8 per-channel "
+                        "weights and dynamic per-token int8 activations, int8 GEMMs: faster at "
+                        "every batch size).")
     g.add_argument("--ignore-patterns", nargs="*", default=[],
                    help="fnmatch patterns of checkpoint files not to load.")
 

@@ -1,8 +1,17 @@
 """Optional C++ CPU kernels, compiled once with ``torch.utils.cpp_extension`` and cached.
 
-``paged_decode_attention`` reads K/V straight from the paged cache through the block table,
-instead of gathering every request's context into a contiguous copy each step (which
-dominated the decode step in the pure-torch path, see docs/performance.md). If the compiler
+* ``paged_decode_attention`` (``csrc/paged_decode.cpp``) reads K/V straight from the paged
+  cache through the block table, instead of gathering every request's context into a
+  contiguous copy each step (which dominated the decode step in the pure-torch path, see
+  docs/performance.md).
+* ``quantize_rows_int8``, ``rms_norm_quant``, ``dequant_int32``, ``dequant_silu_mul_quant``
+  (``csrc/quant_ops.cpp``): the one-pass element-wise work around the int8 GEMMs of W8A8
+  quantization (``pagedllm.quantization.w8a8``, which holds their torch references).
+* ``rotary_inplace``, ``reshape_and_cache`` (``csrc/layer_ops.cpp``): rope on q/k in place and
+  the K/V store into the paged cache, each one pass (torch references:
+  ``RotaryEmbedding.forward``, ``attention.torch_paged.write_kv``).
+
+If the compiler
 or headers are missing, ``get_ops()`` returns None and callers use the torch path.
 ``PAGEDLLM_CPU_KERNELS=0`` disables the kernels.
 
@@ -31,7 +40,8 @@ _lock = threading.Lock()
 _ops: Any = None
 _tried = False
 
-_SRC = os.path.join(os.path.dirname(__file__), "csrc", "paged_decode.cpp")
+_SRCS = [os.path.join(os.path.dirname(__file__), "csrc", f)
+         for f in ("paged_decode.cpp", "quant_ops.cpp", "layer_ops.cpp", "bindings.cpp")]
 _CFLAGS = ["-O3", "-march=native", "-fopenmp", "-ffast-math"]
 
 
@@ -44,8 +54,9 @@ def _module_name() -> str:
     import torch
 
     h = hashlib.sha256()
-    with open(_SRC, "rb") as f:
-        h.update(f.read())
+    for src in _SRCS:
+        with open(src, "rb") as f:
+            h.update(f.read())
     h.update(torch.__version__.encode())
     h.update(" ".join(_CFLAGS).encode())
     h.update(sys.version.encode())
@@ -76,16 +87,16 @@ def _import_so(name: str, path: str) -> Any:
 def _build(name: str, so_path: str) -> Any:
     from torch.utils.cpp_extension import load
 
-    logger.info("pagedllm: compiling the C++ CPU attention kernel (first run only, about a minute)")
+    logger.info("pagedllm: compiling the C++ CPU kernels (first run only, about a minute)")
     t0 = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="pagedllm-build-") as tmp:
-        mod = load(name=name, sources=[_SRC], build_directory=tmp, extra_cflags=_CFLAGS,
+        mod = load(name=name, sources=_SRCS, build_directory=tmp, extra_cflags=_CFLAGS,
                    extra_ldflags=["-fopenmp"], verbose=False)
         os.makedirs(os.path.dirname(so_path), exist_ok=True)
         staged = f"{so_path}.{os.getpid()}.tmp"
         shutil.copyfile(mod.__file__, staged)
         os.replace(staged, so_path)
-    logger.info("pagedllm: CPU attention kernel built in %.1f s (cached at %s)", time.perf_counter() - t0, so_path)
+    logger.info("pagedllm: CPU kernels built in %.1f s (cached at %s)", time.perf_counter() - t0, so_path)
     return mod
 
 

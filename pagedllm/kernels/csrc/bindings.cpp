@@ -1,0 +1,26 @@
+// Python bindings of the CPU kernels (one extension module, built by pagedllm/kernels/cpu_ops.py).
+#include <torch/extension.h>
+#include <tuple>
+
+torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor kv_cache, torch::Tensor block_tables,
+                                     torch::Tensor seq_lens, double scale, int64_t window, double soft_cap);
+std::tuple<at::Tensor, at::Tensor> quantize_rows_int8(at::Tensor x);
+std::tuple<at::Tensor, at::Tensor> rms_norm_quant(at::Tensor x, c10::optional<at::Tensor> residual,
+                                                   at::Tensor weight, double eps);
+at::Tensor dequant_int32(at::Tensor acc, at::Tensor sx, at::Tensor sw, c10::optional<at::Tensor> bias,
+                         at::ScalarType dtype);
+std::tuple<at::Tensor, at::Tensor> dequant_silu_mul_quant(at::Tensor acc, at::Tensor sx, at::Tensor sw);
+void rotary_inplace(at::Tensor q, at::Tensor k, at::Tensor positions, at::Tensor cos, at::Tensor sin);
+void reshape_and_cache(at::Tensor k, at::Tensor v, at::Tensor kv_cache, at::Tensor slots);
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("paged_decode_attention", &paged_decode_attention, "paged decode attention (CPU)");
+  m.def("quantize_rows_int8", &quantize_rows_int8, "per-row symmetric int8 quantization");
+  m.def("rms_norm_quant", &rms_norm_quant, "[residual add +] RMSNorm + per-row int8 quantization",
+        py::arg("x"), py::arg("residual"), py::arg("weight"), py::arg("eps"));
+  m.def("dequant_int32", &dequant_int32, "int32 GEMM accumulators -> float with row/column scales",
+        py::arg("acc"), py::arg("sx"), py::arg("sw"), py::arg("bias"), py::arg("dtype"));
+  m.def("dequant_silu_mul_quant", &dequant_silu_mul_quant, "dequantize gate|up, silu(gate)*up, quantize");
+  m.def("rotary_inplace", &rotary_inplace, "NeoX-style rope applied to q and k in place");
+  m.def("reshape_and_cache", &reshape_and_cache, "store k/v rows at flat slots of the paged cache");
+}

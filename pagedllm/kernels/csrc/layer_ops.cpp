@@ -1,0 +1,97 @@
+// Per-token element-wise kernels of the attention block, each one pass with no temporaries:
+//
+//   rotary_inplace(q [T, Hq, D], k [T, Hkv, D], positions [T], cos [P, D/2], sin [P, D/2])
+//       HF / GPT-NeoX rope ("rotate_half"): for i < D/2, with x1 = x[i], x2 = x[i + D/2]:
+//       x[i] = x1 * cos - x2 * sin;  x[i + D/2] = x2 * cos + x1 * sin   (float32 math, in place).
+//   reshape_and_cache(k [T, Hkv, D], v [T, Hkv, D], kv_cache [NB, 2, BS, Hkv, D], slots [T])
+//       kv_cache[s / BS, 0, s % BS] = k[t]; kv_cache[s / BS, 1, s % BS] = v[t]; slot -1 = skip.
+//
+// q/k/v may be strided views (e.g. slices of a fused qkv output) as long as the last dim is
+// contiguous. Torch references: RotaryEmbedding.forward and attention.torch_paged.write_kv.
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+#include <cstdint>
+#include <cstring>
+
+namespace {
+
+template <typename T>
+inline float ld(const T v) { return static_cast<float>(v); }
+
+template <typename T>
+void rope_rows(T* base, int64_t t, int64_t H, int64_t D, int64_t s0, int64_t s1, const float* c, const float* s) {
+  const int64_t half = D / 2;
+  for (int64_t h = 0; h < H; ++h) {
+    T* x = base + t * s0 + h * s1;
+#pragma omp simd
+    for (int64_t i = 0; i < half; ++i) {
+      const float x1 = ld(x[i]), x2 = ld(x[i + half]);
+      x[i] = static_cast<T>(x1 * c[i] - x2 * s[i]);
+      x[i + half] = static_cast<T>(x2 * c[i] + x1 * s[i]);
+    }
+  }
+}
+
+}  // namespace
+
+void rotary_inplace(at::Tensor q, at::Tensor k, at::Tensor positions, at::Tensor cos, at::Tensor sin) {
+  TORCH_CHECK(q.dim() == 3 && k.dim() == 3 && q.size(0) == k.size(0) && q.size(2) == k.size(2), "q/k shapes");
+  TORCH_CHECK(q.stride(2) == 1 && k.stride(2) == 1, "q/k last dim must be contiguous");
+  TORCH_CHECK(q.scalar_type() == k.scalar_type(), "q/k dtypes differ");
+  TORCH_CHECK(positions.scalar_type() == at::kLong && positions.is_contiguous() && positions.numel() == q.size(0), "positions");
+  const int64_t T = q.size(0), D = q.size(2);
+  TORCH_CHECK(D % 2 == 0 && cos.dim() == 2 && cos.size(1) == D / 2 && cos.sizes() == sin.sizes() &&
+              cos.scalar_type() == at::kFloat && sin.scalar_type() == at::kFloat && cos.is_contiguous() &&
+              sin.is_contiguous(), "cos/sin must be float32 [P, D/2]");
+  const int64_t P = cos.size(0);
+  const int64_t* pos = positions.data_ptr<int64_t>();
+  for (int64_t t = 0; t < T; ++t) TORCH_CHECK(pos[t] >= 0 && pos[t] < P, "position out of the rope table");
+  const float* cp = cos.data_ptr<float>();
+  const float* sp = sin.data_ptr<float>();
+  const int64_t half = D / 2;
+  auto run = [&](auto* qp, auto* kp) {
+    at::parallel_for(0, T, 64, [&](int64_t b, int64_t e) {
+      for (int64_t t = b; t < e; ++t) {
+        const float* c = cp + pos[t] * half;
+        const float* s = sp + pos[t] * half;
+        rope_rows(qp, t, q.size(1), D, q.stride(0), q.stride(1), c, s);
+        rope_rows(kp, t, k.size(1), D, k.stride(0), k.stride(1), c, s);
+      }
+    });
+  };
+  if (q.scalar_type() == at::kBFloat16) {
+    run(q.data_ptr<at::BFloat16>(), k.data_ptr<at::BFloat16>());
+  } else {
+    TORCH_CHECK(q.scalar_type() == at::kFloat, "q/k must be float32 or bfloat16");
+    run(q.data_ptr<float>(), k.data_ptr<float>());
+  }
+}
+
+void reshape_and_cache(at::Tensor k, at::Tensor v, at::Tensor kv_cache, at::Tensor slots) {
+  TORCH_CHECK(kv_cache.dim() == 5 && kv_cache.is_contiguous(), "kv_cache must be contiguous [NB, 2, BS, Hkv, D]");
+  TORCH_CHECK(k.dim() == 3 && v.sizes() == k.sizes() && k.size(1) == kv_cache.size(3) && k.size(2) == kv_cache.size(4),
+              "k/v must be [T, Hkv, D] matching the cache");
+  TORCH_CHECK(k.scalar_type() == kv_cache.scalar_type() && v.scalar_type() == kv_cache.scalar_type(), "k/v/cache dtypes differ");
+  TORCH_CHECK(k.stride(2) == 1 && v.stride(2) == 1, "k/v last dim must be contiguous");
+  TORCH_CHECK(slots.scalar_type() == at::kLong && slots.is_contiguous() && slots.numel() == k.size(0), "slots");
+  const int64_t T = k.size(0), H = k.size(1), D = k.size(2), BS = kv_cache.size(2), NB = kv_cache.size(0);
+  const int64_t* sl = slots.data_ptr<int64_t>();
+  for (int64_t t = 0; t < T; ++t) TORCH_CHECK(sl[t] < NB * BS, "slot out of the cache");
+  const int64_t es = kv_cache.element_size();
+  char* cache = static_cast<char*>(kv_cache.data_ptr());
+  const char* kp = static_cast<const char*>(k.data_ptr());
+  const char* vp = static_cast<const char*>(v.data_ptr());
+  const int64_t tok = H * D;  // elements per token in one K or V block row
+  at::parallel_for(0, T, 256, [&](int64_t b, int64_t e) {
+    for (int64_t t = b; t < e; ++t) {
+      const int64_t s = sl[t];
+      if (s < 0) continue;
+      char* kdst = cache + (((s / BS) * 2 * BS) + (s % BS)) * tok * es;
+      char* vdst = kdst + BS * tok * es;
+      for (int64_t h = 0; h < H; ++h) {
+        std::memcpy(kdst + h * D * es, kp + (t * k.stride(0) + h * k.stride(1)) * es, D * es);
+        std::memcpy(vdst + h * D * es, vp + (t * v.stride(0) + h * v.stride(1)) * es, D * es);
+      }
+    }
+  });
+}

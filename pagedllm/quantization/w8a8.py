@@ -1,0 +1,190 @@
+"""W8A8 int8 quantization: int8 weights and int8 activations with a dynamic scale per token (CPU).
+
+``--quantization w8a8`` swaps every linear projection (and the LM head) for a ``W8A8Linear``:
+
+* weights: symmetric per output channel, ``w ~= q_w[N, K] * s_w[N]`` (quantized once at load);
+* activations: symmetric per row (token), ``x ~= q_x[M, K] * s_x[M]``, computed every call from
+  the row's own values, so a request's result never depends on what else is in the batch;
+* GEMM: ``torch._int_mm(q_x, q_w.t())`` (int8 x int8 -> int32; oneDNN with AVX512-VNNI on x86),
+  then ``y = acc * s_x[:, None] * s_w[None, :] (+ bias)`` in float32, stored in the model dtype.
+
+This is the scheme of vLLM's int8 W8A8 path (per-channel weights, dynamic per-token activations)
+and close to what llama.cpp does on CPU (activations quantized to Q8 for its integer dot products).
+On this machine the int8 GEMM runs at ~2x the bf16 GEMM's FLOP/s, and its M=1 GEMV reads half
+the bytes (docs/performance.md "W8A8").
+
+Fusions, when the C++ kernels are available (``pagedllm.kernels.cpu_ops``; each has the torch
+reference below, which is also the fallback):
+
+* ``RMSNorm`` before a W8A8 projection quantizes its output directly (``rms_norm_quant``), with
+  the residual add folded in where the model allows it;
+* a SiLU-gated MLP turns the gate/up accumulators into the quantized input of ``down_proj`` in
+  one pass (``dequant_silu_mul_quant``).
+"""
+from __future__ import annotations
+
+from typing import NamedTuple, Optional
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class QuantizedActivation(NamedTuple):
+    """Rows of an activation quantized for a ``W8A8Linear``.
+
+    Attributes:
+        q: int8 ``[M, K]``, values in -127..127.
+        scale: float32 ``[M]``; row m is ``q[m] * scale[m]``.
+        dtype: the float dtype the un-quantized activation had (the output dtype of the next layer).
+    """
+
+    q: torch.Tensor
+    scale: torch.Tensor
+    dtype: torch.dtype
+
+
+def _ops():
+    from pagedllm.kernels.cpu_ops import get_ops
+
+    ops = get_ops()
+    return ops if ops is not None and hasattr(ops, "quantize_rows_int8") else None
+
+
+# ----------------------------------------------------------------------------- torch references
+def quantize_rows_ref(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``x [M, K]`` float -> (int8 ``[M, K]``, float32 scales ``[M]``): symmetric, one scale per row.
+
+    ``scale = max|x_row| / 127``, ``q = round_half_even(x * 127 / max|x_row|)``; an all-zero row
+    gets scale 0 and q 0.
+    """
+    xf = x.float()
+    amax = xf.abs().amax(dim=-1)
+    inv = torch.where(amax > 0, 127.0 / amax, torch.zeros_like(amax))
+    q = torch.round(xf * inv[:, None]).clamp_(-127, 127).to(torch.int8)
+    return q, amax / 127.0
+
+
+def dequant_ref(acc: torch.Tensor, sx: torch.Tensor, sw: torch.Tensor, bias: Optional[torch.Tensor],
+                dtype: torch.dtype) -> torch.Tensor:
+    """int32 ``acc [M, N]`` -> ``acc * sx[:, None] * sw[None, :] (+ bias)`` in ``dtype``."""
+    y = acc.float() * sx[:, None] * sw[None, :]
+    if bias is not None:
+        y = y + bias.float()
+    return y.to(dtype)
+
+
+def dequant_silu_mul_quant_ref(acc: torch.Tensor, sx: torch.Tensor, sw: torch.Tensor
+                               ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Gate|up accumulators ``[M, 2I]`` -> quantized ``silu(gate) * up`` (``[M, I]`` int8, ``[M]``)."""
+    g, u = dequant_ref(acc, sx, sw, None, torch.float32).chunk(2, dim=-1)
+    return quantize_rows_ref(F.silu(g) * u)
+
+
+def rms_norm_quant_ref(x: torch.Tensor, residual: Optional[torch.Tensor], weight: torch.Tensor,
+                       eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """``quantize_rows(rms_norm(x [+ residual]) * weight)``; with a residual, ``residual += x`` in place."""
+    if residual is not None:
+        residual.add_(x)
+        x = residual
+    xf = x.float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return quantize_rows_ref(xf * weight.float())
+
+
+# ----------------------------------------------------------------------------- entry points
+def quantize_rows(x: torch.Tensor) -> QuantizedActivation:
+    """Quantize ``x [M, K]`` (float32/bfloat16) per row; the C++ kernel when built, else the reference."""
+    x2 = x.contiguous()
+    ops = _ops()
+    q, s = ops.quantize_rows_int8(x2) if ops is not None and x2.dtype in (torch.float32, torch.bfloat16) \
+        else quantize_rows_ref(x2)
+    return QuantizedActivation(q, s, x.dtype)
+
+
+def rms_norm_quant(x: torch.Tensor, residual: Optional[torch.Tensor], weight: torch.Tensor,
+                   eps: float) -> QuantizedActivation:
+    """RMSNorm (weight multiplied as given) then per-row quantization; ``residual += x`` first if given.
+
+    Args:
+        x: ``[M, K]`` float32/bfloat16. residual: ``[M, K]`` same dtype, updated in place, or None.
+        weight: float32 ``[K]``, the effective multiplier (Gemma's ``1 + w`` already applied).
+        eps: the norm's epsilon.
+    """
+    ops = _ops()
+    if (ops is not None and x.dtype in (torch.float32, torch.bfloat16) and weight.dtype == torch.float32
+            and x.is_contiguous() and (residual is None or residual.is_contiguous())):
+        q, s = ops.rms_norm_quant(x, residual, weight, eps)
+    else:
+        q, s = rms_norm_quant_ref(x, residual, weight, eps)
+    return QuantizedActivation(q, s, x.dtype)
+
+
+def quantize_int8_per_channel(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``w [N, K]`` float -> (int8 ``[N, K]``, float32 scales ``[N]``), ``w ~= q * scale``."""
+    w = w.detach().float()
+    scales = (w.abs().amax(dim=1) / 127.0).clamp(min=1e-10)
+    q = torch.round(w / scales[:, None]).clamp_(-127, 127).to(torch.int8)
+    return q, scales
+
+
+class W8A8Linear(nn.Module):
+    """A linear layer with int8 per-channel weights and dynamic per-token int8 activations.
+
+    ``forward(x)``: ``x`` is a float ``[..., K]`` tensor (quantized here) or a
+    ``QuantizedActivation`` (already quantized by a fused producer); returns ``[..., N]`` in
+    ``out_dtype``, or the activation's float dtype when that is None.
+
+    Attributes:
+        weight_int8: int8 ``[N, K]``; w_scales: float32 ``[N]``; bias: ``[N]`` or None;
+        out_dtype: fixed output dtype (float32 for the LM head) or None.
+    """
+
+    def __init__(self, weight: torch.Tensor, bias: Optional[torch.Tensor] = None,
+                 out_dtype: Optional[torch.dtype] = None) -> None:
+        super().__init__()
+        self.out_dtype = out_dtype
+        n, k = weight.shape
+        self.in_features, self.out_features = k, n
+        q, s = quantize_int8_per_channel(weight)
+        self.weight_int8 = nn.Parameter(q, requires_grad=False)
+        self.w_scales = nn.Parameter(s, requires_grad=False)
+        self.bias = None if bias is None else nn.Parameter(bias.detach().clone(), requires_grad=False)
+
+    def matmul_int32(self, qa: QuantizedActivation) -> torch.Tensor:
+        """int32 accumulators ``[M, N]`` of ``qa.q @ weight_int8.T``."""
+        # NOTE: the transposed view of the [N, K] weight is what oneDNN runs fastest at small M.
+        return torch._int_mm(qa.q, self.weight_int8.t())
+
+    def forward(self, x) -> torch.Tensor:
+        if isinstance(x, QuantizedActivation):
+            qa, lead = x, None
+        else:
+            lead = x.shape[:-1]
+            qa = quantize_rows(x.reshape(-1, self.in_features))
+        acc = self.matmul_int32(qa)
+        ops = _ops()
+        dtype = self.out_dtype or qa.dtype
+        if ops is not None and dtype in (torch.float32, torch.bfloat16):
+            y = ops.dequant_int32(acc, qa.scale, self.w_scales, self.bias, dtype)
+        else:
+            y = dequant_ref(acc, qa.scale, self.w_scales, self.bias, dtype)
+        return y if lead is None else y.reshape(*lead, self.out_features)
+
+    def forward_silu_mul_quant(self, x) -> QuantizedActivation:
+        """For a fused gate/up projection: quantized ``silu(gate) * up`` ready for ``down_proj``.
+
+        Raises:
+            ValueError: if this layer has a bias (the fused kernel has none).
+        """
+        if self.bias is not None:
+            raise ValueError("forward_silu_mul_quant: biased gate/up projections are not fused")
+        qa = x if isinstance(x, QuantizedActivation) else quantize_rows(x.reshape(-1, self.in_features))
+        acc = self.matmul_int32(qa)
+        ops = _ops()
+        q, s = ops.dequant_silu_mul_quant(acc, qa.scale, self.w_scales) if ops is not None \
+            else dequant_silu_mul_quant_ref(acc, qa.scale, self.w_scales)
+        return QuantizedActivation(q, s, qa.dtype)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
