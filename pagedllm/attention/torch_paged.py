@@ -71,7 +71,8 @@ def write_kv(kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapp
     ``ops``: the C++ CPU kernels (``reshape_and_cache``, one pass) or None for the torch path.
     """
     if (ops is not None and k.dtype == kv_cache.dtype and v.dtype == kv_cache.dtype and kv_cache.is_contiguous()
-            and k.stride(-1) == 1 and v.stride(-1) == 1 and kv_cache.device.type == "cpu"):
+            and k.stride(-1) == 1 and v.stride(-1) == 1 and kv_cache.device.type == "cpu"
+            and slot_mapping.dtype == torch.int64):
         ops.reshape_and_cache(k, v, kv_cache, slot_mapping)
         return
     block_size = kv_cache.shape[2]

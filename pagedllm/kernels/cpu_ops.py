@@ -7,9 +7,10 @@
 * ``quantize_rows_int8``, ``rms_norm_quant``, ``dequant_int32``, ``dequant_silu_mul_quant``
   (``csrc/quant_ops.cpp``): the one-pass element-wise work around the int8 GEMMs of W8A8
   quantization (``pagedllm.quantization.w8a8``, which holds their torch references).
-* ``rotary_inplace``, ``reshape_and_cache`` (``csrc/layer_ops.cpp``): rope on q/k in place and
-  the K/V store into the paged cache, each one pass (torch references:
-  ``RotaryEmbedding.forward``, ``attention.torch_paged.write_kv``).
+* ``rotary_inplace``, ``reshape_and_cache``, ``rms_norm`` (``csrc/layer_ops.cpp``): rope on q/k
+  in place, the K/V store into the paged cache, and RMSNorm with the residual add folded in,
+  each one pass (torch references: ``RotaryEmbedding.forward``, ``attention.torch_paged.write_kv``,
+  ``RMSNorm.forward``).
 
 If the compiler
 or headers are missing, ``get_ops()`` returns None and callers use the torch path.
@@ -54,7 +55,7 @@ def _module_name() -> str:
     import torch
 
     h = hashlib.sha256()
-    for src in _SRCS:
+    for src in _SRCS + [os.path.join(os.path.dirname(_SRCS[0]), "cpu_utils.h")]:
         with open(src, "rb") as f:
             h.update(f.read())
     h.update(torch.__version__.encode())

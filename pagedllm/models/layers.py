@@ -90,20 +90,47 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.zeros(dim) if gemma else torch.ones(dim))
         self.quantize_output = False
         self._quant_weight: Optional[torch.Tensor] = None
+        self._weight_key: Optional[tuple] = None
 
-    def forward(self, x: torch.Tensor):
-        if self.quantize_output and x.dim() == 2:
-            from pagedllm.quantization.w8a8 import rms_norm_quant
+    def _effective_weight(self) -> torch.Tensor:
+        """The float32 multiplier (``w``, or ``1 + w`` for Gemma), cached per weight version."""
+        key = (self.weight.data_ptr(), self.weight._version)
+        if self._quant_weight is None or self._weight_key != key:
+            w = self.weight.detach().float()
+            self._quant_weight, self._weight_key = ((1.0 + w) if self.gemma else w).contiguous(), key
+        return self._quant_weight
 
-            if self._quant_weight is None:  # NOTE: weights are final once the model is quantized
-                w = self.weight.detach().float()
-                self._quant_weight = (1.0 + w) if self.gemma else w
-            return rms_norm_quant(x.contiguous(), None, self._quant_weight, self.eps)
+    def forward(self, x: torch.Tensor, residual: Optional[torch.Tensor] = None):
+        """RMSNorm of ``x [..., dim]``; with ``residual`` (same shape) the sum ``x + residual`` is
+        normalized and ``(out, x + residual)`` is returned (vLLM's fused add + norm).
+
+        On CPU with the C++ kernels (2-D contiguous float32/bfloat16 input) this is one pass and
+        the residual tensor is updated in place; with ``quantize_output`` ``out`` is a W8A8
+        ``QuantizedActivation``.
+        """
+        if x.dim() == 2 and x.device.type == "cpu" and x.dtype in (torch.float32, torch.bfloat16):
+            if residual is None or (residual.dtype == x.dtype and residual.is_contiguous()):
+                if self.quantize_output:
+                    from pagedllm.quantization.w8a8 import rms_norm_quant
+
+                    out = rms_norm_quant(x.contiguous(), residual, self._effective_weight(), self.eps)
+                    return out if residual is None else (out, residual)
+                from pagedllm.kernels.cpu_ops import get_ops
+
+                ops = get_ops()
+                if ops is not None and hasattr(ops, "rms_norm"):
+                    out = ops.rms_norm(x.contiguous(), residual, self._effective_weight(), self.eps)
+                    return out if residual is None else (out, residual)
+        if residual is not None:
+            x = x + residual
+            residual = x
         xf = x.float()
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
         if self.gemma:
-            return (xf * (1.0 + self.weight.float())).to(x.dtype)
-        return self.weight * xf.to(x.dtype)
+            out = (xf * (1.0 + self.weight.float())).to(x.dtype)
+        else:
+            out = self.weight * xf.to(x.dtype)
+        return out if residual is None else (out, residual)
 
     def extra_repr(self) -> str:
         return f"{tuple(self.weight.shape)}, eps={self.eps}, gemma={self.gemma}"
@@ -148,6 +175,7 @@ class RotaryEmbedding(nn.Module):
         self.head_dim, self.scaling = head_dim, scaling
         self.inv_freq = inv_freq.float()
         self._cos = self._sin = torch.empty(0, head_dim)
+        self._cos_half = self._sin_half = torch.empty(0, head_dim // 2)
 
     def _table(self, n: int) -> None:
         n = 1 << max(10, math.ceil(math.log2(n)))

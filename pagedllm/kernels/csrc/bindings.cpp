@@ -12,6 +12,7 @@ at::Tensor dequant_int32(at::Tensor acc, at::Tensor sx, at::Tensor sw, c10::opti
 std::tuple<at::Tensor, at::Tensor> dequant_silu_mul_quant(at::Tensor acc, at::Tensor sx, at::Tensor sw);
 void rotary_inplace(at::Tensor q, at::Tensor k, at::Tensor positions, at::Tensor cos, at::Tensor sin);
 void reshape_and_cache(at::Tensor k, at::Tensor v, at::Tensor kv_cache, at::Tensor slots);
+at::Tensor rms_norm(at::Tensor x, c10::optional<at::Tensor> residual, at::Tensor weight, double eps);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode_attention", &paged_decode_attention, "paged decode attention (CPU)");
@@ -23,4 +24,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("dequant_silu_mul_quant", &dequant_silu_mul_quant, "dequantize gate|up, silu(gate)*up, quantize");
   m.def("rotary_inplace", &rotary_inplace, "NeoX-style rope applied to q and k in place");
   m.def("reshape_and_cache", &reshape_and_cache, "store k/v rows at flat slots of the paged cache");
+  m.def("rms_norm", &rms_norm, "[residual add +] RMSNorm, one pass", py::arg("x"), py::arg("residual"),
+        py::arg("weight"), py::arg("eps"));
 }

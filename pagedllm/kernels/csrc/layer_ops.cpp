@@ -5,13 +5,19 @@
 //       x[i] = x1 * cos - x2 * sin;  x[i + D/2] = x2 * cos + x1 * sin   (float32 math, in place).
 //   reshape_and_cache(k [T, Hkv, D], v [T, Hkv, D], kv_cache [NB, 2, BS, Hkv, D], slots [T])
 //       kv_cache[s / BS, 0, s % BS] = k[t]; kv_cache[s / BS, 1, s % BS] = v[t]; slot -1 = skip.
+//   rms_norm(x [T, K], residual? [T, K], w f32 [K], eps) -> out [T, K] in x's dtype
+//       with a residual: residual += x in place (rounded to its dtype), then out = RMSNorm(residual) * w.
 //
 // q/k/v may be strided views (e.g. slices of a fused qkv output) as long as the last dim is
-// contiguous. Torch references: RotaryEmbedding.forward and attention.torch_paged.write_kv.
+// contiguous. Torch references: RotaryEmbedding.forward, attention.torch_paged.write_kv,
+// RMSNorm.forward.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <cstdint>
 #include <cstring>
+#include <vector>
+
+#include "cpu_utils.h"
 
 namespace {
 
@@ -94,4 +100,39 @@ void reshape_and_cache(at::Tensor k, at::Tensor v, at::Tensor kv_cache, at::Tens
       }
     }
   });
+}
+
+at::Tensor rms_norm(at::Tensor x, c10::optional<at::Tensor> residual, at::Tensor weight, double eps) {
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous(), "x must be a contiguous 2-D tensor");
+  const int64_t M = x.size(0), K = x.size(1);
+  TORCH_CHECK(weight.numel() == K && weight.is_contiguous() && weight.scalar_type() == at::kFloat,
+              "weight must be float32 [K]");
+  if (residual.has_value()) {
+    TORCH_CHECK(residual->sizes() == x.sizes() && residual->is_contiguous() &&
+                residual->scalar_type() == x.scalar_type(), "residual must match x");
+  }
+  auto out = at::empty_like(x);
+  pagedllm_cpu::dispatch_float_bf16(x.scalar_type(), [&](auto tag) {
+    using scalar_t = decltype(tag);
+    const scalar_t* xp = x.data_ptr<scalar_t>();
+    scalar_t* rp = residual.has_value() ? residual->data_ptr<scalar_t>() : nullptr;
+    scalar_t* op = out.data_ptr<scalar_t>();
+    const float* wp = weight.data_ptr<float>();
+    at::parallel_for(0, M, 16, [&](int64_t b, int64_t e) {
+      std::vector<float> buf(K), rbuf(K);
+      for (int64_t m = b; m < e; ++m) {
+        pagedllm_cpu::load_row(xp + m * K, buf.data(), K);
+        if (rp != nullptr) {
+          pagedllm_cpu::load_row(rp + m * K, rbuf.data(), K);
+#pragma omp simd
+          for (int64_t i = 0; i < K; ++i) rbuf[i] += buf[i];
+          pagedllm_cpu::store_row(rbuf.data(), rp + m * K, K);
+          pagedllm_cpu::load_row(rp + m * K, buf.data(), K);  // normalize the rounded sum, as torch does
+        }
+        pagedllm_cpu::rms_norm_row(buf.data(), wp, K, eps);
+        pagedllm_cpu::store_row(buf.data(), op + m * K, K);
+      }
+    });
+  });
+  return out;
 }

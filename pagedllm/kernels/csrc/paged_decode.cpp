@@ -5,8 +5,12 @@
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <cmath>
-#include <vector>
+#include <cstring>
 #include <limits>
+#include <type_traits>
+#include <vector>
+
+#include "cpu_utils.h"
 
 template <typename scalar_t>
 static inline void to_float(const scalar_t* __restrict src, float* __restrict dst, int64_t n) {
@@ -89,6 +93,98 @@ static void decode_one(const scalar_t* q, const scalar_t* kv, const int64_t* bt,
   }
 }
 
+#if defined(__AVX512F__) && defined(__AVX512BF16__)
+#include <immintrin.h>
+#define PAGEDLLM_AVX512_BF16 1
+
+// Horizontal sums of 16 vectors: element i of the result is the sum of v[i]'s 16 lanes.
+// Pairwise unpack/shuffle + add (15 adds, 30 shuffles) instead of 16 separate reductions.
+static inline __m512 reduce16(const __m512* v) {
+  __m512 t[8], u[4];
+  for (int i = 0; i < 8; ++i)
+    t[i] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]), _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]));
+  for (int i = 0; i < 4; ++i) {
+    const __m512d a = _mm512_castps_pd(t[2 * i]), b = _mm512_castps_pd(t[2 * i + 1]);
+    u[i] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(a, b)), _mm512_castpd_ps(_mm512_unpackhi_pd(a, b)));
+  }
+  const __m512 w0 = _mm512_add_ps(_mm512_shuffle_f32x4(u[0], u[1], 0x88), _mm512_shuffle_f32x4(u[0], u[1], 0xDD));
+  const __m512 w1 = _mm512_add_ps(_mm512_shuffle_f32x4(u[2], u[3], 0x88), _mm512_shuffle_f32x4(u[2], u[3], 0xDD));
+  return _mm512_add_ps(_mm512_shuffle_f32x4(w0, w1, 0x88), _mm512_shuffle_f32x4(w0, w1, 0xDD));
+}
+
+static inline __m512 bf16x16_to_f32(const c10::BFloat16* p) {
+  const __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(x), 16));
+}
+
+// bf16 decode for one (request, kv head) with AVX512-BF16: q.k by _mm512_dpbf16_ps (exact bf16
+// products, float32 sums) 16 tokens at a time with one transposing reduction; softmax in float32;
+// P.V with float32 FMAs into register accumulators. Same math as decode_one up to summation order.
+template <int DIM>
+static void decode_one_bf16(const c10::BFloat16* q, const c10::BFloat16* kv, const int64_t* bt, int64_t L, int64_t b,
+                            int64_t h, c10::BFloat16* out, int64_t Hq, int64_t G, int64_t block_size,
+                            int64_t kv_block_stride, int64_t tok_stride, int64_t v_offset, float scale,
+                            int64_t window, float soft_cap, std::vector<float>& scores) {
+  constexpr int NC = DIM / 32;  // 32-element bf16 chunks per row
+  constexpr int NV = DIM / 16;  // 16-element float32 chunks per row
+  const int64_t first = (window > 0 && L > window) ? L - window : 0;
+  const int64_t n = L - first;
+  const int64_t n16 = (n + 15) / 16 * 16;
+  scores.resize(G * n16);
+  const __m512 vscale = _mm512_set1_ps(scale);
+  for (int64_t g = 0; g < G; ++g) {
+    const c10::BFloat16* qg = q + (b * Hq + h * G + g) * DIM;
+    __m512bh qv[NC];
+    for (int c = 0; c < NC; ++c) qv[c] = (__m512bh)_mm512_loadu_si512(qg + 32 * c);
+    float* sg = scores.data() + g * n16;
+    __m512 acc[16];
+    for (int64_t p0 = 0; p0 < n; p0 += 16) {
+      const int64_t cnt = std::min<int64_t>(16, n - p0);
+      for (int64_t j = 0; j < 16; ++j) {
+        __m512 a = _mm512_setzero_ps();
+        if (j < cnt) {
+          const int64_t p = first + p0 + j;
+          const c10::BFloat16* kp = kv + bt[p / block_size] * kv_block_stride + (p % block_size) * tok_stride + h * DIM;
+          for (int c = 0; c < NC; ++c) a = _mm512_dpbf16_ps(a, qv[c], (__m512bh)_mm512_loadu_si512(kp + 32 * c));
+        }
+        acc[j] = a;
+      }
+      _mm512_storeu_ps(sg + p0, _mm512_mul_ps(reduce16(acc), vscale));
+    }
+    if (soft_cap > 0.f)
+      for (int64_t i = 0; i < n; ++i) sg[i] = soft_cap * std::tanh(sg[i] / soft_cap);
+    float m = std::numeric_limits<float>::lowest();
+    for (int64_t i = 0; i < n; ++i) m = sg[i] > m ? sg[i] : m;
+    float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
+    for (int64_t i = 0; i < n; ++i) {
+      const float e = pagedllm_cpu::exp_approx(sg[i] - m);
+      sg[i] = e;
+      sum += e;
+    }
+    const float inv = 1.f / sum;
+#pragma omp simd
+    for (int64_t i = 0; i < n; ++i) sg[i] *= inv;
+  }
+  // P.V, one query head at a time (accumulators stay in registers).
+  for (int64_t g = 0; g < G; ++g) {
+    const float* sg = scores.data() + g * n16;
+    __m512 acc[NV];
+    for (int c = 0; c < NV; ++c) acc[c] = _mm512_setzero_ps();
+    for (int64_t i = 0; i < n; ++i) {
+      const int64_t p = first + i;
+      const c10::BFloat16* vp = kv + bt[p / block_size] * kv_block_stride + v_offset + (p % block_size) * tok_stride + h * DIM;
+      const __m512 w = _mm512_set1_ps(sg[i]);
+      for (int c = 0; c < NV; ++c) acc[c] = _mm512_fmadd_ps(w, bf16x16_to_f32(vp + 16 * c), acc[c]);
+    }
+    c10::BFloat16* o = out + (b * Hq + h * G + g) * DIM;
+    // float32 -> bf16, round to nearest even (AVX512-BF16 conversion).
+    for (int c = 0; c < NV; ++c)
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(o + 16 * c), (__m256i)_mm512_cvtneps_pbh(acc[c]));
+  }
+}
+#endif
+
 template <typename scalar_t>
 static void decode_kernel(const scalar_t* q, const scalar_t* kv, const int64_t* block_tables,
                           const int64_t* seq_lens, scalar_t* out, int64_t B, int64_t Hq, int64_t Hkv,
@@ -102,6 +198,20 @@ static void decode_kernel(const scalar_t* q, const scalar_t* kv, const int64_t* 
     for (int64_t w = begin; w < end; ++w) {
       const int64_t b = w / Hkv, h = w % Hkv;
       const int64_t* bt = block_tables + b * max_blocks;
+#ifdef PAGEDLLM_AVX512_BF16
+      if constexpr (std::is_same_v<scalar_t, c10::BFloat16>) {
+        if (D == 64 || D == 128 || D == 256) {
+#define PAGEDLLM_DECODE_BF16(DIMV)                                                                          \
+  decode_one_bf16<DIMV>(q, kv, bt, seq_lens[b], b, h, out, Hq, G, block_size, kv_block_stride, tok_stride, \
+                        v_offset, scale, window, soft_cap, scores)
+          if (D == 64) PAGEDLLM_DECODE_BF16(64);
+          else if (D == 128) PAGEDLLM_DECODE_BF16(128);
+          else PAGEDLLM_DECODE_BF16(256);
+#undef PAGEDLLM_DECODE_BF16
+          continue;
+        }
+      }
+#endif
 #define PAGEDLLM_DECODE(DIMV)                                                                       \
   decode_one<DIMV, scalar_t>(q, kv, bt, seq_lens[b], b, h, out, Hq, G, D, block_size, kv_block_stride, \
                              tok_stride, v_offset, scale, window, soft_cap, qf, acc, kf, scores)

@@ -3,13 +3,14 @@
 // kernels replace the chains of small torch ops on either side of it, each in one pass over a row:
 //
 //   quantize_rows_int8(x [M, K])            -> q int8 [M, K], scale f32 [M]
-//   rms_norm_quant(x [M, K], w f32 [K], eps) -> q int8 [M, K], scale f32 [M]  (RMSNorm then quantize)
-//   add_rms_norm_quant(x, r, w, eps)        -> q, scale; r += x in place      (residual add first)
+//   rms_norm_quant(x [M, K], r? [M, K], w f32 [K], eps) -> q int8 [M, K], scale f32 [M]
+//       RMSNorm then quantize; with a residual r: r += x in place first and r is normalized.
 //   dequant_int32(acc [M, N], sx [M], sw [N], bias?, dtype) -> out [M, N] in dtype
 //   dequant_silu_mul_quant(acc [M, 2I], sx, sw) -> q int8 [M, I], scale f32 [M]
 //
 // Quantization is symmetric: scale = max|v| / 127, q = round-half-even(v / scale) in [-127, 127];
-// a row of zeros gets scale 0 and q 0. Dequantization: out = acc * sx[m] * sw[n] (+ bias[n]).
+// a row of zeros gets scale 0 and q 0. Built with -ffast-math: NaN/inf inputs are not detected
+// (they give finite garbage, not NaN). Dequantization: out = acc * sx[m] * sw[n] (+ bias[n]).
 // The torch reference for every function is in pagedllm/quantization/w8a8.py.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
@@ -19,48 +20,11 @@
 #include <tuple>
 #include <vector>
 
+#include "cpu_utils.h"
+
 namespace {
 
-inline void load_row(const at::BFloat16* __restrict src, float* __restrict dst, int64_t n) {
-  const uint16_t* s = reinterpret_cast<const uint16_t*>(src);
-  uint32_t* d = reinterpret_cast<uint32_t*>(dst);
-#pragma omp simd
-  for (int64_t i = 0; i < n; ++i) d[i] = static_cast<uint32_t>(s[i]) << 16;
-}
-
-inline void load_row(const float* __restrict src, float* __restrict dst, int64_t n) {
-  std::memcpy(dst, src, n * sizeof(float));
-}
-
-// float -> bf16 with round-to-nearest-even (finite inputs), written so it vectorizes.
-inline void store_row(const float* __restrict src, at::BFloat16* __restrict dst, int64_t n) {
-  const uint32_t* s = reinterpret_cast<const uint32_t*>(src);
-  uint16_t* d = reinterpret_cast<uint16_t*>(dst);
-#pragma omp simd
-  for (int64_t i = 0; i < n; ++i) {
-    const uint32_t b = s[i];
-    d[i] = static_cast<uint16_t>((b + 0x7FFFu + ((b >> 16) & 1u)) >> 16);
-  }
-}
-
-inline void store_row(const float* __restrict src, float* __restrict dst, int64_t n) {
-  std::memcpy(dst, src, n * sizeof(float));
-}
-
-// exp(x) in float32 that GCC vectorizes (std::exp does not here): 2^(x log2 e) split into an
-// integer power (exponent bits) and 2^f, f in [0, 1), by a degree-6 polynomial (rel. error ~2e-7).
-inline float exp_approx(float x) {
-  x = std::min(88.f, std::max(-87.f, x));
-  const float t = x * 1.44269504088896341f;
-  const float fi = std::floor(t);
-  const float f = t - fi;
-  const float p = 1.f + f * (0.693147182f + f * (0.240226507f + f * (0.0555041087f + f * (0.00961812911f +
-                  f * (0.00133335581f + f * 0.000154035304f)))));
-  const uint32_t bits = static_cast<uint32_t>(static_cast<int32_t>(fi) + 127) << 23;
-  float scale;
-  std::memcpy(&scale, &bits, sizeof(scale));
-  return p * scale;
-}
+using namespace pagedllm_cpu;
 
 // Quantize one float row in place into q; returns the scale.
 inline float quantize_row(const float* __restrict v, int8_t* __restrict q, int64_t n) {
@@ -82,29 +46,9 @@ inline float quantize_row(const float* __restrict v, int8_t* __restrict q, int64
   return amax / 127.f;
 }
 
-inline void rms_norm_row(float* __restrict v, const float* __restrict w, int64_t n, double eps) {
-  float ss = 0.f;
-#pragma omp simd reduction(+ : ss)
-  for (int64_t i = 0; i < n; ++i) ss += v[i] * v[i];
-  const float r = 1.f / std::sqrt(ss / static_cast<float>(n) + static_cast<float>(eps));
-#pragma omp simd
-  for (int64_t i = 0; i < n; ++i) v[i] = v[i] * r * w[i];
-}
-
 void check_rows(const at::Tensor& x, const char* name) {
   TORCH_CHECK(x.dim() == 2 && x.is_contiguous(), name, " must be a contiguous 2-D tensor");
   TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16, name, " must be float32 or bfloat16");
-}
-
-// Calls f(T{}) with T = float or at::BFloat16 (no AT_DISPATCH macro: pragmas cannot live in one).
-template <typename F>
-void dispatch_float_bf16(at::ScalarType t, F&& f) {
-  if (t == at::kBFloat16) {
-    f(at::BFloat16{});
-  } else {
-    TORCH_CHECK(t == at::kFloat, "expected float32 or bfloat16");
-    f(float{});
-  }
 }
 
 }  // namespace

@@ -1,0 +1,74 @@
+// Shared helpers of the CPU kernels (row loads/stores with bf16 conversion, a vectorizable exp,
+// RMSNorm of one row, float32/bfloat16 dispatch). Header-only, included by each kernel source.
+#pragma once
+#include <torch/extension.h>
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+
+namespace pagedllm_cpu {
+
+
+inline void load_row(const at::BFloat16* __restrict src, float* __restrict dst, int64_t n) {
+  const uint16_t* s = reinterpret_cast<const uint16_t*>(src);
+  uint32_t* d = reinterpret_cast<uint32_t*>(dst);
+#pragma omp simd
+  for (int64_t i = 0; i < n; ++i) d[i] = static_cast<uint32_t>(s[i]) << 16;
+}
+
+inline void load_row(const float* __restrict src, float* __restrict dst, int64_t n) {
+  std::memcpy(dst, src, n * sizeof(float));
+}
+
+// float -> bf16 with round-to-nearest-even (finite inputs), written so it vectorizes.
+inline void store_row(const float* __restrict src, at::BFloat16* __restrict dst, int64_t n) {
+  const uint32_t* s = reinterpret_cast<const uint32_t*>(src);
+  uint16_t* d = reinterpret_cast<uint16_t*>(dst);
+#pragma omp simd
+  for (int64_t i = 0; i < n; ++i) {
+    const uint32_t b = s[i];
+    d[i] = static_cast<uint16_t>((b + 0x7FFFu + ((b >> 16) & 1u)) >> 16);
+  }
+}
+
+inline void store_row(const float* __restrict src, float* __restrict dst, int64_t n) {
+  std::memcpy(dst, src, n * sizeof(float));
+}
+
+// exp(x) in float32 that GCC vectorizes (std::exp does not here): 2^(x log2 e) split into an
+// integer power (exponent bits) and 2^f, f in [0, 1), by a degree-6 polynomial (rel. error ~2e-7).
+inline float exp_approx(float x) {
+  x = std::min(88.f, std::max(-87.f, x));
+  const float t = x * 1.44269504088896341f;
+  const float fi = std::floor(t);
+  const float f = t - fi;
+  const float p = 1.f + f * (0.693147182f + f * (0.240226507f + f * (0.0555041087f + f * (0.00961812911f +
+                  f * (0.00133335581f + f * 0.000154035304f)))));
+  const uint32_t bits = static_cast<uint32_t>(static_cast<int32_t>(fi) + 127) << 23;
+  float scale;
+  std::memcpy(&scale, &bits, sizeof(scale));
+  return p * scale;
+}
+
+inline void rms_norm_row(float* __restrict v, const float* __restrict w, int64_t n, double eps) {
+  float ss = 0.f;
+#pragma omp simd reduction(+ : ss)
+  for (int64_t i = 0; i < n; ++i) ss += v[i] * v[i];
+  const float r = 1.f / std::sqrt(ss / static_cast<float>(n) + static_cast<float>(eps));
+#pragma omp simd
+  for (int64_t i = 0; i < n; ++i) v[i] = v[i] * r * w[i];
+}
+
+// Calls f(T{}) with T = float or at::BFloat16 (no AT_DISPATCH macro: pragmas cannot live in one).
+template <typename F>
+void dispatch_float_bf16(at::ScalarType t, F&& f) {
+  if (t == at::kBFloat16) {
+    f(at::BFloat16{});
+  } else {
+    TORCH_CHECK(t == at::kFloat, "expected float32 or bfloat16");
+    f(float{});
+  }
+}
+
+}  // namespace pagedllm_cpu
