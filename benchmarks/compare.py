@@ -602,8 +602,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--latency-iters", type=int, default=3)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--dtype", default="auto", help="pagedllm's --dtype")
-    ap.add_argument("--quantization", default=None, choices=["int8", "int4"],
-                    help="pagedllm's --quantization (weight-only int8/int4), for every pagedllm run")
+    ap.add_argument("--quantization", default=None, choices=["int8", "int4", "w8a8"],
+                    help="pagedllm's --quantization (weight-only int8/int4, or w8a8), for every pagedllm run")
     ap.add_argument("--hf-dtype", default="float32", help="transformers dtype")
     ap.add_argument("--hf-batch-size", type=int, default=16)
     ap.add_argument("--vllm-dtype", default="bfloat16")

@@ -14,6 +14,18 @@ from torch import nn
 
 from pagedllm.attention.layer import Attention
 
+_OPS_CACHE: list = []
+
+
+def _cpu_ops():
+    """The C++ CPU kernels (``pagedllm.kernels.cpu_ops``) or None, looked up once (hot path)."""
+    if not _OPS_CACHE:
+        from pagedllm.kernels.cpu_ops import get_ops
+
+        _OPS_CACHE.append(get_ops())
+    return _OPS_CACHE[0]
+
+
 ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
     "silu": F.silu,
     "gelu": F.gelu,
@@ -115,9 +127,7 @@ class RMSNorm(nn.Module):
 
                     out = rms_norm_quant(x.contiguous(), residual, self._effective_weight(), self.eps)
                     return out if residual is None else (out, residual)
-                from pagedllm.kernels.cpu_ops import get_ops
-
-                ops = get_ops()
+                ops = _cpu_ops()
                 if ops is not None and hasattr(ops, "rms_norm"):
                     out = ops.rms_norm(x.contiguous(), residual, self._effective_weight(), self.eps)
                     return out if residual is None else (out, residual)
@@ -176,6 +186,7 @@ class RotaryEmbedding(nn.Module):
         self.inv_freq = inv_freq.float()
         self._cos = self._sin = torch.empty(0, head_dim)
         self._cos_half = self._sin_half = torch.empty(0, head_dim // 2)
+        self._checked_positions: Optional[torch.Tensor] = None  # the last positions checked against the table
 
     def _table(self, n: int) -> None:
         n = 1 << max(10, math.ceil(math.log2(n)))
@@ -191,14 +202,14 @@ class RotaryEmbedding(nn.Module):
         On CPU with the C++ kernels this is one pass over q and k in float32 math with no
         temporaries (``rotary_inplace``); otherwise it is ``forward``.
         """
-        from pagedllm.kernels.cpu_ops import get_ops
-
-        ops = get_ops() if q.device.type == "cpu" else None
+        ops = _cpu_ops() if q.device.type == "cpu" else None
         if (ops is None or not hasattr(ops, "rotary_inplace") or q.dtype not in (torch.float32, torch.bfloat16)
                 or q.stride(-1) != 1 or k.stride(-1) != 1 or positions.dtype != torch.int64):
             return self.forward(positions, q, k)
-        if positions.numel() and int(positions.max()) >= self._cos.shape[0]:
-            self._table(int(positions.max()) + 1)
+        if positions is not self._checked_positions:  # NOTE: every layer passes the same tensor
+            if positions.numel() and int(positions.max()) >= self._cos.shape[0]:
+                self._table(int(positions.max()) + 1)
+            self._checked_positions = positions
         ops.rotary_inplace(q, k, positions.contiguous(), self._cos_half, self._sin_half)
         return q, k
 

@@ -44,11 +44,17 @@ class QuantizedActivation(NamedTuple):
     dtype: torch.dtype
 
 
-def _ops():
-    from pagedllm.kernels.cpu_ops import get_ops
+_OPS_CACHE: list = []
 
-    ops = get_ops()
-    return ops if ops is not None and hasattr(ops, "quantize_rows_int8") else None
+
+def _ops():
+    """The C++ kernels with the W8A8 functions, or None (looked up once: this is on the hot path)."""
+    if not _OPS_CACHE:
+        from pagedllm.kernels.cpu_ops import get_ops
+
+        ops = get_ops()
+        _OPS_CACHE.append(ops if ops is not None and hasattr(ops, "quantize_rows_int8") else None)
+    return _OPS_CACHE[0]
 
 
 # ----------------------------------------------------------------------------- torch references

@@ -71,4 +71,10 @@ void dispatch_float_bf16(at::ScalarType t, F&& f) {
   }
 }
 
+// Rows per parallel task so that each task touches at least ``min_elems`` elements: below that,
+// waking the other OpenMP threads costs more than the work (the same rule as ATen's GRAIN_SIZE).
+inline int64_t row_grain(int64_t row_elems, int64_t min_elems = 32768) {
+  return std::max<int64_t>(1, min_elems / std::max<int64_t>(1, row_elems));
+}
+
 }  // namespace pagedllm_cpu

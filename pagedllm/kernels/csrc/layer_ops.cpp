@@ -56,7 +56,7 @@ void rotary_inplace(at::Tensor q, at::Tensor k, at::Tensor positions, at::Tensor
   const float* sp = sin.data_ptr<float>();
   const int64_t half = D / 2;
   auto run = [&](auto* qp, auto* kp) {
-    at::parallel_for(0, T, 64, [&](int64_t b, int64_t e) {
+    at::parallel_for(0, T, pagedllm_cpu::row_grain((q.size(1) + k.size(1)) * D), [&](int64_t b, int64_t e) {
       for (int64_t t = b; t < e; ++t) {
         const float* c = cp + pos[t] * half;
         const float* s = sp + pos[t] * half;
@@ -88,7 +88,7 @@ void reshape_and_cache(at::Tensor k, at::Tensor v, at::Tensor kv_cache, at::Tens
   const char* kp = static_cast<const char*>(k.data_ptr());
   const char* vp = static_cast<const char*>(v.data_ptr());
   const int64_t tok = H * D;  // elements per token in one K or V block row
-  at::parallel_for(0, T, 256, [&](int64_t b, int64_t e) {
+  at::parallel_for(0, T, pagedllm_cpu::row_grain(2 * H * D), [&](int64_t b, int64_t e) {
     for (int64_t t = b; t < e; ++t) {
       const int64_t s = sl[t];
       if (s < 0) continue;
@@ -118,7 +118,7 @@ at::Tensor rms_norm(at::Tensor x, c10::optional<at::Tensor> residual, at::Tensor
     scalar_t* rp = residual.has_value() ? residual->data_ptr<scalar_t>() : nullptr;
     scalar_t* op = out.data_ptr<scalar_t>();
     const float* wp = weight.data_ptr<float>();
-    at::parallel_for(0, M, 16, [&](int64_t b, int64_t e) {
+    at::parallel_for(0, M, pagedllm_cpu::row_grain(K), [&](int64_t b, int64_t e) {
       std::vector<float> buf(K), rbuf(K);
       for (int64_t m = b; m < e; ++m) {
         pagedllm_cpu::load_row(xp + m * K, buf.data(), K);

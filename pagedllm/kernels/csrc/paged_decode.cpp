@@ -193,7 +193,12 @@ static void decode_kernel(const scalar_t* q, const scalar_t* kv, const int64_t* 
   const int64_t G = Hq / Hkv;
   const int64_t tok_stride = Hkv * D;              // between tokens inside a block
   const int64_t v_offset = block_size * Hkv * D;   // K -> V inside a block
-  at::parallel_for(0, B * Hkv, 1, [&](int64_t begin, int64_t end) {
+  // NOTE: one task per (request, kv head), but no threads at all for a small step (e.g. one
+  // short request): waking them would cost more than the work.
+  int64_t ctx_tokens = 0;
+  for (int64_t b = 0; b < B; ++b) ctx_tokens += seq_lens[b];
+  const int64_t grain = ctx_tokens * Hkv * D < 262144 ? B * Hkv : 1;
+  at::parallel_for(0, B * Hkv, grain, [&](int64_t begin, int64_t end) {
     std::vector<float> qf(G * D), acc(G * D), kf(D), scores;
     for (int64_t w = begin; w < end; ++w) {
       const int64_t b = w / Hkv, h = w % Hkv;

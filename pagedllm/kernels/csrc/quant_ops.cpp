@@ -63,7 +63,7 @@ std::tuple<at::Tensor, at::Tensor> quantize_rows_int8(at::Tensor x) {
     const scalar_t* xp = x.data_ptr<scalar_t>();
     int8_t* qp = q.data_ptr<int8_t>();
     float* sp = s.data_ptr<float>();
-    at::parallel_for(0, M, 16, [&](int64_t b, int64_t e) {
+    at::parallel_for(0, M, row_grain(K), [&](int64_t b, int64_t e) {
       std::vector<float> buf(K);
       for (int64_t m = b; m < e; ++m) {
         load_row(xp + m * K, buf.data(), K);
@@ -95,7 +95,7 @@ std::tuple<at::Tensor, at::Tensor> rms_norm_quant(at::Tensor x, c10::optional<at
     const float* wp = weight.data_ptr<float>();
     int8_t* qp = q.data_ptr<int8_t>();
     float* sp = s.data_ptr<float>();
-    at::parallel_for(0, M, 16, [&](int64_t b, int64_t e) {
+    at::parallel_for(0, M, row_grain(K), [&](int64_t b, int64_t e) {
       std::vector<float> buf(K), rbuf(K);
       for (int64_t m = b; m < e; ++m) {
         load_row(xp + m * K, buf.data(), K);
@@ -134,7 +134,7 @@ at::Tensor dequant_int32(at::Tensor acc, at::Tensor sx, at::Tensor sw, c10::opti
   dispatch_float_bf16(dtype, [&](auto tag) {
     using scalar_t = decltype(tag);
     scalar_t* op = out.data_ptr<scalar_t>();
-    at::parallel_for(0, M, 4, [&](int64_t bgn, int64_t end) {
+    at::parallel_for(0, M, row_grain(N), [&](int64_t bgn, int64_t end) {
       std::vector<float> buf(N);
       for (int64_t m = bgn; m < end; ++m) {
         const int32_t* a = ap + m * N;
@@ -166,7 +166,7 @@ std::tuple<at::Tensor, at::Tensor> dequant_silu_mul_quant(at::Tensor acc, at::Te
   const float* swp = sw.data_ptr<float>();
   int8_t* qp = q.data_ptr<int8_t>();
   float* sp = s.data_ptr<float>();
-  at::parallel_for(0, M, 4, [&](int64_t bgn, int64_t end) {
+  at::parallel_for(0, M, row_grain(N), [&](int64_t bgn, int64_t end) {
     std::vector<float> h(I);
     for (int64_t m = bgn; m < end; ++m) {
       const int32_t* g = ap + m * N;
