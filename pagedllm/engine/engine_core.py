@@ -93,6 +93,12 @@ class EngineCore:
         self.model = model
         self.vocab_size = int(self.hf_config.vocab_size)
         weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+        if self.device.type == "cpu" and self.dtype == torch.bfloat16:
+            from pagedllm.models.layers import prepack_cpu_linears
+            # NOTE: bf16 linears move to oneDNN's blocked layout and their dense copies are
+            # dropped; a tied LM head gets a packed copy beside the dense embedding table.
+            packed = prepack_cpu_linears(model, pack_head=args.runner == "generate")
+            weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters()) + packed
 
         # KV cache sizing from an explicit byte budget.
         num_layers, num_kv_heads, head_dim = model.get_kv_cache_spec()

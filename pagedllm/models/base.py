@@ -58,8 +58,13 @@ class CausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden ``[N, hidden]`` -> float32 logits ``[N, vocab]`` (final soft-cap if configured)."""
-        w = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        logits = F.linear(hidden, w).float()
+        packed = getattr(self, "_packed_head", None)  # tied head packed by prepack_cpu_linears
+        if packed is not None and hidden.dtype == torch.bfloat16 and hidden.device.type == "cpu":
+            logits = torch.ops.mkldnn._linear_pointwise(hidden, packed, None, "none", [None], "").float()
+        elif self.lm_head is not None:
+            logits = self.lm_head(hidden).float()
+        else:
+            logits = F.linear(hidden, self.model.embed_tokens.weight).float()
         cap = getattr(self.config, "final_logit_softcapping", None)
         if cap:
             logits = torch.tanh(logits / cap) * cap

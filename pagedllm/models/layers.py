@@ -35,10 +35,63 @@ ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
 
 
 class Linear(nn.Linear):
-    """``nn.Linear`` without random init (weights come from the checkpoint)."""
+    """``nn.Linear`` without random init (weights come from the checkpoint).
+
+    After ``prepack_cpu_linears`` a bf16 CPU layer holds its weight only in oneDNN's blocked
+    layout (``_packed``) and runs ``mkldnn._linear_pointwise``: bit-identical to ``F.linear`` and
+    20-40% faster at decode batch sizes on this CPU (docs/performance.md).
+    """
+
+    _packed: Optional[torch.Tensor] = None
 
     def reset_parameters(self) -> None:  # NOTE: skipping init saves seconds on big models
         pass
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        p = self._packed
+        if p is not None and x.dtype == torch.bfloat16 and x.device.type == "cpu":
+            return torch.ops.mkldnn._linear_pointwise(x, p, self.bias, "none", [None], "")
+        return F.linear(x, self.weight, self.bias)
+
+
+def pack_bf16_weight(w: torch.Tensor) -> Optional[torch.Tensor]:
+    """oneDNN-blocked copy of a bf16 CPU weight ``[N, K]`` for ``mkldnn._linear_pointwise``, or
+    None where this torch build cannot (no mkldnn, other dtype or device)."""
+    if w.dtype != torch.bfloat16 or w.device.type != "cpu" or not torch.backends.mkldnn.is_available():
+        return None
+    try:
+        return torch.ops.mkldnn._reorder_linear_weight(w.detach().contiguous(), 64)
+    except (RuntimeError, AttributeError):
+        return None
+
+
+def prepack_cpu_linears(model: nn.Module, pack_head: bool = True) -> int:
+    """Pack every bf16 ``Linear`` of ``model`` for oneDNN and drop its dense weight.
+
+    The dense ``weight`` becomes an empty tensor (it is not needed again once the model is
+    loaded and quantized); with ``pack_head``, a tied, unquantized LM head gets its own packed
+    copy (``model._packed_head``) since the embedding table stays dense for lookups.
+
+    Returns:
+        bytes held in packed form (not counted by ``model.parameters()`` any more).
+    """
+    extra = 0
+    for m in model.modules():
+        if isinstance(m, Linear) and m._packed is None:
+            packed = pack_bf16_weight(m.weight)
+            if packed is None:
+                continue
+            extra += m.weight.numel() * m.weight.element_size()
+            m._packed = packed
+            m.weight = nn.Parameter(torch.empty(0, dtype=m.weight.dtype), requires_grad=False)
+    embed = getattr(getattr(model, "model", None), "embed_tokens", None)
+    if (pack_head and getattr(model, "lm_head", True) is None and embed is not None
+            and not hasattr(model, "quantized_lm_head")):
+        head = pack_bf16_weight(embed.weight)
+        if head is not None:
+            model._packed_head = head
+            extra += embed.weight.numel() * embed.weight.element_size()
+    return extra
 
 
 class Embedding(nn.Embedding):
