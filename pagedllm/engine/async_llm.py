@@ -1,7 +1,8 @@
 """asyncio front end for the server: the engine loop runs in its own thread.
 
-Each request gets an ``asyncio.Queue``; the engine thread pushes RequestOutputs into it with
-``loop.call_soon_threadsafe`` so the HTTP side never blocks the loop and vice versa. Adds and
+Each request gets an ``asyncio.Queue``; the engine thread collects a step's RequestOutputs and
+hands them over with one ``loop.call_soon_threadsafe`` per step, so the HTTP side never blocks
+the loop and vice versa. Adds and
 aborts cross into the engine thread through a command queue drained before every step.
 """
 from __future__ import annotations
@@ -19,18 +20,46 @@ from pagedllm.outputs import RequestOutput
 logger = logging.getLogger("pagedllm")
 
 
-class _LoopQueue:
-    """Adapter the output processor writes to from the engine thread."""
+class _Deliveries:
+    """Outputs the engine thread produced, handed to the event loop in one wakeup per step.
 
-    def __init__(self, loop: asyncio.AbstractEventLoop, q: asyncio.Queue) -> None:
+    NOTE: one ``call_soon_threadsafe`` per output woke the HTTP thread up to once per stream per
+    step, each wakeup taking a core from the engine's OpenMP threads on a small machine.
+    """
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
         self._loop = loop
+        self._items: list[tuple[asyncio.Queue, Any]] = []
+        self._lock = threading.Lock()
+
+    def add(self, q: asyncio.Queue, item: Any) -> None:
+        with self._lock:
+            self._items.append((q, item))
+
+    def flush(self) -> None:
+        with self._lock:
+            items, self._items = self._items, []
+        if items:
+            try:
+                self._loop.call_soon_threadsafe(_deliver, items)
+            except RuntimeError:  # event loop closed during shutdown
+                pass
+
+
+def _deliver(items: list) -> None:
+    for q, item in items:
+        q.put_nowait(item)
+
+
+class _LoopQueue:
+    """Adapter the output processor writes to from the engine thread (delivered at the next flush)."""
+
+    def __init__(self, deliveries: _Deliveries, q: asyncio.Queue) -> None:
+        self._deliveries = deliveries
         self._q = q
 
     def put_nowait(self, item: Any) -> None:
-        try:
-            self._loop.call_soon_threadsafe(self._q.put_nowait, item)
-        except RuntimeError:  # event loop closed during shutdown
-            pass
+        self._deliveries.add(self._q, item)
 
 
 class EngineDeadError(RuntimeError):
@@ -71,6 +100,7 @@ class AsyncLLM:
         self._stop = threading.Event()
         self._thread: Optional[threading.Thread] = None
         self._loop: Optional[asyncio.AbstractEventLoop] = None
+        self._deliveries: Optional[_Deliveries] = None
         self._queues: dict[str, _LoopQueue] = {}
         self._dead: Optional[BaseException] = None
         self._stats_lock = threading.Lock()
@@ -84,6 +114,7 @@ class AsyncLLM:
     def _ensure_started(self) -> None:
         if self._thread is None:
             self._loop = asyncio.get_running_loop()
+            self._deliveries = _Deliveries(self._loop)
             self._thread = threading.Thread(target=self._run, name="pagedllm-engine", daemon=True)
             self._thread.start()
 
@@ -133,30 +164,39 @@ class AsyncLLM:
         eng = self.engine
         while not self._stop.is_set():
             try:
-                drained = self._drain()
-                if not eng.has_unfinished_requests():
-                    if drained:  # e.g. an abort emptied the batch: publish the new state
-                        self._record_stats()
-                    self._wake.wait(0.5)
-                    self._wake.clear()
-                    continue
-                outputs = eng.step()
-                for o in outputs:
-                    if o.finished:
-                        self._queues.pop(o.request_id, None)
-                self._record_stats()
-            except Exception as e:  # engine bug: fail in-flight requests, keep serving new ones
-                logger.exception("engine step failed; aborting in-flight requests")
-                ids = list(self._queues)
-                for rid in ids:
-                    self._queues[rid].put_nowait(e)
-                self._queues.clear()
-                try:
-                    eng.abort_request(ids)
-                except Exception:
-                    logger.exception("abort after failure failed")
-                    self._dead = e
-                    return
+                self._loop_once(eng)
+            finally:
+                self._deliveries.flush()  # one event-loop wakeup per step for all outputs
+            if self._dead is not None:
+                return
+
+    def _loop_once(self, eng) -> None:
+        """One iteration of the engine thread: apply commands, then one step (or wait for work)."""
+        try:
+            drained = self._drain()
+            if not eng.has_unfinished_requests():
+                if drained:  # e.g. an abort emptied the batch: publish the new state
+                    self._record_stats()
+                self._deliveries.flush()
+                self._wake.wait(0.5)
+                self._wake.clear()
+                return
+            outputs = eng.step()
+            for o in outputs:
+                if o.finished:
+                    self._queues.pop(o.request_id, None)
+            self._record_stats()
+        except Exception as e:  # engine bug: fail in-flight requests, keep serving new ones
+            logger.exception("engine step failed; aborting in-flight requests")
+            ids = list(self._queues)
+            for rid in ids:
+                self._queues[rid].put_nowait(e)
+            self._queues.clear()
+            try:
+                eng.abort_request(ids)
+            except Exception:
+                logger.exception("abort after failure failed")
+                self._dead = e
 
     def _check_can_add(self, request_id: str) -> None:
         """Start the loop if needed; refuse a dead engine or a request id in use."""
@@ -169,7 +209,7 @@ class AsyncLLM:
     def _add(self, request_id: str, pp: Any, params: Any) -> asyncio.Queue:
         """Hand a validated request to the engine thread; its outputs arrive on the returned queue."""
         q: asyncio.Queue = asyncio.Queue()
-        self._submit(("add", request_id, pp, params, _LoopQueue(self._loop, q)))
+        self._submit(("add", request_id, pp, params, _LoopQueue(self._deliveries, q)))
         return q
 
     # ------------------------------------------------------------------ API
