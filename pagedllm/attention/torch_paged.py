@@ -180,10 +180,18 @@ class TorchPagedAttention(AttentionImpl):
                 out[:nd] = self._decode(q[:nd], kv_cache, meta, scale, sliding_window, logits_soft_cap)
         bs = meta.block_size
         same_dtype = kv_cache.dtype == k.dtype
+        # NOTE: the C++ prefill kernel reads K/V through the block table (no gather) and beats
+        # SDPA on short prompts (docs/performance.md); bf16 with AVX512-BF16 only.
+        prefill_kernel = use_kernel and nd < meta.num_reqs and self._ops.prefill_supported(q)
         for i in range(nd, meta.num_reqs):
             qs, ql = int(meta.query_start_loc[i]), meta.query_lens[i]
             seq_len = meta.seq_lens_list[i]
             ctx = seq_len - ql
+            if prefill_kernel:
+                out[qs : qs + ql] = self._ops.paged_prefill_attention(
+                    q[qs : qs + ql], kv_cache, meta.block_tables[i], ctx, float(scale),
+                    int(sliding_window or 0), float(logits_soft_cap or 0.0))
+                continue
             if ctx == 0 and same_dtype:
                 # NOTE: no earlier context: the new k/v are exactly what the cache holds.
                 kc, vc, first = k[qs : qs + ql].transpose(0, 1), v[qs : qs + ql].transpose(0, 1), 0

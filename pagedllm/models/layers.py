@@ -154,16 +154,16 @@ class RMSNorm(nn.Module):
         self.eps, self.gemma = eps, gemma
         self.weight = nn.Parameter(torch.zeros(dim) if gemma else torch.ones(dim))
         self.quantize_output = False
-        self._quant_weight: Optional[torch.Tensor] = None
+        self._eff_weight: Optional[torch.Tensor] = None
         self._weight_key: Optional[tuple] = None
 
     def _effective_weight(self) -> torch.Tensor:
         """The float32 multiplier (``w``, or ``1 + w`` for Gemma), cached per weight version."""
         key = (self.weight.data_ptr(), self.weight._version)
-        if self._quant_weight is None or self._weight_key != key:
+        if self._eff_weight is None or self._weight_key != key:
             w = self.weight.detach().float()
-            self._quant_weight, self._weight_key = ((1.0 + w) if self.gemma else w).contiguous(), key
-        return self._quant_weight
+            self._eff_weight, self._weight_key = ((1.0 + w) if self.gemma else w).contiguous(), key
+        return self._eff_weight
 
     def forward(self, x: torch.Tensor, residual: Optional[torch.Tensor] = None):
         """RMSNorm of ``x [..., dim]``; with ``residual`` (same shape) the sum ``x + residual`` is

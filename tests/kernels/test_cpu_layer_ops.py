@@ -286,3 +286,37 @@ def test_reshape_and_cache_rejects_out_of_range_slot():
     k = torch.randn(1, 1, 8)
     with pytest.raises(RuntimeError, match="slot"):
         ops.reshape_and_cache(k, k, c, torch.tensor([8]))
+
+
+# ----------------------------------------------------------------------------- rms_norm (+ residual)
+@pytest.mark.parametrize("dtype,atol", [(torch.float32, 1e-5), (torch.bfloat16, 3e-2)])
+@pytest.mark.parametrize("gemma", [False, True])
+@pytest.mark.parametrize("m,k", [(1, 576), (7, 100), (70, 640)])
+def test_rms_norm_matches_torch_path(dtype, atol, gemma, m, k):
+    """``RMSNorm.forward`` through the C++ ``rms_norm`` vs its torch path, with and without the
+    residual add; the residual is updated in place to ``x + residual`` in its dtype."""
+    from pagedllm.models.layers import RMSNorm
+
+    norm = RMSNorm(k, 1e-5, gemma=gemma).to(dtype)
+    with torch.no_grad():
+        norm.weight.normal_(0.0 if gemma else 1.0, 0.3, generator=_gen(5))
+    x = (torch.randn(m, k, generator=_gen(6)) * 3).to(dtype)
+    r = torch.randn(m, k, generator=_gen(7)).to(dtype)
+    w = norm.weight.detach().float()
+    w = 1.0 + w if gemma else w
+
+    def ref(v):
+        vf = v.float()
+        return vf * torch.rsqrt(vf.pow(2).mean(-1, keepdim=True) + 1e-5) * w
+
+    out = ops.rms_norm(x, None, w.contiguous(), 1e-5)
+    assert out.dtype == dtype
+    torch.testing.assert_close(out.float(), ref(x), atol=atol, rtol=atol)
+    via_module = norm(x)
+    torch.testing.assert_close(via_module.float(), ref(x), atol=atol, rtol=atol)
+
+    res = r.clone()
+    out2, res2 = norm(x, res)
+    assert res2 is res  # updated in place
+    assert torch.equal(res, (x + r))  # the add is rounded to the dtype like torch's
+    torch.testing.assert_close(out2.float(), ref(x + r), atol=atol, rtol=atol)

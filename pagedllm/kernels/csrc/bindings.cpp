@@ -4,6 +4,9 @@
 
 torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor kv_cache, torch::Tensor block_tables,
                                      torch::Tensor seq_lens, double scale, int64_t window, double soft_cap);
+bool prefill_supported(torch::Tensor q);
+torch::Tensor paged_prefill_attention(torch::Tensor q, torch::Tensor kv_cache, torch::Tensor block_table,
+                                      int64_t q_offset, double scale, int64_t window, double soft_cap);
 std::tuple<at::Tensor, at::Tensor> quantize_rows_int8(at::Tensor x);
 std::tuple<at::Tensor, at::Tensor> rms_norm_quant(at::Tensor x, c10::optional<at::Tensor> residual,
                                                    at::Tensor weight, double eps);
@@ -16,6 +19,8 @@ at::Tensor rms_norm(at::Tensor x, c10::optional<at::Tensor> residual, at::Tensor
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode_attention", &paged_decode_attention, "paged decode attention (CPU)");
+  m.def("prefill_supported", &prefill_supported, "whether paged_prefill_attention handles q here");
+  m.def("paged_prefill_attention", &paged_prefill_attention, "causal paged prefill attention (CPU, bf16)");
   m.def("quantize_rows_int8", &quantize_rows_int8, "per-row symmetric int8 quantization");
   m.def("rms_norm_quant", &rms_norm_quant, "[residual add +] RMSNorm + per-row int8 quantization",
         py::arg("x"), py::arg("residual"), py::arg("weight"), py::arg("eps"));

@@ -253,3 +253,158 @@ torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor kv_cache, to
   return out;
 }
 
+
+// ------------------------------------------------------------------------------------------
+// Prefill (a chunk of Lq query tokens of one request) over the paged cache, bf16, AVX512-BF16.
+// Flash-style: per (kv head, block of 16 query rows), keys in blocks of 16 with an online
+// float32 softmax; q.k by _mm512_dpbf16_ps against a pair-transposed K block (16 keys per
+// vector, no horizontal sums), P.V by float32 FMAs. Causal (query i sits at q_offset + i),
+// optional sliding window (a query at p sees keys > p - window) and soft cap.
+#ifdef PAGEDLLM_AVX512_BF16
+// NOTE: a finite "minus infinity": the kernels are built with -ffast-math (no infinities).
+constexpr float kNegBig = -1e30f;
+
+template <int DIM>
+static void prefill_tile(const c10::BFloat16* q, const c10::BFloat16* kv, const int64_t* bt, int64_t q_offset,
+                         int64_t i0, int64_t i1, int64_t h, int64_t Hq, int64_t G, int64_t block_size,
+                         int64_t kv_block_stride, int64_t tok_stride, int64_t v_offset, float scale,
+                         int64_t window, float soft_cap, c10::BFloat16* out) {
+  constexpr int DP = DIM / 2;   // bf16 pairs per row
+  constexpr int NV = DIM / 16;  // float32 vectors per row
+  const int64_t R = (i1 - i0) * G;  // rows of this tile: (query, head-in-group)
+  std::vector<float> m(R, kNegBig), l(R, 0.f), acc(R * DIM, 0.f);
+  alignas(64) uint32_t kp[DP][16];    // K block, pair-transposed: kp[d/2][key] = (K[key][d], K[key][d+1])
+  alignas(64) float vf[16][DIM];      // V block in float32
+  alignas(64) float s[16];
+  const int64_t last_key = q_offset + i1 - 1;
+  int64_t first_key = 0;
+  if (window > 0) first_key = std::max<int64_t>(0, q_offset + i0 - window + 1);
+  for (int64_t k0 = (first_key / 16) * 16; k0 <= last_key; k0 += 16) {
+    const int64_t nk = std::min<int64_t>(16, last_key + 1 - k0);
+    for (int64_t j = 0; j < 16; ++j) {
+      if (j < nk) {
+        const int64_t p = k0 + j;
+        const int64_t base = bt[p / block_size] * kv_block_stride + (p % block_size) * tok_stride + h * DIM;
+        const uint32_t* kr = reinterpret_cast<const uint32_t*>(kv + base);
+        for (int d = 0; d < DP; ++d) kp[d][j] = kr[d];
+        const c10::BFloat16* vr = kv + base + v_offset;
+        for (int c = 0; c < NV; ++c) _mm512_store_ps(&vf[j][16 * c], bf16x16_to_f32(vr + 16 * c));
+      } else {
+        for (int d = 0; d < DP; ++d) kp[d][j] = 0;
+        for (int c = 0; c < DIM; ++c) vf[j][c] = 0.f;
+      }
+    }
+    for (int64_t i = i0; i < i1; ++i) {
+      const int64_t qpos = q_offset + i;
+      // keys k0 + j allowed: j < nk, k0 + j <= qpos, and inside the window
+      uint32_t allow = 0;
+      for (int64_t j = 0; j < nk; ++j) {
+        const int64_t kpos = k0 + j;
+        if (kpos <= qpos && (window <= 0 || kpos > qpos - window)) allow |= 1u << j;
+      }
+      if (allow == 0) continue;
+      const __mmask16 mk = static_cast<__mmask16>(allow);
+      for (int64_t g = 0; g < G; ++g) {
+        const int64_t r = (i - i0) * G + g;
+        const uint32_t* qr = reinterpret_cast<const uint32_t*>(q + (i * Hq + h * G + g) * DIM);
+        __m512 sv = _mm512_setzero_ps();
+        for (int d = 0; d < DP; ++d)
+          sv = _mm512_dpbf16_ps(sv, (__m512bh)_mm512_set1_epi32(static_cast<int>(qr[d])),
+                                (__m512bh)_mm512_load_si512(kp[d]));
+        sv = _mm512_mul_ps(sv, _mm512_set1_ps(scale));
+        if (soft_cap > 0.f) {
+          _mm512_store_ps(s, sv);
+          for (int j = 0; j < 16; ++j) s[j] = soft_cap * std::tanh(s[j] / soft_cap);
+          sv = _mm512_load_ps(s);
+        }
+        sv = _mm512_mask_mov_ps(_mm512_set1_ps(kNegBig), mk, sv);
+        const float mb = _mm512_reduce_max_ps(sv);
+        const float mnew = std::max(m[r], mb);
+        const float corr = pagedllm_cpu::exp_approx(m[r] - mnew);  // ~0 for the first block (m = kNegBig)
+        _mm512_store_ps(s, _mm512_sub_ps(sv, _mm512_set1_ps(mnew)));
+        float psum = 0.f;
+#pragma omp simd reduction(+ : psum)
+        for (int j = 0; j < 16; ++j) {
+          const float e = ((allow >> j) & 1u) ? pagedllm_cpu::exp_approx(s[j]) : 0.f;
+          s[j] = e;
+          psum += e;
+        }
+        l[r] = l[r] * corr + psum;
+        m[r] = mnew;
+        float* ar = acc.data() + r * DIM;
+        __m512 a[NV];
+        const __m512 vc = _mm512_set1_ps(corr);
+        for (int c = 0; c < NV; ++c) a[c] = _mm512_mul_ps(_mm512_loadu_ps(ar + 16 * c), vc);
+        for (int64_t j = 0; j < nk; ++j) {
+          if (!((allow >> j) & 1u)) continue;
+          const __m512 pj = _mm512_set1_ps(s[j]);
+          for (int c = 0; c < NV; ++c) a[c] = _mm512_fmadd_ps(pj, _mm512_load_ps(&vf[j][16 * c]), a[c]);
+        }
+        for (int c = 0; c < NV; ++c) _mm512_storeu_ps(ar + 16 * c, a[c]);
+      }
+    }
+  }
+  for (int64_t i = i0; i < i1; ++i) {
+    for (int64_t g = 0; g < G; ++g) {
+      const int64_t r = (i - i0) * G + g;
+      const float inv = l[r] > 0.f ? 1.f / l[r] : 0.f;  // a row with no allowed key gives zeros
+      c10::BFloat16* o = out + (i * Hq + h * G + g) * DIM;
+      const float* ar = acc.data() + r * DIM;
+      for (int c = 0; c < NV; ++c)
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(o + 16 * c),
+                            (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(_mm512_loadu_ps(ar + 16 * c), _mm512_set1_ps(inv))));
+    }
+  }
+}
+#endif
+
+// q: [Lq, Hq, D] bf16 at positions q_offset .. q_offset + Lq - 1 of one request whose K/V
+// (positions 0 .. q_offset + Lq - 1) are already in kv_cache [NB, 2, BS, Hkv, D]; block_table:
+// int64 [n] of that request. Returns [Lq, Hq, D]. Raises if the CPU or shapes are unsupported
+// (callers check prefill_supported first).
+bool prefill_supported(torch::Tensor q) {
+#ifdef PAGEDLLM_AVX512_BF16
+  const int64_t D = q.size(-1);
+  return q.scalar_type() == at::kBFloat16 && (D == 64 || D == 128 || D == 256);
+#else
+  (void)q;
+  return false;
+#endif
+}
+
+torch::Tensor paged_prefill_attention(torch::Tensor q, torch::Tensor kv_cache, torch::Tensor block_table,
+                                      int64_t q_offset, double scale, int64_t window, double soft_cap) {
+  TORCH_CHECK(prefill_supported(q), "paged_prefill_attention: needs bf16 q with head size 64/128/256 and AVX512-BF16");
+  TORCH_CHECK(q.dim() == 3 && kv_cache.dim() == 5 && kv_cache.is_contiguous(), "bad ranks / layout");
+  TORCH_CHECK(kv_cache.scalar_type() == at::kBFloat16, "kv_cache must be bf16");
+  TORCH_CHECK(block_table.scalar_type() == at::kLong, "block_table must be int64");
+  q = q.contiguous();
+  block_table = block_table.contiguous();
+  const int64_t Lq = q.size(0), Hq = q.size(1), D = q.size(2);
+  const int64_t BS = kv_cache.size(2), Hkv = kv_cache.size(3);
+  TORCH_CHECK(kv_cache.size(4) == D && Hq % Hkv == 0, "head shapes");
+  TORCH_CHECK(block_table.numel() * BS >= q_offset + Lq, "block_table too short for the context");
+  auto out = torch::empty_like(q);
+#ifdef PAGEDLLM_AVX512_BF16
+  const int64_t G = Hq / Hkv, nqb = (Lq + 15) / 16;
+  const auto* qp = q.data_ptr<c10::BFloat16>();
+  const auto* kvp = kv_cache.data_ptr<c10::BFloat16>();
+  const int64_t* bt = block_table.data_ptr<int64_t>();
+  auto* op = out.data_ptr<c10::BFloat16>();
+  const int64_t kv_block_stride = kv_cache.stride(0), tok_stride = Hkv * D, v_offset = BS * Hkv * D;
+  at::parallel_for(0, Hkv * nqb, 1, [&](int64_t b, int64_t e) {
+    for (int64_t w = b; w < e; ++w) {
+      const int64_t h = w % Hkv, qb = w / Hkv;
+      const int64_t i0 = qb * 16, i1 = std::min(Lq, i0 + 16);
+#define PAGEDLLM_PREFILL(DIMV)                                                                       \
+  prefill_tile<DIMV>(qp, kvp, bt, q_offset, i0, i1, h, Hq, G, BS, kv_block_stride, tok_stride, v_offset, \
+                     (float)scale, window, (float)soft_cap, op)
+      if (D == 64) PAGEDLLM_PREFILL(64);
+      else if (D == 128) PAGEDLLM_PREFILL(128);
+      else PAGEDLLM_PREFILL(256);
+#undef PAGEDLLM_PREFILL
+    }
+  });
+#endif
+  return out;
+}
