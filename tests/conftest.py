@@ -52,3 +52,29 @@ def smollm2_llm():
     from pagedllm import LLM
     return LLM("SmolLM2-135M-Instruct", dtype="float32", kv_cache_memory=256 * 1024**2,
                max_num_batched_tokens=512, seed=0)
+
+
+def make_tiny_llama(tie: bool, dtype: torch.dtype = torch.float32, std: float = 0.02):
+    """A 2-layer random pagedllm Llama (vocab 512, hidden 128, GQA 4/2) with fixed weights:
+    norms 1, embeddings N(0, 1), other matrices N(0, std); built in ``dtype``."""
+    from transformers import LlamaConfig
+
+    from pagedllm.models.llama import LlamaForCausalLM
+    cfg = LlamaConfig(vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                      tie_word_embeddings=tie, architectures=["LlamaForCausalLM"])
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(cfg, dtype)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.fill_(1.0)
+            else:
+                p.normal_(0, 1.0 if "embed" in name else (std if p.dim() > 1 else 0.0))
+    return model.eval()
+
+
+@pytest.fixture
+def tiny_llama():
+    """Factory fixture: ``tiny_llama(tie, dtype=torch.float32, std=0.02)`` (see ``make_tiny_llama``)."""
+    return make_tiny_llama

@@ -4,6 +4,9 @@ Decodes (one query token each) use a batched manual grouped matmul -> float32 so
 matmul, which on CPU is much faster than SDPA at q_len=1 (FACTS §5). Prefill chunks use
 ``F.scaled_dot_product_attention`` per request over the context gathered from the cache,
 except with a logit soft-cap, which SDPA cannot express (manual path then).
+
+With the C++ kernels (the default), the cache store and decode attention run in C++, and so does
+bf16 prefill attention on CPUs with AVX512-BF16; the torch code here stays the oracle.
 """
 from __future__ import annotations
 
@@ -132,9 +135,10 @@ class TorchPagedAttention(AttentionImpl):
     """Paged attention on CPU (see ``AttentionImpl.forward`` for the contract).
 
     Args:
-        use_cpu_kernel: run decodes through the C++ kernel (``pagedllm.kernels.cpu_ops``)
-            when it is available; it reads K/V through the block table instead of gathering a
-            contiguous copy. False keeps the pure-torch path (the test oracle).
+        use_cpu_kernel: use the C++ kernels (``pagedllm.kernels.cpu_ops``) when available: the
+            KV-cache store, decode attention, and (bf16 with AVX512-BF16) prefill attention, all
+            reading K/V through the block table instead of gathering a contiguous copy. False
+            keeps the pure-torch path (the test oracle).
     """
 
     def __init__(self, use_cpu_kernel: bool = True) -> None:

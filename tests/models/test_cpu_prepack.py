@@ -13,19 +13,6 @@ torch.set_num_threads(1)
 pytestmark = pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="no oneDNN in this torch")
 
 
-def _tiny_llama(tie: bool):
-    from transformers import LlamaConfig
-
-    from pagedllm.models.llama import LlamaForCausalLM
-    cfg = LlamaConfig(vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
-                      tie_word_embeddings=tie, architectures=["LlamaForCausalLM"])
-    torch.manual_seed(0)
-    model = LlamaForCausalLM(cfg, torch.bfloat16)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            p.fill_(1.0) if name.endswith("norm.weight") else p.normal_(0, 1.0 if "embed" in name else 0.05)
-    return model.eval()
 
 
 def _logits(model, ids):
@@ -36,8 +23,8 @@ def _logits(model, ids):
 
 
 @pytest.mark.parametrize("tie", [True, False])
-def test_prepacked_model_is_bit_identical(tie):
-    model = _tiny_llama(tie)
+def test_prepacked_model_is_bit_identical(tie, tiny_llama):
+    model = tiny_llama(tie, torch.bfloat16, 0.05)
     ids = torch.randint(0, 512, (19,), generator=torch.Generator().manual_seed(1))
     ref = _logits(model, ids)
     packed = copy.deepcopy(model)
@@ -52,7 +39,7 @@ def test_prepacked_model_is_bit_identical(tie):
     assert torch.equal(got, ref)
 
 
-def test_float32_models_are_left_alone():
-    model = _tiny_llama(True).float()
+def test_float32_models_are_left_alone(tiny_llama):
+    model = tiny_llama(True)
     assert prepack_cpu_linears(model) == 0
     assert all(m._packed is None and m.weight.numel() > 0 for m in model.modules() if isinstance(m, Linear))

@@ -120,24 +120,6 @@ def test_silu_mul_quant_matches_float():
 
 
 # ----------------------------------------------------------------------------- tiny model
-def _tiny_llama(tie: bool):
-    from transformers import LlamaConfig
-
-    from pagedllm.models.llama import LlamaForCausalLM
-    cfg = LlamaConfig(vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
-                      tie_word_embeddings=tie, architectures=["LlamaForCausalLM"])
-    torch.manual_seed(0)
-    model = LlamaForCausalLM(cfg, torch.float32)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name.endswith("norm.weight"):
-                p.fill_(1.0)
-            else:
-                p.normal_(0, 0.02 if p.dim() > 1 else 0.0)
-                if p.dim() > 1 and "embed" in name:
-                    p.normal_(0, 1.0)
-    return model.eval()
 
 
 def _logits(model, ids):
@@ -153,8 +135,8 @@ def _ids():
 
 
 @pytest.mark.parametrize("tie", [True, False])
-def test_tiny_model_logits_close(tie, monkeypatch):
-    model = _tiny_llama(tie)
+def test_tiny_model_logits_close(tie, monkeypatch, tiny_llama):
+    model = tiny_llama(tie)
     ids = _ids()
     ref = _logits(model, ids)
     qm = copy.deepcopy(model)
@@ -190,8 +172,8 @@ def test_tiny_model_logits_close(tie, monkeypatch):
 
 
 @pytest.mark.skipif(not HAS_OPS, reason="C++ CPU kernels could not be built here")
-def test_cpp_and_reference_paths_agree_bf16(monkeypatch):
-    model = _tiny_llama(False).to(torch.bfloat16)
+def test_cpp_and_reference_paths_agree_bf16(monkeypatch, tiny_llama):
+    model = tiny_llama(False).to(torch.bfloat16)
     quantize_model(model, "w8a8")
     ids = _ids()
     a = _logits(model, ids)
@@ -255,7 +237,7 @@ def test_smollm2_w8a8_batch_invariant_greedy(smollm2_path):
                "Write a short poem about the sea. The waves",
                "1, 2, 3, 4,",
                "Python is a programming language that is widely used for data science, machine learning and"]
-    sp = SamplingParams(max_tokens=16, temperature=0)
+    sp = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)  # NOTE: 16 tokens compared each
     batch = llm.generate(prompts, sp, use_tqdm=False)
     alone = [llm.generate([p], sp, use_tqdm=False)[0] for p in prompts]
     for b, a in zip(batch, alone):

@@ -77,24 +77,6 @@ def test_int4_rejects_bad_group():
         WeightOnlyInt4Linear(torch.randn(64, 576), group_size=128)
 
 
-def _tiny_llama(tie: bool):
-    from transformers import LlamaConfig
-
-    from pagedllm.models.llama import LlamaForCausalLM
-    cfg = LlamaConfig(vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
-                      tie_word_embeddings=tie, architectures=["LlamaForCausalLM"])
-    torch.manual_seed(0)
-    model = LlamaForCausalLM(cfg, torch.float32)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name.endswith("norm.weight"):
-                p.fill_(1.0)
-            else:
-                p.normal_(0, 0.02 if p.dim() > 1 else 0.0)
-                if p.dim() > 1 and "embed" in name:
-                    p.normal_(0, 1.0)
-    return model.eval()
 
 
 def _logits(model, ids):
@@ -107,9 +89,9 @@ def _logits(model, ids):
 
 @pytest.mark.parametrize("tie", [True, False])
 @pytest.mark.parametrize("method,cos_min,top1_min", [("int8", 0.99, 0.85), ("int4", 0.95, 0.75)])
-def test_tiny_model_logits_close(tie, method, cos_min, top1_min):
+def test_tiny_model_logits_close(tie, method, cos_min, top1_min, tiny_llama):
     import copy
-    model = _tiny_llama(tie)
+    model = tiny_llama(tie)
     ids = torch.randint(0, 512, (32,), generator=torch.Generator().manual_seed(3))
     ref = _logits(model, ids)
     qm = copy.deepcopy(model)
@@ -125,9 +107,9 @@ def test_tiny_model_logits_close(tie, method, cos_min, top1_min):
     assert (got.argmax(-1) == ref.argmax(-1)).float().mean() >= top1_min
 
 
-def test_quantize_model_rejects_unknown_method():
+def test_quantize_model_rejects_unknown_method(tiny_llama):
     with pytest.raises(ValueError, match="quantization"):
-        quantize_model(_tiny_llama(True), "int3")
+        quantize_model(tiny_llama(True), "int3")
 
 
 @pytest.mark.slow

@@ -6,6 +6,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <limits>
 
 namespace pagedllm_cpu {
 
@@ -69,6 +70,34 @@ void dispatch_float_bf16(at::ScalarType t, F&& f) {
     TORCH_CHECK(t == at::kFloat, "expected float32 or bfloat16");
     f(float{});
   }
+}
+
+// Checks of the RMSNorm kernels' arguments: x contiguous [M, K]; weight float32 [K]; residual
+// (optional) like x.
+inline void check_norm_args(const at::Tensor& x, const c10::optional<at::Tensor>& residual, const at::Tensor& weight) {
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous(), "x must be a contiguous 2-D tensor");
+  TORCH_CHECK(weight.numel() == x.size(1) && weight.is_contiguous() && weight.scalar_type() == at::kFloat,
+              "weight must be float32 [K]");
+  if (residual.has_value()) {
+    TORCH_CHECK(residual->sizes() == x.sizes() && residual->is_contiguous() &&
+                residual->scalar_type() == x.scalar_type(), "residual must match x");
+  }
+}
+
+// In-place float32 softmax of s[0..n) (max-subtracted; exp_approx).
+inline void softmax_row(float* __restrict s, int64_t n) {
+  float m = std::numeric_limits<float>::lowest();
+  for (int64_t i = 0; i < n; ++i) m = s[i] > m ? s[i] : m;
+  float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
+  for (int64_t i = 0; i < n; ++i) {
+    const float e = exp_approx(s[i] - m);
+    s[i] = e;
+    sum += e;
+  }
+  const float inv = 1.f / sum;
+#pragma omp simd
+  for (int64_t i = 0; i < n; ++i) s[i] *= inv;
 }
 
 // Rows per parallel task so that each task touches at least ``min_elems`` elements: below that,

@@ -103,14 +103,8 @@ void reshape_and_cache(at::Tensor k, at::Tensor v, at::Tensor kv_cache, at::Tens
 }
 
 at::Tensor rms_norm(at::Tensor x, c10::optional<at::Tensor> residual, at::Tensor weight, double eps) {
-  TORCH_CHECK(x.dim() == 2 && x.is_contiguous(), "x must be a contiguous 2-D tensor");
+  pagedllm_cpu::check_norm_args(x, residual, weight);
   const int64_t M = x.size(0), K = x.size(1);
-  TORCH_CHECK(weight.numel() == K && weight.is_contiguous() && weight.scalar_type() == at::kFloat,
-              "weight must be float32 [K]");
-  if (residual.has_value()) {
-    TORCH_CHECK(residual->sizes() == x.sizes() && residual->is_contiguous() &&
-                residual->scalar_type() == x.scalar_type(), "residual must match x");
-  }
   auto out = at::empty_like(x);
   pagedllm_cpu::dispatch_float_bf16(x.scalar_type(), [&](auto tag) {
     using scalar_t = decltype(tag);

@@ -58,22 +58,7 @@ static void decode_one(const scalar_t* q, const scalar_t* kv, const int64_t* bt,
     }
   }
   // Softmax per query head (float32).
-  for (int64_t g = 0; g < G; ++g) {
-    float* __restrict sg = scores.data() + g * n;
-    float m = std::numeric_limits<float>::lowest();
-#pragma omp simd reduction(max : m)
-    for (int64_t i = 0; i < n; ++i) m = sg[i] > m ? sg[i] : m;
-    float sum = 0.f;
-#pragma omp simd reduction(+ : sum)
-    for (int64_t i = 0; i < n; ++i) {
-      const float e = std::exp(sg[i] - m);
-      sg[i] = e;
-      sum += e;
-    }
-    const float inv = 1.f / sum;
-#pragma omp simd
-    for (int64_t i = 0; i < n; ++i) sg[i] *= inv;
-  }
+  for (int64_t g = 0; g < G; ++g) pagedllm_cpu::softmax_row(scores.data() + g * n, n);
   // Pass 2: weighted sum of V.
   std::fill(acc.begin(), acc.begin() + G * D, 0.f);
   for (int64_t p = first; p < L; ++p) {
@@ -153,18 +138,7 @@ static void decode_one_bf16(const c10::BFloat16* q, const c10::BFloat16* kv, con
     }
     if (soft_cap > 0.f)
       for (int64_t i = 0; i < n; ++i) sg[i] = soft_cap * std::tanh(sg[i] / soft_cap);
-    float m = std::numeric_limits<float>::lowest();
-    for (int64_t i = 0; i < n; ++i) m = sg[i] > m ? sg[i] : m;
-    float sum = 0.f;
-#pragma omp simd reduction(+ : sum)
-    for (int64_t i = 0; i < n; ++i) {
-      const float e = pagedllm_cpu::exp_approx(sg[i] - m);
-      sg[i] = e;
-      sum += e;
-    }
-    const float inv = 1.f / sum;
-#pragma omp simd
-    for (int64_t i = 0; i < n; ++i) sg[i] *= inv;
+    pagedllm_cpu::softmax_row(sg, n);
   }
   // P.V, one query head at a time (accumulators stay in registers).
   for (int64_t g = 0; g < G; ++g) {

@@ -80,12 +80,7 @@ std::tuple<at::Tensor, at::Tensor> rms_norm_quant(at::Tensor x, c10::optional<at
                                                    at::Tensor weight, double eps) {
   check_rows(x, "x");
   const int64_t M = x.size(0), K = x.size(1);
-  TORCH_CHECK(weight.numel() == K && weight.is_contiguous() && weight.scalar_type() == at::kFloat,
-              "weight must be float32 [K]");
-  if (residual.has_value()) {
-    TORCH_CHECK(residual->sizes() == x.sizes() && residual->is_contiguous() &&
-                residual->scalar_type() == x.scalar_type(), "residual must match x");
-  }
+  pagedllm_cpu::check_norm_args(x, residual, weight);
   auto q = at::empty({M, K}, x.options().dtype(at::kChar));
   auto s = at::empty({M}, x.options().dtype(at::kFloat));
   dispatch_float_bf16(x.scalar_type(), [&](auto tag) {
