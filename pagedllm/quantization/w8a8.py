@@ -29,6 +29,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pagedllm.quantization.weight_only import quantize_int8
+
 
 class QuantizedActivation(NamedTuple):
     """Rows of an activation quantized for a ``W8A8Linear``.
@@ -126,14 +128,6 @@ def rms_norm_quant(x: torch.Tensor, residual: Optional[torch.Tensor], weight: to
     return QuantizedActivation(q, s, x.dtype)
 
 
-def quantize_int8_per_channel(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """``w [N, K]`` float -> (int8 ``[N, K]``, float32 scales ``[N]``), ``w ~= q * scale``."""
-    w = w.detach().float()
-    scales = (w.abs().amax(dim=1) / 127.0).clamp(min=1e-10)
-    q = torch.round(w / scales[:, None]).clamp_(-127, 127).to(torch.int8)
-    return q, scales
-
-
 class W8A8Linear(nn.Module):
     """A linear layer with int8 per-channel weights and dynamic per-token int8 activations.
 
@@ -152,7 +146,7 @@ class W8A8Linear(nn.Module):
         self.out_dtype = out_dtype
         n, k = weight.shape
         self.in_features, self.out_features = k, n
-        q, s = quantize_int8_per_channel(weight)
+        q, s = quantize_int8(weight)  # per output channel, the same weights as weight-only int8
         self.weight_int8 = nn.Parameter(q, requires_grad=False)
         self.w_scales = nn.Parameter(s, requires_grad=False)
         self.bias = None if bias is None else nn.Parameter(bias.detach().clone(), requires_grad=False)
