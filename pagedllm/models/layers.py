@@ -13,17 +13,12 @@ import torch.nn.functional as F
 from torch import nn
 
 from pagedllm.attention.layer import Attention
-
-_OPS_CACHE: list = []
-
+from pagedllm.kernels.cpu_ops import get_ops
 
 def _cpu_ops():
-    """The C++ CPU kernels (``pagedllm.kernels.cpu_ops``) or None, looked up once (hot path)."""
-    if not _OPS_CACHE:
-        from pagedllm.kernels.cpu_ops import get_ops
-
-        _OPS_CACHE.append(get_ops())
-    return _OPS_CACHE[0]
+    """The C++ CPU kernels or None (``get_ops`` caches the module; imported at module level
+    because this is called per layer)."""
+    return get_ops()
 
 
 ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {

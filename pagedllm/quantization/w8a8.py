@@ -29,6 +29,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pagedllm.kernels.cpu_ops import get_ops
 from pagedllm.quantization.weight_only import quantize_int8
 
 
@@ -46,17 +47,10 @@ class QuantizedActivation(NamedTuple):
     dtype: torch.dtype
 
 
-_OPS_CACHE: list = []
-
-
 def _ops():
-    """The C++ kernels with the W8A8 functions, or None (looked up once: this is on the hot path)."""
-    if not _OPS_CACHE:
-        from pagedllm.kernels.cpu_ops import get_ops
-
-        ops = get_ops()
-        _OPS_CACHE.append(ops if ops is not None and hasattr(ops, "quantize_rows_int8") else None)
-    return _OPS_CACHE[0]
+    """The C++ kernels when built with the W8A8 functions, else None (``get_ops`` caches the module)."""
+    ops = get_ops()
+    return ops if ops is not None and hasattr(ops, "quantize_rows_int8") else None
 
 
 # ----------------------------------------------------------------------------- torch references
