@@ -163,6 +163,11 @@ class EngineCore:
                                   (num_layers, num_kv_heads, head_dim), self.dtype,
                                   self.vocab_size, self.device, attn_impl=attn_impl, pooler=pooler,
                                   eos_token_id=self.eos_token_id)
+        if self.device.type != "cpu":
+            from pagedllm.models.layers import reserve_rope_tables
+            # NOTE: full-size rope tables now: no per-step position check (a device sync) and a
+            # fixed table address for the CUDA graphs.
+            reserve_rope_tables(model, max_model_len, self.device)
         if self.device.type == "cuda" and not args.enforce_eager:
             secs = self.runner.capture_cuda_graphs(args.max_num_seqs, max_model_len)
             logger.info("pagedllm: captured decode CUDA graphs in %.2f s", secs)

@@ -225,7 +225,12 @@ def rope_inv_freq(config, head_dim: int, layer_type: Optional[str] = None) -> tu
 class RotaryEmbedding(nn.Module):
     """HF-style rope (``rotate_half``, ``cat(freqs, freqs)``) at arbitrary per-token positions.
 
-    The cos/sin table (float32 ``[n, D]``) grows on demand to the largest position seen.
+    The cos/sin table (float32 ``[n, D]``, ``n`` a power of two >= 1024) lives on the device of the
+    positions it is given and grows on demand to the largest position seen. The growth check reads
+    ``positions.max()`` once per step (every layer passes the same ``positions`` tensor), which is
+    free on CPU but a device sync on CUDA; ``reserve(max_model_len, device)`` sizes the table up
+    front so CUDA steps skip the check, which CUDA-graph capture requires (no syncs while
+    capturing, and a captured graph keeps the table's address).
     """
 
     def __init__(self, head_dim: int, inv_freq: torch.Tensor, scaling: float = 1.0) -> None:
@@ -234,15 +239,38 @@ class RotaryEmbedding(nn.Module):
         self.inv_freq = inv_freq.float()
         self._cos = self._sin = torch.empty(0, head_dim)
         self._cos_half = self._sin_half = torch.empty(0, head_dim // 2)
+        self._reserved = 0  # positions below this are covered on the table's device without a check
         self._checked_positions: Optional[torch.Tensor] = None  # the last positions checked against the table
 
-    def _table(self, n: int) -> None:
-        n = 1 << max(10, math.ceil(math.log2(n)))
-        freqs = torch.arange(n, dtype=torch.float).unsqueeze(1) * self.inv_freq.unsqueeze(0)
+    def _table(self, n: int, device: torch.device) -> None:
+        n = 1 << max(10, math.ceil(math.log2(max(n, 1))))
+        inv_freq = self.inv_freq.to(device)
+        freqs = torch.arange(n, dtype=torch.float, device=device).unsqueeze(1) * inv_freq.unsqueeze(0)
         emb = torch.cat((freqs, freqs), dim=-1)
         self._cos, self._sin = emb.cos() * self.scaling, emb.sin() * self.scaling
         half = self.head_dim // 2
         self._cos_half, self._sin_half = self._cos[:, :half].contiguous(), self._sin[:, :half].contiguous()
+
+    def reserve(self, n: int, device: torch.device | str) -> None:
+        """Build the table for positions ``0 .. n-1`` on ``device`` now (e.g. ``max_model_len``
+        before CUDA-graph capture); later steps on that device do not check positions."""
+        device = torch.device(device)
+        if self._cos.device != device or self._cos.shape[0] < n:
+            self._table(max(n, self._cos.shape[0]), device)
+        self._reserved = n
+        self._checked_positions = None
+
+    def _ensure(self, positions: torch.Tensor) -> None:
+        """Make the table cover ``positions`` on their device (checked once per positions tensor)."""
+        if positions is self._checked_positions:  # NOTE: every layer passes the same tensor
+            return
+        if self._cos.device != positions.device:
+            self._table(max(self._cos.shape[0], self._reserved), positions.device)
+        if positions.numel() and (positions.device.type == "cpu" or self._reserved == 0):
+            top = int(positions.max())
+            if top >= self._cos.shape[0]:
+                self._table(top + 1, positions.device)
+        self._checked_positions = positions
 
     def apply_(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Like ``forward`` but may rotate ``q``/``k`` in place (they must not be needed unrotated).
@@ -254,20 +282,30 @@ class RotaryEmbedding(nn.Module):
         if (ops is None or not hasattr(ops, "rotary_inplace") or q.dtype not in (torch.float32, torch.bfloat16)
                 or q.stride(-1) != 1 or k.stride(-1) != 1 or positions.dtype != torch.int64):
             return self.forward(positions, q, k)
-        if positions is not self._checked_positions:  # NOTE: every layer passes the same tensor
-            if positions.numel() and int(positions.max()) >= self._cos.shape[0]:
-                self._table(int(positions.max()) + 1)
-            self._checked_positions = positions
+        self._ensure(positions)
         ops.rotary_inplace(q, k, positions.contiguous(), self._cos_half, self._sin_half)
         return q, k
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """positions int64 ``[T]``; q ``[T, Hq, D]``, k ``[T, Hkv, D]`` -> rotated, same dtypes."""
-        if positions.numel() and int(positions.max()) >= self._cos.shape[0]:
-            self._table(int(positions.max()) + 1)
+        """positions int64 ``[T]`` (on q's device); q ``[T, Hq, D]``, k ``[T, Hkv, D]`` -> rotated, same dtypes."""
+        self._ensure(positions)
         cos = self._cos[positions].to(q.dtype).unsqueeze(1)
         sin = self._sin[positions].to(q.dtype).unsqueeze(1)
         return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+
+
+def reserve_rope_tables(model: nn.Module, n: int, device: torch.device | str) -> int:
+    """``reserve(n, device)`` on every rope of ``model`` (shared ropes sit in lists/dicts, not
+    submodules, so they are reached through the attention blocks); returns how many."""
+    seen: dict[int, RotaryEmbedding] = {}
+    for m in model.modules():
+        r = getattr(m, "rotary", None)
+        for cand in (r.values() if isinstance(r, dict) else r if isinstance(r, (list, tuple)) else [r]):
+            if isinstance(cand, RotaryEmbedding):
+                seen[id(cand)] = cand
+    for r in seen.values():
+        r.reserve(n, device)
+    return len(seen)
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:

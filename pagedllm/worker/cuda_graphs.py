@@ -109,6 +109,9 @@ class CudaGraphRunner:
         if not self.enabled:
             return 0.0
         t0 = time.perf_counter()
+        from pagedllm.models.layers import reserve_rope_tables
+        # NOTE: the graphs hold the rope tables' addresses, and capture allows no position check (a sync)
+        reserve_rope_tables(self.model, self.max_blocks * self.block_size, self.device)
         self._reset_padding(0)
         pool = None
         stream = torch.cuda.Stream(self.device)
