@@ -157,6 +157,119 @@ static void decode_one_bf16(const c10::BFloat16* q, const c10::BFloat16* kv, con
       _mm256_storeu_si256(reinterpret_cast<__m256i*>(o + 16 * c), (__m256i)_mm512_cvtneps_pbh(acc[c]));
   }
 }
+
+// The same math as decode_one_bf16 with the G query heads of a kv head processed together:
+// each context token's K/V row address is computed once (no per-token division by the block
+// size), the K rows of 16 tokens are scored for all G heads while they sit in L1, and each V
+// row is loaded and widened once for all G heads (accumulators for G heads x CV vectors of the
+// head dim stay in registers). Summation order per head is unchanged: results equal
+// decode_one_bf16's bit for bit.
+constexpr int decode_cv(int G, int NV) {
+  int cv = NV;
+  while (cv > 1 && G * cv > 16) cv /= 2;  // NV is a power of two
+  return cv;
+}
+
+template <int DIM, int G>
+static void decode_group_bf16(const c10::BFloat16* q, const c10::BFloat16* kv, const int64_t* bt, int64_t L,
+                              int64_t b, int64_t h, c10::BFloat16* out, int64_t Hq, int64_t block_size,
+                              int64_t kv_block_stride, int64_t tok_stride, int64_t v_offset, float scale,
+                              int64_t window, float soft_cap, std::vector<float>& scores,
+                              std::vector<const c10::BFloat16*>& rows) {
+  constexpr int NC = DIM / 32;  // 32-element bf16 chunks per row
+  constexpr int NV = DIM / 16;  // 16-element float32 chunks per row
+  constexpr int CV = decode_cv(G, NV);
+  const int64_t first = (window > 0 && L > window) ? L - window : 0;
+  const int64_t n = L - first;
+  const int64_t n16 = (n + 15) / 16 * 16;
+  scores.resize(G * n16);
+  rows.resize(n16);
+  // K row address of every context token, walking the block table once.
+  {
+    int64_t blk = first / block_size, off = first % block_size;
+    const c10::BFloat16* base = kv + bt[blk] * kv_block_stride + h * DIM;
+    for (int64_t i = 0; i < n; ++i) {
+      rows[i] = base + off * tok_stride;
+      if (++off == block_size && i + 1 < n) {
+        off = 0;
+        base = kv + bt[++blk] * kv_block_stride + h * DIM;
+      }
+    }
+  }
+  const __m512 vscale = _mm512_set1_ps(scale);
+  const c10::BFloat16* qh = q + (b * Hq + h * G) * DIM;
+  // NOTE: software prefetch one 16-token group ahead: the block table scatters rows, so the
+  // hardware prefetcher loses the stream at every block boundary.
+  constexpr int LINES = DIM * 2 / 64;  // cache lines per K (or V) row
+  for (int64_t p0 = 0; p0 < n; p0 += 16) {
+    const int64_t cnt = std::min<int64_t>(16, n - p0);
+    for (int64_t j = p0 + 16; j < std::min<int64_t>(p0 + 32, n); ++j)
+      for (int l = 0; l < LINES; ++l) _mm_prefetch(reinterpret_cast<const char*>(rows[j]) + 64 * l, _MM_HINT_T0);
+    for (int g = 0; g < G; ++g) {
+      __m512bh qv[NC];
+      for (int c = 0; c < NC; ++c) qv[c] = (__m512bh)_mm512_loadu_si512(qh + g * DIM + 32 * c);
+      __m512 acc[16];
+      for (int64_t j = 0; j < 16; ++j) {
+        __m512 a = _mm512_setzero_ps();
+        if (j < cnt) {
+          const c10::BFloat16* kp = rows[p0 + j];
+          for (int c = 0; c < NC; ++c) a = _mm512_dpbf16_ps(a, qv[c], (__m512bh)_mm512_loadu_si512(kp + 32 * c));
+        }
+        acc[j] = a;
+      }
+      _mm512_storeu_ps(scores.data() + g * n16 + p0, _mm512_mul_ps(reduce16(acc), vscale));
+    }
+  }
+  for (int g = 0; g < G; ++g) {
+    float* sg = scores.data() + g * n16;
+    if (soft_cap > 0.f)
+      for (int64_t i = 0; i < n; ++i) sg[i] = soft_cap * std::tanh(sg[i] / soft_cap);
+    pagedllm_cpu::softmax_row(sg, n);
+  }
+  // P.V for all G heads, CV vectors of the head dim at a time.
+  for (int c0 = 0; c0 < NV; c0 += CV) {
+    __m512 acc[G][CV];
+    for (int g = 0; g < G; ++g)
+      for (int c = 0; c < CV; ++c) acc[g][c] = _mm512_setzero_ps();
+    for (int64_t i = 0; i < n; ++i) {
+      const c10::BFloat16* vp = rows[i] + v_offset + 16 * c0;
+      if (i + 8 < n)
+        for (int l = 0; l < CV * 32 / 64; ++l)
+          _mm_prefetch(reinterpret_cast<const char*>(rows[i + 8] + v_offset + 16 * c0) + 64 * l, _MM_HINT_T0);
+      __m512 v[CV];
+      for (int c = 0; c < CV; ++c) v[c] = bf16x16_to_f32(vp + 16 * c);
+      for (int g = 0; g < G; ++g) {
+        const __m512 w = _mm512_set1_ps(scores[g * n16 + i]);
+        for (int c = 0; c < CV; ++c) acc[g][c] = _mm512_fmadd_ps(w, v[c], acc[g][c]);
+      }
+    }
+    for (int g = 0; g < G; ++g) {
+      c10::BFloat16* o = out + (b * Hq + h * G + g) * DIM + 16 * c0;
+      for (int c = 0; c < CV; ++c)
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(o + 16 * c), (__m256i)_mm512_cvtneps_pbh(acc[g][c]));
+    }
+  }
+}
+
+// decode_group_bf16 for G in 1..8 (head dims 64/128/256); false if (D, G) has no instance.
+template <int DIM>
+static bool decode_group_bf16_dispatch(int64_t G, const c10::BFloat16* q, const c10::BFloat16* kv,
+                                       const int64_t* bt, int64_t L, int64_t b, int64_t h, c10::BFloat16* out,
+                                       int64_t Hq, int64_t block_size, int64_t kv_block_stride, int64_t tok_stride,
+                                       int64_t v_offset, float scale, int64_t window, float soft_cap,
+                                       std::vector<float>& scores, std::vector<const c10::BFloat16*>& rows) {
+#define PAGEDLLM_GROUP(GV)                                                                                  \
+  case GV:                                                                                                  \
+    decode_group_bf16<DIM, GV>(q, kv, bt, L, b, h, out, Hq, block_size, kv_block_stride, tok_stride,       \
+                               v_offset, scale, window, soft_cap, scores, rows);                            \
+    return true;
+  switch (G) {
+    PAGEDLLM_GROUP(1) PAGEDLLM_GROUP(2) PAGEDLLM_GROUP(3) PAGEDLLM_GROUP(4)
+    PAGEDLLM_GROUP(5) PAGEDLLM_GROUP(6) PAGEDLLM_GROUP(7) PAGEDLLM_GROUP(8)
+    default: return false;
+  }
+#undef PAGEDLLM_GROUP
+}
 #endif
 
 template <typename scalar_t>
@@ -174,6 +287,7 @@ static void decode_kernel(const scalar_t* q, const scalar_t* kv, const int64_t* 
   const int64_t grain = ctx_tokens * Hkv * D < 262144 ? B * Hkv : 1;
   at::parallel_for(0, B * Hkv, grain, [&](int64_t begin, int64_t end) {
     std::vector<float> qf(G * D), acc(G * D), kf(D), scores;
+    std::vector<const scalar_t*> rows;
     for (int64_t w = begin; w < end; ++w) {
       const int64_t b = w / Hkv, h = w % Hkv;
       const int64_t* bt = block_tables + b * max_blocks;
@@ -181,11 +295,14 @@ static void decode_kernel(const scalar_t* q, const scalar_t* kv, const int64_t* 
       if constexpr (std::is_same_v<scalar_t, c10::BFloat16>) {
         if (D == 64 || D == 128 || D == 256) {
 #define PAGEDLLM_DECODE_BF16(DIMV)                                                                          \
-  decode_one_bf16<DIMV>(q, kv, bt, seq_lens[b], b, h, out, Hq, G, block_size, kv_block_stride, tok_stride, \
-                        v_offset, scale, window, soft_cap, scores)
-          if (D == 64) PAGEDLLM_DECODE_BF16(64);
-          else if (D == 128) PAGEDLLM_DECODE_BF16(128);
-          else PAGEDLLM_DECODE_BF16(256);
+  if (!decode_group_bf16_dispatch<DIMV>(G, q, kv, bt, seq_lens[b], b, h, out, Hq, block_size,              \
+                                        kv_block_stride, tok_stride, v_offset, scale, window, soft_cap,     \
+                                        scores, rows))                                                      \
+    decode_one_bf16<DIMV>(q, kv, bt, seq_lens[b], b, h, out, Hq, G, block_size, kv_block_stride, tok_stride, \
+                          v_offset, scale, window, soft_cap, scores)
+          if (D == 64) { PAGEDLLM_DECODE_BF16(64); }
+          else if (D == 128) { PAGEDLLM_DECODE_BF16(128); }
+          else { PAGEDLLM_DECODE_BF16(256); }
 #undef PAGEDLLM_DECODE_BF16
           continue;
         }
