@@ -212,6 +212,34 @@ class StepRecorder:
         self.core.runner.execute = self.orig
 
 
+class PhaseTimer:
+    """Wall seconds spent in ``scheduler.schedule``, ``runner.execute`` and
+    ``scheduler.update_from_output`` (the rest of a run is output processing and the driver)."""
+
+    def __init__(self, core) -> None:
+        self.seconds = {"schedule": 0.0, "execute": 0.0, "update": 0.0}
+        self._undo = []
+        for obj, name, key in ((core.scheduler, "schedule", "schedule"), (core.runner, "execute", "execute"),
+                               (core.scheduler, "update_from_output", "update")):
+            self._wrap(obj, name, key)
+
+    def _wrap(self, obj, name: str, key: str) -> None:
+        inner = getattr(obj, name)
+
+        def timed(*a, **k):
+            t = time.perf_counter()
+            try:
+                return inner(*a, **k)
+            finally:
+                self.seconds[key] += time.perf_counter() - t
+        setattr(obj, name, timed)
+        self._undo.append((obj, name, inner))
+
+    def restore(self) -> None:
+        for obj, name, inner in reversed(self._undo):
+            setattr(obj, name, inner)
+
+
 def throughput(name: str, path: str, device: str, num_prompts: int, args: argparse.Namespace, llm=None) -> dict:
     from pagedllm import SamplingParams
     from pagedllm.entrypoints.bench import builtin_workload
@@ -225,9 +253,11 @@ def throughput(name: str, path: str, device: str, num_prompts: int, args: argpar
     llm.reset_prefix_cache()
     core = llm.llm_engine.core
     rec = StepRecorder(core)
+    phases = PhaseTimer(core)
     t0 = time.perf_counter()
     outs = llm.generate(inputs, sp, use_tqdm=False)
     el = time.perf_counter() - t0
+    phases.restore()
     rec.restore()
     n_out = sum(len(o.outputs[0].token_ids) for o in outs)
     n_in = sum(len(p) for p in prompts)
@@ -242,6 +272,9 @@ def throughput(name: str, path: str, device: str, num_prompts: int, args: argpar
         "decode_steps": rec.decode_steps,
         "decode_tok_s": rec.decode_tokens / rec.decode_s if rec.decode_s else float("nan"),
         "decode_GBps": rec.decode_bytes / rec.decode_s / 1e9 if rec.decode_s else float("nan"),
+        "eager": bool(getattr(core.runner, "cuda_graphs", None) is None),
+        **{f"{k}_s": round(v, 3) for k, v in phases.seconds.items()},
+        "other_s": round(el - sum(phases.seconds.values()), 3),
     }, llm
 
 
@@ -260,6 +293,8 @@ def main() -> int:
     ap.add_argument("--output-len", type=int, default=128)
     ap.add_argument("--num-prompts", type=int, nargs="+", default=[64, 256])
     ap.add_argument("--parity-tokens", type=int, default=24)
+    ap.add_argument("--eager-too", action="store_true",
+                    help="also run the largest request count with enforce_eager (no CUDA graphs)")
     ap.add_argument("--quick", action="store_true", help="tiny sizes (CPU dry run)")
     ap.add_argument("--skip-parity", action="store_true")
     ap.add_argument("--skip-throughput", action="store_true")
@@ -331,6 +366,16 @@ def main() -> int:
             del llm
             if device.type == "cuda":
                 torch.cuda.empty_cache()
+            if args.eager_too:
+                n = max(args.num_prompts)
+                try:
+                    r, llm = throughput(name, path, args.device, n, args,
+                                        make_llm(path, args.device, "auto", args, enforce_eager=True))
+                    results["throughput"].append(r)
+                    del llm
+                except Exception as e:
+                    traceback.print_exc()
+                    results["errors"].append(f"throughput eager {name} x{n}: {e!r}")
 
     print()
     print(f"copy bandwidth (read+write): {results['copy_GBps']:.0f} GB/s")
@@ -341,13 +386,14 @@ def main() -> int:
             print(f"| {r['model']} | {r.get('backend')} | {r.get('float32_exact')} | {r.get('float32_prefix_agree')} "
                   f"| {r.get('bfloat16_exact', '-')} | {r.get('bfloat16_prefix_agree', '-')} |")
     if results["throughput"]:
-        print("\n| model | reqs | dtype | out tok/s | total tok/s | TTFT med ms | TTFT p99 ms | decode tok/s "
-              "| decode GB/s | % of copy BW |")
-        print("|---|---|---|---|---|---|---|---|---|---|")
+        print("\n| model | reqs | dtype | graphs | out tok/s | total tok/s | TTFT med ms | TTFT p99 ms | decode tok/s "
+              "| decode GB/s | % of copy BW | schedule / execute / update / other s |")
+        print("|---|---|---|---|---|---|---|---|---|---|---|---|")
         for r in results["throughput"]:
-            print(f"| {r['model']} | {r['reqs']} | {r['dtype']} | {r['out_tok_s']:.0f} | {r['total_tok_s']:.0f} "
-                  f"| {r['ttft_med_ms']:.0f} | {r['ttft_p99_ms']:.0f} | {r['decode_tok_s']:.0f} "
-                  f"| {r['decode_GBps']:.0f} | {100 * r['decode_GBps'] / results['copy_GBps']:.1f} |")
+            print(f"| {r['model']} | {r['reqs']} | {r['dtype']} | {not r['eager']} | {r['out_tok_s']:.0f} "
+                  f"| {r['total_tok_s']:.0f} | {r['ttft_med_ms']:.0f} | {r['ttft_p99_ms']:.0f} | {r['decode_tok_s']:.0f} "
+                  f"| {r['decode_GBps']:.0f} | {100 * r['decode_GBps'] / results['copy_GBps']:.1f} "
+                  f"| {r['schedule_s']} / {r['execute_s']} / {r['update_s']} / {r['other_s']} |")
     for e in results["errors"]:
         print(f"ERROR: {e}")
     if args.json_out:
