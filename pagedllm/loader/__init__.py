@@ -36,8 +36,11 @@ __all__ = [
 class LoadedModel:
     """Everything needed to build and run a model.
 
-    hf_config: transformers config (LlamaConfig, Gemma3TextConfig, Qwen2Config, Qwen3Config, ...) with
-        `.architectures` set (e.g. ["LlamaForCausalLM"], ["Gemma3ForCausalLM"]).
+    hf_config: model config with `.architectures` set (e.g. ["LlamaForCausalLM"], ["Gemma3ForCausalLM"]).
+        HF directories: the transformers config (LlamaConfig, Qwen2Config, ...). GGUF files: a `TextConfig`
+        (text_config.py) with the same attributes and values the transformers config would have (LlamaConfig,
+        Gemma3TextConfig, Qwen2Config, Qwen3Config), built without importing transformers;
+        `.to_transformers()` / `.to_dict()` give transformers' own.
     weights: call it to get a fresh iterator of (HF tensor name, tensor) pairs, produced lazily one at a time:
         dequantized, converted to the requested dtype, HF layout ([out, in] for linear weights). For tied
         embeddings (config.tie_word_embeddings) no "lm_head.weight" is yielded from GGUF files.

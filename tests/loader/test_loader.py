@@ -1,6 +1,7 @@
 """Loader tests: resolve, GGUF parsing/dequantization/name maps on synthetic files (fast), real GGUFs vs
 transformers (slow), HF directory round trip."""
 
+import copy
 import json
 import os
 
@@ -192,6 +193,102 @@ def test_hf_name_map():
     assert hf_name("rope_freqs.weight", "llama") is None
 
 
+# ---------------------------------------------------------------- light config vs transformers
+
+# Every config attribute pagedllm reads (models, engine, pooling), present or not (getattr with a default).
+_READ_ATTRS = ["vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+               "num_key_value_heads", "head_dim", "max_position_embeddings", "rms_norm_eps", "rope_parameters",
+               "rope_theta", "rope_scaling", "bos_token_id", "eos_token_id", "pad_token_id", "unk_token_id",
+               "tie_word_embeddings", "architectures", "hidden_act", "hidden_activation", "attention_bias",
+               "mlp_bias", "layer_types", "sliding_window", "query_pre_attn_scalar", "final_logit_softcapping",
+               "attn_logit_softcapping", "id2label", "model_type", "num_labels", "name_or_path",
+               "output_attentions"]
+_MISSING = object()
+
+
+def _assert_same_config(mine, ref):
+    """`mine` (TextConfig) has exactly `ref`'s (a transformers config) public instance attributes, with equal
+    values of the same types, and reads the same for every attribute pagedllm uses."""
+    from pagedllm.loader.text_config import TextConfig
+
+    assert isinstance(mine, TextConfig)
+
+    def public(c):
+        return {k: v for k, v in vars(c).items() if not k.startswith("_")}
+
+    assert public(mine) == public(ref)
+    for k, v in public(ref).items():
+        assert type(getattr(mine, k)) is type(v), k
+    for a in _READ_ATTRS:
+        assert getattr(mine, a, _MISSING) == getattr(ref, a, _MISSING), a
+    assert getattr(mine, "_sliding_window_pattern", None) == getattr(ref, "_sliding_window_pattern", None)
+
+
+def _ref_config(model_type, kwargs, architectures=None):
+    from transformers import AutoConfig
+
+    ref = AutoConfig.for_model(model_type, **copy.deepcopy(kwargs))
+    if architectures is not None:
+        ref.architectures = architectures
+    return ref
+
+
+@pytest.mark.parametrize("arch", ["llama", "gemma3", "qwen2", "qwen3"])
+@pytest.mark.parametrize("tied", [True, False])
+def test_gguf_config_equals_transformers_synthetic(tmp_path, arch, tied):
+    from pagedllm.loader.gguf_loader import gguf_config, gguf_config_kwargs
+
+    F32 = _qtypes().F32
+    tensors = {"token_embd.weight": (np.zeros((32, 64), np.float32), F32)}
+    if not tied:
+        tensors["output.weight"] = (np.zeros((32, 64), np.float32), F32)
+    p = tmp_path / f"{arch}.gguf"
+    _write_gguf(p, arch, tensors, 4, 2, 64)
+    f = GGUFFile(str(p))
+    model_type, hf_arch, kwargs = gguf_config_kwargs(f)
+    cfg = gguf_config(f)
+    assert cfg.model_type == model_type and cfg.architectures == [hf_arch] and cfg.tie_word_embeddings is tied
+    _assert_same_config(cfg, _ref_config(model_type, kwargs, [hf_arch]))
+
+
+@pytest.mark.parametrize("model_type,kwargs", [
+    ("llama", {}),
+    ("llama", {"hidden_size": 64, "num_attention_heads": 4, "rope_theta": 5e5, "num_key_value_heads": None}),
+    ("llama", {"rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                "high_freq_factor": 4.0, "original_max_position_embeddings": 8192},
+               "rope_theta": 5e5, "max_position_embeddings": 131072}),
+    ("llama", {"rope_parameters": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1e4}, "head_dim": 32}),
+    ("llama", {"partial_rotary_factor": 0.5, "unk_token_id": 0, "eos_token_id": [2, 3]}),
+    ("gemma3_text", {}),
+    ("gemma3_text", {"num_hidden_layers": 13, "sliding_window": 512, "rope_theta": 1e6,
+                     "rope_local_base_freq": 2e4, "final_logit_softcapping": 30.0}),
+    ("gemma3_text", {"rope_scaling": {"rope_type": "linear", "factor": 8.0}, "sliding_window_pattern": 4}),
+    ("qwen2", {}),
+    ("qwen2", {"use_sliding_window": True, "max_window_layers": 20, "head_dim": 64, "num_key_value_heads": None}),
+    ("qwen3", {"rope_theta": 1e6, "attention_bias": True}),
+])
+def test_text_config_equals_transformers(model_type, kwargs):
+    from pagedllm.loader.text_config import TextConfig
+
+    cfg = TextConfig(model_type, **copy.deepcopy(kwargs))
+    _assert_same_config(cfg, _ref_config(model_type, kwargs))
+
+
+def test_text_config_errors_and_to_transformers():
+    from pagedllm.loader.text_config import TextConfig
+
+    with pytest.raises(ValueError, match="not supported"):
+        TextConfig("mistral")
+    with pytest.raises(ValueError, match="not a multiple"):
+        TextConfig("llama", hidden_size=65, num_attention_heads=4)
+    cfg = TextConfig("gemma3_text", num_hidden_layers=6, sliding_window=512)
+    cfg.architectures = ["Gemma3ForCausalLM"]
+    ref = cfg.to_transformers()
+    assert type(ref).__name__ == "Gemma3TextConfig" and ref.architectures == ["Gemma3ForCausalLM"]
+    _assert_same_config(cfg, ref)
+    assert cfg.to_dict() == ref.to_dict() and cfg.to_dict()["model_type"] == "gemma3_text"
+
+
 # ---------------------------------------------------------------- HF directory
 
 
@@ -251,7 +348,9 @@ def test_hf_dir_errors(tmp_path):
 _CFG_FIELDS = ["vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
                "num_key_value_heads", "head_dim", "max_position_embeddings", "rms_norm_eps", "rope_parameters",
                "bos_token_id", "eos_token_id", "pad_token_id", "tie_word_embeddings", "model_type"]
-_GEMMA_FIELDS = ["sliding_window", "layer_types", "query_pre_attn_scalar", "hidden_activation"]
+_GEMMA_FIELDS = ["sliding_window", "layer_types", "query_pre_attn_scalar", "hidden_activation", "attention_bias",
+                 "final_logit_softcapping", "attn_logit_softcapping"]
+_LLAMA_FIELDS = ["hidden_act", "attention_bias", "mlp_bias"]
 
 
 @pytest.mark.slow
@@ -260,7 +359,7 @@ def test_config_matches_transformers(which, request):
     path = request.getfixturevalue(f"{which}_path")
     lm = load_model(path)
     ref = request.getfixturevalue(f"hf_{which}")[0].config  # transformers' GGUF config (root conftest reference)
-    fields = _CFG_FIELDS + (_GEMMA_FIELDS if which == "gemma3" else [])
+    fields = _CFG_FIELDS + (_GEMMA_FIELDS if which == "gemma3" else _LLAMA_FIELDS)
     for f in fields:
         assert getattr(lm.hf_config, f) == getattr(ref, f), f
     if which == "smollm2":
@@ -274,6 +373,47 @@ def test_config_matches_transformers(which, request):
         assert [i for i, t in enumerate(c.layer_types) if t == "full_attention"] == [5, 11, 17]
         assert c.rope_parameters["sliding_attention"]["rope_theta"] == 10000.0
         assert c.rope_parameters["full_attention"]["rope_theta"] == 1e6
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("which", ["smollm2", "gemma3"])
+def test_real_gguf_config_equals_transformers_config(which, request):
+    """The light config of each real GGUF has every attribute (and to_dict) of the transformers config built from
+    the same GGUF metadata, the config our loader built before it stopped importing transformers for it."""
+    from pagedllm.loader.gguf_loader import gguf_config, gguf_config_kwargs
+
+    f = GGUFFile(request.getfixturevalue(f"{which}_path"))
+    model_type, hf_arch, kwargs = gguf_config_kwargs(f)
+    cfg = gguf_config(f)
+    ref = _ref_config(model_type, kwargs, [hf_arch])
+    _assert_same_config(cfg, ref)
+    assert cfg.to_dict() == ref.to_dict()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("which", ["smollm2", "gemma3"])
+def test_gguf_load_skips_heavy_imports(which, request):
+    """Loading a GGUF model (config, tokenizer, weights) must not import transformers' config / modeling
+    machinery, which drags in torch.distributed.tensor and sympy (~1.5 s of start-up)."""
+    import subprocess
+    import sys
+
+    path = request.getfixturevalue(f"{which}_path")
+    code = (
+        "import sys\n"
+        "from pagedllm.loader import load_model\n"
+        f"lm = load_model({path!r})\n"
+        "next(iter(lm.weights()))\n"
+        "lm.tokenizer('Hi')\n"
+        "heavy = [m for m in ('sympy', 'torch.distributed.tensor', 'transformers.modeling_utils',\n"
+        "         'transformers.models.llama.configuration_llama',\n"
+        "         'transformers.models.gemma3.configuration_gemma3') if m in sys.modules]\n"
+        "print('HEAVY', heavy)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
+                         env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "HEAVY []" in out.stdout, out.stdout
 
 
 def _check_weights(path, hf_state, n_expected):
@@ -328,6 +468,55 @@ def test_tokenizer_matches_transformers(which, request):
         assert tok2("Hi").input_ids[0] == 2
         assert tok2.chat_template is None
         assert tok2.convert_tokens_to_ids(["<start_of_turn>", "<end_of_turn>"]) == [105, 106]
+
+
+def _assert_same_tokenizer_state(a, b):
+    assert type(a) is type(b)
+    va, vb = vars(a), vars(b)
+    assert set(va) == set(vb)
+    for k, v in va.items():
+        if k == "_tokenizer":  # the Rust tokenizer: compare its full serialization
+            assert v.to_str() == vb[k].to_str()
+        else:
+            assert v == vb[k], k
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("which", ["smollm2", "gemma3"])
+def test_tokenizer_cache_snapshot(which, request, tmp_path, monkeypatch):
+    """Cache reloads (from the saved files, then from the pickle snapshot, then after a corrupt snapshot) all give
+    the object AutoTokenizer gives for the saved files: same class, same state, same ids and chat prompt."""
+    from transformers import AutoTokenizer
+
+    from pagedllm.loader import tokenizer as T
+
+    monkeypatch.setenv("PAGEDLLM_CACHE_DIR", str(tmp_path))
+    path = request.getfixturevalue(f"{which}_path")
+    T.load_gguf_tokenizer(path)  # converts and saves the files
+    cached = T.gguf_tokenizer_cache_path(path)
+    snap = T._snapshot_path(cached)
+    assert cached.startswith(str(tmp_path)) and not os.path.exists(snap)
+    ref = AutoTokenizer.from_pretrained(cached, **T._load_bos_eos_flags(cached))
+    from_files = T.load_gguf_tokenizer(path)  # reloads the files, writes the snapshot
+    assert os.path.isfile(snap)
+    from_snap = T.load_gguf_tokenizer(path)
+    with open(snap, "wb") as fh:
+        fh.write(b"not a pickle")
+    after_corrupt = T.load_gguf_tokenizer(path)  # ignores the broken snapshot, rewrites it
+    assert os.path.getsize(snap) > 1000 and os.path.isfile(os.path.join(cached, "tokenizer.json"))
+    msgs = [{"role": "user", "content": "Hi"}]
+    for tok in (from_files, from_snap, after_corrupt, T.load_gguf_tokenizer(path)):
+        _assert_same_tokenizer_state(tok, ref)
+        for s in _TEXTS:
+            ids = ref(s).input_ids
+            assert tok(s).input_ids == ids and tok.decode(ids) == ref.decode(ids)
+        if ref.chat_template is not None:
+            assert (tok.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)
+                    == ref.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True))
+    if which == "smollm2":  # TokenizersBackend is loaded directly, without AutoTokenizer's model table
+        assert T._tokenizer_class(cached).__name__ == "TokenizersBackend"
+    else:
+        assert type(from_snap).__name__ == "GemmaTokenizer" and T._tokenizer_class(cached) is AutoTokenizer
 
 
 @pytest.mark.slow
