@@ -141,9 +141,19 @@ class KVCacheManager:
         """
         if num_new_tokens < 0:
             raise ValueError(f"num_new_tokens must be >= 0, got {num_new_tokens}")
-        new_computed_blocks = new_computed_blocks or []
         req_id = request.request_id
         req_blocks = self.req_to_blocks.get(req_id)
+        if req_blocks is not None and not new_computed_blocks:
+            # Fast path (most decode steps): the held blocks already have room and no block
+            # becomes full, so there is nothing to allocate or register.
+            total = request.num_computed_tokens + num_new_tokens
+            bs = self.block_size
+            if total <= len(req_blocks) * bs:
+                if not self.enable_caching or request.pooling_params is not None:  # skip_caching
+                    return []
+                if min(total, request.num_tokens) // bs <= self.num_cached_block[req_id]:
+                    return []
+        new_computed_blocks = new_computed_blocks or []
         is_admission = req_blocks is None
         if new_computed_blocks and not is_admission:
             raise ValueError(f"request {req_id} already holds blocks; prefix hits only on admission")

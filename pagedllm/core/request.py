@@ -29,11 +29,14 @@ class RequestStatus(enum.IntEnum):
     @staticmethod
     def finish_reason(status: "RequestStatus") -> Optional[str]:
         """OpenAI ``finish_reason`` for a finished status ("stop", "length", "abort")."""
-        return {
-            RequestStatus.FINISHED_STOPPED: "stop",
-            RequestStatus.FINISHED_LENGTH: "length",
-            RequestStatus.FINISHED_ABORTED: "abort",
-        }.get(status)
+        return _FINISH_REASONS.get(status)
+
+
+_FINISH_REASONS = {
+    RequestStatus.FINISHED_STOPPED: "stop",
+    RequestStatus.FINISHED_LENGTH: "length",
+    RequestStatus.FINISHED_ABORTED: "abort",
+}
 
 
 class Request:
@@ -54,6 +57,9 @@ class Request:
         stop_reason: the token id that stopped the request (int), or None.
         arrival_time: ``time.time()`` seconds when the request reached the core.
         priority: lower value is served first (FCFS within the same value).
+        max_tokens / min_tokens / stop_token_ids / ignore_eos: the stop settings the scheduler
+            checks every token, read once from ``sampling_params`` here (``stop_token_ids``
+            as a frozenset, or None when empty); ``max_tokens`` 0 and the rest off for pooling.
     """
 
     def __init__(
@@ -88,6 +94,10 @@ class Request:
             self.max_tokens = sampling_params.max_tokens
         else:
             self.max_tokens = 0
+        self.min_tokens: int = getattr(sampling_params, "min_tokens", 0) or 0
+        stop_ids = getattr(sampling_params, "stop_token_ids", None)
+        self.stop_token_ids: Optional[frozenset[int]] = frozenset(stop_ids) if stop_ids else None
+        self.ignore_eos: bool = bool(getattr(sampling_params, "ignore_eos", False))
 
     @property
     def num_prompt_tokens(self) -> int:

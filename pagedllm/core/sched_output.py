@@ -5,7 +5,7 @@ from dataclasses import dataclass, field
 from typing import Any, Optional
 
 
-@dataclass
+@dataclass(slots=True)
 class ScheduledRequest:
     """One request's work in this step.
 
@@ -77,7 +77,7 @@ class ModelRunnerOutput:
     pooler_output: dict[str, Any] = field(default_factory=dict)
 
 
-@dataclass
+@dataclass(slots=True)
 class EngineCoreOutput:
     """One request's news after a step (consumed by the output processor).
 

@@ -153,17 +153,26 @@ class Scheduler:
         """Build this step's batch (see module docstring). Mutates request counters."""
         mgr = self.kv_cache_manager
         budget = self.max_num_batched_tokens
-        num_scheduled: dict[str, int] = {}
-        order: list[Request] = []
-        is_new: set[str] = set()
+        threshold = self.long_prefill_token_threshold
+        max_model_len = self.max_model_len
+        # (request, tokens to compute, newly admitted) in batch order.
+        order: list[tuple[Request, int, bool]] = []
         preempted: set[str] = set()
 
         # 1. Running requests, oldest first; preempt the newest when out of blocks.
+        running = self.running
         i = 0
-        while i < len(self.running) and budget > 0:
-            req = self.running[i]
-            num_new = min(self._cap(req.num_tokens - req.num_computed_tokens), budget,
-                          self.max_model_len - req.num_computed_tokens)
+        while i < len(running) and budget > 0:
+            req = running[i]
+            computed = req.num_computed_tokens
+            # min(_cap(num_tokens - computed), budget, max_model_len - computed)
+            num_new = len(req.all_token_ids) - computed
+            if 0 < threshold < num_new:
+                num_new = threshold
+            if budget < num_new:
+                num_new = budget
+            if max_model_len - computed < num_new:
+                num_new = max_model_len - computed
             if num_new <= 0:
                 i += 1
                 continue
@@ -171,7 +180,7 @@ class Scheduler:
                 if mgr.allocate_slots(req, num_new) is not None:
                     scheduled = True
                     break
-                victim = self.running.pop()
+                victim = running.pop()
                 self._preempt(victim)
                 preempted.add(victim.request_id)
                 if victim is req:
@@ -179,8 +188,7 @@ class Scheduler:
                     break
             if not scheduled:
                 break
-            num_scheduled[req.request_id] = num_new
-            order.append(req)
+            order.append((req, num_new, False))
             budget -= num_new
             i += 1
 
@@ -201,9 +209,7 @@ class Scheduler:
                 req.num_computed_tokens = num_hit
                 req.status = RequestStatus.RUNNING
                 self.running.append(req)
-                num_scheduled[req.request_id] = num_new
-                order.append(req)
-                is_new.add(req.request_id)
+                order.append((req, num_new, True))
                 budget -= num_new
 
         # 3. Emit and advance num_computed_tokens.
@@ -212,23 +218,27 @@ class Scheduler:
             preempted_req_ids=preempted,
         )
         self.finished_req_ids = set()
-        for req in order:
-            n = num_scheduled[req.request_id]
+        block_ids = mgr.req_to_block_ids
+        scheduled_reqs = out.scheduled
+        total = 0
+        for req, n, is_new in order:
             start = req.num_computed_tokens
-            out.scheduled.append(ScheduledRequest(
+            tokens = req.all_token_ids
+            scheduled_reqs.append(ScheduledRequest(
                 req_id=req.request_id,
-                token_ids=req.all_token_ids,
+                token_ids=tokens,
                 start_pos=start,
                 num_tokens=n,
-                block_ids=mgr.get_block_ids(req.request_id),
-                is_last_chunk=start + n == req.num_tokens,
+                block_ids=block_ids[req.request_id].copy(),
+                is_last_chunk=start + n == len(tokens),
                 sampling_params=req.sampling_params,
                 pooling_params=req.pooling_params,
-                prompt_len=req.num_prompt_tokens,
-                is_new=req.request_id in is_new,
+                prompt_len=len(req.prompt_token_ids),
+                is_new=is_new,
             ))
             req.num_computed_tokens = start + n
-            out.total_num_scheduled_tokens += n
+            total += n
+        out.total_num_scheduled_tokens = total
         if self.debug:
             self.check_invariants(out)
         return out
@@ -266,42 +276,51 @@ class Scheduler:
         """
         outputs: list[EngineCoreOutput] = []
         any_finished = False
+        requests = self.requests
+        sampled = runner_output.sampled_token_ids
+        all_logprobs = runner_output.logprobs
+        all_prompt_lps = runner_output.prompt_logprobs
+        running_status = RequestStatus.RUNNING
         for sr in scheduler_output.scheduled:
-            req = self.requests.get(sr.req_id)
-            if req is None or req.status != RequestStatus.RUNNING:
+            req_id = sr.req_id
+            req = requests.get(req_id)
+            if req is None or req.status != running_status:
                 continue  # aborted (or otherwise gone) while in flight
-            prompt_lps = runner_output.prompt_logprobs.get(sr.req_id)
-            if req.is_pooling:
+            prompt_lps = all_prompt_lps.get(req_id) if all_prompt_lps else None
+            if req.pooling_params is not None:
                 if sr.is_last_chunk:
                     # NOTE: finish even if the runner gave no pooled output, or the request
                     # would sit in `running` with nothing left to compute, forever.
                     req.status = RequestStatus.FINISHED_STOPPED
                     any_finished = True
                     outputs.append(EngineCoreOutput(
-                        req_id=req.request_id, new_token_ids=[], finish_reason="stop",
-                        pooled=runner_output.pooler_output.get(sr.req_id),
+                        req_id=req_id, new_token_ids=[], finish_reason="stop",
+                        pooled=runner_output.pooler_output.get(req_id),
                         num_cached_tokens=max(req.num_cached_tokens, 0)))
                 continue
-            new_ids = runner_output.sampled_token_ids.get(sr.req_id) or []
+            new_ids = sampled.get(req_id)
             appended: list[int] = []
-            for tok in new_ids:
-                req.append_output_token_ids(tok)
-                appended.append(tok)
-                if self._check_stop(req):
-                    break
-            if not appended and not prompt_lps:
+            if new_ids:
+                for tok in new_ids:
+                    req.output_token_ids.append(tok)
+                    req.all_token_ids.append(tok)
+                    appended.append(tok)
+                    if self._check_stop(req):
+                        break
+            elif not prompt_lps:
                 continue
-            lps = runner_output.logprobs.get(sr.req_id)
+            lps = all_logprobs.get(req_id) if all_logprobs else None
             if lps is not None:
                 lps = lps[:len(appended)]
-            finished = req.is_finished()
+            status = req.status
+            finished = status > RequestStatus.PREEMPTED
             any_finished |= finished
             outputs.append(EngineCoreOutput(
-                req_id=req.request_id,
+                req_id=req_id,
                 new_token_ids=appended,
                 new_logprobs=lps,
                 new_prompt_logprobs=prompt_lps,
-                finish_reason=req.get_finished_reason(),
+                finish_reason=RequestStatus.finish_reason(status) if finished else None,
                 stop_reason=req.stop_reason,
                 num_cached_tokens=max(req.num_cached_tokens, 0),
             ))
@@ -318,23 +337,23 @@ class Scheduler:
     def _check_stop(self, req: Request) -> bool:
         """Stop checks after appending one token, in order: stop_token_ids, EOS (both
         gated by min_tokens), max_tokens, max_model_len. Sets status/stop_reason."""
-        sp = req.sampling_params
-        last = req.output_token_ids[-1]
-        if req.num_output_tokens >= (getattr(sp, "min_tokens", 0) or 0):
-            stop_ids = getattr(sp, "stop_token_ids", None)
-            if stop_ids and last in stop_ids:
+        out = req.output_token_ids
+        num_out = len(out)
+        if num_out >= req.min_tokens:
+            last = out[-1]
+            stop_ids = req.stop_token_ids
+            if stop_ids is not None and last in stop_ids:
                 req.status = RequestStatus.FINISHED_STOPPED
                 req.stop_reason = last
                 return True
-            if (req.eos_token_id is not None and last == req.eos_token_id
-                    and not getattr(sp, "ignore_eos", False)):
+            if last == req.eos_token_id and not req.ignore_eos:  # (eos None: never equal)
                 req.status = RequestStatus.FINISHED_STOPPED
                 return True
         max_tokens = req.max_tokens
-        if max_tokens is not None and req.num_output_tokens >= max_tokens:
+        if max_tokens is not None and num_out >= max_tokens:
             req.status = RequestStatus.FINISHED_LENGTH
             return True
-        if req.num_tokens >= self.max_model_len:
+        if len(req.all_token_ids) >= self.max_model_len:
             req.status = RequestStatus.FINISHED_LENGTH
             return True
         return False

@@ -70,19 +70,30 @@ class IncrementalDetokenizer:
         return len(self._ids) - self._num_ctx
 
     def _step(self, force: bool) -> str:
-        if self.read_offset >= len(self._ids) and not force:
+        ids = self._ids
+        read_offset = self.read_offset
+        if read_offset >= len(ids) and not force:
             return ""
-        prefix_text = self._decode(self._ids[self.prefix_offset:self.read_offset])
-        new_text = self._decode(self._ids[self.prefix_offset:])
+        prefix_offset = self.prefix_offset
+        prefix_ids = ids[prefix_offset:read_offset]
+        new_ids = ids[prefix_offset:]
+        backend = self._backend
+        if backend is not None:  # (= _decode, inlined: this runs for every request every step)
+            skip = self.skip_special_tokens
+            prefix_text = backend.decode(prefix_ids, skip_special_tokens=skip) if prefix_ids else ""
+            new_text = backend.decode(new_ids, skip_special_tokens=skip) if new_ids else ""
+        else:
+            prefix_text = self._decode(prefix_ids)
+            new_text = self._decode(new_ids)
         if len(new_text) > len(prefix_text) and (force or not new_text.endswith(_REPLACEMENT)):
             delta = new_text[len(prefix_text):]
-            self.prefix_offset = self.read_offset
-            self.read_offset = len(self._ids)
+            self.prefix_offset = read_offset
+            self.read_offset = len(ids)
             self.output_text += delta
             return delta
         if force:
-            self.prefix_offset = self.read_offset
-            self.read_offset = len(self._ids)
+            self.prefix_offset = read_offset
+            self.read_offset = len(ids)
         return ""
 
     def add_tokens(self, new_token_ids: Sequence[int]) -> str:
@@ -92,7 +103,7 @@ class IncrementalDetokenizer:
         """
         if not new_token_ids:
             return ""
-        self._ids.extend(int(t) for t in new_token_ids)
+        self._ids.extend(map(int, new_token_ids))
         return self._step(force=False)
 
     def flush(self) -> str:

@@ -202,10 +202,14 @@ class RequestState:
         if eco.new_prompt_logprobs:
             self._add_prompt_logprobs(eco.new_prompt_logprobs)
 
-        new_ids = [int(t) for t in (eco.new_token_ids or [])]
-        if new_ids and self.first_token_time is None:
-            self.first_token_time = time.time()
-        self.token_ids.extend(new_ids)
+        new_ids = eco.new_token_ids
+        if new_ids:
+            new_ids = [int(t) for t in new_ids]
+            if self.first_token_time is None:
+                self.first_token_time = time.time()
+            self.token_ids.extend(new_ids)
+        else:
+            new_ids = []
 
         if self.logprobs is not None and eco.new_logprobs:
             fn = self._token_text()
@@ -227,7 +231,8 @@ class RequestState:
             delta = self.detokenizer.add_tokens(to_detok)
             if core_finish is not None:
                 delta += self.detokenizer.flush()
-            self.text += delta
+            if delta:
+                self.text += delta
             if self.stop and delta and len(self.token_ids) > self.min_tokens:
                 hit = find_stop_string(self.text, prev_len, self.stop)
                 if hit is not None:
@@ -410,7 +415,7 @@ class OutputProcessor:
                     parent_updates.setdefault(p.request_id, []).append(state)
                 continue
 
-            if not eco.new_token_ids and not finished:
+            if not finished and (not eco.new_token_ids or state.output_kind == FINAL_ONLY):
                 continue  # e.g. a prefill chunk that only carried prompt logprobs
             co = state.make_completion_output()
             if co is None:

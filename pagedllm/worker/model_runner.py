@@ -2,7 +2,9 @@
 
 The runner owns the KV cache tensors (one per layer, ``[num_blocks, 2, block_size,
 num_kv_heads, head_dim]``) and per-request state that must outlive a step (seeded
-generators, MEAN-pooling partial sums).
+generators, MEAN-pooling partial sums, and the persistent :class:`InputBatch`: block tables
+and sampling parameters kept from step to step so a step's inputs and sampling metadata are
+a few numpy gathers instead of per-request conversions).
 """
 from __future__ import annotations
 
@@ -14,6 +16,8 @@ import torch
 
 from pagedllm.attention.backend import AttentionMetadata, ForwardContext, set_forward_context
 from pagedllm.core.sched_output import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
+from pagedllm.sample.metadata import SamplingMetadata
+from pagedllm.worker.input_batch import InputBatch
 
 logger = logging.getLogger(__name__)
 
@@ -60,6 +64,8 @@ class ModelRunner:
         self.pooler = pooler
         self.generators: dict[str, torch.Generator] = {}
         self.pool_state: dict[str, Any] = {}
+        # Per-request state kept across steps (block tables, sampling parameters).
+        self.input_batch = InputBatch(vocab_size)
         self.cuda_graphs = None
 
     def capture_cuda_graphs(self, max_num_seqs: int, max_model_len: int) -> float:
@@ -75,37 +81,57 @@ class ModelRunner:
         return self.cuda_graphs.capture()
 
     # ------------------------------------------------------------------ inputs
-    def _prepare(self, reqs: list[ScheduledRequest]):
-        """Build flat input ids, positions and attention metadata (decodes must come first)."""
+    def _prepare(self, reqs: list[ScheduledRequest], rows: Optional[np.ndarray] = None,
+                 max_blocks: Optional[int] = None):
+        """Build flat input ids, positions and attention metadata (decodes must come first).
+
+        Args:
+            reqs: the step's requests, decodes (one token) first.
+            rows: each request's row in ``self.input_batch`` (after ``InputBatch.update``);
+                None updates the batch here.
+            max_blocks: the longest block table among ``reqs`` (returned by the update).
+
+        Returns:
+            ``(input_ids int64 [T], positions int64 [T], AttentionMetadata, query_start_loc
+            int64 numpy [B + 1])``, tensors on the CPU.
+        """
+        if rows is None or max_blocks is None:
+            rows, max_blocks = self.input_batch.update(reqs, self._generator_for)
         bs = self.block_size
+        B = len(reqs)
         query_lens = [r.num_tokens for r in reqs]
+        starts = [r.start_pos for r in reqs]
         total = sum(query_lens)
-        ids = np.empty(total, dtype=np.int64)
-        pos = np.empty(total, dtype=np.int64)
-        slots = np.empty(total, dtype=np.int64)
-        max_blocks = max(len(r.block_ids) for r in reqs)
-        block_tables = np.zeros((len(reqs), max_blocks), dtype=np.int64)
-        seq_lens = []
-        off = 0
-        for i, r in enumerate(reqs):
-            n, s = r.num_tokens, r.start_pos
-            ids[off:off + n] = r.token_ids[s:s + n]
-            p = np.arange(s, s + n, dtype=np.int64)
-            pos[off:off + n] = p
-            bt = np.asarray(r.block_ids, dtype=np.int64)
-            block_tables[i, :len(bt)] = bt
-            slots[off:off + n] = bt[p // bs] * bs + p % bs
-            seq_lens.append(s + n)
-            off += n
-        qsl = np.zeros(len(reqs) + 1, dtype=np.int64)
-        np.cumsum(query_lens, out=qsl[1:])
-        num_decodes = 0
-        for q in query_lens:
-            if q != 1:
-                break
-            num_decodes += 1
+        block_tables = self.input_batch.block_tables(rows, max_blocks)
+        if total == B:
+            # Decode-only step (every request computes one token): no per-token expansion.
+            num_decodes = B
+            ids = np.array([r.token_ids[r.start_pos] for r in reqs], dtype=np.int64)
+            pos = np.array(starts, dtype=np.int64)
+            seq_lens = [s + 1 for s in starts]
+            qsl = np.arange(B + 1, dtype=np.int64)
+            blk = block_tables[np.arange(B), pos // bs]
+        else:
+            num_decodes = 0
+            for q in query_lens:
+                if q != 1:
+                    break
+                num_decodes += 1
+            flat: list[int] = []
+            for r in reqs:
+                s = r.start_pos
+                flat.extend(r.token_ids[s:s + r.num_tokens])
+            ids = np.array(flat, dtype=np.int64)
+            qsl = np.zeros(B + 1, dtype=np.int64)
+            np.cumsum(query_lens, out=qsl[1:])
+            # Token t of request i sits at position start_i + (t - qsl_i).
+            req_idx = np.repeat(np.arange(B), query_lens)
+            pos = np.arange(total, dtype=np.int64) + (np.array(starts, dtype=np.int64) - qsl[:-1])[req_idx]
+            seq_lens = [s + n for s, n in zip(starts, query_lens)]
+            blk = block_tables[req_idx, pos // bs]
+        slots = blk * bs + pos % bs
         meta = AttentionMetadata(
-            num_reqs=len(reqs), num_decodes=num_decodes, num_decode_tokens=num_decodes,
+            num_reqs=B, num_decodes=num_decodes, num_decode_tokens=num_decodes,
             query_start_loc=torch.from_numpy(qsl), query_lens=query_lens,
             seq_lens=torch.tensor(seq_lens, dtype=torch.int64), seq_lens_list=seq_lens,
             block_tables=torch.from_numpy(block_tables), slot_mapping=torch.from_numpy(slots),
@@ -134,20 +160,24 @@ class ModelRunner:
             of its tokens, logprobs where requested, and pooled vectors for finished pooling
             requests.
         """
+        batch = self.input_batch
         for rid in so.finished_req_ids:
             self.generators.pop(rid, None)
             self.pool_state.pop(rid, None)
+            batch.remove(rid)
         for rid in so.preempted_req_ids:
             self.pool_state.pop(rid, None)
+            batch.remove(rid)
         out = ModelRunnerOutput()
         if not so.scheduled:
             return out
-        # Decodes first (stable), as the attention metadata requires.
-        reqs = sorted(so.scheduled, key=lambda r: r.num_tokens != 1)
-        for r in reqs:
-            if r.is_new:
-                self.pool_state.pop(r.req_id, None)
-        input_ids, positions, meta, qsl = self._prepare(reqs)
+        reqs = _decodes_first(so.scheduled)
+        if self.pool_state:
+            for r in reqs:
+                if r.is_new:
+                    self.pool_state.pop(r.req_id, None)
+        rows, max_blocks = batch.update(reqs, self._generator_for)
+        input_ids, positions, meta, qsl = self._prepare(reqs, rows, max_blocks)
         ctx = ForwardContext(attn_metadata=meta, kv_caches=self.kv_caches, impl=self.attn_impl)
         if self.cuda_graphs is not None and self.cuda_graphs.can_run(meta):
             hidden = self.cuda_graphs.run(input_ids.to(self.device, non_blocking=True),
@@ -158,11 +188,12 @@ class ModelRunner:
 
         gen_rows = [i for i, r in enumerate(reqs) if r.sampling_params is not None and r.is_last_chunk]
         if gen_rows:
-            self._sample(reqs, gen_rows, hidden, qsl, out)
-        for i, r in enumerate(reqs):
-            sp = r.sampling_params
-            if sp is not None and sp.prompt_logprobs is not None and r.start_pos < r.prompt_len:
-                self._prompt_logprobs(r, hidden[qsl[i]:qsl[i + 1]], out)
+            self._sample(reqs, gen_rows, rows, hidden, qsl, out)
+        if batch.wants_prompt_logprobs[rows].any():
+            for i, r in enumerate(reqs):
+                sp = r.sampling_params
+                if sp is not None and sp.prompt_logprobs is not None and r.start_pos < r.prompt_len:
+                    self._prompt_logprobs(r, hidden[qsl[i]:qsl[i + 1]], out)
         if self.pooler is not None:
             for i, r in enumerate(reqs):
                 if r.pooling_params is not None:
@@ -172,32 +203,47 @@ class ModelRunner:
                         self.pool_state.pop(r.req_id, None)
         return out
 
-    def _sample(self, reqs, rows, hidden, qsl, out: ModelRunnerOutput) -> None:
-        from pagedllm.sample.metadata import SamplingMetadata
+    def _sample(self, reqs: list[ScheduledRequest], sel_idx: list[int], rows: np.ndarray,
+                hidden: torch.Tensor, qsl: np.ndarray, out: ModelRunnerOutput) -> None:
+        """Sample one token for each ``reqs[i]``, ``i`` in ``sel_idx``, into ``out``.
 
-        last = torch.as_tensor([int(qsl[i + 1]) - 1 for i in rows], dtype=torch.int64)
-        logits = self.model.compute_logits(hidden[last]).float()
-        sel = [reqs[i] for i in rows]
-        meta = SamplingMetadata.from_requests(
-            params=[r.sampling_params for r in sel],
-            prompt_token_ids=[_prompt_if_needed(r) for r in sel],
-            output_token_ids=[_output_if_needed(r) for r in sel],
-            generators=[self._generator_for(r) for r in sel],
-            vocab_size=self.vocab_size,
-            eos_token_ids=[self.eos_token_id] * len(sel),
-            device=self.device,
-        )
+        Args:
+            reqs: the step's requests (batch order).
+            sel_idx: indices into ``reqs`` of the requests that sample this step.
+            rows: int64 ``[B]`` input-batch row of every request.
+            hidden: ``[T, hidden]`` hidden states of the step's tokens.
+            qsl: int64 ``[B + 1]`` query start offsets (token ``qsl[i + 1] - 1`` is request i's last).
+        """
+        if len(sel_idx) == hidden.shape[0] and hidden.is_contiguous():
+            # Every token is the last of a sampling request (decode-only step): no gather.
+            h = hidden
+        else:
+            h = hidden[torch.from_numpy(qsl[1:][sel_idx] - 1)]
+        logits = self.model.compute_logits(h).float()
+        sel = [reqs[i] for i in sel_idx]
+        meta = self.input_batch.sampling_metadata(rows[sel_idx], self.device)
+        if meta is None:
+            meta = SamplingMetadata.from_requests(
+                params=[r.sampling_params for r in sel],
+                prompt_token_ids=[_prompt_if_needed(r) for r in sel],
+                output_token_ids=[_output_if_needed(r) for r in sel],
+                generators=[self._generator_for(r) for r in sel],
+                vocab_size=self.vocab_size,
+                eos_token_ids=[self.eos_token_id] * len(sel),
+                device=self.device,
+            )
         so = self.sampler(logits, meta)
         sampled = so.sampled_token_ids.tolist()
-        lp_ids = so.logprob_token_ids.tolist() if so.logprob_token_ids is not None else None
-        lps = so.logprobs.tolist() if so.logprobs is not None else None
-        ranks = so.sampled_ranks.tolist() if so.sampled_ranks is not None else None
-        for j, r in enumerate(sel):
-            out.sampled_token_ids[r.req_id] = [sampled[j]]
-            k = r.sampling_params.logprobs
-            if k is not None and lp_ids is not None:
+        out.sampled_token_ids.update(zip([r.req_id for r in sel], [[t] for t in sampled]))
+        if so.logprob_token_ids is None:
+            return
+        lp_ids = so.logprob_token_ids.tolist()
+        lps = so.logprobs.tolist()
+        ranks = so.sampled_ranks.tolist()
+        for j, k in enumerate(meta.num_logprobs):
+            if k is not None:
                 n = 1 + k
-                out.logprobs[r.req_id] = [(lp_ids[j][:n], lps[j][:n], ranks[j])]
+                out.logprobs[sel[j].req_id] = [(lp_ids[j][:n], lps[j][:n], ranks[j])]
 
     def _prompt_logprobs(self, r: ScheduledRequest, h: torch.Tensor, out: ModelRunnerOutput) -> None:
         """Prompt logprobs for tokens ``start_pos+1 .. min(end, prompt_len-1)`` of this chunk.
@@ -219,6 +265,18 @@ class ModelRunner:
                 entries.append((ids[j][:1 + k], lps[j][:1 + k], ranks[j]))
         if entries:
             out.prompt_logprobs[r.req_id] = entries
+
+
+def _decodes_first(scheduled: list[ScheduledRequest]) -> list[ScheduledRequest]:
+    """The requests with one new token first, otherwise in order (the attention metadata's
+    order); the list itself when it already is."""
+    seen_prefill = False
+    for r in scheduled:
+        if r.num_tokens != 1:
+            seen_prefill = True
+        elif seen_prefill:
+            return sorted(scheduled, key=lambda r: r.num_tokens != 1)
+    return scheduled
 
 
 def _prompt_if_needed(r: ScheduledRequest) -> list[int]:

@@ -171,3 +171,27 @@ def test_reset_prefix_cache():
     assert admit(mgr, Request("b", list(range(9)))) == 0
     assert mgr.prefix_cache_stats.queries == 18  # totals survive a reset
     assert mgr.usage > 0
+
+
+@pytest.mark.parametrize("caching", [True, False])
+def test_decode_registers_a_block_as_soon_as_it_fills(caching):
+    """Decode steps that need no new block still register the block they complete (the
+    no-allocation fast path of allocate_slots must not skip it)."""
+    mgr = KVCacheManager(32, 4, enable_caching=caching, hash_seed=0)
+    r = make_req("a", 6)
+    admit(mgr, r)
+    cached = mgr.block_pool.cached_block_hash_to_block
+    assert len(cached) == (1 if caching else 0)
+    for step in range(10):
+        r.append_output_token_ids(100 + step)
+        held = list(mgr.get_block_ids("a"))
+        new = mgr.allocate_slots(r, 1)
+        assert new is not None
+        total = r.num_computed_tokens + 1
+        assert len(mgr.get_block_ids("a")) == -(-total // 4)
+        assert (new == []) == (mgr.get_block_ids("a") == held)
+        assert len(cached) == (total // 4 if caching else 0)
+        if caching:
+            assert mgr.num_cached_block["a"] == total // 4
+        r.num_computed_tokens = total
+        mgr.check_invariants()
