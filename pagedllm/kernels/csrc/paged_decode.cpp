@@ -199,12 +199,19 @@ static void decode_group_bf16(const c10::BFloat16* q, const c10::BFloat16* kv, c
   const __m512 vscale = _mm512_set1_ps(scale);
   const c10::BFloat16* qh = q + (b * Hq + h * G) * DIM;
   // NOTE: software prefetch one 16-token group ahead: the block table scatters rows, so the
-  // hardware prefetcher loses the stream at every block boundary.
-  constexpr int LINES = DIM * 2 / 64;  // cache lines per K (or V) row
+  // hardware prefetcher loses the stream at every block boundary. The first kv head of a request
+  // prefetches whole token rows (every kv head's K, resp. V) into L2, so the request's other kv
+  // heads, which the same thread runs next, read them from L2 instead of DRAM.
+  constexpr int LINES = DIM * 2 / 64;  // cache lines per K (or V) row of one head
+  const int64_t row_lines = tok_stride * 2 / 64;  // cache lines per token row, all kv heads
   for (int64_t p0 = 0; p0 < n; p0 += 16) {
     const int64_t cnt = std::min<int64_t>(16, n - p0);
-    for (int64_t j = p0 + 16; j < std::min<int64_t>(p0 + 32, n); ++j)
-      for (int l = 0; l < LINES; ++l) _mm_prefetch(reinterpret_cast<const char*>(rows[j]) + 64 * l, _MM_HINT_T0);
+    for (int64_t j = p0 + 16; j < std::min<int64_t>(p0 + 32, n); ++j) {
+      const char* r = reinterpret_cast<const char*>(rows[j]);
+      if (h == 0)
+        for (int64_t l = LINES; l < row_lines; ++l) _mm_prefetch(r + 64 * l, _MM_HINT_T1);
+      for (int l = 0; l < LINES; ++l) _mm_prefetch(r + 64 * l, _MM_HINT_T0);
+    }
     for (int g = 0; g < G; ++g) {
       __m512bh qv[NC];
       for (int c = 0; c < NC; ++c) qv[c] = (__m512bh)_mm512_loadu_si512(qh + g * DIM + 32 * c);
@@ -233,9 +240,12 @@ static void decode_group_bf16(const c10::BFloat16* q, const c10::BFloat16* kv, c
       for (int c = 0; c < CV; ++c) acc[g][c] = _mm512_setzero_ps();
     for (int64_t i = 0; i < n; ++i) {
       const c10::BFloat16* vp = rows[i] + v_offset + 16 * c0;
-      if (i + 8 < n)
-        for (int l = 0; l < CV * 32 / 64; ++l)
-          _mm_prefetch(reinterpret_cast<const char*>(rows[i + 8] + v_offset + 16 * c0) + 64 * l, _MM_HINT_T0);
+      if (i + 8 < n) {
+        const char* r = reinterpret_cast<const char*>(rows[i + 8] + v_offset + 16 * c0);
+        if (h == 0 && c0 == 0)
+          for (int64_t l = LINES; l < row_lines; ++l) _mm_prefetch(r + 64 * l, _MM_HINT_T1);
+        for (int l = 0; l < CV * 32 / 64; ++l) _mm_prefetch(r + 64 * l, _MM_HINT_T0);
+      }
       __m512 v[CV];
       for (int c = 0; c < CV; ++c) v[c] = bf16x16_to_f32(vp + 16 * c);
       for (int g = 0; g < G; ++g) {
