@@ -17,8 +17,8 @@ classes `LlamaConfig`, `Gemma3TextConfig`, `Qwen2Config` and `Qwen3Config`:
 - the legacy `rope_theta` keyword moved into `rope_parameters` (`{"rope_type": "default", "rope_theta": ...}`);
 - any other keyword set as an attribute (e.g. `unk_token_id`, or `head_dim` for Qwen2).
 
-tests/loader/test_text_config.py checks this against transformers for both real GGUFs and synthetic ones of
-each architecture. Anything transformers-specific beyond plain attributes (`to_dict()`, `save_pretrained`, a
+tests/loader/test_loader.py (`test_*config*`) checks this against transformers for both real GGUFs and
+synthetic ones of each architecture. Anything transformers-specific beyond plain attributes (`to_dict()`, `save_pretrained`, a
 transformers model built from the config) goes through `to_transformers()`, which builds the real config from
 the same keyword arguments (importing transformers then).
 """
