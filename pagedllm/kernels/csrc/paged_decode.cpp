@@ -102,68 +102,14 @@ static inline __m512 bf16x16_to_f32(const c10::BFloat16* p) {
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(x), 16));
 }
 
-// bf16 decode for one (request, kv head) with AVX512-BF16: q.k by _mm512_dpbf16_ps (exact bf16
-// products, float32 sums) 16 tokens at a time with one transposing reduction; softmax in float32;
-// P.V with float32 FMAs into register accumulators. Same math as decode_one up to summation order.
-template <int DIM>
-static void decode_one_bf16(const c10::BFloat16* q, const c10::BFloat16* kv, const int64_t* bt, int64_t L, int64_t b,
-                            int64_t h, c10::BFloat16* out, int64_t Hq, int64_t G, int64_t block_size,
-                            int64_t kv_block_stride, int64_t tok_stride, int64_t v_offset, float scale,
-                            int64_t window, float soft_cap, std::vector<float>& scores) {
-  constexpr int NC = DIM / 32;  // 32-element bf16 chunks per row
-  constexpr int NV = DIM / 16;  // 16-element float32 chunks per row
-  const int64_t first = (window > 0 && L > window) ? L - window : 0;
-  const int64_t n = L - first;
-  const int64_t n16 = (n + 15) / 16 * 16;
-  scores.resize(G * n16);
-  const __m512 vscale = _mm512_set1_ps(scale);
-  for (int64_t g = 0; g < G; ++g) {
-    const c10::BFloat16* qg = q + (b * Hq + h * G + g) * DIM;
-    __m512bh qv[NC];
-    for (int c = 0; c < NC; ++c) qv[c] = (__m512bh)_mm512_loadu_si512(qg + 32 * c);
-    float* sg = scores.data() + g * n16;
-    __m512 acc[16];
-    for (int64_t p0 = 0; p0 < n; p0 += 16) {
-      const int64_t cnt = std::min<int64_t>(16, n - p0);
-      for (int64_t j = 0; j < 16; ++j) {
-        __m512 a = _mm512_setzero_ps();
-        if (j < cnt) {
-          const int64_t p = first + p0 + j;
-          const c10::BFloat16* kp = kv + bt[p / block_size] * kv_block_stride + (p % block_size) * tok_stride + h * DIM;
-          for (int c = 0; c < NC; ++c) a = _mm512_dpbf16_ps(a, qv[c], (__m512bh)_mm512_loadu_si512(kp + 32 * c));
-        }
-        acc[j] = a;
-      }
-      _mm512_storeu_ps(sg + p0, _mm512_mul_ps(reduce16(acc), vscale));
-    }
-    if (soft_cap > 0.f)
-      for (int64_t i = 0; i < n; ++i) sg[i] = soft_cap * std::tanh(sg[i] / soft_cap);
-    pagedllm_cpu::softmax_row(sg, n);
-  }
-  // P.V, one query head at a time (accumulators stay in registers).
-  for (int64_t g = 0; g < G; ++g) {
-    const float* sg = scores.data() + g * n16;
-    __m512 acc[NV];
-    for (int c = 0; c < NV; ++c) acc[c] = _mm512_setzero_ps();
-    for (int64_t i = 0; i < n; ++i) {
-      const int64_t p = first + i;
-      const c10::BFloat16* vp = kv + bt[p / block_size] * kv_block_stride + v_offset + (p % block_size) * tok_stride + h * DIM;
-      const __m512 w = _mm512_set1_ps(sg[i]);
-      for (int c = 0; c < NV; ++c) acc[c] = _mm512_fmadd_ps(w, bf16x16_to_f32(vp + 16 * c), acc[c]);
-    }
-    c10::BFloat16* o = out + (b * Hq + h * G + g) * DIM;
-    // float32 -> bf16, round to nearest even (AVX512-BF16 conversion).
-    for (int c = 0; c < NV; ++c)
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(o + 16 * c), (__m256i)_mm512_cvtneps_pbh(acc[c]));
-  }
-}
-
-// The same math as decode_one_bf16 with the G query heads of a kv head processed together:
-// each context token's K/V row address is computed once (no per-token division by the block
-// size), the K rows of 16 tokens are scored for all G heads while they sit in L1, and each V
-// row is loaded and widened once for all G heads (accumulators for G heads x CV vectors of the
-// head dim stay in registers). Summation order per head is unchanged: results equal
-// decode_one_bf16's bit for bit.
+// bf16 decode with AVX512-BF16 for G query heads (heads head0 .. head0+G-1 of request b) that
+// share kv head h: q.k by _mm512_dpbf16_ps (exact bf16 products, float32 sums) 16 tokens at a
+// time with one transposing reduction, softmax in float32, P.V with float32 FMAs into register
+// accumulators. Same math as decode_one up to summation order. Each context token's K/V row
+// address is computed once (no per-token division by the block size), the K rows of 16 tokens
+// are scored for all G heads while they sit in L1, and each V row is loaded and widened once for
+// all G heads (G heads x CV vectors of the head dim in registers). prefetch_rows: also prefetch
+// whole token rows (every kv head) into L2 (the request's first kv head does, see below).
 constexpr int decode_cv(int G, int NV) {
   int cv = NV;
   while (cv > 1 && G * cv > 16) cv /= 2;  // NV is a power of two
@@ -172,10 +118,10 @@ constexpr int decode_cv(int G, int NV) {
 
 template <int DIM, int G>
 static void decode_group_bf16(const c10::BFloat16* q, const c10::BFloat16* kv, const int64_t* bt, int64_t L,
-                              int64_t b, int64_t h, c10::BFloat16* out, int64_t Hq, int64_t block_size,
-                              int64_t kv_block_stride, int64_t tok_stride, int64_t v_offset, float scale,
-                              int64_t window, float soft_cap, std::vector<float>& scores,
-                              std::vector<const c10::BFloat16*>& rows) {
+                              int64_t b, int64_t h, int64_t head0, bool prefetch_rows, c10::BFloat16* out,
+                              int64_t Hq, int64_t block_size, int64_t kv_block_stride, int64_t tok_stride,
+                              int64_t v_offset, float scale, int64_t window, float soft_cap,
+                              std::vector<float>& scores, std::vector<const c10::BFloat16*>& rows) {
   constexpr int NC = DIM / 32;  // 32-element bf16 chunks per row
   constexpr int NV = DIM / 16;  // 16-element float32 chunks per row
   constexpr int CV = decode_cv(G, NV);
@@ -197,7 +143,7 @@ static void decode_group_bf16(const c10::BFloat16* q, const c10::BFloat16* kv, c
     }
   }
   const __m512 vscale = _mm512_set1_ps(scale);
-  const c10::BFloat16* qh = q + (b * Hq + h * G) * DIM;
+  const c10::BFloat16* qh = q + (b * Hq + head0) * DIM;
   // NOTE: software prefetch one 16-token group ahead: the block table scatters rows, so the
   // hardware prefetcher loses the stream at every block boundary. The first kv head of a request
   // prefetches whole token rows (every kv head's K, resp. V) into L2, so the request's other kv
@@ -208,7 +154,7 @@ static void decode_group_bf16(const c10::BFloat16* q, const c10::BFloat16* kv, c
     const int64_t cnt = std::min<int64_t>(16, n - p0);
     for (int64_t j = p0 + 16; j < std::min<int64_t>(p0 + 32, n); ++j) {
       const char* r = reinterpret_cast<const char*>(rows[j]);
-      if (h == 0)
+      if (prefetch_rows)
         for (int64_t l = LINES; l < row_lines; ++l) _mm_prefetch(r + 64 * l, _MM_HINT_T1);
       for (int l = 0; l < LINES; ++l) _mm_prefetch(r + 64 * l, _MM_HINT_T0);
     }
@@ -242,7 +188,7 @@ static void decode_group_bf16(const c10::BFloat16* q, const c10::BFloat16* kv, c
       const c10::BFloat16* vp = rows[i] + v_offset + 16 * c0;
       if (i + 8 < n) {
         const char* r = reinterpret_cast<const char*>(rows[i + 8] + v_offset + 16 * c0);
-        if (h == 0 && c0 == 0)
+        if (prefetch_rows && c0 == 0)
           for (int64_t l = LINES; l < row_lines; ++l) _mm_prefetch(r + 64 * l, _MM_HINT_T1);
         for (int l = 0; l < CV * 32 / 64; ++l) _mm_prefetch(r + 64 * l, _MM_HINT_T0);
       }
@@ -254,31 +200,35 @@ static void decode_group_bf16(const c10::BFloat16* q, const c10::BFloat16* kv, c
       }
     }
     for (int g = 0; g < G; ++g) {
-      c10::BFloat16* o = out + (b * Hq + h * G + g) * DIM + 16 * c0;
+      c10::BFloat16* o = out + (b * Hq + head0 + g) * DIM + 16 * c0;
       for (int c = 0; c < CV; ++c)
         _mm256_storeu_si256(reinterpret_cast<__m256i*>(o + 16 * c), (__m256i)_mm512_cvtneps_pbh(acc[g][c]));
     }
   }
 }
 
-// decode_group_bf16 for G in 1..8 (head dims 64/128/256); false if (D, G) has no instance.
+// decode_group_bf16 for the G query heads of kv head h, in chunks of up to 8 heads (the
+// instances: accumulators for more heads would not fit in registers).
 template <int DIM>
-static bool decode_group_bf16_dispatch(int64_t G, const c10::BFloat16* q, const c10::BFloat16* kv,
-                                       const int64_t* bt, int64_t L, int64_t b, int64_t h, c10::BFloat16* out,
-                                       int64_t Hq, int64_t block_size, int64_t kv_block_stride, int64_t tok_stride,
-                                       int64_t v_offset, float scale, int64_t window, float soft_cap,
-                                       std::vector<float>& scores, std::vector<const c10::BFloat16*>& rows) {
-#define PAGEDLLM_GROUP(GV)                                                                                  \
-  case GV:                                                                                                  \
-    decode_group_bf16<DIM, GV>(q, kv, bt, L, b, h, out, Hq, block_size, kv_block_stride, tok_stride,       \
-                               v_offset, scale, window, soft_cap, scores, rows);                            \
-    return true;
-  switch (G) {
-    PAGEDLLM_GROUP(1) PAGEDLLM_GROUP(2) PAGEDLLM_GROUP(3) PAGEDLLM_GROUP(4)
-    PAGEDLLM_GROUP(5) PAGEDLLM_GROUP(6) PAGEDLLM_GROUP(7) PAGEDLLM_GROUP(8)
-    default: return false;
-  }
+static void decode_heads_bf16(int64_t G, const c10::BFloat16* q, const c10::BFloat16* kv, const int64_t* bt,
+                              int64_t L, int64_t b, int64_t h, c10::BFloat16* out, int64_t Hq, int64_t block_size,
+                              int64_t kv_block_stride, int64_t tok_stride, int64_t v_offset, float scale,
+                              int64_t window, float soft_cap, std::vector<float>& scores,
+                              std::vector<const c10::BFloat16*>& rows) {
+  for (int64_t g0 = 0; g0 < G; g0 += 8) {
+    const int64_t head0 = h * G + g0;
+    const bool prefetch_rows = h == 0 && g0 == 0;
+#define PAGEDLLM_GROUP(GV)                                                                                \
+  case GV:                                                                                                \
+    decode_group_bf16<DIM, GV>(q, kv, bt, L, b, h, head0, prefetch_rows, out, Hq, block_size,            \
+                               kv_block_stride, tok_stride, v_offset, scale, window, soft_cap, scores, rows); \
+    break;
+    switch (std::min<int64_t>(8, G - g0)) {
+      PAGEDLLM_GROUP(1) PAGEDLLM_GROUP(2) PAGEDLLM_GROUP(3) PAGEDLLM_GROUP(4)
+      PAGEDLLM_GROUP(5) PAGEDLLM_GROUP(6) PAGEDLLM_GROUP(7) PAGEDLLM_GROUP(8)
+    }
 #undef PAGEDLLM_GROUP
+  }
 }
 #endif
 
@@ -304,15 +254,12 @@ static void decode_kernel(const scalar_t* q, const scalar_t* kv, const int64_t* 
 #ifdef PAGEDLLM_AVX512_BF16
       if constexpr (std::is_same_v<scalar_t, c10::BFloat16>) {
         if (D == 64 || D == 128 || D == 256) {
-#define PAGEDLLM_DECODE_BF16(DIMV)                                                                          \
-  if (!decode_group_bf16_dispatch<DIMV>(G, q, kv, bt, seq_lens[b], b, h, out, Hq, block_size,              \
-                                        kv_block_stride, tok_stride, v_offset, scale, window, soft_cap,     \
-                                        scores, rows))                                                      \
-    decode_one_bf16<DIMV>(q, kv, bt, seq_lens[b], b, h, out, Hq, G, block_size, kv_block_stride, tok_stride, \
-                          v_offset, scale, window, soft_cap, scores)
-          if (D == 64) { PAGEDLLM_DECODE_BF16(64); }
-          else if (D == 128) { PAGEDLLM_DECODE_BF16(128); }
-          else { PAGEDLLM_DECODE_BF16(256); }
+#define PAGEDLLM_DECODE_BF16(DIMV)                                                                      \
+  decode_heads_bf16<DIMV>(G, q, kv, bt, seq_lens[b], b, h, out, Hq, block_size, kv_block_stride, tok_stride, \
+                          v_offset, scale, window, soft_cap, scores, rows)
+          if (D == 64) PAGEDLLM_DECODE_BF16(64);
+          else if (D == 128) PAGEDLLM_DECODE_BF16(128);
+          else PAGEDLLM_DECODE_BF16(256);
 #undef PAGEDLLM_DECODE_BF16
           continue;
         }
