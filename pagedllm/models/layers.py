@@ -13,13 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from pagedllm.attention.layer import Attention
-from pagedllm.kernels.cpu_ops import get_ops
-
-def _cpu_ops():
-    """The C++ CPU kernels or None (``get_ops`` caches the module; imported at module level
-    because this is called per layer)."""
-    return get_ops()
-
+from pagedllm.kernels.cpu_ops import get_ops  # NOTE: module level: called per layer (get_ops caches)
 
 ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
     "silu": F.silu,
@@ -175,7 +169,7 @@ class RMSNorm(nn.Module):
 
                     out = rms_norm_quant(x.contiguous(), residual, self._effective_weight(), self.eps)
                     return out if residual is None else (out, residual)
-                ops = _cpu_ops()
+                ops = get_ops()
                 if ops is not None and hasattr(ops, "rms_norm"):
                     out = ops.rms_norm(x.contiguous(), residual, self._effective_weight(), self.eps)
                     return out if residual is None else (out, residual)
@@ -278,7 +272,7 @@ class RotaryEmbedding(nn.Module):
         On CPU with the C++ kernels this is one pass over q and k in float32 math with no
         temporaries (``rotary_inplace``); otherwise it is ``forward``.
         """
-        ops = _cpu_ops() if q.device.type == "cpu" else None
+        ops = get_ops() if q.device.type == "cpu" else None
         if (ops is None or not hasattr(ops, "rotary_inplace") or q.dtype not in (torch.float32, torch.bfloat16)
                 or q.stride(-1) != 1 or k.stride(-1) != 1 or positions.dtype != torch.int64):
             return self.forward(positions, q, k)

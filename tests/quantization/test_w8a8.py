@@ -40,7 +40,7 @@ def _no_cpp(monkeypatch) -> None:
     import pagedllm.models.layers as layers
 
     monkeypatch.setattr(w8a8, "_ops", lambda: None)
-    monkeypatch.setattr(layers, "_cpu_ops", lambda: None)
+    monkeypatch.setattr(layers, "get_ops", lambda: None)
     monkeypatch.setattr(cpu_ops, "get_ops", lambda: None)
 
 
