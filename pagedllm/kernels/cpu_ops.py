@@ -7,6 +7,8 @@
 * ``quantize_rows_int8``, ``rms_norm_quant``, ``dequant_int32``, ``dequant_silu_mul_quant``
   (``csrc/quant_ops.cpp``): the one-pass element-wise work around the int8 GEMMs of W8A8
   quantization (``pagedllm.quantization.w8a8``, which holds their torch references).
+* ``int8_gemm_packed`` (``csrc/int8_gemm.cpp``): the int8 GEMM of W8A8 for decode-sized M, on
+  weights packed once at load (AVX512-VNNI; ``int8_gemm_supported()`` says whether it was built).
 * ``rotary_inplace``, ``reshape_and_cache``, ``rms_norm`` (``csrc/layer_ops.cpp``): rope on q/k
   in place, the K/V store into the paged cache, and RMSNorm with the residual add folded in,
   each one pass (torch references: ``RotaryEmbedding.forward``, ``attention.torch_paged.write_kv``,
@@ -42,7 +44,7 @@ _ops: Any = None
 _tried = False
 
 _SRCS = [os.path.join(os.path.dirname(__file__), "csrc", f)
-         for f in ("paged_decode.cpp", "quant_ops.cpp", "layer_ops.cpp", "bindings.cpp")]
+         for f in ("paged_decode.cpp", "quant_ops.cpp", "layer_ops.cpp", "int8_gemm.cpp", "bindings.cpp")]
 _CFLAGS = ["-O3", "-march=native", "-fopenmp", "-ffast-math"]
 
 

@@ -5,8 +5,11 @@
 * weights: symmetric per output channel, ``w ~= q_w[N, K] * s_w[N]`` (quantized once at load);
 * activations: symmetric per row (token), ``x ~= q_x[M, K] * s_x[M]``, computed every call from
   the row's own values, so a request's result never depends on what else is in the batch;
-* GEMM: ``torch._int_mm(q_x, q_w.t())`` (int8 x int8 -> int32; oneDNN with AVX512-VNNI on x86),
-  then ``y = acc * s_x[:, None] * s_w[None, :] (+ bias)`` in float32, stored in the model dtype.
+* GEMM: int8 x int8 -> int32, then ``y = acc * s_x[:, None] * s_w[None, :] (+ bias)`` in float32,
+  stored in the model dtype. Up to ``PACKED_GEMM_MAX_M`` rows (decode batches) it runs
+  ``int8_gemm_packed`` (``kernels/csrc/int8_gemm.cpp``, AVX512-VNNI) on a copy of the weights
+  packed once at load (``pack_int8_weight``); larger M (prefill chunks) and machines without the
+  kernel run ``torch._int_mm(q_x, q_w.t())`` (oneDNN). Both give the same integers.
 
 This is the scheme of vLLM's int8 W8A8 path (per-channel weights, dynamic per-token activations)
 and close to what llama.cpp does on CPU (activations quantized to Q8 for its integer dot products).
@@ -23,6 +26,7 @@ reference below, which is also the fallback):
 """
 from __future__ import annotations
 
+import os
 from typing import NamedTuple, Optional
 
 import torch
@@ -31,6 +35,12 @@ from torch import nn
 
 from pagedllm.kernels.cpu_ops import get_ops
 from pagedllm.quantization.weight_only import quantize_int8
+
+
+#: Largest number of rows run by the packed VNNI kernel; larger GEMMs run ``torch._int_mm``. The
+#: kernel was 1.1-2x faster than oneDNN up to M = 256 on the 2-core AVX512-VNNI machine
+#: (docs/performance.md, step 18). ``PAGEDLLM_W8A8_PACKED_MAX_M=0`` turns it off (for A/B runs).
+PACKED_GEMM_MAX_M = int(os.environ.get("PAGEDLLM_W8A8_PACKED_MAX_M", "256"))
 
 
 class QuantizedActivation(NamedTuple):
@@ -94,6 +104,31 @@ def rms_norm_quant_ref(x: torch.Tensor, residual: Optional[torch.Tensor], weight
     return quantize_rows_ref(xf * weight.float())
 
 
+def pack_int8_weight(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Pack int8 weights ``w [N, K]`` for ``int8_gemm_packed``.
+
+    Returns:
+        ``packed``: int8 ``[ceil(N/16), ceil(K/4), 64]`` with
+        ``packed[nb, kq, 4 * j + i] = w[16 * nb + j, 4 * kq + i]`` (zeros past N and K): each
+        64-byte row is one AVX512-VNNI ``vpdpbusd`` operand for 16 output columns x 4 k.
+        ``comp``: int32 ``[16 * ceil(N/16)]``, ``128 * sum_k w[n, k]`` (the kernel multiplies
+        ``x + 128`` as unsigned bytes and subtracts this).
+
+    Raises:
+        ValueError: if ``w`` is not a 2-D int8 tensor.
+    """
+    if w.dim() != 2 or w.dtype != torch.int8:
+        raise ValueError(f"pack_int8_weight: w must be a 2-D int8 tensor, got {w.dtype} {tuple(w.shape)}")
+    n, k = w.shape
+    nb, kq = -(-n // 16), -(-k // 4)
+    padded = torch.zeros(nb * 16, kq * 4, dtype=torch.int8)
+    padded[:n, :k] = w
+    packed = padded.view(nb, 16, kq, 4).permute(0, 2, 1, 3).contiguous().view(nb, kq, 64)
+    comp = torch.zeros(nb * 16, dtype=torch.int32)
+    comp[:n] = w.sum(dim=1, dtype=torch.int32) * 128
+    return packed, comp
+
+
 # ----------------------------------------------------------------------------- entry points
 def quantize_rows(x: torch.Tensor) -> QuantizedActivation:
     """Quantize ``x [M, K]`` (float32/bfloat16) per row; the C++ kernel when built, else the reference."""
@@ -144,9 +179,22 @@ class W8A8Linear(nn.Module):
         self.weight_int8 = nn.Parameter(q, requires_grad=False)
         self.w_scales = nn.Parameter(s, requires_grad=False)
         self.bias = None if bias is None else nn.Parameter(bias.detach().clone(), requires_grad=False)
+        # A second copy of the weights in the VNNI kernel's layout (decode-sized GEMMs), when the
+        # kernel is built; not saved in the state dict (it is derived from weight_int8).
+        ops = _ops()
+        packed = comp = None
+        if (PACKED_GEMM_MAX_M > 0 and ops is not None and hasattr(ops, "int8_gemm_supported")
+                and ops.int8_gemm_supported() and q.device.type == "cpu"):
+            packed, comp = pack_int8_weight(q)
+        self.register_buffer("weight_packed", packed, persistent=False)
+        self.register_buffer("weight_comp", comp, persistent=False)
 
     def matmul_int32(self, qa: QuantizedActivation) -> torch.Tensor:
-        """int32 accumulators ``[M, N]`` of ``qa.q @ weight_int8.T``."""
+        """int32 accumulators ``[M, N]`` of ``qa.q @ weight_int8.T`` (exact integer arithmetic)."""
+        ops = _ops()
+        if self.weight_packed is not None and ops is not None and qa.q.shape[0] <= PACKED_GEMM_MAX_M:
+            return ops.int8_gemm_packed(qa.q.contiguous(), self.weight_packed, self.weight_comp,
+                                              self.out_features)
         # NOTE: the transposed view of the [N, K] weight is what oneDNN runs fastest at small M.
         return torch._int_mm(qa.q, self.weight_int8.t())
 

@@ -119,6 +119,73 @@ def test_silu_mul_quant_matches_float():
     assert _rel(qa.q.float() * qa.scale[:, None], want) < 0.05
 
 
+# ----------------------------------------------------------------------------- packed VNNI GEMM
+HAS_VNNI_GEMM = HAS_OPS and hasattr(cpu_ops.get_ops(), "int8_gemm_supported") and \
+    cpu_ops.get_ops().int8_gemm_supported()
+
+
+def test_pack_int8_weight_layout():
+    g = torch.Generator().manual_seed(5)
+    n, k = 37, 10  # neither a multiple of 16 columns nor of 4 k: both padded with zeros
+    w = torch.randint(-128, 128, (n, k), generator=g, dtype=torch.int8)
+    packed, comp = w8a8.pack_int8_weight(w)
+    assert packed.shape == (3, 3, 64) and packed.dtype == torch.int8
+    assert comp.shape == (48,) and comp.dtype == torch.int32
+    for nb in range(3):
+        for kq in range(3):
+            for j in range(16):
+                for i in range(4):
+                    nn_, kk = 16 * nb + j, 4 * kq + i
+                    want = int(w[nn_, kk]) if nn_ < n and kk < k else 0
+                    assert int(packed[nb, kq, 4 * j + i]) == want
+    assert comp[:n].tolist() == [128 * int(r.sum()) for r in w.long()] and not comp[n:].any()
+    with pytest.raises(ValueError, match="int8"):
+        w8a8.pack_int8_weight(w.float())
+
+
+@pytest.mark.skipif(not HAS_VNNI_GEMM, reason="the packed int8 GEMM needs the C++ kernels with AVX512-VNNI")
+@pytest.mark.parametrize("shape", [(1, 1), (17, 5), (100, 36), (960, 576), (33, 1539)])
+def test_int8_gemm_packed_exact(shape):
+    """The kernel's int32 sums equal exact integer matmul for every tile shape (M mod 6, N mod 64)."""
+    ops = cpu_ops.get_ops()
+    g = torch.Generator().manual_seed(6)
+    n, k = shape
+    w = torch.randint(-128, 128, (n, k), generator=g, dtype=torch.int8)
+    w[0, :] = 127  # extremes: u = 255 against +-127/-128
+    packed, comp = w8a8.pack_int8_weight(w)
+    for m in (0, 1, 5, 6, 7, 13, 64):
+        x = torch.randint(-128, 128, (m, k), generator=g, dtype=torch.int8)
+        if m:
+            x[0, :] = 127
+            x[-1, :] = -128
+        got = ops.int8_gemm_packed(x, packed, comp, n)
+        assert got.dtype == torch.int32 and got.shape == (m, n)
+        assert torch.equal(got, (x.long() @ w.long().t()).int()), (shape, m)
+    with pytest.raises(RuntimeError, match="groups of 4 k"):
+        ops.int8_gemm_packed(torch.zeros(2, k + 4, dtype=torch.int8), packed, comp, n)
+
+
+@pytest.mark.skipif(not HAS_VNNI_GEMM, reason="the packed int8 GEMM needs the C++ kernels with AVX512-VNNI")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_packed_and_onednn_paths_identical(dtype, monkeypatch):
+    """W8A8Linear gives bit-identical outputs whether its GEMM runs packed (VNNI) or torch._int_mm."""
+    g = torch.Generator().manual_seed(8)
+    w = torch.randn(200, 96, generator=g) * 0.05
+    lin = W8A8Linear(w, torch.randn(200, generator=g) * 0.01)
+    gate_up_lin = W8A8Linear(w)  # the fused SiLU path takes no bias
+    assert lin.weight_packed is not None and "weight_packed" not in lin.state_dict()
+    for m in (1, 16, 70):
+        x = torch.randn(m, 96, generator=g).to(dtype)
+        monkeypatch.setattr(w8a8, "PACKED_GEMM_MAX_M", 1000)
+        packed = lin(x)
+        gate_up = gate_up_lin.forward_silu_mul_quant(x)
+        monkeypatch.setattr(w8a8, "PACKED_GEMM_MAX_M", 0)
+        onednn = lin(x)
+        gate_up_ref = gate_up_lin.forward_silu_mul_quant(x)
+        assert torch.equal(packed, onednn), m
+        assert torch.equal(gate_up.q, gate_up_ref.q) and torch.equal(gate_up.scale, gate_up_ref.scale)
+
+
 # ----------------------------------------------------------------------------- tiny model
 
 

@@ -16,6 +16,8 @@ std::tuple<at::Tensor, at::Tensor> dequant_silu_mul_quant(at::Tensor acc, at::Te
 void rotary_inplace(at::Tensor q, at::Tensor k, at::Tensor positions, at::Tensor cos, at::Tensor sin);
 void reshape_and_cache(at::Tensor k, at::Tensor v, at::Tensor kv_cache, at::Tensor slots);
 at::Tensor rms_norm(at::Tensor x, c10::optional<at::Tensor> residual, at::Tensor weight, double eps);
+bool int8_gemm_supported();
+at::Tensor int8_gemm_packed(at::Tensor x, at::Tensor packed, at::Tensor comp, int64_t N);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode_attention", &paged_decode_attention, "paged decode attention (CPU)");
@@ -31,4 +33,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("reshape_and_cache", &reshape_and_cache, "store k/v rows at flat slots of the paged cache");
   m.def("rms_norm", &rms_norm, "[residual add +] RMSNorm, one pass", py::arg("x"), py::arg("residual"),
         py::arg("weight"), py::arg("eps"));
+  m.def("int8_gemm_supported", &int8_gemm_supported, "whether int8_gemm_packed was built (AVX512-VNNI)");
+  m.def("int8_gemm_packed", &int8_gemm_packed, "int8 x packed int8 weights -> int32 (small M, VNNI)",
+        py::arg("x"), py::arg("packed"), py::arg("comp"), py::arg("n"));
 }

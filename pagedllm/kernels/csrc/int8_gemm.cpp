@@ -1,0 +1,171 @@
+// int8 x int8 -> int32 GEMM for small M (decode batches) with AVX512-VNNI, on weights packed once.
+//
+//   int8_gemm_packed(x int8 [M, K], packed int8 [NB, KQ, 64], comp int32 [NB * 16], N) -> int32 [M, N]
+//
+// computes out[m, n] = sum_k x[m, k] * w[n, k] exactly (the same integers as torch._int_mm(x, w.t())).
+//
+// Layout (built by pagedllm.quantization.w8a8.pack_int8_weight): the weight w [N, K] is padded with
+// zeros to NB = ceil(N / 16) blocks of 16 output columns and KQ = ceil(K / 4) groups of 4 k, and
+// stored as packed[nb, kq, 4 * j + i] = w[16 nb + j, 4 kq + i]: one 64-byte row holds what one
+// vpdpbusd needs for 16 columns, and each block of 16 columns is one contiguous stream.
+//
+// vpdpbusd multiplies unsigned by signed bytes, so x is shifted to u = x + 128 (x ^ 0x80) and the
+// excess removed with comp[n] = 128 * sum_k w[n, k]: sum_k u w = sum_k x w + comp[n]. Sums cannot
+// overflow int32 for K < 2^16 (|u w| <= 255 * 128 per product).
+//
+// Why: torch._int_mm (oneDNN) streamed the SmolLM2 decode weights at 7-13 GB/s for M = 1..16 and
+// reached ~480 GOP/s at M = 64; this kernel keeps a 6 x 64 tile of accumulators in registers
+// (the accumulation is written as inline asm because GCC 12 copies the intrinsic's accumulator
+// through extra registers) and was 1.3-2x faster for M <= 256 (docs/performance.md, step 18).
+// Above that oneDNN is as fast or faster, and pagedllm calls it instead.
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+#include <cstdint>
+
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+#include <immintrin.h>
+#define PAGEDLLM_HAVE_VNNI 1
+#endif
+
+bool int8_gemm_supported() {
+#ifdef PAGEDLLM_HAVE_VNNI
+  return true;
+#else
+  return false;
+#endif
+}
+
+#ifdef PAGEDLLM_HAVE_VNNI
+namespace {
+
+constexpr int kMR = 6;   // rows of x per tile
+constexpr int kNR = 4;   // 16-column blocks per tile (64 columns)
+constexpr int kPrefetch = 1024;  // bytes ahead in each weight stream
+
+inline __attribute__((always_inline)) void dpbusd(__m512i& acc, __m512i x, __m512i w) {
+  asm("vpdpbusd %2, %1, %0" : "+v"(acc) : "v"(x), "v"(w));
+}
+
+#define PL_FOR_J(X, i) X(i, 0) X(i, 1) X(i, 2) X(i, 3)
+#define PL_FOR_IJ(X) PL_FOR_J(X, 0) PL_FOR_J(X, 1) PL_FOR_J(X, 2) PL_FOR_J(X, 3) PL_FOR_J(X, 4) PL_FOR_J(X, 5)
+
+// One tile: MR rows of u (row stride lda bytes) times NR 16-column blocks starting at b; stores
+// the first ncols columns of the MR x (16 NR) result at c (row stride ldc).
+template <int MR, int NR>
+void tile(const uint8_t* __restrict a, int64_t lda, const int8_t* __restrict b, int64_t KQ,
+          const int32_t* __restrict comp, int32_t* __restrict c, int64_t ldc, int64_t ncols) {
+#define PL_DECL(i, j) __m512i c##i##j = _mm512_setzero_si512();
+  PL_FOR_IJ(PL_DECL)
+#undef PL_DECL
+  const int64_t bs = KQ * 64;  // bytes between consecutive 16-column blocks
+  const int8_t* b0 = b;
+  const int8_t* b1 = b + bs;
+  const int8_t* b2 = b + 2 * bs;
+  const int8_t* b3 = b + 3 * bs;
+  for (int64_t kq = 0; kq < KQ; ++kq) {
+    const int64_t o = kq * 64;
+    __m512i w0, w1, w2, w3;
+    _mm_prefetch(reinterpret_cast<const char*>(b0 + o + kPrefetch), _MM_HINT_T0);
+    w0 = _mm512_loadu_si512(b0 + o);
+    if constexpr (NR > 1) {
+      _mm_prefetch(reinterpret_cast<const char*>(b1 + o + kPrefetch), _MM_HINT_T0);
+      w1 = _mm512_loadu_si512(b1 + o);
+    }
+    if constexpr (NR > 2) {
+      _mm_prefetch(reinterpret_cast<const char*>(b2 + o + kPrefetch), _MM_HINT_T0);
+      w2 = _mm512_loadu_si512(b2 + o);
+    }
+    if constexpr (NR > 3) {
+      _mm_prefetch(reinterpret_cast<const char*>(b3 + o + kPrefetch), _MM_HINT_T0);
+      w3 = _mm512_loadu_si512(b3 + o);
+    }
+#define PL_STEP(i, j) if constexpr (i < MR && j < NR) dpbusd(c##i##j, x##i, w##j);
+#define PL_ROW(i)                                                                                  \
+  if constexpr (i < MR) {                                                                        \
+    const __m512i x##i = _mm512_set1_epi32(*reinterpret_cast<const int32_t*>(a + i * lda + kq * 4)); \
+    PL_FOR_J(PL_STEP, i)                                                                         \
+  }
+    PL_ROW(0) PL_ROW(1) PL_ROW(2) PL_ROW(3) PL_ROW(4) PL_ROW(5)
+#undef PL_ROW
+#undef PL_STEP
+  }
+#define PL_STORE(i, j)                                                                                    \
+  if constexpr (i < MR && j < NR) {                                                                      \
+    const int64_t rem = ncols - j * 16;                                                                  \
+    const __mmask16 mk = rem >= 16 ? (__mmask16)0xFFFF : (rem <= 0 ? (__mmask16)0 : (__mmask16)((1u << rem) - 1)); \
+    _mm512_mask_storeu_epi32(c + i * ldc + j * 16, mk, _mm512_sub_epi32(c##i##j, _mm512_loadu_si512(comp + j * 16))); \
+  }
+  PL_FOR_IJ(PL_STORE)
+#undef PL_STORE
+}
+
+#undef PL_FOR_IJ
+#undef PL_FOR_J
+
+template <int MR>
+void tile_nr(int nr, const uint8_t* a, int64_t lda, const int8_t* b, int64_t KQ, const int32_t* comp,
+             int32_t* c, int64_t ldc, int64_t ncols) {
+  switch (nr) {
+    case 4: tile<MR, 4>(a, lda, b, KQ, comp, c, ldc, ncols); break;
+    case 3: tile<MR, 3>(a, lda, b, KQ, comp, c, ldc, ncols); break;
+    case 2: tile<MR, 2>(a, lda, b, KQ, comp, c, ldc, ncols); break;
+    default: tile<MR, 1>(a, lda, b, KQ, comp, c, ldc, ncols); break;
+  }
+}
+
+void tile_any(int mr, int nr, const uint8_t* a, int64_t lda, const int8_t* b, int64_t KQ, const int32_t* comp,
+              int32_t* c, int64_t ldc, int64_t ncols) {
+  switch (mr) {
+    case 6: tile_nr<6>(nr, a, lda, b, KQ, comp, c, ldc, ncols); break;
+    case 5: tile_nr<5>(nr, a, lda, b, KQ, comp, c, ldc, ncols); break;
+    case 4: tile_nr<4>(nr, a, lda, b, KQ, comp, c, ldc, ncols); break;
+    case 3: tile_nr<3>(nr, a, lda, b, KQ, comp, c, ldc, ncols); break;
+    case 2: tile_nr<2>(nr, a, lda, b, KQ, comp, c, ldc, ncols); break;
+    default: tile_nr<1>(nr, a, lda, b, KQ, comp, c, ldc, ncols); break;
+  }
+}
+
+}  // namespace
+#endif  // PAGEDLLM_HAVE_VNNI
+
+at::Tensor int8_gemm_packed(at::Tensor x, at::Tensor packed, at::Tensor comp, int64_t N) {
+  TORCH_CHECK(int8_gemm_supported(), "int8_gemm_packed: this build has no AVX512-VNNI");
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kChar && x.is_contiguous(),
+              "x must be a contiguous int8 [M, K] tensor");
+  TORCH_CHECK(packed.dim() == 3 && packed.size(2) == 64 && packed.scalar_type() == at::kChar &&
+              packed.is_contiguous(), "packed must be a contiguous int8 [NB, KQ, 64] tensor");
+  const int64_t M = x.size(0), K = x.size(1), NB = packed.size(0), KQ = packed.size(1);
+  TORCH_CHECK(KQ == (K + 3) / 4, "packed has ", KQ, " groups of 4 k, x has K=", K);
+  TORCH_CHECK(N > 0 && (N + 15) / 16 == NB, "N=", N, " does not match ", NB, " packed 16-column blocks");
+  TORCH_CHECK(comp.scalar_type() == at::kInt && comp.is_contiguous() && comp.numel() == NB * 16,
+              "comp must be a contiguous int32 [NB * 16] tensor");
+  auto out = at::empty({M, N}, x.options().dtype(at::kInt));
+#ifdef PAGEDLLM_HAVE_VNNI
+  if (M == 0) return out;
+  // u = x + 128 as bytes, rows padded to 4 KQ with 128 (the padded weights are 0).
+  const int64_t lda = KQ * 4;
+  auto ubuf = at::empty({M, lda}, x.options().dtype(at::kByte));
+  uint8_t* u = ubuf.data_ptr<uint8_t>();
+  const uint8_t* xs = reinterpret_cast<const uint8_t*>(x.data_ptr<int8_t>());
+  for (int64_t m = 0; m < M; ++m) {
+    for (int64_t k = 0; k < K; ++k) u[m * lda + k] = xs[m * K + k] ^ 0x80u;
+    for (int64_t k = K; k < lda; ++k) u[m * lda + k] = 128u;
+  }
+  int32_t* c = out.data_ptr<int32_t>();
+  const int8_t* b = packed.data_ptr<int8_t>();
+  const int32_t* cp = comp.data_ptr<int32_t>();
+  // Threads split the 16-column blocks evenly; each walks its blocks kNR at a time and, for each
+  // group, every kMR-row tile of x (the group's weights stay in L1/L2 across the row tiles).
+  at::parallel_for(0, NB, 1, [&](int64_t nb0, int64_t nb1) {
+    for (int64_t nb = nb0; nb < nb1; nb += kNR) {
+      const int nr = static_cast<int>(std::min<int64_t>(kNR, nb1 - nb));
+      const int64_t ncols = std::min<int64_t>(nr * 16, N - nb * 16);
+      for (int64_t m = 0; m < M; m += kMR) {
+        const int mr = static_cast<int>(std::min<int64_t>(kMR, M - m));
+        tile_any(mr, nr, u + m * lda, lda, b + nb * KQ * 64, KQ, cp + nb * 16, c + m * N + nb * 16, N, ncols);
+      }
+    }
+  });
+#endif
+  return out;
+}
