@@ -312,6 +312,53 @@ torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor kv_cache, to
 // NOTE: a finite "minus infinity": the kernels are built with -ffast-math (no infinities).
 constexpr float kNegBig = -1e30f;
 
+// Scores of NR rows against one pair-transposed 16-key block: sc[t][j] = q_t . k_j (float32).
+// NR is a template argument so that the NR accumulators stay in registers (GCC keeps an array of
+// vectors in memory, with a store and reload per step, once any index into it is not a constant).
+template <int DP, int NR>
+static inline void prefill_scores(const uint32_t* const* qrow, const uint32_t (*kp)[16], float (*sc)[16]) {
+  __m512 sv[NR];
+#pragma GCC unroll 8
+  for (int t = 0; t < NR; ++t) sv[t] = _mm512_setzero_ps();
+  for (int d = 0; d < DP; ++d) {
+    const __m512bh kd = (__m512bh)_mm512_load_si512(kp[d]);
+#pragma GCC unroll 8
+    for (int t = 0; t < NR; ++t)
+      sv[t] = _mm512_dpbf16_ps(sv[t], (__m512bh)_mm512_set1_epi32(static_cast<int>(qrow[t][d])), kd);
+  }
+#pragma GCC unroll 8
+  for (int t = 0; t < NR; ++t) _mm512_store_ps(sc[t], sv[t]);
+}
+
+// acc_t = acc_t * corr_t + sum_j p_t[j] v_j over nk keys, for NR rows (row stride DIM) and the 4
+// float32 vectors starting at column 16 * c0.
+template <int DIM, int NR>
+static inline void prefill_pv(float* acc, const float* corr, const float* p, const float (*vf)[DIM], int64_t nk,
+                              int c0) {
+  __m512 a[NR][4];
+#pragma GCC unroll 4
+  for (int t = 0; t < NR; ++t) {
+    const __m512 vc = _mm512_set1_ps(corr[t]);
+#pragma GCC unroll 4
+    for (int c = 0; c < 4; ++c) a[t][c] = _mm512_mul_ps(_mm512_loadu_ps(acc + t * DIM + 16 * (c0 + c)), vc);
+  }
+  for (int64_t j = 0; j < nk; ++j) {
+    __m512 vv[4];
+#pragma GCC unroll 4
+    for (int c = 0; c < 4; ++c) vv[c] = _mm512_load_ps(&vf[j][16 * (c0 + c)]);
+#pragma GCC unroll 4
+    for (int t = 0; t < NR; ++t) {
+      const __m512 pj = _mm512_set1_ps(p[t * 16 + j]);
+#pragma GCC unroll 4
+      for (int c = 0; c < 4; ++c) a[t][c] = _mm512_fmadd_ps(pj, vv[c], a[t][c]);
+    }
+  }
+#pragma GCC unroll 4
+  for (int t = 0; t < NR; ++t)
+#pragma GCC unroll 4
+    for (int c = 0; c < 4; ++c) _mm512_storeu_ps(acc + t * DIM + 16 * (c0 + c), a[t][c]);
+}
+
 template <int DIM>
 static void prefill_tile(const c10::BFloat16* q, const c10::BFloat16* kv, const int64_t* bt, int64_t q_offset,
                          int64_t i0, int64_t i1, int64_t h, int64_t Hq, int64_t G, int64_t block_size,
@@ -319,11 +366,16 @@ static void prefill_tile(const c10::BFloat16* q, const c10::BFloat16* kv, const 
                          int64_t window, float soft_cap, c10::BFloat16* out) {
   constexpr int DP = DIM / 2;   // bf16 pairs per row
   constexpr int NV = DIM / 16;  // float32 vectors per row
-  const int64_t R = (i1 - i0) * G;  // rows of this tile: (query, head-in-group)
-  std::vector<float> m(R, kNegBig), l(R, 0.f), acc(R * DIM, 0.f);
+  constexpr int QB = 8;         // rows scored together (independent dpbf16 chains)
+  constexpr int PB = 4;         // rows whose P.V accumulate together (4 x 4 vectors in registers)
+  const int64_t R = (i1 - i0) * G;  // rows of this tile: (query, head-in-group), r = (i - i0) * G + g
+  std::vector<float> m(R, kNegBig), l(R, 0.f), acc(R * DIM, 0.f), corr(R), pr(R * 16);
+  std::vector<const uint32_t*> qrow(R);
+  for (int64_t r = 0; r < R; ++r)
+    qrow[r] = reinterpret_cast<const uint32_t*>(q + ((i0 + r / G) * Hq + h * G + r % G) * DIM);
   alignas(64) uint32_t kp[DP][16];    // K block, pair-transposed: kp[d/2][key] = (K[key][d], K[key][d+1])
   alignas(64) float vf[16][DIM];      // V block in float32
-  alignas(64) float s[16];
+  alignas(64) float sc[QB][16];
   const int64_t last_key = q_offset + i1 - 1;
   int64_t first_key = 0;
   if (window > 0) first_key = std::max<int64_t>(0, q_offset + i0 - window + 1);
@@ -342,34 +394,45 @@ static void prefill_tile(const c10::BFloat16* q, const c10::BFloat16* kv, const 
         for (int c = 0; c < DIM; ++c) vf[j][c] = 0.f;
       }
     }
-    for (int64_t i = i0; i < i1; ++i) {
-      const int64_t qpos = q_offset + i;
-      // keys k0 + j allowed: j < nk, k0 + j <= qpos, and inside the window
-      uint32_t allow = 0;
-      for (int64_t j = 0; j < nk; ++j) {
-        const int64_t kpos = k0 + j;
-        if (kpos <= qpos && (window <= 0 || kpos > qpos - window)) allow |= 1u << j;
+    // Scores and online softmax, QB rows at a time: each K pair-vector is loaded once for the QB
+    // rows and the QB dpbf16 chains run side by side. Rows whose query sees no key of this block
+    // keep m and l, and get p = 0 and corr = 1 (their accumulators pass through unchanged).
+    for (int64_t r0 = 0; r0 < R; r0 += QB) {
+      const int nr = static_cast<int>(std::min<int64_t>(QB, R - r0));
+      switch (nr) {
+        case 8: prefill_scores<DP, 8>(qrow.data() + r0, kp, sc); break;
+        case 7: prefill_scores<DP, 7>(qrow.data() + r0, kp, sc); break;
+        case 6: prefill_scores<DP, 6>(qrow.data() + r0, kp, sc); break;
+        case 5: prefill_scores<DP, 5>(qrow.data() + r0, kp, sc); break;
+        case 4: prefill_scores<DP, 4>(qrow.data() + r0, kp, sc); break;
+        case 3: prefill_scores<DP, 3>(qrow.data() + r0, kp, sc); break;
+        case 2: prefill_scores<DP, 2>(qrow.data() + r0, kp, sc); break;
+        default: prefill_scores<DP, 1>(qrow.data() + r0, kp, sc); break;
       }
-      if (allow == 0) continue;
-      const __mmask16 mk = static_cast<__mmask16>(allow);
-      for (int64_t g = 0; g < G; ++g) {
-        const int64_t r = (i - i0) * G + g;
-        const uint32_t* qr = reinterpret_cast<const uint32_t*>(q + (i * Hq + h * G + g) * DIM);
-        __m512 sv = _mm512_setzero_ps();
-        for (int d = 0; d < DP; ++d)
-          sv = _mm512_dpbf16_ps(sv, (__m512bh)_mm512_set1_epi32(static_cast<int>(qr[d])),
-                                (__m512bh)_mm512_load_si512(kp[d]));
-        sv = _mm512_mul_ps(sv, _mm512_set1_ps(scale));
-        if (soft_cap > 0.f) {
-          _mm512_store_ps(s, sv);
-          for (int j = 0; j < 16; ++j) s[j] = soft_cap * std::tanh(s[j] / soft_cap);
-          sv = _mm512_load_ps(s);
+      for (int t = 0; t < nr; ++t) {
+        const int64_t r = r0 + t;
+        // keys k0 + j allowed: j < nk, k0 + j <= qpos (causal), and k0 + j > qpos - window
+        const int64_t qpos = q_offset + i0 + r / G;
+        const int64_t hi = std::min<int64_t>(nk - 1, qpos - k0);  // last allowed j
+        const int64_t lo = window > 0 ? std::max<int64_t>(0, qpos - window + 1 - k0) : 0;  // first
+        const uint32_t allow = hi < lo ? 0u : ((2u << hi) - 1u) & ~((1u << lo) - 1u);
+        float* s = pr.data() + r * 16;
+        if (allow == 0) {
+          for (int j = 0; j < 16; ++j) s[j] = 0.f;
+          corr[r] = 1.f;
+          continue;
         }
-        sv = _mm512_mask_mov_ps(_mm512_set1_ps(kNegBig), mk, sv);
-        const float mb = _mm512_reduce_max_ps(sv);
+        __m512 v = _mm512_mul_ps(_mm512_load_ps(sc[t]), _mm512_set1_ps(scale));
+        if (soft_cap > 0.f) {
+          _mm512_storeu_ps(s, v);
+          for (int j = 0; j < 16; ++j) s[j] = soft_cap * std::tanh(s[j] / soft_cap);
+          v = _mm512_loadu_ps(s);
+        }
+        v = _mm512_mask_mov_ps(_mm512_set1_ps(kNegBig), static_cast<__mmask16>(allow), v);
+        const float mb = _mm512_reduce_max_ps(v);
         const float mnew = std::max(m[r], mb);
-        const float corr = pagedllm_cpu::exp_approx(m[r] - mnew);  // ~0 for the first block (m = kNegBig)
-        _mm512_store_ps(s, _mm512_sub_ps(sv, _mm512_set1_ps(mnew)));
+        corr[r] = pagedllm_cpu::exp_approx(m[r] - mnew);  // ~0 for the first block (m = kNegBig)
+        _mm512_storeu_ps(s, _mm512_sub_ps(v, _mm512_set1_ps(mnew)));
         float psum = 0.f;
 #pragma omp simd reduction(+ : psum)
         for (int j = 0; j < 16; ++j) {
@@ -377,31 +440,33 @@ static void prefill_tile(const c10::BFloat16* q, const c10::BFloat16* kv, const 
           s[j] = e;
           psum += e;
         }
-        l[r] = l[r] * corr + psum;
+        l[r] = l[r] * corr[r] + psum;
         m[r] = mnew;
-        float* ar = acc.data() + r * DIM;
-        __m512 a[NV];
-        const __m512 vc = _mm512_set1_ps(corr);
-        for (int c = 0; c < NV; ++c) a[c] = _mm512_mul_ps(_mm512_loadu_ps(ar + 16 * c), vc);
-        for (int64_t j = 0; j < nk; ++j) {
-          if (!((allow >> j) & 1u)) continue;
-          const __m512 pj = _mm512_set1_ps(s[j]);
-          for (int c = 0; c < NV; ++c) a[c] = _mm512_fmadd_ps(pj, _mm512_load_ps(&vf[j][16 * c]), a[c]);
+      }
+    }
+    // acc = acc * corr + P.V, PB rows x 4 float32 vectors at a time: each V vector is loaded once
+    // for the PB rows.
+    for (int64_t r0 = 0; r0 < R; r0 += PB) {
+      const int nr = static_cast<int>(std::min<int64_t>(PB, R - r0));
+      float* ar = acc.data() + r0 * DIM;
+      const float* pp = pr.data() + r0 * 16;
+      for (int c0 = 0; c0 < NV; c0 += 4) {
+        switch (nr) {
+          case 4: prefill_pv<DIM, 4>(ar, corr.data() + r0, pp, vf, nk, c0); break;
+          case 3: prefill_pv<DIM, 3>(ar, corr.data() + r0, pp, vf, nk, c0); break;
+          case 2: prefill_pv<DIM, 2>(ar, corr.data() + r0, pp, vf, nk, c0); break;
+          default: prefill_pv<DIM, 1>(ar, corr.data() + r0, pp, vf, nk, c0); break;
         }
-        for (int c = 0; c < NV; ++c) _mm512_storeu_ps(ar + 16 * c, a[c]);
       }
     }
   }
-  for (int64_t i = i0; i < i1; ++i) {
-    for (int64_t g = 0; g < G; ++g) {
-      const int64_t r = (i - i0) * G + g;
-      const float inv = l[r] > 0.f ? 1.f / l[r] : 0.f;  // a row with no allowed key gives zeros
-      c10::BFloat16* o = out + (i * Hq + h * G + g) * DIM;
-      const float* ar = acc.data() + r * DIM;
-      for (int c = 0; c < NV; ++c)
-        _mm256_storeu_si256(reinterpret_cast<__m256i*>(o + 16 * c),
-                            (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(_mm512_loadu_ps(ar + 16 * c), _mm512_set1_ps(inv))));
-    }
+  for (int64_t r = 0; r < R; ++r) {
+    const float inv = l[r] > 0.f ? 1.f / l[r] : 0.f;  // a row with no allowed key gives zeros
+    c10::BFloat16* o = out + ((i0 + r / G) * Hq + h * G + r % G) * DIM;
+    const float* ar = acc.data() + r * DIM;
+    for (int c = 0; c < NV; ++c)
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(o + 16 * c),
+                          (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(_mm512_loadu_ps(ar + 16 * c), _mm512_set1_ps(inv))));
   }
 }
 #endif
@@ -440,9 +505,13 @@ torch::Tensor paged_prefill_attention(torch::Tensor q, torch::Tensor kv_cache, t
   const int64_t* bt = block_table.data_ptr<int64_t>();
   auto* op = out.data_ptr<c10::BFloat16>();
   const int64_t kv_block_stride = kv_cache.stride(0), tok_stride = Hkv * D, v_offset = BS * Hkv * D;
+  // Causal: query block qb scores qb + 1 key blocks. Tiles are numbered so that any contiguous
+  // range (at::parallel_for's static split) holds early and late query blocks alike:
+  // p = 0, 1, 2, 3, ... -> qb = 0, nqb - 1, 1, nqb - 2, ...
   at::parallel_for(0, Hkv * nqb, 1, [&](int64_t b, int64_t e) {
     for (int64_t w = b; w < e; ++w) {
-      const int64_t h = w % Hkv, qb = w / Hkv;
+      const int64_t h = w % Hkv, p = w / Hkv;
+      const int64_t qb = (p % 2 == 0) ? p / 2 : nqb - 1 - p / 2;
       const int64_t i0 = qb * 16, i1 = std::min(Lq, i0 + 16);
 #define PAGEDLLM_PREFILL(DIMV)                                                                       \
   prefill_tile<DIMV>(qp, kvp, bt, q_offset, i0, i1, h, Hq, G, BS, kv_block_stride, tok_stride, v_offset, \
