@@ -20,20 +20,20 @@ bool int8_gemm_supported();
 at::Tensor int8_gemm_packed(at::Tensor x, at::Tensor packed, at::Tensor comp, int64_t N);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("paged_decode_attention", &paged_decode_attention, "paged decode attention (CPU)");
+  m.def("paged_decode_attention", &paged_decode_attention, "paged decode attention (CPU)", py::call_guard<py::gil_scoped_release>());
   m.def("prefill_supported", &prefill_supported, "whether paged_prefill_attention handles q here");
-  m.def("paged_prefill_attention", &paged_prefill_attention, "causal paged prefill attention (CPU, bf16)");
-  m.def("quantize_rows_int8", &quantize_rows_int8, "per-row symmetric int8 quantization");
-  m.def("rms_norm_quant", &rms_norm_quant, "[residual add +] RMSNorm + per-row int8 quantization",
+  m.def("paged_prefill_attention", &paged_prefill_attention, "causal paged prefill attention (CPU, bf16)", py::call_guard<py::gil_scoped_release>());
+  m.def("quantize_rows_int8", &quantize_rows_int8, "per-row symmetric int8 quantization", py::call_guard<py::gil_scoped_release>());
+  m.def("rms_norm_quant", &rms_norm_quant, "[residual add +] RMSNorm + per-row int8 quantization", py::call_guard<py::gil_scoped_release>(),
         py::arg("x"), py::arg("residual"), py::arg("weight"), py::arg("eps"));
-  m.def("dequant_int32", &dequant_int32, "int32 GEMM accumulators -> float with row/column scales",
+  m.def("dequant_int32", &dequant_int32, "int32 GEMM accumulators -> float with row/column scales", py::call_guard<py::gil_scoped_release>(),
         py::arg("acc"), py::arg("sx"), py::arg("sw"), py::arg("bias"), py::arg("dtype"));
-  m.def("dequant_silu_mul_quant", &dequant_silu_mul_quant, "dequantize gate|up, silu(gate)*up, quantize");
-  m.def("rotary_inplace", &rotary_inplace, "NeoX-style rope applied to q and k in place");
-  m.def("reshape_and_cache", &reshape_and_cache, "store k/v rows at flat slots of the paged cache");
-  m.def("rms_norm", &rms_norm, "[residual add +] RMSNorm, one pass", py::arg("x"), py::arg("residual"),
+  m.def("dequant_silu_mul_quant", &dequant_silu_mul_quant, "dequantize gate|up, silu(gate)*up, quantize", py::call_guard<py::gil_scoped_release>());
+  m.def("rotary_inplace", &rotary_inplace, "NeoX-style rope applied to q and k in place", py::call_guard<py::gil_scoped_release>());
+  m.def("reshape_and_cache", &reshape_and_cache, "store k/v rows at flat slots of the paged cache", py::call_guard<py::gil_scoped_release>());
+  m.def("rms_norm", &rms_norm, "[residual add +] RMSNorm, one pass", py::call_guard<py::gil_scoped_release>(), py::arg("x"), py::arg("residual"),
         py::arg("weight"), py::arg("eps"));
   m.def("int8_gemm_supported", &int8_gemm_supported, "whether int8_gemm_packed was built (AVX512-VNNI)");
-  m.def("int8_gemm_packed", &int8_gemm_packed, "int8 x packed int8 weights -> int32 (small M, VNNI)",
+  m.def("int8_gemm_packed", &int8_gemm_packed, "int8 x packed int8 weights -> int32 (small M, VNNI)", py::call_guard<py::gil_scoped_release>(),
         py::arg("x"), py::arg("packed"), py::arg("comp"), py::arg("n"));
 }
