@@ -7,9 +7,10 @@
   the row's own values, so a request's result never depends on what else is in the batch;
 * GEMM: int8 x int8 -> int32, then ``y = acc * s_x[:, None] * s_w[None, :] (+ bias)`` in float32,
   stored in the model dtype. Up to ``PACKED_GEMM_MAX_M`` rows (decode batches) it runs
-  ``int8_gemm_packed`` (``kernels/csrc/int8_gemm.cpp``, AVX512-VNNI) on a copy of the weights
-  packed once at load (``pack_int8_weight``); larger M (prefill chunks) and machines without the
-  kernel run ``torch._int_mm(q_x, q_w.t())`` (oneDNN). Both give the same integers.
+  ``int8_gemm_packed`` (``kernels/csrc/int8_gemm.cpp``, AVX512-VNNI) on the weights packed once
+  at load (``pack_int8_weight``, the only copy kept); larger M (prefill chunks) unpacks them for
+  ``torch._int_mm(q_x, q_w.t())`` (oneDNN), which machines without the kernel always run. Both
+  give the same integers.
 
 This is the scheme of vLLM's int8 W8A8 path (per-channel weights, dynamic per-token activations)
 and close to what llama.cpp does on CPU (activations quantized to Q8 for its integer dot products).
@@ -121,12 +122,24 @@ def pack_int8_weight(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         raise ValueError(f"pack_int8_weight: w must be a 2-D int8 tensor, got {w.dtype} {tuple(w.shape)}")
     n, k = w.shape
     nb, kq = -(-n // 16), -(-k // 4)
-    padded = torch.zeros(nb * 16, kq * 4, dtype=torch.int8)
-    padded[:n, :k] = w
-    packed = padded.view(nb, 16, kq, 4).permute(0, 2, 1, 3).contiguous().view(nb, kq, 64)
+    padded = w.contiguous()
+    if (nb * 16, kq * 4) != (n, k):
+        padded = torch.zeros(nb * 16, kq * 4, dtype=torch.int8)
+        padded[:n, :k] = w
+    # NOTE: 4 consecutive k of a row move together, so the permute runs on int32 elements
+    # (~40x faster than on bytes; start-up packs every layer).
+    packed = padded.view(torch.int32).view(nb, 16, kq).permute(0, 2, 1).contiguous()
     comp = torch.zeros(nb * 16, dtype=torch.int32)
     comp[:n] = w.sum(dim=1, dtype=torch.int32) * 128
-    return packed, comp
+    return packed.view(torch.int8).view(nb, kq, 64), comp
+
+
+def unpack_int8_weight(packed: torch.Tensor, n: int, k: int) -> torch.Tensor:
+    """The int8 ``[n, k]`` weight that ``pack_int8_weight`` packed (a new contiguous tensor)."""
+    nb, kq, _ = packed.shape
+    w = packed.view(torch.int32).view(nb, kq, 16).permute(0, 2, 1).contiguous().view(torch.int8)
+    w = w.view(nb * 16, kq * 4)
+    return w if (nb * 16, kq * 4) == (n, k) else w[:n, :k].contiguous()
 
 
 # ----------------------------------------------------------------------------- entry points
@@ -165,7 +178,10 @@ class W8A8Linear(nn.Module):
     ``out_dtype``, or the activation's float dtype when that is None.
 
     Attributes:
-        weight_int8: int8 ``[N, K]``; w_scales: float32 ``[N]``; bias: ``[N]`` or None;
+        weight_packed, weight_comp: the int8 weights packed for ``int8_gemm_packed``
+            (``pack_int8_weight``) when the VNNI kernel is built, else None;
+        weight_int8: int8 ``[N, K]`` when not packed, else None (``int8_weight()`` gives it
+            either way); w_scales: float32 ``[N]``; bias: ``[N]`` or None;
         out_dtype: fixed output dtype (float32 for the LM head) or None.
     """
 
@@ -176,27 +192,36 @@ class W8A8Linear(nn.Module):
         n, k = weight.shape
         self.in_features, self.out_features = k, n
         q, s = quantize_int8(weight)  # per output channel, the same weights as weight-only int8
-        self.weight_int8 = nn.Parameter(q, requires_grad=False)
         self.w_scales = nn.Parameter(s, requires_grad=False)
         self.bias = None if bias is None else nn.Parameter(bias.detach().clone(), requires_grad=False)
-        # A second copy of the weights in the VNNI kernel's layout (decode-sized GEMMs), when the
-        # kernel is built; not saved in the state dict (it is derived from weight_int8).
+        # One copy of the weights: in the VNNI kernel's layout when it is built (GEMMs of more
+        # than PACKED_GEMM_MAX_M rows unpack it for torch._int_mm, ~1% of such a GEMM's time),
+        # else as [N, K] for torch._int_mm.
         ops = _ops()
-        packed = comp = None
         if (PACKED_GEMM_MAX_M > 0 and ops is not None and hasattr(ops, "int8_gemm_supported")
                 and ops.int8_gemm_supported() and q.device.type == "cpu"):
             packed, comp = pack_int8_weight(q)
-        self.register_buffer("weight_packed", packed, persistent=False)
-        self.register_buffer("weight_comp", comp, persistent=False)
+            self.weight_int8 = None
+            self.weight_packed = nn.Parameter(packed, requires_grad=False)
+            self.weight_comp = nn.Parameter(comp, requires_grad=False)
+        else:
+            self.weight_int8 = nn.Parameter(q, requires_grad=False)
+            self.weight_packed = self.weight_comp = None
+
+    def int8_weight(self) -> torch.Tensor:
+        """The int8 weight ``[N, K]`` (unpacked into a new tensor when stored packed)."""
+        if self.weight_int8 is not None:
+            return self.weight_int8
+        return unpack_int8_weight(self.weight_packed, self.out_features, self.in_features)
 
     def matmul_int32(self, qa: QuantizedActivation) -> torch.Tensor:
-        """int32 accumulators ``[M, N]`` of ``qa.q @ weight_int8.T`` (exact integer arithmetic)."""
+        """int32 accumulators ``[M, N]`` of ``qa.q @ weight.T`` (exact integer arithmetic)."""
         ops = _ops()
         if self.weight_packed is not None and ops is not None and qa.q.shape[0] <= PACKED_GEMM_MAX_M:
             return ops.int8_gemm_packed(qa.q.contiguous(), self.weight_packed, self.weight_comp,
-                                              self.out_features)
+                                        self.out_features)
         # NOTE: the transposed view of the [N, K] weight is what oneDNN runs fastest at small M.
-        return torch._int_mm(qa.q, self.weight_int8.t())
+        return torch._int_mm(qa.q, self.int8_weight().t())
 
     def forward(self, x) -> torch.Tensor:
         if isinstance(x, QuantizedActivation):

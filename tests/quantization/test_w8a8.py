@@ -55,7 +55,8 @@ def test_linear_close_to_float(shape, m, dtype):
     b = torch.randn(n, generator=g) * 0.01
     x = torch.randn(m, k, generator=g)
     lin = W8A8Linear(w, b)
-    assert lin.weight_int8.dtype == torch.int8 and lin.w_scales.dtype == torch.float32
+    assert lin.int8_weight().dtype == torch.int8 and lin.w_scales.dtype == torch.float32
+    assert torch.equal(lin.int8_weight(), w8a8.quantize_int8(w)[0])  # packed or not, the same weights
     y = lin(x.to(dtype))
     assert y.dtype == dtype and y.shape == (m, n)
     assert _rel(y, F.linear(x, w, b)) < 0.03
@@ -139,6 +140,7 @@ def test_pack_int8_weight_layout():
                     want = int(w[nn_, kk]) if nn_ < n and kk < k else 0
                     assert int(packed[nb, kq, 4 * j + i]) == want
     assert comp[:n].tolist() == [128 * int(r.sum()) for r in w.long()] and not comp[n:].any()
+    assert torch.equal(w8a8.unpack_int8_weight(packed, n, k), w)
     with pytest.raises(ValueError, match="int8"):
         w8a8.pack_int8_weight(w.float())
 
@@ -173,7 +175,8 @@ def test_packed_and_onednn_paths_identical(dtype, monkeypatch):
     w = torch.randn(200, 96, generator=g) * 0.05
     lin = W8A8Linear(w, torch.randn(200, generator=g) * 0.01)
     gate_up_lin = W8A8Linear(w)  # the fused SiLU path takes no bias
-    assert lin.weight_packed is not None and "weight_packed" not in lin.state_dict()
+    # one copy of the weights: packed (the [N, K] form is unpacked on demand for large M)
+    assert lin.weight_packed is not None and lin.weight_int8 is None
     for m in (1, 16, 70):
         x = torch.randn(m, 96, generator=g).to(dtype)
         monkeypatch.setattr(w8a8, "PACKED_GEMM_MAX_M", 1000)
