@@ -25,6 +25,10 @@ class EngineArgs:
         max_num_batched_tokens: token budget per step (chunked prefill splits longer prompts).
         block_size: tokens per KV cache block.
         kv_cache_memory: KV cache budget in bytes (None = DEFAULT_CPU_KV_CACHE_BYTES on CPU).
+        kv_cache_dtype: "auto" (the model dtype), "fp8" / "fp8_e4m3" (float8_e4m3fn) or
+            "fp8_e5m2": 8-bit K/V, half the bytes of bf16, so the same budget holds twice the
+            tokens and decode attention reads half the memory (CPU only; see
+            ``pagedllm.platforms.resolve_kv_cache_dtype``).
         seed: global seed for unseeded random sampling.
         enable_prefix_caching: automatic prefix caching (on by default, as in vLLM v1).
         prefix_caching_hash_algo: "sha256" or "xxhash".
@@ -58,6 +62,7 @@ class EngineArgs:
     max_num_batched_tokens: int = 2048
     block_size: int = 16
     kv_cache_memory: Optional[int] = None
+    kv_cache_dtype: str = "auto"
     seed: int = 0
     enable_prefix_caching: bool = True
     prefix_caching_hash_algo: str = "sha256"

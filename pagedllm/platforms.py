@@ -69,6 +69,31 @@ def resolve_dtype(dtype: str | torch.dtype, device: torch.device) -> torch.dtype
         raise ValueError(f"dtype: must be one of 'auto', {sorted(_DTYPES)}, got {dtype!r}") from None
 
 
+KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2")
+
+
+def resolve_kv_cache_dtype(kv_cache_dtype: str, model_dtype: torch.dtype, device: torch.device) -> torch.dtype:
+    """Map the ``kv_cache_dtype`` setting (vLLM's names) to the KV cache's torch dtype.
+
+    "auto" stores K/V in the model dtype. "fp8" (= "fp8_e4m3") stores ``torch.float8_e4m3fn``
+    and "fp8_e5m2" ``torch.float8_e5m2``: one byte per element, half of bf16, with a scale of 1.0
+    (vLLM's default when no scales are given); values beyond the format's largest finite value
+    (448 for E4M3, 57344 for E5M2) saturate to it. Attention reads the 8-bit values widened to
+    float32 (exact).
+
+    Raises:
+        ValueError: an unknown name, or fp8 on a device whose kernels do not read it (CUDA).
+    """
+    if kv_cache_dtype == "auto":
+        return model_dtype
+    if kv_cache_dtype not in KV_CACHE_DTYPES:
+        raise ValueError(f"kv_cache_dtype: must be one of {list(KV_CACHE_DTYPES)}, got {kv_cache_dtype!r}")
+    if device.type != "cpu":
+        raise ValueError(f"kv_cache_dtype: {kv_cache_dtype!r} is supported on the CPU backend only "
+                         f"(device {device.type!r}); use 'auto'")
+    return torch.float8_e5m2 if kv_cache_dtype == "fp8_e5m2" else torch.float8_e4m3fn
+
+
 def default_num_threads() -> int:
     """Engine torch threads when ``num_threads`` is not set.
 

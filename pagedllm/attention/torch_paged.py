@@ -67,13 +67,38 @@ def build_metadata(reqs: list[tuple[int, int, list[int]]], block_size: int) -> A
     )
 
 
+FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
+
+
+def to_cache_dtype(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``x`` in the KV cache's dtype; fp8 saturates at the format's largest finite value (448 for
+    E4M3, 57344 for E5M2), as vLLM's conversion does, where a plain ``.to()`` gives NaN / inf."""
+    if dtype in FP8_DTYPES:
+        m = torch.finfo(dtype).max
+        return x.float().clamp(-m, m).to(dtype)
+    return x.to(dtype)
+
+
+def kernel_reads_cache(ops, q: torch.Tensor, kv_cache: torch.Tensor) -> bool:
+    """Whether the C++ attention kernels read ``kv_cache`` for queries ``q`` (same dtype, or an fp8
+    cache with bf16 q where the build supports it)."""
+    if ops is None or q.device.type != "cpu":
+        return False
+    if q.dtype == kv_cache.dtype:
+        return True
+    return kv_cache.dtype in FP8_DTYPES and hasattr(ops, "kv_fp8_supported") and ops.kv_fp8_supported(q)
+
+
 def write_kv(kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor,
              ops=None) -> None:
     """Store ``k``/``v`` ``[T, Hkv, D]`` at flat slots ``slot_mapping`` ``[T]`` (-1 = skip).
 
     ``ops``: the C++ CPU kernels (``reshape_and_cache``, one pass) or None for the torch path.
+    An fp8 cache stores ``to_cache_dtype(k)`` (round to nearest even, saturating) either way.
     """
-    if (ops is not None and k.dtype == kv_cache.dtype and v.dtype == kv_cache.dtype and kv_cache.is_contiguous()
+    same = k.dtype == kv_cache.dtype or (kv_cache.dtype in FP8_DTYPES and hasattr(ops, "kv_fp8_supported")
+                                         and k.dtype in (torch.float32, torch.bfloat16))
+    if (ops is not None and same and v.dtype == k.dtype and kv_cache.is_contiguous()
             and k.stride(-1) == 1 and v.stride(-1) == 1 and kv_cache.device.type == "cpu"
             and slot_mapping.dtype == torch.int64):
         ops.reshape_and_cache(k, v, kv_cache, slot_mapping)
@@ -84,8 +109,8 @@ def write_kv(kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapp
         slot_mapping, k, v = slot_mapping[valid], k[valid], v[valid]
     blk = slot_mapping // block_size
     off = slot_mapping % block_size
-    kv_cache[blk, 0, off] = k.to(kv_cache.dtype)
-    kv_cache[blk, 1, off] = v.to(kv_cache.dtype)
+    kv_cache[blk, 0, off] = to_cache_dtype(k, kv_cache.dtype)
+    kv_cache[blk, 1, off] = to_cache_dtype(v, kv_cache.dtype)
 
 
 def _gather(kv_cache: torch.Tensor, blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -169,7 +194,7 @@ class TorchPagedAttention(AttentionImpl):
         # same step wrote (e.g. a prefix-cache block shared within one step).
         write_kv(kv_cache, k, v, meta.slot_mapping, self._ops)
         nd = meta.num_decodes
-        use_kernel = self._ops is not None and q.device.type == "cpu" and q.dtype == kv_cache.dtype
+        use_kernel = kernel_reads_cache(self._ops, q, kv_cache)
         if nd == meta.num_reqs and use_kernel:  # a decode-only step: the kernel's output is the result
             return self._ops.paged_decode_attention(
                 q, kv_cache, meta.block_tables, meta.seq_lens, float(scale),

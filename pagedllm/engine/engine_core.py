@@ -13,7 +13,7 @@ import torch
 from pagedllm.config import DEFAULT_CPU_KV_CACHE_BYTES, EngineArgs
 from pagedllm.core.request import Request, RequestStatus
 from pagedllm.core.sched_output import EngineCoreOutput
-from pagedllm.platforms import default_num_threads, resolve_device, resolve_dtype
+from pagedllm.platforms import default_num_threads, resolve_device, resolve_dtype, resolve_kv_cache_dtype
 
 logger = logging.getLogger("pagedllm")
 
@@ -52,6 +52,7 @@ class EngineCore:
             raise ValueError(f"max_num_seqs: must be >= 1, got {args.max_num_seqs}")
         if args.max_num_batched_tokens < 1:
             raise ValueError(f"max_num_batched_tokens: must be >= 1, got {args.max_num_batched_tokens}")
+        self.kv_cache_dtype = resolve_kv_cache_dtype(args.kv_cache_dtype, self.dtype, self.device)
 
         loaded = load_model(args.model, dtype=self.dtype, tokenizer=args.tokenizer,
                             ignore_patterns=args.ignore_patterns or None)
@@ -92,17 +93,18 @@ class EngineCore:
                         qstats["num_linears"], _fmt_bytes(qstats["float_bytes"]), _fmt_bytes(qstats["quantized_bytes"]))
         self.model = model
         self.vocab_size = int(self.hf_config.vocab_size)
-        weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+        # NOTE: buffers count too (W8A8's packed copy of its int8 weights is a buffer).
+        weight_bytes = sum(t.numel() * t.element_size() for t in (*model.parameters(), *model.buffers()))
         if self.device.type == "cpu" and self.dtype == torch.bfloat16:
             from pagedllm.models.layers import prepack_cpu_linears
             # NOTE: bf16 linears move to oneDNN's blocked layout and their dense copies are
             # dropped; a tied LM head gets a packed copy beside the dense embedding table.
             packed = prepack_cpu_linears(model, pack_head=args.runner == "generate")
-            weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters()) + packed
+            weight_bytes = sum(t.numel() * t.element_size() for t in (*model.parameters(), *model.buffers())) + packed
 
         # KV cache sizing from an explicit byte budget.
         num_layers, num_kv_heads, head_dim = model.get_kv_cache_spec()
-        elem = torch.empty((), dtype=self.dtype).element_size()
+        elem = torch.empty((), dtype=self.kv_cache_dtype).element_size()
         bytes_per_token = 2 * num_layers * num_kv_heads * head_dim * elem
         if args.kv_cache_memory is not None:
             kv_bytes = int(args.kv_cache_memory)
@@ -162,7 +164,7 @@ class EngineCore:
         self.runner = ModelRunner(model, num_blocks, args.block_size,
                                   (num_layers, num_kv_heads, head_dim), self.dtype,
                                   self.vocab_size, self.device, attn_impl=attn_impl, pooler=pooler,
-                                  eos_token_id=self.eos_token_id)
+                                  eos_token_id=self.eos_token_id, kv_cache_dtype=self.kv_cache_dtype)
         if self.device.type != "cpu":
             from pagedllm.models.layers import reserve_rope_tables
             # NOTE: full-size rope tables now: no per-step position check (a device sync) and a
@@ -173,10 +175,11 @@ class EngineCore:
             logger.info("pagedllm: captured decode CUDA graphs in %.2f s", secs)
         self.startup_seconds = time.perf_counter() - t0
         logger.info(
-            "pagedllm: model %s (%s, %s) loaded in %.2f s; weights %s; KV cache %s = %d blocks x %d tokens "
+            "pagedllm: model %s (%s, %s) loaded in %.2f s; weights %s; KV cache %s %s = %d blocks x %d tokens "
             "= %d tokens (%d bytes/token); max_model_len %d",
             args.model, self.hf_config.architectures[0], str(self.dtype).replace("torch.", ""),
-            self.startup_seconds, _fmt_bytes(weight_bytes), _fmt_bytes(num_blocks * args.block_size * bytes_per_token),
+            self.startup_seconds, _fmt_bytes(weight_bytes), str(self.kv_cache_dtype).replace("torch.", ""),
+            _fmt_bytes(num_blocks * args.block_size * bytes_per_token),
             num_blocks, args.block_size, capacity_tokens, bytes_per_token, max_model_len)
         self.weight_bytes = weight_bytes
 

@@ -102,6 +102,8 @@ def _engine_kwargs(args: argparse.Namespace) -> dict:
         kw["kv_cache_memory"] = int(args.kv_cache_memory)
     if getattr(args, "quantization", None):
         kw["quantization"] = args.quantization
+    if getattr(args, "kv_cache_dtype", None):
+        kw["kv_cache_dtype"] = args.kv_cache_dtype
     return kw
 
 
@@ -110,6 +112,8 @@ def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", default="auto")
     p.add_argument("--quantization", default=None, choices=["int8", "int4", "w8a8"],
                    help="int8/int4: weight-only; w8a8: int8 weights and dynamic per-token int8 activations")
+    p.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8", "fp8_e4m3", "fp8_e5m2"],
+                   help="KV cache storage (fp8: 8-bit floats, CPU only)")
     p.add_argument("--num-threads", type=int, default=None)
     p.add_argument("--max-num-seqs", type=int, default=128)
     p.add_argument("--max-num-batched-tokens", type=int, default=2048)

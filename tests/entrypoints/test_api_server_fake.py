@@ -450,3 +450,8 @@ def test_cli_args():
     ea = engine_args_from_namespace(args)
     assert ea.model == "m.gguf" and ea.kv_cache_memory == 1024**3
     assert ea.enable_prefix_caching is False and ea.served_model_name == ["x", "y"]
+    assert ea.kv_cache_dtype == "auto" and d.kv_cache_dtype == "auto"
+    ea8 = engine_args_from_namespace(make_arg_parser().parse_args(["--kv-cache-dtype", "fp8"]))
+    assert ea8.kv_cache_dtype == "fp8"
+    with pytest.raises(SystemExit):  # argparse rejects names vLLM does not have
+        make_arg_parser().parse_args(["--kv-cache-dtype", "int8"])

@@ -128,6 +128,9 @@ def add_serve_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g.add_argument("--kv-cache-memory", type=parse_bytes, default=None,
                    help="KV cache budget in bytes; accepts suffixes like 2GiB, 512MiB, 1.5G "
                         "(default: 2GiB on CPU).")
+    g.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8", "fp8_e4m3", "fp8_e5m2"],
+                   help="KV cache storage: auto (the model dtype) or 8-bit floats (fp8 = fp8_e4m3, "
+                        "or fp8_e5m2): half the bytes per token of bf16 (CPU only).")
     g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
                    default=True,
                    help="Reuse the KV cache of shared prompt prefixes (default: on).")

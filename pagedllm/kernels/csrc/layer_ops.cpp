@@ -5,6 +5,8 @@
 //       x[i] = x1 * cos - x2 * sin;  x[i + D/2] = x2 * cos + x1 * sin   (float32 math, in place).
 //   reshape_and_cache(k [T, Hkv, D], v [T, Hkv, D], kv_cache [NB, 2, BS, Hkv, D], slots [T])
 //       kv_cache[s / BS, 0, s % BS] = k[t]; kv_cache[s / BS, 1, s % BS] = v[t]; slot -1 = skip.
+//       An fp8 cache (float8_e4m3fn / float8_e5m2) takes float32/bf16 k, v, encoded with
+//       round-to-nearest-even and saturation (cpu_utils.h fp8_encode).
 //   rms_norm(x [T, K], residual? [T, K], w f32 [K], eps) -> out [T, K] in x's dtype
 //       with a residual: residual += x in place (rounded to its dtype), then out = RMSNorm(residual) * w.
 //
@@ -73,16 +75,63 @@ void rotary_inplace(at::Tensor q, at::Tensor k, at::Tensor positions, at::Tensor
   }
 }
 
+// The store into an fp8 cache: every element encoded (round to nearest even, saturating).
+template <typename src_t, int M, int BIAS>
+static void store_fp8(const at::Tensor& k, const at::Tensor& v, uint8_t* cache, const int64_t* sl, int64_t T,
+                      int64_t H, int64_t D, int64_t BS) {
+  const src_t* kp = k.data_ptr<src_t>();
+  const src_t* vp = v.data_ptr<src_t>();
+  const int64_t tok = H * D;
+  at::parallel_for(0, T, pagedllm_cpu::row_grain(2 * H * D), [&](int64_t b, int64_t e) {
+    std::vector<float> buf(D);
+    for (int64_t t = b; t < e; ++t) {
+      const int64_t s = sl[t];
+      if (s < 0) continue;
+      uint8_t* kdst = cache + (((s / BS) * 2 * BS) + (s % BS)) * tok;
+      uint8_t* vdst = kdst + BS * tok;
+      for (int64_t h = 0; h < H; ++h) {
+        for (int which = 0; which < 2; ++which) {
+          const src_t* src = which == 0 ? kp + t * k.stride(0) + h * k.stride(1) : vp + t * v.stride(0) + h * v.stride(1);
+          uint8_t* dst = (which == 0 ? kdst : vdst) + h * D;
+          pagedllm_cpu::load_row(src, buf.data(), D);
+          const float* f = buf.data();
+#pragma omp simd
+          for (int64_t d = 0; d < D; ++d) dst[d] = pagedllm_cpu::fp8_encode<M, BIAS>(f[d]);
+        }
+      }
+    }
+  });
+}
+
+static void reshape_and_cache_fp8(const at::Tensor& k, const at::Tensor& v, at::Tensor& kv_cache, const int64_t* sl,
+                                  int64_t T, int64_t H, int64_t D, int64_t BS) {
+  uint8_t* cache = static_cast<uint8_t*>(kv_cache.data_ptr());
+  const bool e4m3 = kv_cache.scalar_type() == at::kFloat8_e4m3fn;
+  pagedllm_cpu::dispatch_float_bf16(k.scalar_type(), [&](auto tag) {
+    using src_t = decltype(tag);
+    if (e4m3) store_fp8<src_t, 3, 7>(k, v, cache, sl, T, H, D, BS);
+    else store_fp8<src_t, 2, 15>(k, v, cache, sl, T, H, D, BS);
+  });
+}
+
 void reshape_and_cache(at::Tensor k, at::Tensor v, at::Tensor kv_cache, at::Tensor slots) {
   TORCH_CHECK(kv_cache.dim() == 5 && kv_cache.is_contiguous(), "kv_cache must be contiguous [NB, 2, BS, Hkv, D]");
   TORCH_CHECK(k.dim() == 3 && v.sizes() == k.sizes() && k.size(1) == kv_cache.size(3) && k.size(2) == kv_cache.size(4),
               "k/v must be [T, Hkv, D] matching the cache");
-  TORCH_CHECK(k.scalar_type() == kv_cache.scalar_type() && v.scalar_type() == kv_cache.scalar_type(), "k/v/cache dtypes differ");
+  TORCH_CHECK(k.scalar_type() == v.scalar_type(), "k/v dtypes differ");
+  const bool fp8 = kv_cache.scalar_type() == at::kFloat8_e4m3fn || kv_cache.scalar_type() == at::kFloat8_e5m2;
+  TORCH_CHECK(k.scalar_type() == kv_cache.scalar_type() ||
+              (fp8 && (k.scalar_type() == at::kBFloat16 || k.scalar_type() == at::kFloat)),
+              "k/v must have the cache's dtype (or be float32/bfloat16 for an fp8 cache)");
   TORCH_CHECK(k.stride(2) == 1 && v.stride(2) == 1, "k/v last dim must be contiguous");
   TORCH_CHECK(slots.scalar_type() == at::kLong && slots.is_contiguous() && slots.numel() == k.size(0), "slots");
   const int64_t T = k.size(0), H = k.size(1), D = k.size(2), BS = kv_cache.size(2), NB = kv_cache.size(0);
   const int64_t* sl = slots.data_ptr<int64_t>();
   for (int64_t t = 0; t < T; ++t) TORCH_CHECK(sl[t] < NB * BS, "slot out of the cache");
+  if (fp8) {
+    reshape_and_cache_fp8(k, v, kv_cache, sl, T, H, D, BS);
+    return;
+  }
   const int64_t es = kv_cache.element_size();
   char* cache = static_cast<char*>(kv_cache.data_ptr());
   const char* kp = static_cast<const char*>(k.data_ptr());

@@ -102,6 +102,48 @@ static inline __m512 bf16x16_to_f32(const c10::BFloat16* p) {
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(x), 16));
 }
 
+// fp8 codes -> fp16 bits, from which the hardware conversion (vcvtph2ps, exact, subnormals
+// included) gives float32. E5M2 is the top byte of an fp16. An E4M3 code shifted into the fp16
+// fields reads as value / 256 (fp16's exponent bias is 8 more; E4M3's subnormals land on fp16
+// subnormals), so the kernels scale by kScale = 256 where it is free: into the softmax scale for
+// K, into the final output for V.
+template <int M>
+static inline __m256i fp8x16_to_f16(__m128i c) {
+  if constexpr (M == 2) {
+    return _mm256_slli_epi16(_mm256_cvtepu8_epi16(c), 8);
+  } else {
+    // sign-extended code << 7 puts exponent and mantissa in bits 7..13 and the sign in bits 14
+    // and 15; clear bit 14
+    return _mm256_and_si256(_mm256_slli_epi16(_mm256_cvtepi8_epi16(c), 7),
+                            _mm256_set1_epi16(static_cast<int16_t>(0xBF80)));
+  }
+}
+
+// How the AVX512-BF16 kernels read K/V rows of a cache element type: 32 values as bf16 pairs
+// (for _mm512_dpbf16_ps) and 16 values as float32, both equal to the stored values / kScale
+// (exact: fp8 values and their power-of-two scalings are exact in bf16).
+struct KvBf16 {
+  using T = c10::BFloat16;
+  static constexpr float kScale = 1.f;
+  static inline __m512bh load32_bf16(const T* p) { return (__m512bh)_mm512_loadu_si512(p); }
+  static inline __m512 load16_f32(const T* p) { return bf16x16_to_f32(p); }
+};
+template <int M, int BIAS>
+struct KvFp8 {
+  using T = uint8_t;
+  static constexpr float kScale = M == 3 ? 256.f : 1.f;
+  static inline __m512bh load32_bf16(const T* p) {
+    const __m512 lo = _mm512_cvtph_ps(fp8x16_to_f16<M>(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+    const __m512 hi = _mm512_cvtph_ps(fp8x16_to_f16<M>(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 16))));
+    return _mm512_cvtne2ps_pbh(hi, lo);
+  }
+  static inline __m512 load16_f32(const T* p) {
+    return _mm512_cvtph_ps(fp8x16_to_f16<M>(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+  }
+};
+using KvE4M3 = KvFp8<3, 7>;
+using KvE5M2 = KvFp8<2, 15>;
+
 // bf16 decode with AVX512-BF16 for G query heads (heads head0 .. head0+G-1 of request b) that
 // share kv head h: q.k by _mm512_dpbf16_ps (exact bf16 products, float32 sums) 16 tokens at a
 // time with one transposing reduction, softmax in float32, P.V with float32 FMAs into register
@@ -116,12 +158,13 @@ constexpr int decode_cv(int G, int NV) {
   return cv;
 }
 
-template <int DIM, int G>
-static void decode_group_bf16(const c10::BFloat16* q, const c10::BFloat16* kv, const int64_t* bt, int64_t L,
+template <typename KV, int DIM, int G>
+static void decode_group_bf16(const c10::BFloat16* q, const typename KV::T* kv, const int64_t* bt, int64_t L,
                               int64_t b, int64_t h, int64_t head0, bool prefetch_rows, c10::BFloat16* out,
                               int64_t Hq, int64_t block_size, int64_t kv_block_stride, int64_t tok_stride,
                               int64_t v_offset, float scale, int64_t window, float soft_cap,
-                              std::vector<float>& scores, std::vector<const c10::BFloat16*>& rows) {
+                              std::vector<float>& scores, std::vector<const typename KV::T*>& rows) {
+  using KT = typename KV::T;
   constexpr int NC = DIM / 32;  // 32-element bf16 chunks per row
   constexpr int NV = DIM / 16;  // 16-element float32 chunks per row
   constexpr int CV = decode_cv(G, NV);
@@ -133,7 +176,7 @@ static void decode_group_bf16(const c10::BFloat16* q, const c10::BFloat16* kv, c
   // K row address of every context token, walking the block table once.
   {
     int64_t blk = first / block_size, off = first % block_size;
-    const c10::BFloat16* base = kv + bt[blk] * kv_block_stride + h * DIM;
+    const KT* base = kv + bt[blk] * kv_block_stride + h * DIM;
     for (int64_t i = 0; i < n; ++i) {
       rows[i] = base + off * tok_stride;
       if (++off == block_size && i + 1 < n) {
@@ -142,14 +185,14 @@ static void decode_group_bf16(const c10::BFloat16* q, const c10::BFloat16* kv, c
       }
     }
   }
-  const __m512 vscale = _mm512_set1_ps(scale);
+  const __m512 vscale = _mm512_set1_ps(scale * KV::kScale);
   const c10::BFloat16* qh = q + (b * Hq + head0) * DIM;
   // NOTE: software prefetch one 16-token group ahead: the block table scatters rows, so the
   // hardware prefetcher loses the stream at every block boundary. The first kv head of a request
   // prefetches whole token rows (every kv head's K, resp. V) into L2, so the request's other kv
   // heads, which the same thread runs next, read them from L2 instead of DRAM.
-  constexpr int LINES = DIM * 2 / 64;  // cache lines per K (or V) row of one head
-  const int64_t row_lines = tok_stride * 2 / 64;  // cache lines per token row, all kv heads
+  constexpr int LINES = std::max<int>(1, DIM * sizeof(KT) / 64);  // cache lines per K (or V) row of one head
+  const int64_t row_lines = tok_stride * static_cast<int64_t>(sizeof(KT)) / 64;  // per token row, all kv heads
   for (int64_t p0 = 0; p0 < n; p0 += 16) {
     const int64_t cnt = std::min<int64_t>(16, n - p0);
     for (int64_t j = p0 + 16; j < std::min<int64_t>(p0 + 32, n); ++j) {
@@ -165,8 +208,8 @@ static void decode_group_bf16(const c10::BFloat16* q, const c10::BFloat16* kv, c
       for (int64_t j = 0; j < 16; ++j) {
         __m512 a = _mm512_setzero_ps();
         if (j < cnt) {
-          const c10::BFloat16* kp = rows[p0 + j];
-          for (int c = 0; c < NC; ++c) a = _mm512_dpbf16_ps(a, qv[c], (__m512bh)_mm512_loadu_si512(kp + 32 * c));
+          const KT* kp = rows[p0 + j];
+          for (int c = 0; c < NC; ++c) a = _mm512_dpbf16_ps(a, qv[c], KV::load32_bf16(kp + 32 * c));
         }
         acc[j] = a;
       }
@@ -185,15 +228,15 @@ static void decode_group_bf16(const c10::BFloat16* q, const c10::BFloat16* kv, c
     for (int g = 0; g < G; ++g)
       for (int c = 0; c < CV; ++c) acc[g][c] = _mm512_setzero_ps();
     for (int64_t i = 0; i < n; ++i) {
-      const c10::BFloat16* vp = rows[i] + v_offset + 16 * c0;
+      const KT* vp = rows[i] + v_offset + 16 * c0;
       if (i + 8 < n) {
         const char* r = reinterpret_cast<const char*>(rows[i + 8] + v_offset + 16 * c0);
         if (prefetch_rows && c0 == 0)
           for (int64_t l = LINES; l < row_lines; ++l) _mm_prefetch(r + 64 * l, _MM_HINT_T1);
-        for (int l = 0; l < CV * 32 / 64; ++l) _mm_prefetch(r + 64 * l, _MM_HINT_T0);
+        for (int l = 0; l < std::max<int>(1, CV * 16 * sizeof(KT) / 64); ++l) _mm_prefetch(r + 64 * l, _MM_HINT_T0);
       }
       __m512 v[CV];
-      for (int c = 0; c < CV; ++c) v[c] = bf16x16_to_f32(vp + 16 * c);
+      for (int c = 0; c < CV; ++c) v[c] = KV::load16_f32(vp + 16 * c);
       for (int g = 0; g < G; ++g) {
         const __m512 w = _mm512_set1_ps(scores[g * n16 + i]);
         for (int c = 0; c < CV; ++c) acc[g][c] = _mm512_fmadd_ps(w, v[c], acc[g][c]);
@@ -201,26 +244,28 @@ static void decode_group_bf16(const c10::BFloat16* q, const c10::BFloat16* kv, c
     }
     for (int g = 0; g < G; ++g) {
       c10::BFloat16* o = out + (b * Hq + head0 + g) * DIM + 16 * c0;
-      for (int c = 0; c < CV; ++c)
-        _mm256_storeu_si256(reinterpret_cast<__m256i*>(o + 16 * c), (__m256i)_mm512_cvtneps_pbh(acc[g][c]));
+      for (int c = 0; c < CV; ++c) {
+        const __m512 a = KV::kScale == 1.f ? acc[g][c] : _mm512_mul_ps(acc[g][c], _mm512_set1_ps(KV::kScale));
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(o + 16 * c), (__m256i)_mm512_cvtneps_pbh(a));
+      }
     }
   }
 }
 
 // decode_group_bf16 for the G query heads of kv head h, in chunks of up to 8 heads (the
 // instances: accumulators for more heads would not fit in registers).
-template <int DIM>
-static void decode_heads_bf16(int64_t G, const c10::BFloat16* q, const c10::BFloat16* kv, const int64_t* bt,
+template <typename KV, int DIM>
+static void decode_heads_bf16(int64_t G, const c10::BFloat16* q, const typename KV::T* kv, const int64_t* bt,
                               int64_t L, int64_t b, int64_t h, c10::BFloat16* out, int64_t Hq, int64_t block_size,
                               int64_t kv_block_stride, int64_t tok_stride, int64_t v_offset, float scale,
                               int64_t window, float soft_cap, std::vector<float>& scores,
-                              std::vector<const c10::BFloat16*>& rows) {
+                              std::vector<const typename KV::T*>& rows) {
   for (int64_t g0 = 0; g0 < G; g0 += 8) {
     const int64_t head0 = h * G + g0;
     const bool prefetch_rows = h == 0 && g0 == 0;
 #define PAGEDLLM_GROUP(GV)                                                                                \
   case GV:                                                                                                \
-    decode_group_bf16<DIM, GV>(q, kv, bt, L, b, h, head0, prefetch_rows, out, Hq, block_size,            \
+    decode_group_bf16<KV, DIM, GV>(q, kv, bt, L, b, h, head0, prefetch_rows, out, Hq, block_size,        \
                                kv_block_stride, tok_stride, v_offset, scale, window, soft_cap, scores, rows); \
     break;
     switch (std::min<int64_t>(8, G - g0)) {
@@ -229,6 +274,37 @@ static void decode_heads_bf16(int64_t G, const c10::BFloat16* q, const c10::BFlo
     }
 #undef PAGEDLLM_GROUP
   }
+}
+#endif
+
+#ifdef PAGEDLLM_AVX512_BF16
+// Decode over an fp8 KV cache (bf16 q, head size 64/128/256): the grouped kernel with K/V rows
+// widened from fp8 as they are read (half the cache bytes of bf16).
+template <typename KV>
+static void decode_kernel_fp8(const c10::BFloat16* q, const uint8_t* kv, const int64_t* block_tables,
+                              const int64_t* seq_lens, c10::BFloat16* out, int64_t B, int64_t Hq, int64_t Hkv,
+                              int64_t D, int64_t block_size, int64_t max_blocks, int64_t kv_block_stride,
+                              float scale, int64_t window, float soft_cap) {
+  const int64_t G = Hq / Hkv;
+  const int64_t tok_stride = Hkv * D, v_offset = block_size * Hkv * D;
+  int64_t ctx_tokens = 0;
+  for (int64_t b = 0; b < B; ++b) ctx_tokens += seq_lens[b];
+  const int64_t grain = ctx_tokens * Hkv * D < 524288 ? B * Hkv : 1;
+  at::parallel_for(0, B * Hkv, grain, [&](int64_t begin, int64_t end) {
+    std::vector<float> scores;
+    std::vector<const uint8_t*> rows;
+    for (int64_t w = begin; w < end; ++w) {
+      const int64_t b = w / Hkv, h = w % Hkv;
+      const int64_t* bt = block_tables + b * max_blocks;
+#define PAGEDLLM_DECODE_FP8(DIMV)                                                                       \
+  decode_heads_bf16<KV, DIMV>(G, q, kv, bt, seq_lens[b], b, h, out, Hq, block_size, kv_block_stride, tok_stride, \
+                              v_offset, scale, window, soft_cap, scores, rows)
+      if (D == 64) PAGEDLLM_DECODE_FP8(64);
+      else if (D == 128) PAGEDLLM_DECODE_FP8(128);
+      else PAGEDLLM_DECODE_FP8(256);
+#undef PAGEDLLM_DECODE_FP8
+    }
+  });
 }
 #endif
 
@@ -255,7 +331,7 @@ static void decode_kernel(const scalar_t* q, const scalar_t* kv, const int64_t* 
       if constexpr (std::is_same_v<scalar_t, c10::BFloat16>) {
         if (D == 64 || D == 128 || D == 256) {
 #define PAGEDLLM_DECODE_BF16(DIMV)                                                                      \
-  decode_heads_bf16<DIMV>(G, q, kv, bt, seq_lens[b], b, h, out, Hq, block_size, kv_block_stride, tok_stride, \
+  decode_heads_bf16<KvBf16, DIMV>(G, q, kv, bt, seq_lens[b], b, h, out, Hq, block_size, kv_block_stride, tok_stride, \
                           v_offset, scale, window, soft_cap, scores, rows)
           if (D == 64) PAGEDLLM_DECODE_BF16(64);
           else if (D == 128) PAGEDLLM_DECODE_BF16(128);
@@ -281,10 +357,19 @@ static void decode_kernel(const scalar_t* q, const scalar_t* kv, const int64_t* 
 
 // q: [B, Hq, D]; kv_cache: [NB, 2, BS, Hkv, D] (same dtype as q); block_tables: int64 [B, M];
 // seq_lens: int64 [B] (context length incl. the new token). window <= 0: none; soft_cap <= 0: none.
+static bool is_fp8(const torch::Tensor& t) {
+  return t.scalar_type() == at::kFloat8_e4m3fn || t.scalar_type() == at::kFloat8_e5m2;
+}
+
+// Whether the kernels read an fp8 KV cache for this q: bf16, head size 64/128/256, AVX512-BF16
+// (the same condition as prefill_supported).
+bool kv_fp8_supported(torch::Tensor q);
+
 torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor kv_cache, torch::Tensor block_tables,
                                      torch::Tensor seq_lens, double scale, int64_t window, double soft_cap) {
   TORCH_CHECK(q.dim() == 3 && kv_cache.dim() == 5, "bad ranks");
-  TORCH_CHECK(q.scalar_type() == kv_cache.scalar_type(), "q and kv_cache dtypes differ");
+  TORCH_CHECK(q.scalar_type() == kv_cache.scalar_type() || (is_fp8(kv_cache) && kv_fp8_supported(q)),
+              "q and kv_cache dtypes differ (an fp8 cache needs bf16 q with head size 64/128/256 and AVX512-BF16)");
   TORCH_CHECK(kv_cache.is_contiguous() && block_tables.scalar_type() == at::kLong && seq_lens.scalar_type() == at::kLong);
   q = q.contiguous();
   block_tables = block_tables.contiguous();
@@ -293,6 +378,20 @@ torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor kv_cache, to
   const int64_t B = q.size(0), Hq = q.size(1), D = q.size(2);
   const int64_t BS = kv_cache.size(2), Hkv = kv_cache.size(3);
   TORCH_CHECK(kv_cache.size(4) == D && Hq % Hkv == 0, "head shapes");
+#ifdef PAGEDLLM_AVX512_BF16
+  if (is_fp8(kv_cache)) {
+    const auto* kvp = static_cast<const uint8_t*>(kv_cache.data_ptr());
+    if (kv_cache.scalar_type() == at::kFloat8_e4m3fn)
+      decode_kernel_fp8<KvE4M3>(q.data_ptr<c10::BFloat16>(), kvp, block_tables.data_ptr<int64_t>(),
+                                seq_lens.data_ptr<int64_t>(), out.data_ptr<c10::BFloat16>(), B, Hq, Hkv, D, BS,
+                                block_tables.size(1), kv_cache.stride(0), (float)scale, window, (float)soft_cap);
+    else
+      decode_kernel_fp8<KvE5M2>(q.data_ptr<c10::BFloat16>(), kvp, block_tables.data_ptr<int64_t>(),
+                                seq_lens.data_ptr<int64_t>(), out.data_ptr<c10::BFloat16>(), B, Hq, Hkv, D, BS,
+                                block_tables.size(1), kv_cache.stride(0), (float)scale, window, (float)soft_cap);
+    return out;
+  }
+#endif
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "paged_decode_attention", [&] {
     decode_kernel<scalar_t>(q.data_ptr<scalar_t>(), kv_cache.data_ptr<scalar_t>(), block_tables.data_ptr<int64_t>(),
                             seq_lens.data_ptr<int64_t>(), out.data_ptr<scalar_t>(), B, Hq, Hkv, D, BS,
@@ -359,8 +458,8 @@ static inline void prefill_pv(float* acc, const float* corr, const float* p, con
     for (int c = 0; c < 4; ++c) _mm512_storeu_ps(acc + t * DIM + 16 * (c0 + c), a[t][c]);
 }
 
-template <int DIM>
-static void prefill_tile(const c10::BFloat16* q, const c10::BFloat16* kv, const int64_t* bt, int64_t q_offset,
+template <typename KV, int DIM>
+static void prefill_tile(const c10::BFloat16* q, const typename KV::T* kv, const int64_t* bt, int64_t q_offset,
                          int64_t i0, int64_t i1, int64_t h, int64_t Hq, int64_t G, int64_t block_size,
                          int64_t kv_block_stride, int64_t tok_stride, int64_t v_offset, float scale,
                          int64_t window, float soft_cap, c10::BFloat16* out) {
@@ -379,16 +478,23 @@ static void prefill_tile(const c10::BFloat16* q, const c10::BFloat16* kv, const 
   const int64_t last_key = q_offset + i1 - 1;
   int64_t first_key = 0;
   if (window > 0) first_key = std::max<int64_t>(0, q_offset + i0 - window + 1);
+  scale *= KV::kScale;  // K and V are read as value / kScale
   for (int64_t k0 = (first_key / 16) * 16; k0 <= last_key; k0 += 16) {
     const int64_t nk = std::min<int64_t>(16, last_key + 1 - k0);
     for (int64_t j = 0; j < 16; ++j) {
       if (j < nk) {
         const int64_t p = k0 + j;
         const int64_t base = bt[p / block_size] * kv_block_stride + (p % block_size) * tok_stride + h * DIM;
-        const uint32_t* kr = reinterpret_cast<const uint32_t*>(kv + base);
-        for (int d = 0; d < DP; ++d) kp[d][j] = kr[d];
-        const c10::BFloat16* vr = kv + base + v_offset;
-        for (int c = 0; c < NV; ++c) _mm512_store_ps(&vf[j][16 * c], bf16x16_to_f32(vr + 16 * c));
+        if constexpr (std::is_same_v<KV, KvBf16>) {
+          const uint32_t* kr = reinterpret_cast<const uint32_t*>(kv + base);
+          for (int d = 0; d < DP; ++d) kp[d][j] = kr[d];
+        } else {
+          alignas(64) uint32_t kr[DP];  // the row widened to bf16 pairs
+          for (int c = 0; c < DIM / 32; ++c) _mm512_store_si512(kr + 16 * c, (__m512i)KV::load32_bf16(kv + base + 32 * c));
+          for (int d = 0; d < DP; ++d) kp[d][j] = kr[d];
+        }
+        const typename KV::T* vr = kv + base + v_offset;
+        for (int c = 0; c < NV; ++c) _mm512_store_ps(&vf[j][16 * c], KV::load16_f32(vr + 16 * c));
       } else {
         for (int d = 0; d < DP; ++d) kp[d][j] = 0;
         for (int c = 0; c < DIM; ++c) vf[j][c] = 0.f;
@@ -461,7 +567,7 @@ static void prefill_tile(const c10::BFloat16* q, const c10::BFloat16* kv, const 
     }
   }
   for (int64_t r = 0; r < R; ++r) {
-    const float inv = l[r] > 0.f ? 1.f / l[r] : 0.f;  // a row with no allowed key gives zeros
+    const float inv = l[r] > 0.f ? KV::kScale / l[r] : 0.f;  // a row with no allowed key gives zeros
     c10::BFloat16* o = out + ((i0 + r / G) * Hq + h * G + r % G) * DIM;
     const float* ar = acc.data() + r * DIM;
     for (int c = 0; c < NV; ++c)
@@ -485,11 +591,13 @@ bool prefill_supported(torch::Tensor q) {
 #endif
 }
 
+bool kv_fp8_supported(torch::Tensor q) { return prefill_supported(q); }
+
 torch::Tensor paged_prefill_attention(torch::Tensor q, torch::Tensor kv_cache, torch::Tensor block_table,
                                       int64_t q_offset, double scale, int64_t window, double soft_cap) {
   TORCH_CHECK(prefill_supported(q), "paged_prefill_attention: needs bf16 q with head size 64/128/256 and AVX512-BF16");
   TORCH_CHECK(q.dim() == 3 && kv_cache.dim() == 5 && kv_cache.is_contiguous(), "bad ranks / layout");
-  TORCH_CHECK(kv_cache.scalar_type() == at::kBFloat16, "kv_cache must be bf16");
+  TORCH_CHECK(kv_cache.scalar_type() == at::kBFloat16 || is_fp8(kv_cache), "kv_cache must be bf16 or fp8");
   TORCH_CHECK(block_table.scalar_type() == at::kLong, "block_table must be int64");
   q = q.contiguous();
   block_table = block_table.contiguous();
@@ -501,7 +609,8 @@ torch::Tensor paged_prefill_attention(torch::Tensor q, torch::Tensor kv_cache, t
 #ifdef PAGEDLLM_AVX512_BF16
   const int64_t G = Hq / Hkv, nqb = (Lq + 15) / 16;
   const auto* qp = q.data_ptr<c10::BFloat16>();
-  const auto* kvp = kv_cache.data_ptr<c10::BFloat16>();
+  const void* kvp = kv_cache.data_ptr();
+  const auto kvt = kv_cache.scalar_type();
   const int64_t* bt = block_table.data_ptr<int64_t>();
   auto* op = out.data_ptr<c10::BFloat16>();
   const int64_t kv_block_stride = kv_cache.stride(0), tok_stride = Hkv * D, v_offset = BS * Hkv * D;
@@ -513,13 +622,18 @@ torch::Tensor paged_prefill_attention(torch::Tensor q, torch::Tensor kv_cache, t
       const int64_t h = w % Hkv, p = w / Hkv;
       const int64_t qb = (p % 2 == 0) ? p / 2 : nqb - 1 - p / 2;
       const int64_t i0 = qb * 16, i1 = std::min(Lq, i0 + 16);
-#define PAGEDLLM_PREFILL(DIMV)                                                                       \
-  prefill_tile<DIMV>(qp, kvp, bt, q_offset, i0, i1, h, Hq, G, BS, kv_block_stride, tok_stride, v_offset, \
-                     (float)scale, window, (float)soft_cap, op)
-      if (D == 64) PAGEDLLM_PREFILL(64);
-      else if (D == 128) PAGEDLLM_PREFILL(128);
-      else PAGEDLLM_PREFILL(256);
+#define PAGEDLLM_PREFILL_KV(KVT, DIMV)                                                                   \
+  prefill_tile<KVT, DIMV>(qp, static_cast<const KVT::T*>(kvp), bt, q_offset, i0, i1, h, Hq, G, BS,          \
+                          kv_block_stride, tok_stride, v_offset, (float)scale, window, (float)soft_cap, op)
+#define PAGEDLLM_PREFILL(DIMV)                                                   \
+  if (kvt == at::kBFloat16) PAGEDLLM_PREFILL_KV(KvBf16, DIMV);                   \
+  else if (kvt == at::kFloat8_e4m3fn) PAGEDLLM_PREFILL_KV(KvE4M3, DIMV);         \
+  else PAGEDLLM_PREFILL_KV(KvE5M2, DIMV);
+      if (D == 64) { PAGEDLLM_PREFILL(64) }
+      else if (D == 128) { PAGEDLLM_PREFILL(128) }
+      else { PAGEDLLM_PREFILL(256) }
 #undef PAGEDLLM_PREFILL
+#undef PAGEDLLM_PREFILL_KV
     }
   });
 #endif
