@@ -7,6 +7,10 @@ except with a logit soft-cap, which SDPA cannot express (manual path then).
 
 With the C++ kernels (the default), the cache store and decode attention run in C++, and so does
 bf16 prefill attention on CPUs with AVX512-BF16; the torch code here stays the oracle.
+
+An 8-bit cache (``kv_cache_dtype`` fp8: ``torch.float8_e4m3fn`` / ``torch.float8_e5m2``) stores
+``to_cache_dtype(k)`` and is read widened to the query dtype (exact), by the C++ kernels for bf16
+queries with head size 64/128/256, else by the torch path here.
 """
 from __future__ import annotations
 
