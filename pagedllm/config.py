@@ -3,11 +3,41 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
+import re
 from typing import Any, Optional
 
 # Default KV cache budget on CPU (bytes). vLLM's CPU backend uses VLLM_CPU_KVCACHE_SPACE (GiB);
 # we take an explicit byte budget (--kv-cache-memory) and default to 2 GiB.
 DEFAULT_CPU_KV_CACHE_BYTES = 2 * 1024**3
+
+_SIZE_UNITS = {
+    "": 1, "b": 1,
+    "k": 1000, "kb": 1000, "m": 1000**2, "mb": 1000**2, "g": 1000**3, "gb": 1000**3,
+    "t": 1000**4, "tb": 1000**4,
+    "ki": 1024, "kib": 1024, "mi": 1024**2, "mib": 1024**2, "gi": 1024**3, "gib": 1024**3,
+    "ti": 1024**4, "tib": 1024**4,
+}
+
+
+def parse_bytes(value: str | int) -> int:
+    """'2GiB' / '512MiB' / '1.5G' / '1073741824' -> bytes (decimal units for K/M/G, binary
+    for Ki/Mi/Gi).
+
+    Raises:
+        ValueError: not a size, an unknown unit, or not positive.
+    """
+    s = str(value).strip().replace("_", "")
+    m = re.fullmatch(r"([0-9]*\.?[0-9]+(?:[eE][0-9]+)?)\s*([A-Za-z]*)", s)
+    if not m:
+        raise ValueError(f"invalid size {value!r} (expected e.g. 2GiB, 512MiB, 1073741824)")
+    num, unit = m.groups()
+    mult = _SIZE_UNITS.get(unit.lower())
+    if mult is None:
+        raise ValueError(f"invalid size unit {unit!r} in {value!r}")
+    n = int(float(num) * mult)
+    if n <= 0:
+        raise ValueError(f"size must be positive, got {value!r}")
+    return n
 
 
 @dataclass
@@ -24,7 +54,8 @@ class EngineArgs:
         max_num_seqs: max requests per step.
         max_num_batched_tokens: token budget per step (chunked prefill splits longer prompts).
         block_size: tokens per KV cache block.
-        kv_cache_memory: KV cache budget in bytes (None = DEFAULT_CPU_KV_CACHE_BYTES on CPU).
+        kv_cache_memory: KV cache budget in bytes, or a size string such as "512MiB" / "2GiB"
+            (None = DEFAULT_CPU_KV_CACHE_BYTES on CPU).
         kv_cache_dtype: "auto" (the model dtype), "fp8" / "fp8_e4m3" (float8_e4m3fn) or
             "fp8_e5m2": 8-bit K/V, half the bytes of bf16, so the same budget holds twice the
             tokens and decode attention reads half the memory (CPU only; see
@@ -61,7 +92,7 @@ class EngineArgs:
     max_num_seqs: int = 128
     max_num_batched_tokens: int = 2048
     block_size: int = 16
-    kv_cache_memory: Optional[int] = None
+    kv_cache_memory: Optional[int | str] = None
     kv_cache_dtype: str = "auto"
     seed: int = 0
     enable_prefix_caching: bool = True

@@ -10,7 +10,7 @@ from typing import Optional
 
 import torch
 
-from pagedllm.config import DEFAULT_CPU_KV_CACHE_BYTES, EngineArgs
+from pagedllm.config import DEFAULT_CPU_KV_CACHE_BYTES, EngineArgs, parse_bytes
 from pagedllm.core.request import Request, RequestStatus
 from pagedllm.core.sched_output import EngineCoreOutput
 from pagedllm.platforms import default_num_threads, resolve_device, resolve_dtype, resolve_kv_cache_dtype
@@ -107,7 +107,10 @@ class EngineCore:
         elem = torch.empty((), dtype=self.kv_cache_dtype).element_size()
         bytes_per_token = 2 * num_layers * num_kv_heads * head_dim * elem
         if args.kv_cache_memory is not None:
-            kv_bytes = int(args.kv_cache_memory)
+            try:
+                kv_bytes = parse_bytes(args.kv_cache_memory)
+            except ValueError as e:
+                raise ValueError(f"kv_cache_memory: {e}") from None
         elif self.device.type == "cuda":
             kv_bytes = self._profile_gpu_kv_bytes(model, args)
         else:

@@ -36,6 +36,8 @@ def build_parser() -> argparse.ArgumentParser:
     cp.add_argument("--temperature", type=float, default=0.0)
     cp.add_argument("--chat", action="store_true", help="wrap the prompt as a user chat message")
     cp.add_argument("--dtype", default="auto")
+    cp.add_argument("--quantization", "-q", default=None, choices=["int8", "int4", "w8a8"])
+    cp.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8", "fp8_e4m3", "fp8_e5m2"])
     cp.add_argument("--num-threads", type=int, default=None)
     _add_bench_parsers(sub)
     return parser
@@ -44,7 +46,8 @@ def build_parser() -> argparse.ArgumentParser:
 def _complete(args: argparse.Namespace) -> int:
     from pagedllm import LLM, SamplingParams
 
-    llm = LLM(args.model, dtype=args.dtype, num_threads=args.num_threads)
+    llm = LLM(args.model, dtype=args.dtype, num_threads=args.num_threads, quantization=args.quantization,
+              kv_cache_dtype=args.kv_cache_dtype)
     sp = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature)
     if args.chat:
         out = llm.chat([{"role": "user", "content": args.prompt}], sp, use_tqdm=False)

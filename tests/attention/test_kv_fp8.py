@@ -165,8 +165,9 @@ def test_smollm2_with_fp8_cache(smollm2_path):
     text = " ".join(_SENTENCES)
     ppl, blocks, first, paris = {}, {}, {}, {}
     for kv in ("auto", "fp8", "fp8_e5m2"):
-        llm = LLM(smollm2_path, dtype="bfloat16", kv_cache_dtype=kv, kv_cache_memory=64 * 1024**2,
-                  max_num_batched_tokens=512, seed=0)
+        # (a size string is accepted too, as on the command line)
+        llm = LLM(smollm2_path, dtype="bfloat16", kv_cache_dtype=kv,
+                  kv_cache_memory="64MiB" if kv == "fp8" else 64 * 1024**2, max_num_batched_tokens=512, seed=0)
         core = llm.llm_engine.core
         blocks[kv] = core.num_blocks
         ids = core.tokenizer.encode(text, add_special_tokens=False)[:400]

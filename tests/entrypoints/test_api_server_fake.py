@@ -437,6 +437,13 @@ def test_cli_args():
     assert parse_bytes("2GiB") == 2 * 1024**3
     assert parse_bytes("512MiB") == 512 * 1024**2
     assert parse_bytes("1000") == 1000
+    from pagedllm.config import parse_bytes as config_parse_bytes
+    assert config_parse_bytes(4096) == 4096 and config_parse_bytes("1.5G") == 1_500_000_000
+    for bad in ("-5", "0", "12XB", "lots"):
+        with pytest.raises(ValueError):
+            config_parse_bytes(bad)
+    with pytest.raises(SystemExit):
+        make_arg_parser().parse_args(["--kv-cache-memory", "12XB"])
     args = make_arg_parser().parse_args(["m.gguf", "--kv-cache-memory", "1GiB", "--port", "9",
                                          "--no-enable-prefix-caching",
                                          "--served-model-name", "x", "y",

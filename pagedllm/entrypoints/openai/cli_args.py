@@ -4,36 +4,18 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import re
 from typing import Any, Optional
+
+from pagedllm.config import parse_bytes as config_parse_bytes
 
 DEFAULT_MODEL = "SmolLM2-135M-Instruct"
 
-_SIZE_UNITS = {
-    "": 1, "b": 1,
-    "k": 1000, "kb": 1000, "m": 1000**2, "mb": 1000**2, "g": 1000**3, "gb": 1000**3,
-    "t": 1000**4, "tb": 1000**4,
-    "ki": 1024, "kib": 1024, "mi": 1024**2, "mib": 1024**2, "gi": 1024**3, "gib": 1024**3,
-    "ti": 1024**4, "tib": 1024**4,
-}
-
-
 def parse_bytes(value: str) -> int:
-    """'2GiB' / '512MiB' / '1.5G' / '1073741824' -> bytes (decimal units for K/M/G, binary
-    for Ki/Mi/Gi)."""
-    s = str(value).strip().replace("_", "")
-    m = re.fullmatch(r"([0-9]*\.?[0-9]+(?:[eE][0-9]+)?)\s*([A-Za-z]*)", s)
-    if not m:
-        raise argparse.ArgumentTypeError(f"invalid size {value!r} (expected e.g. 2GiB, 512MiB, "
-                                         "1073741824)")
-    num, unit = m.groups()
-    mult = _SIZE_UNITS.get(unit.lower())
-    if mult is None:
-        raise argparse.ArgumentTypeError(f"invalid size unit {unit!r} in {value!r}")
-    n = int(float(num) * mult)
-    if n <= 0:
-        raise argparse.ArgumentTypeError(f"size must be positive, got {value!r}")
-    return n
+    """'2GiB' / '512MiB' / '1.5G' / '1073741824' -> bytes, for argparse (``config.parse_bytes``)."""
+    try:
+        return config_parse_bytes(value)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 def _positive_int(value: str) -> int:
