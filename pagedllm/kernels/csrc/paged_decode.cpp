@@ -278,31 +278,34 @@ static void decode_heads_bf16(int64_t G, const c10::BFloat16* q, const typename 
 #endif
 
 #ifdef PAGEDLLM_AVX512_BF16
-// Decode over an fp8 KV cache (bf16 q, head size 64/128/256): the grouped kernel with K/V rows
-// widened from fp8 as they are read (half the cache bytes of bf16).
+// Decode with bf16 q and head size 64/128/256 on AVX512-BF16: the grouped kernel over a bf16 or
+// fp8 cache (KV: KvBf16, KvE4M3, KvE5M2), one task per (request, kv head).
 template <typename KV>
-static void decode_kernel_fp8(const c10::BFloat16* q, const uint8_t* kv, const int64_t* block_tables,
-                              const int64_t* seq_lens, c10::BFloat16* out, int64_t B, int64_t Hq, int64_t Hkv,
-                              int64_t D, int64_t block_size, int64_t max_blocks, int64_t kv_block_stride,
-                              float scale, int64_t window, float soft_cap) {
+static void decode_kernel_bf16(const c10::BFloat16* q, const typename KV::T* kv, const int64_t* block_tables,
+                               const int64_t* seq_lens, c10::BFloat16* out, int64_t B, int64_t Hq, int64_t Hkv,
+                               int64_t D, int64_t block_size, int64_t max_blocks, int64_t kv_block_stride,
+                               float scale, int64_t window, float soft_cap) {
   const int64_t G = Hq / Hkv;
   const int64_t tok_stride = Hkv * D, v_offset = block_size * Hkv * D;
+  // NOTE: no threads at all for a small step (e.g. one short request): waking them would cost
+  // more than the work (under 512 KiB of K/V).
   int64_t ctx_tokens = 0;
   for (int64_t b = 0; b < B; ++b) ctx_tokens += seq_lens[b];
-  const int64_t grain = ctx_tokens * Hkv * D < 524288 ? B * Hkv : 1;
+  const int64_t kv_bytes = ctx_tokens * Hkv * D * static_cast<int64_t>(sizeof(typename KV::T));
+  const int64_t grain = kv_bytes < 524288 ? B * Hkv : 1;
   at::parallel_for(0, B * Hkv, grain, [&](int64_t begin, int64_t end) {
     std::vector<float> scores;
-    std::vector<const uint8_t*> rows;
+    std::vector<const typename KV::T*> rows;
     for (int64_t w = begin; w < end; ++w) {
       const int64_t b = w / Hkv, h = w % Hkv;
       const int64_t* bt = block_tables + b * max_blocks;
-#define PAGEDLLM_DECODE_FP8(DIMV)                                                                       \
+#define PAGEDLLM_DECODE_BF16(DIMV)                                                                       \
   decode_heads_bf16<KV, DIMV>(G, q, kv, bt, seq_lens[b], b, h, out, Hq, block_size, kv_block_stride, tok_stride, \
                               v_offset, scale, window, soft_cap, scores, rows)
-      if (D == 64) PAGEDLLM_DECODE_FP8(64);
-      else if (D == 128) PAGEDLLM_DECODE_FP8(128);
-      else PAGEDLLM_DECODE_FP8(256);
-#undef PAGEDLLM_DECODE_FP8
+      if (D == 64) PAGEDLLM_DECODE_BF16(64);
+      else if (D == 128) PAGEDLLM_DECODE_BF16(128);
+      else PAGEDLLM_DECODE_BF16(256);
+#undef PAGEDLLM_DECODE_BF16
     }
   });
 }
@@ -323,24 +326,9 @@ static void decode_kernel(const scalar_t* q, const scalar_t* kv, const int64_t* 
   const int64_t grain = ctx_tokens * Hkv * D < 262144 ? B * Hkv : 1;
   at::parallel_for(0, B * Hkv, grain, [&](int64_t begin, int64_t end) {
     std::vector<float> qf(G * D), acc(G * D), kf(D), scores;
-    std::vector<const scalar_t*> rows;
     for (int64_t w = begin; w < end; ++w) {
       const int64_t b = w / Hkv, h = w % Hkv;
       const int64_t* bt = block_tables + b * max_blocks;
-#ifdef PAGEDLLM_AVX512_BF16
-      if constexpr (std::is_same_v<scalar_t, c10::BFloat16>) {
-        if (D == 64 || D == 128 || D == 256) {
-#define PAGEDLLM_DECODE_BF16(DIMV)                                                                      \
-  decode_heads_bf16<KvBf16, DIMV>(G, q, kv, bt, seq_lens[b], b, h, out, Hq, block_size, kv_block_stride, tok_stride, \
-                          v_offset, scale, window, soft_cap, scores, rows)
-          if (D == 64) PAGEDLLM_DECODE_BF16(64);
-          else if (D == 128) PAGEDLLM_DECODE_BF16(128);
-          else PAGEDLLM_DECODE_BF16(256);
-#undef PAGEDLLM_DECODE_BF16
-          continue;
-        }
-      }
-#endif
 #define PAGEDLLM_DECODE(DIMV)                                                                       \
   decode_one<DIMV, scalar_t>(q, kv, bt, seq_lens[b], b, h, out, Hq, G, D, block_size, kv_block_stride, \
                              tok_stride, v_offset, scale, window, soft_cap, qf, acc, kf, scores)
@@ -379,16 +367,17 @@ torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor kv_cache, to
   const int64_t BS = kv_cache.size(2), Hkv = kv_cache.size(3);
   TORCH_CHECK(kv_cache.size(4) == D && Hq % Hkv == 0, "head shapes");
 #ifdef PAGEDLLM_AVX512_BF16
-  if (is_fp8(kv_cache)) {
-    const auto* kvp = static_cast<const uint8_t*>(kv_cache.data_ptr());
-    if (kv_cache.scalar_type() == at::kFloat8_e4m3fn)
-      decode_kernel_fp8<KvE4M3>(q.data_ptr<c10::BFloat16>(), kvp, block_tables.data_ptr<int64_t>(),
-                                seq_lens.data_ptr<int64_t>(), out.data_ptr<c10::BFloat16>(), B, Hq, Hkv, D, BS,
-                                block_tables.size(1), kv_cache.stride(0), (float)scale, window, (float)soft_cap);
-    else
-      decode_kernel_fp8<KvE5M2>(q.data_ptr<c10::BFloat16>(), kvp, block_tables.data_ptr<int64_t>(),
-                                seq_lens.data_ptr<int64_t>(), out.data_ptr<c10::BFloat16>(), B, Hq, Hkv, D, BS,
-                                block_tables.size(1), kv_cache.stride(0), (float)scale, window, (float)soft_cap);
+  if (kv_fp8_supported(q)) {  // bf16 q, head size 64/128/256: the grouped kernel
+    const auto kvt = kv_cache.scalar_type();
+#define PAGEDLLM_DECODE_KV(KVT)                                                                              \
+  decode_kernel_bf16<KVT>(q.data_ptr<c10::BFloat16>(), static_cast<const KVT::T*>(kv_cache.data_ptr()),        \
+                          block_tables.data_ptr<int64_t>(), seq_lens.data_ptr<int64_t>(),                     \
+                          out.data_ptr<c10::BFloat16>(), B, Hq, Hkv, D, BS, block_tables.size(1),             \
+                          kv_cache.stride(0), (float)scale, window, (float)soft_cap)
+    if (kvt == at::kBFloat16) PAGEDLLM_DECODE_KV(KvBf16);
+    else if (kvt == at::kFloat8_e4m3fn) PAGEDLLM_DECODE_KV(KvE4M3);
+    else PAGEDLLM_DECODE_KV(KvE5M2);
+#undef PAGEDLLM_DECODE_KV
     return out;
   }
 #endif
