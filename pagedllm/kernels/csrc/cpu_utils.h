@@ -103,6 +103,7 @@ inline void softmax_row(float* __restrict s, int64_t n) {
 // ---- 8-bit floating-point KV cache (OCP FP8: E4M3FN with M=3, BIAS=7; E5M2 with M=2, BIAS=15;
 // the formats of torch.float8_e4m3fn / torch.float8_e5m2 and of vLLM's --kv-cache-dtype fp8).
 // A code is sign | exponent | mantissa; exponent 0 holds the subnormals m * 2^(1 - BIAS - M).
+// (Reading them back: paged_decode.cpp's fp8x16_to_f16, through the hardware fp16 conversion.)
 
 // Largest finite value of the format: its bits as float32, and its code.
 template <int M> constexpr uint32_t fp8_max_bits() { return M == 3 ? 0x43E00000u : 0x47600000u; }  // 448, 57344
@@ -123,25 +124,11 @@ inline uint8_t fp8_encode(float x) {
   const uint32_t r = a + ((1u << (22 - M)) - 1u) + ((a >> (23 - M)) & 1u);
   const uint32_t normal = (r >> (23 - M)) - (static_cast<uint32_t>(127 - BIAS) << M);
   // subnormal: the number of 2^(1 - BIAS - M) steps (2^M rounds up to the smallest normal code)
-  const uint32_t sub = static_cast<uint32_t>(__builtin_rintf(ax * static_cast<float>(1u << (BIAS - 1 + M))));
+  // (clamped so that the unused result for large |x| stays a valid conversion)
+  const uint32_t sub = static_cast<uint32_t>(__builtin_rintf(std::min(ax, 1.f) * static_cast<float>(1u << (BIAS - 1 + M))));
   constexpr uint32_t kMinNormalBits = static_cast<uint32_t>(127 + 1 - BIAS) << 23;
   const uint32_t code = a >= fp8_max_bits<M>() ? fp8_max_code<M>() : (a < kMinNormalBits ? sub : normal);
   return static_cast<uint8_t>(code | sign);
-}
-
-// fp8 code -> float32 (exact).
-template <int M, int BIAS>
-inline float fp8_decode(uint8_t c) {
-  const uint32_t em = c & 0x7Fu;
-  const uint32_t nb = em << (23 - M);
-  float normal;
-  std::memcpy(&normal, &nb, sizeof(normal));
-  constexpr uint32_t kScaleBits = static_cast<uint32_t>(127 + 127 - BIAS) << 23;  // 2^(127 - BIAS)
-  float scale;
-  std::memcpy(&scale, &kScaleBits, sizeof(scale));
-  const float f = em < (1u << M) ? static_cast<float>(em) / static_cast<float>(1u << (BIAS - 1 + M))
-                                 : normal * scale;
-  return (c & 0x80u) ? -f : f;
 }
 
 // Rows per parallel task so that each task touches at least ``min_elems`` elements: below that,
