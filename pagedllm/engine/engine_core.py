@@ -93,14 +93,16 @@ class EngineCore:
                         qstats["num_linears"], _fmt_bytes(qstats["float_bytes"]), _fmt_bytes(qstats["quantized_bytes"]))
         self.model = model
         self.vocab_size = int(self.hf_config.vocab_size)
-        # NOTE: buffers count too (W8A8's packed copy of its int8 weights is a buffer).
-        weight_bytes = sum(t.numel() * t.element_size() for t in (*model.parameters(), *model.buffers()))
+        def resident_bytes() -> int:  # parameters and buffers
+            return sum(t.numel() * t.element_size() for t in (*model.parameters(), *model.buffers()))
+
+        weight_bytes = resident_bytes()
         if self.device.type == "cpu" and self.dtype == torch.bfloat16:
             from pagedllm.models.layers import prepack_cpu_linears
             # NOTE: bf16 linears move to oneDNN's blocked layout and their dense copies are
             # dropped; a tied LM head gets a packed copy beside the dense embedding table.
             packed = prepack_cpu_linears(model, pack_head=args.runner == "generate")
-            weight_bytes = sum(t.numel() * t.element_size() for t in (*model.parameters(), *model.buffers())) + packed
+            weight_bytes = resident_bytes() + packed
 
         # KV cache sizing from an explicit byte budget.
         num_layers, num_kv_heads, head_dim = model.get_kv_cache_spec()
