@@ -46,6 +46,9 @@ class EngineCore:
         torch.manual_seed(args.seed)
         self.device = resolve_device(args.device)
         self.dtype = resolve_dtype(args.dtype, self.device)
+        if self.device.type == "cpu":
+            from pagedllm.kernels.cpu_ops import install_cpu_allocator
+            install_cpu_allocator()  # before the weights and KV cache are allocated
         if args.block_size < 1:
             raise ValueError(f"block_size: must be >= 1, got {args.block_size}")
         if args.max_num_seqs < 1:

@@ -13,6 +13,8 @@
   in place, the K/V store into the paged cache, and RMSNorm with the residual add folded in,
   each one pass (torch references: ``RotaryEmbedding.forward``, ``attention.torch_paged.write_kv``,
   ``RMSNorm.forward``).
+* ``install_cpu_allocator`` (``csrc/cpu_allocator.cpp``): a caching allocator for large CPU
+  blocks, installed as torch's CPU allocator by ``install_cpu_allocator()`` below.
 
 If the compiler
 or headers are missing, ``get_ops()`` returns None and callers use the torch path.
@@ -44,7 +46,8 @@ _ops: Any = None
 _tried = False
 
 _SRCS = [os.path.join(os.path.dirname(__file__), "csrc", f)
-         for f in ("paged_decode.cpp", "quant_ops.cpp", "layer_ops.cpp", "int8_gemm.cpp", "bindings.cpp")]
+         for f in ("paged_decode.cpp", "quant_ops.cpp", "layer_ops.cpp", "int8_gemm.cpp", "cpu_allocator.cpp",
+                    "bindings.cpp")]
 _CFLAGS = ["-O3", "-march=native", "-fopenmp", "-ffast-math"]
 
 
@@ -101,6 +104,47 @@ def _build(name: str, so_path: str) -> Any:
         os.replace(staged, so_path)
     logger.info("pagedllm: CPU kernels built in %.1f s (cached at %s)", time.perf_counter() - t0, so_path)
     return mod
+
+
+DEFAULT_ALLOCATOR_MIN_BYTES = 1 << 20
+DEFAULT_ALLOCATOR_CACHE_BYTES = 1 << 30
+
+
+def install_cpu_allocator() -> bool:
+    """Make torch's CPU allocator keep freed blocks of >= 1 MiB for reuse (once per process).
+
+    glibc maps every allocation above 32 MiB afresh and unmaps it on free, so such a tensor
+    pays ~0.4 s/GB of page faults on first touch; W8A8 prefill of 8,192 tokens spent ~1.1 s of
+    5.5 s that way (docs/performance.md, step 22). Cached blocks are 2 MiB-aligned and advised
+    for transparent huge pages. At most ``PAGEDLLM_CPU_ALLOCATOR_CACHE`` bytes (a size string
+    such as ``512MiB``; default 1 GiB) of free blocks are kept; ``PAGEDLLM_CPU_ALLOCATOR=0``
+    leaves torch's allocator in place.
+
+    Returns:
+        True if the allocator is installed (now or before), False if disabled or the kernels
+        are unavailable.
+
+    Raises:
+        ValueError: ``PAGEDLLM_CPU_ALLOCATOR_CACHE`` is not a byte size.
+    """
+    if os.environ.get("PAGEDLLM_CPU_ALLOCATOR", "1") == "0":
+        return False
+    ops = get_ops()
+    if ops is None or not hasattr(ops, "install_cpu_allocator"):
+        return False
+    cache = os.environ.get("PAGEDLLM_CPU_ALLOCATOR_CACHE")
+    if cache:
+        from pagedllm.config import parse_bytes
+
+        try:
+            cache_bytes = parse_bytes(cache)
+        except ValueError as e:
+            raise ValueError(f"PAGEDLLM_CPU_ALLOCATOR_CACHE: {e}") from None
+    else:
+        cache_bytes = DEFAULT_ALLOCATOR_CACHE_BYTES
+    if ops.install_cpu_allocator(DEFAULT_ALLOCATOR_MIN_BYTES, int(cache_bytes)):
+        logger.debug("pagedllm: caching CPU allocator installed (keeps up to %d bytes of free blocks)", cache_bytes)
+    return True
 
 
 def get_ops() -> Optional[Any]:

@@ -1,6 +1,8 @@
 // Python bindings of the CPU kernels (one extension module, built by pagedllm/kernels/cpu_ops.py).
 #include <torch/extension.h>
+#include <string>
 #include <tuple>
+#include <unordered_map>
 
 torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor kv_cache, torch::Tensor block_tables,
                                      torch::Tensor seq_lens, double scale, int64_t window, double soft_cap);
@@ -19,6 +21,9 @@ void reshape_and_cache(at::Tensor k, at::Tensor v, at::Tensor kv_cache, at::Tens
 at::Tensor rms_norm(at::Tensor x, c10::optional<at::Tensor> residual, at::Tensor weight, double eps);
 bool int8_gemm_supported();
 at::Tensor int8_gemm_packed(at::Tensor x, at::Tensor packed, at::Tensor comp, int64_t N);
+bool install_cpu_allocator(int64_t min_bytes, int64_t max_cached_bytes);
+std::unordered_map<std::string, int64_t> cpu_allocator_stats();
+void cpu_allocator_empty_cache();
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode_attention", &paged_decode_attention, "paged decode attention (CPU)", py::call_guard<py::gil_scoped_release>());
@@ -39,4 +44,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("int8_gemm_supported", &int8_gemm_supported, "whether int8_gemm_packed was built (AVX512-VNNI)");
   m.def("int8_gemm_packed", &int8_gemm_packed, "int8 x packed int8 weights -> int32 (small M, VNNI)", py::call_guard<py::gil_scoped_release>(),
         py::arg("x"), py::arg("packed"), py::arg("comp"), py::arg("n"));
+  m.def("install_cpu_allocator", &install_cpu_allocator,
+        "install the caching allocator for large CPU blocks as torch's CPU allocator (True the first time)",
+        py::arg("min_bytes"), py::arg("max_cached_bytes"));
+  m.def("cpu_allocator_stats", &cpu_allocator_stats, "hits, misses, cached_bytes, live_bytes, limits ({} if not installed)");
+  m.def("cpu_allocator_empty_cache", &cpu_allocator_empty_cache, "return the allocator's cached free blocks to the OS");
 }
