@@ -80,8 +80,9 @@ def quantize_rows_ref(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 def dequant_ref(acc: torch.Tensor, sx: torch.Tensor, sw: torch.Tensor, bias: Optional[torch.Tensor],
                 dtype: torch.dtype) -> torch.Tensor:
-    """int32 ``acc [M, N]`` -> ``acc * sx[:, None] * sw[None, :] (+ bias)`` in ``dtype``."""
-    y = acc.float() * sx[:, None] * sw[None, :]
+    """int32 ``acc [M, N]`` -> ``acc * (sx[:, None] * sw[None, :]) (+ bias)`` in ``dtype`` (the
+    C++ kernels' order of operations)."""
+    y = acc.float() * (sx[:, None] * sw[None, :])
     if bias is not None:
         y = y + bias.float()
     return y.to(dtype)
@@ -229,9 +230,16 @@ class W8A8Linear(nn.Module):
         else:
             lead = x.shape[:-1]
             qa = quantize_rows(x.reshape(-1, self.in_features))
-        acc = self.matmul_int32(qa)
         ops = _ops()
         dtype = self.out_dtype or qa.dtype
+        if (ops is not None and self.weight_packed is not None and qa.q.shape[0] <= PACKED_GEMM_MAX_M
+                and dtype in (torch.float32, torch.bfloat16)):
+            # the packed GEMM with the dequantization as its epilogue (bit-identical to the
+            # two-step path below, without the int32 [M, N] round trip)
+            y = ops.int8_gemm_packed_dequant(qa.q.contiguous(), self.weight_packed, self.weight_comp,
+                                             self.out_features, qa.scale, self.w_scales, self.bias, dtype)
+            return y if lead is None else y.reshape(*lead, self.out_features)
+        acc = self.matmul_int32(qa)
         if ops is not None and dtype in (torch.float32, torch.bfloat16):
             y = ops.dequant_int32(acc, qa.scale, self.w_scales, self.bias, dtype)
         else:

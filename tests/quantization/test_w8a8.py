@@ -168,6 +168,38 @@ def test_int8_gemm_packed_exact(shape):
 
 
 @pytest.mark.skipif(not HAS_VNNI_GEMM, reason="the packed int8 GEMM needs the C++ kernels with AVX512-VNNI")
+@pytest.mark.parametrize("shape", [(1, 1), (17, 5), (100, 36), (33, 1539)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_int8_gemm_packed_dequant_equals_gemm_then_dequant(shape, dtype, with_bias):
+    """The GEMM with the dequantization epilogue is bit-identical to dequant_int32 of its int32 sums."""
+    ops = cpu_ops.get_ops()
+    g = torch.Generator().manual_seed(9)
+    n, k = shape
+    w = torch.randint(-128, 128, (n, k), generator=g, dtype=torch.int8)
+    packed, comp = w8a8.pack_int8_weight(w)
+    sw = torch.rand(n, generator=g) * 0.01 + 1e-4
+    bias = (torch.randn(n, generator=g) * 3).to(dtype) if with_bias else None
+    for m in (0, 1, 5, 6, 7, 13, 64):
+        x = torch.randint(-128, 128, (m, k), generator=g, dtype=torch.int8)
+        sx = torch.rand(m, generator=g) * 0.1
+        if m:
+            sx[0] = 0.0  # an all-zero row has scale 0
+        got = ops.int8_gemm_packed_dequant(x, packed, comp, n, sx, sw, bias, dtype)
+        ref = ops.dequant_int32(ops.int8_gemm_packed(x, packed, comp, n), sx, sw, bias, dtype)
+        assert got.dtype == dtype and got.shape == (m, n)
+        assert torch.equal(got, ref), (shape, m)
+        exact = (x.double() @ w.double().t()) * sx.double()[:, None] * sw.double()[None, :]
+        if bias is not None:
+            exact = exact + bias.double()
+        if m:
+            torch.testing.assert_close(got.double(), exact, rtol=1e-2 if dtype == torch.bfloat16 else 1e-5, atol=1e-3)
+    with pytest.raises(RuntimeError, match="sx must be float32"):
+        ops.int8_gemm_packed_dequant(torch.zeros(2, k, dtype=torch.int8), packed, comp, n, torch.ones(3), sw, None,
+                                     torch.float32)
+
+
+@pytest.mark.skipif(not HAS_VNNI_GEMM, reason="the packed int8 GEMM needs the C++ kernels with AVX512-VNNI")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_packed_and_onednn_paths_identical(dtype, monkeypatch):
     """W8A8Linear gives bit-identical outputs whether its GEMM runs packed (VNNI) or torch._int_mm."""

@@ -21,6 +21,8 @@ void reshape_and_cache(at::Tensor k, at::Tensor v, at::Tensor kv_cache, at::Tens
 at::Tensor rms_norm(at::Tensor x, c10::optional<at::Tensor> residual, at::Tensor weight, double eps);
 bool int8_gemm_supported();
 at::Tensor int8_gemm_packed(at::Tensor x, at::Tensor packed, at::Tensor comp, int64_t N);
+at::Tensor int8_gemm_packed_dequant(at::Tensor x, at::Tensor packed, at::Tensor comp, int64_t N, at::Tensor sx,
+                                   at::Tensor sw, c10::optional<at::Tensor> bias, at::ScalarType dtype);
 bool install_cpu_allocator(int64_t min_bytes, int64_t max_cached_bytes);
 std::unordered_map<std::string, int64_t> cpu_allocator_stats();
 void cpu_allocator_empty_cache();
@@ -44,6 +46,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("int8_gemm_supported", &int8_gemm_supported, "whether int8_gemm_packed was built (AVX512-VNNI)");
   m.def("int8_gemm_packed", &int8_gemm_packed, "int8 x packed int8 weights -> int32 (small M, VNNI)", py::call_guard<py::gil_scoped_release>(),
         py::arg("x"), py::arg("packed"), py::arg("comp"), py::arg("n"));
+  m.def("int8_gemm_packed_dequant", &int8_gemm_packed_dequant,
+        "int8_gemm_packed with dequant_int32 as its epilogue (float32/bf16 out)", py::call_guard<py::gil_scoped_release>(),
+        py::arg("x"), py::arg("packed"), py::arg("comp"), py::arg("n"), py::arg("sx"), py::arg("sw"), py::arg("bias"),
+        py::arg("dtype"));
   m.def("install_cpu_allocator", &install_cpu_allocator,
         "install the caching allocator for large CPU blocks as torch's CPU allocator (True the first time)",
         py::arg("min_bytes"), py::arg("max_cached_bytes"));

@@ -7,6 +7,9 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#ifdef __AVX512F__
+#include <immintrin.h>
+#endif
 
 namespace pagedllm_cpu {
 
@@ -133,6 +136,37 @@ inline uint8_t fp8_encode(float x) {
 
 // Rows per parallel task so that each task touches at least ``min_elems`` elements: below that,
 // waking the other OpenMP threads costs more than the work (the same rule as ATen's GRAIN_SIZE).
+#ifdef __AVX512F__
+// W8A8 dequantization of 16 int32 GEMM sums of one row (lanes in mk): float(acc) * (sm * sw[n]),
+// then + bias[n] when bias is not null. The order is pinned by empty asm barriers, which
+// -ffast-math cannot reassociate across, so dequant_int32 (quant_ops.cpp) and the packed GEMM's
+// epilogue (int8_gemm.cpp) give the same bits.
+inline __m512 dequant16(__m512i acc, float sm, const float* sw, const float* bias, __mmask16 mk) {
+  __m512 s = _mm512_mul_ps(_mm512_set1_ps(sm), _mm512_maskz_loadu_ps(mk, sw));
+  asm("" : "+v"(s));
+  __m512 f = _mm512_mul_ps(_mm512_cvtepi32_ps(acc), s);
+  if (bias != nullptr) {
+    asm("" : "+v"(f));
+    f = _mm512_add_ps(f, _mm512_maskz_loadu_ps(mk, bias));
+  }
+  return f;
+}
+
+// Stores the lanes mk of f as float32, or as bf16 rounded to nearest even by the same bit
+// arithmetic as store_row.
+inline void store16(float* dst, __m512 f, __mmask16 mk) { _mm512_mask_storeu_ps(dst, mk, f); }
+inline void store16(at::BFloat16* dst, __m512 f, __mmask16 mk) {
+  const __m512i bits = _mm512_castps_si512(f);
+  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
+  const __m512i r = _mm512_srli_epi32(_mm512_add_epi32(_mm512_add_epi32(bits, _mm512_set1_epi32(0x7FFF)), lsb), 16);
+  _mm512_mask_cvtepi32_storeu_epi16(dst, mk, r);
+}
+
+inline __mmask16 tail_mask(int64_t rem) {
+  return rem >= 16 ? static_cast<__mmask16>(0xFFFF) : (rem <= 0 ? static_cast<__mmask16>(0) : static_cast<__mmask16>((1u << rem) - 1));
+}
+#endif
+
 inline int64_t row_grain(int64_t row_elems, int64_t min_elems = 32768) {
   return std::max<int64_t>(1, min_elems / std::max<int64_t>(1, row_elems));
 }

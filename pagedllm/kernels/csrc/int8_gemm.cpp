@@ -4,6 +4,12 @@
 //
 // computes out[m, n] = sum_k x[m, k] * w[n, k] exactly (the same integers as torch._int_mm(x, w.t())).
 //
+//   int8_gemm_packed_dequant(x, packed, comp, N, sx f32 [M], sw f32 [N], bias? [N], dtype) -> [M, N]
+//
+// is the same GEMM with W8A8's dequantization as its epilogue: out = float(acc) * (sx[m] * sw[n])
+// (+ bias[n]) in float32 or bfloat16 (round to nearest even), bit-identical to dequant_int32
+// (quant_ops.cpp) applied to int8_gemm_packed's output, without the int32 [M, N] round trip.
+//
 // Layout (built by pagedllm.quantization.w8a8.pack_int8_weight): the weight w [N, K] is padded with
 // zeros to NB = ceil(N / 16) blocks of 16 output columns and KQ = ceil(K / 4) groups of 4 k, and
 // stored as packed[nb, kq, 4 * j + i] = w[16 nb + j, 4 kq + i]: one 64-byte row holds what one
@@ -21,6 +27,11 @@
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <cstdint>
+#include <array>
+#include <type_traits>
+#include <vector>
+
+#include "cpu_utils.h"
 
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
 #include <immintrin.h>
@@ -51,9 +62,29 @@ inline __attribute__((always_inline)) void dpbusd(__m512i& acc, __m512i x, __m51
 
 // One tile: MR rows of u (row stride lda bytes) times NR 16-column blocks starting at b; stores
 // the first ncols columns of the MR x (16 NR) result at c (row stride ldc).
-template <int MR, int NR>
+// The dequantization epilogue's operands, offset to the tile's first row and column (sx null:
+// the tile stores int32 sums).
+struct Dequant {
+  const float* sx;    // [rows] row scales
+  const float* sw;    // [cols] column scales
+  const float* bias;  // [cols] or null
+};
+
+// Stores 16 columns of one row (mask mk): int32 as is, or dequantized and stored by the same
+// helpers as dequant_int32 (cpu_utils.h: dequant16, store16), hence the same bits.
+template <typename OutT>
+inline __attribute__((always_inline)) void store16(OutT* dst, __m512i acc, __mmask16 mk, float sm, const float* sw,
+                                                   const float* bias) {
+  if constexpr (std::is_same_v<OutT, int32_t>) {
+    _mm512_mask_storeu_epi32(dst, mk, acc);
+  } else {
+    pagedllm_cpu::store16(dst, pagedllm_cpu::dequant16(acc, sm, sw, bias, mk), mk);
+  }
+}
+
+template <int MR, int NR, typename OutT>
 void tile(const uint8_t* __restrict a, int64_t lda, const int8_t* __restrict b, int64_t KQ,
-          const int32_t* __restrict comp, int32_t* __restrict c, int64_t ldc, int64_t ncols) {
+          const int32_t* __restrict comp, OutT* __restrict c, int64_t ldc, int64_t ncols, Dequant dq) {
 #define PL_DECL(i, j) __m512i c##i##j = _mm512_setzero_si512();
   PL_FOR_IJ(PL_DECL)
 #undef PL_DECL
@@ -92,8 +123,9 @@ void tile(const uint8_t* __restrict a, int64_t lda, const int8_t* __restrict b, 
 #define PL_STORE(i, j)                                                                                    \
   if constexpr (i < MR && j < NR) {                                                                      \
     const int64_t rem = ncols - j * 16;                                                                  \
-    const __mmask16 mk = rem >= 16 ? (__mmask16)0xFFFF : (rem <= 0 ? (__mmask16)0 : (__mmask16)((1u << rem) - 1)); \
-    _mm512_mask_storeu_epi32(c + i * ldc + j * 16, mk, _mm512_sub_epi32(c##i##j, _mm512_loadu_si512(comp + j * 16))); \
+    const __mmask16 mk = pagedllm_cpu::tail_mask(rem);                                                  \
+    store16<OutT>(c + i * ldc + j * 16, _mm512_sub_epi32(c##i##j, _mm512_loadu_si512(comp + j * 16)), mk,      \
+                  dq.sx != nullptr ? dq.sx[i] : 0.f, dq.sw + j * 16, dq.bias != nullptr ? dq.bias + j * 16 : nullptr); \
   }
   PL_FOR_IJ(PL_STORE)
 #undef PL_STORE
@@ -102,33 +134,67 @@ void tile(const uint8_t* __restrict a, int64_t lda, const int8_t* __restrict b, 
 #undef PL_FOR_IJ
 #undef PL_FOR_J
 
-template <int MR>
+template <int MR, typename OutT>
 void tile_nr(int nr, const uint8_t* a, int64_t lda, const int8_t* b, int64_t KQ, const int32_t* comp,
-             int32_t* c, int64_t ldc, int64_t ncols) {
+             OutT* c, int64_t ldc, int64_t ncols, Dequant dq) {
   switch (nr) {
-    case 4: tile<MR, 4>(a, lda, b, KQ, comp, c, ldc, ncols); break;
-    case 3: tile<MR, 3>(a, lda, b, KQ, comp, c, ldc, ncols); break;
-    case 2: tile<MR, 2>(a, lda, b, KQ, comp, c, ldc, ncols); break;
-    default: tile<MR, 1>(a, lda, b, KQ, comp, c, ldc, ncols); break;
+    case 4: tile<MR, 4>(a, lda, b, KQ, comp, c, ldc, ncols, dq); break;
+    case 3: tile<MR, 3>(a, lda, b, KQ, comp, c, ldc, ncols, dq); break;
+    case 2: tile<MR, 2>(a, lda, b, KQ, comp, c, ldc, ncols, dq); break;
+    default: tile<MR, 1>(a, lda, b, KQ, comp, c, ldc, ncols, dq); break;
   }
 }
 
+template <typename OutT>
 void tile_any(int mr, int nr, const uint8_t* a, int64_t lda, const int8_t* b, int64_t KQ, const int32_t* comp,
-              int32_t* c, int64_t ldc, int64_t ncols) {
+              OutT* c, int64_t ldc, int64_t ncols, Dequant dq) {
   switch (mr) {
-    case 6: tile_nr<6>(nr, a, lda, b, KQ, comp, c, ldc, ncols); break;
-    case 5: tile_nr<5>(nr, a, lda, b, KQ, comp, c, ldc, ncols); break;
-    case 4: tile_nr<4>(nr, a, lda, b, KQ, comp, c, ldc, ncols); break;
-    case 3: tile_nr<3>(nr, a, lda, b, KQ, comp, c, ldc, ncols); break;
-    case 2: tile_nr<2>(nr, a, lda, b, KQ, comp, c, ldc, ncols); break;
-    default: tile_nr<1>(nr, a, lda, b, KQ, comp, c, ldc, ncols); break;
+    case 6: tile_nr<6>(nr, a, lda, b, KQ, comp, c, ldc, ncols, dq); break;
+    case 5: tile_nr<5>(nr, a, lda, b, KQ, comp, c, ldc, ncols, dq); break;
+    case 4: tile_nr<4>(nr, a, lda, b, KQ, comp, c, ldc, ncols, dq); break;
+    case 3: tile_nr<3>(nr, a, lda, b, KQ, comp, c, ldc, ncols, dq); break;
+    case 2: tile_nr<2>(nr, a, lda, b, KQ, comp, c, ldc, ncols, dq); break;
+    default: tile_nr<1>(nr, a, lda, b, KQ, comp, c, ldc, ncols, dq); break;
   }
+}
+
+// The GEMM into c [M, N] (OutT int32: the sums; float / bf16: dequantized with dq, which holds
+// the full sx [M], sw [N], bias [N] here).
+template <typename OutT>
+void gemm_packed(const int8_t* x, int64_t M, int64_t K, const int8_t* b, int64_t NB, int64_t KQ, const int32_t* cp,
+                 int64_t N, OutT* c, Dequant dq) {
+  // u = x + 128 as bytes, rows padded to 4 KQ with 128 (the padded weights are 0).
+  const int64_t lda = KQ * 4;
+  std::vector<uint8_t> ubuf(M * lda);
+  uint8_t* u = ubuf.data();
+  const uint8_t* xs = reinterpret_cast<const uint8_t*>(x);
+  for (int64_t m = 0; m < M; ++m) {
+    for (int64_t k = 0; k < K; ++k) u[m * lda + k] = xs[m * K + k] ^ 0x80u;
+    for (int64_t k = K; k < lda; ++k) u[m * lda + k] = 128u;
+  }
+  // Threads split the 16-column blocks evenly; each walks its blocks kNR at a time and, for each
+  // group, every kMR-row tile of x (the group's weights stay in L1/L2 across the row tiles).
+  at::parallel_for(0, NB, 1, [&](int64_t nb0, int64_t nb1) {
+    for (int64_t nb = nb0; nb < nb1; nb += kNR) {
+      const int nr = static_cast<int>(std::min<int64_t>(kNR, nb1 - nb));
+      const int64_t ncols = std::min<int64_t>(nr * 16, N - nb * 16);
+      for (int64_t m = 0; m < M; m += kMR) {
+        const int mr = static_cast<int>(std::min<int64_t>(kMR, M - m));
+        const Dequant t{dq.sx != nullptr ? dq.sx + m : nullptr, dq.sw != nullptr ? dq.sw + nb * 16 : nullptr,
+                        dq.bias != nullptr ? dq.bias + nb * 16 : nullptr};
+        tile_any(mr, nr, u + m * lda, lda, b + nb * KQ * 64, KQ, cp + nb * 16, c + m * N + nb * 16, N, ncols, t);
+      }
+    }
+  });
 }
 
 }  // namespace
 #endif  // PAGEDLLM_HAVE_VNNI
 
-at::Tensor int8_gemm_packed(at::Tensor x, at::Tensor packed, at::Tensor comp, int64_t N) {
+namespace {
+
+// Shape and dtype checks shared by both entry points; returns {M, K, NB, KQ}.
+std::array<int64_t, 4> check_packed(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& comp, int64_t N) {
   TORCH_CHECK(int8_gemm_supported(), "int8_gemm_packed: this build has no AVX512-VNNI");
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kChar && x.is_contiguous(),
               "x must be a contiguous int8 [M, K] tensor");
@@ -139,33 +205,44 @@ at::Tensor int8_gemm_packed(at::Tensor x, at::Tensor packed, at::Tensor comp, in
   TORCH_CHECK(N > 0 && (N + 15) / 16 == NB, "N=", N, " does not match ", NB, " packed 16-column blocks");
   TORCH_CHECK(comp.scalar_type() == at::kInt && comp.is_contiguous() && comp.numel() == NB * 16,
               "comp must be a contiguous int32 [NB * 16] tensor");
+  return {M, K, NB, KQ};
+}
+
+}  // namespace
+
+at::Tensor int8_gemm_packed(at::Tensor x, at::Tensor packed, at::Tensor comp, int64_t N) {
+  const auto [M, K, NB, KQ] = check_packed(x, packed, comp, N);
   auto out = at::empty({M, N}, x.options().dtype(at::kInt));
 #ifdef PAGEDLLM_HAVE_VNNI
-  if (M == 0) return out;
-  // u = x + 128 as bytes, rows padded to 4 KQ with 128 (the padded weights are 0).
-  const int64_t lda = KQ * 4;
-  auto ubuf = at::empty({M, lda}, x.options().dtype(at::kByte));
-  uint8_t* u = ubuf.data_ptr<uint8_t>();
-  const uint8_t* xs = reinterpret_cast<const uint8_t*>(x.data_ptr<int8_t>());
-  for (int64_t m = 0; m < M; ++m) {
-    for (int64_t k = 0; k < K; ++k) u[m * lda + k] = xs[m * K + k] ^ 0x80u;
-    for (int64_t k = K; k < lda; ++k) u[m * lda + k] = 128u;
+  if (M > 0)
+    gemm_packed<int32_t>(x.data_ptr<int8_t>(), M, K, packed.data_ptr<int8_t>(), NB, KQ, comp.data_ptr<int32_t>(), N,
+                         out.data_ptr<int32_t>(), Dequant{nullptr, nullptr, nullptr});
+#endif
+  return out;
+}
+
+at::Tensor int8_gemm_packed_dequant(at::Tensor x, at::Tensor packed, at::Tensor comp, int64_t N, at::Tensor sx,
+                                   at::Tensor sw, c10::optional<at::Tensor> bias, at::ScalarType dtype) {
+  const auto [M, K, NB, KQ] = check_packed(x, packed, comp, N);
+  TORCH_CHECK(sx.numel() == M && sx.scalar_type() == at::kFloat && sx.is_contiguous(), "sx must be float32 [M]");
+  TORCH_CHECK(sw.numel() == N && sw.scalar_type() == at::kFloat && sw.is_contiguous(), "sw must be float32 [N]");
+  TORCH_CHECK(dtype == at::kFloat || dtype == at::kBFloat16, "dtype must be float32 or bfloat16");
+  at::Tensor b;
+  if (bias.has_value()) {
+    b = bias->to(at::kFloat).contiguous();
+    TORCH_CHECK(b.numel() == N, "bias must be [N]");
   }
-  int32_t* c = out.data_ptr<int32_t>();
-  const int8_t* b = packed.data_ptr<int8_t>();
-  const int32_t* cp = comp.data_ptr<int32_t>();
-  // Threads split the 16-column blocks evenly; each walks its blocks kNR at a time and, for each
-  // group, every kMR-row tile of x (the group's weights stay in L1/L2 across the row tiles).
-  at::parallel_for(0, NB, 1, [&](int64_t nb0, int64_t nb1) {
-    for (int64_t nb = nb0; nb < nb1; nb += kNR) {
-      const int nr = static_cast<int>(std::min<int64_t>(kNR, nb1 - nb));
-      const int64_t ncols = std::min<int64_t>(nr * 16, N - nb * 16);
-      for (int64_t m = 0; m < M; m += kMR) {
-        const int mr = static_cast<int>(std::min<int64_t>(kMR, M - m));
-        tile_any(mr, nr, u + m * lda, lda, b + nb * KQ * 64, KQ, cp + nb * 16, c + m * N + nb * 16, N, ncols);
-      }
-    }
-  });
+  auto out = at::empty({M, N}, x.options().dtype(dtype));
+#ifdef PAGEDLLM_HAVE_VNNI
+  if (M > 0) {
+    const Dequant dq{sx.data_ptr<float>(), sw.data_ptr<float>(), b.defined() ? b.data_ptr<float>() : nullptr};
+    if (dtype == at::kFloat)
+      gemm_packed<float>(x.data_ptr<int8_t>(), M, K, packed.data_ptr<int8_t>(), NB, KQ, comp.data_ptr<int32_t>(), N,
+                         out.data_ptr<float>(), dq);
+    else
+      gemm_packed<at::BFloat16>(x.data_ptr<int8_t>(), M, K, packed.data_ptr<int8_t>(), NB, KQ, comp.data_ptr<int32_t>(),
+                                N, out.data_ptr<at::BFloat16>(), dq);
+  }
 #endif
   return out;
 }

@@ -10,7 +10,7 @@
 //
 // Quantization is symmetric: scale = max|v| / 127, q = round-half-even(v / scale) in [-127, 127];
 // a row of zeros gets scale 0 and q 0. Built with -ffast-math: NaN/inf inputs are not detected
-// (they give finite garbage, not NaN). Dequantization: out = acc * sx[m] * sw[n] (+ bias[n]).
+// (they give finite garbage, not NaN). Dequantization: out = acc * (sx[m] * sw[n]) (+ bias[n]).
 // The torch reference for every function is in pagedllm/quantization/w8a8.py.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
@@ -130,18 +130,30 @@ at::Tensor dequant_int32(at::Tensor acc, at::Tensor sx, at::Tensor sw, c10::opti
     using scalar_t = decltype(tag);
     scalar_t* op = out.data_ptr<scalar_t>();
     at::parallel_for(0, M, row_grain(N), [&](int64_t bgn, int64_t end) {
+#ifdef __AVX512F__
+      for (int64_t m = bgn; m < end; ++m) {
+        const int32_t* a = ap + m * N;
+        for (int64_t n = 0; n < N; n += 16) {
+          const __mmask16 mk = tail_mask(N - n);
+          const __m512 f = dequant16(_mm512_maskz_loadu_epi32(mk, a + n), sxp[m], swp + n,
+                                     bp != nullptr ? bp + n : nullptr, mk);
+          store16(op + m * N + n, f, mk);
+        }
+      }
+#else
       std::vector<float> buf(N);
       for (int64_t m = bgn; m < end; ++m) {
         const int32_t* a = ap + m * N;
         const float sm = sxp[m];
 #pragma omp simd
-        for (int64_t n = 0; n < N; ++n) buf[n] = static_cast<float>(a[n]) * sm * swp[n];
+        for (int64_t n = 0; n < N; ++n) buf[n] = static_cast<float>(a[n]) * (sm * swp[n]);
         if (bp != nullptr) {
 #pragma omp simd
           for (int64_t n = 0; n < N; ++n) buf[n] += bp[n];
         }
         store_row(buf.data(), op + m * N, N);
       }
+#endif
     });
   });
   return out;
