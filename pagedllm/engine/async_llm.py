@@ -1,4 +1,4 @@
-"""asyncio front end for the server: the engine loop runs in its own thread.
+"""asyncio front end for the server: the engine is built and its loop runs in its own thread.
 
 Each request gets an ``asyncio.Queue``; the engine thread collects a step's RequestOutputs and
 hands them over with one ``loop.call_soon_threadsafe`` per step, so the HTTP side never blocks
@@ -82,10 +82,31 @@ class AsyncLLM:
     """
 
     def __init__(self, args: EngineArgs) -> None:
-        from pagedllm.engine.llm_engine import LLMEngine
-
         self.args = args
-        self.engine = LLMEngine(args)
+        self._cmds: "queue.SimpleQueue[tuple]" = queue.SimpleQueue()
+        self._wake = threading.Event()
+        self._stop = threading.Event()
+        self._loop_known = threading.Event()  # set by _ensure_started (or shutdown)
+        self._loop: Optional[asyncio.AbstractEventLoop] = None
+        self._deliveries: Optional[_Deliveries] = None
+        self._queues: dict[str, _LoopQueue] = {}
+        self._dead: Optional[BaseException] = None
+        self._stats_lock = threading.Lock()
+        # NOTE: the engine is built and stepped on one thread. OpenMP (libgomp) gives each thread
+        # that enters a parallel region its own team of workers, and once the process has more
+        # of them than cores it spins only ~100 times before sleeping, so each of a step's
+        # hundreds of parallel regions paid a futex wake-up: loading the model on the caller's
+        # thread and stepping on another made a batch-16 decode step 29 ms instead of 20.5 ms
+        # (docs/performance.md, step 24).
+        built = threading.Event()
+        init_error: list = []
+        self._thread = threading.Thread(target=self._thread_main, args=(args, built, init_error),
+                                        name="pagedllm-engine", daemon=True)
+        self._thread.start()
+        built.wait()
+        if init_error:
+            self._thread.join()
+            raise init_error[0]
         self.engine.collect_stats = True
         self.tokenizer = self.engine.tokenizer
         self.max_model_len = self.engine.max_model_len
@@ -95,15 +116,6 @@ class AsyncLLM:
         self.default_sampling_params = dict(self.engine.default_sampling_params)
         self.kv_capacity_tokens = self.engine.core.kv_capacity_tokens
         self.stat_loggers: list[Any] = []
-        self._cmds: "queue.SimpleQueue[tuple]" = queue.SimpleQueue()
-        self._wake = threading.Event()
-        self._stop = threading.Event()
-        self._thread: Optional[threading.Thread] = None
-        self._loop: Optional[asyncio.AbstractEventLoop] = None
-        self._deliveries: Optional[_Deliveries] = None
-        self._queues: dict[str, _LoopQueue] = {}
-        self._dead: Optional[BaseException] = None
-        self._stats_lock = threading.Lock()
         self._last_stats: dict = self.engine.core.get_scheduler_stats()
 
     @classmethod
@@ -111,12 +123,26 @@ class AsyncLLM:
         return cls(args)
 
     # ------------------------------------------------------------------ loop
+    def _thread_main(self, args: EngineArgs, built: threading.Event, init_error: list) -> None:
+        """The engine thread: build the engine, wait for the event loop, then run the step loop."""
+        from pagedllm.engine.llm_engine import LLMEngine
+
+        try:
+            self.engine = LLMEngine(args)
+        except BaseException as e:  # reported to the constructor's caller
+            init_error.append(e)
+            return
+        finally:
+            built.set()
+        self._loop_known.wait()
+        if not self._stop.is_set():
+            self._run()
+
     def _ensure_started(self) -> None:
-        if self._thread is None:
+        if self._loop is None:
             self._loop = asyncio.get_running_loop()
             self._deliveries = _Deliveries(self._loop)
-            self._thread = threading.Thread(target=self._run, name="pagedllm-engine", daemon=True)
-            self._thread.start()
+            self._loop_known.set()
 
     def _submit(self, cmd: tuple) -> None:
         self._cmds.put(cmd)
@@ -306,5 +332,6 @@ class AsyncLLM:
             self._submit(("abort", ids))
         self._stop.set()
         self._wake.set()
+        self._loop_known.set()
         if self._thread is not None and self._thread is not threading.current_thread():
             self._thread.join(timeout=10)

@@ -1,0 +1,69 @@
+"""AsyncLLM (the server's engine front end) on the real SmolLM2: the engine is built and stepped
+on one thread that is not the caller's, construction errors reach the caller, and a streamed
+greedy request equals the offline one."""
+from __future__ import annotations
+
+import asyncio
+import threading
+
+import pytest
+
+from pagedllm import LLM, SamplingParams
+from pagedllm.config import EngineArgs
+from pagedllm.engine.async_llm import AsyncLLM
+from pagedllm.engine.llm_engine import LLMEngine
+
+MODEL = "SmolLM2-135M-Instruct"
+KW = dict(num_threads=1, kv_cache_memory="64MiB", max_model_len=256)
+
+
+def test_engine_built_and_stepped_on_one_thread(monkeypatch):
+    """One thread holds all of the engine's torch work (OpenMP gives each thread its own worker
+    team; two teams on two cores made every step ~40% slower, docs/performance.md step 24)."""
+    seen: dict = {"init": set(), "step": set()}
+    init, step = LLMEngine.__init__, LLMEngine.step
+
+    def record_init(self, *a, **k):
+        seen["init"].add(threading.get_ident())
+        init(self, *a, **k)
+
+    def record_step(self, *a, **k):
+        seen["step"].add(threading.get_ident())
+        return step(self, *a, **k)
+
+    monkeypatch.setattr(LLMEngine, "__init__", record_init)
+    monkeypatch.setattr(LLMEngine, "step", record_step)
+    engine = AsyncLLM.from_engine_args(EngineArgs(model=MODEL, **KW))
+    sp = SamplingParams(temperature=0.0, max_tokens=6)
+
+    async def run():
+        final = None
+        async for out in engine.generate("The capital of France is", sp, "r1"):
+            final = out
+        return final
+
+    try:
+        out = asyncio.run(run())
+    finally:
+        engine.shutdown()
+    assert len(seen["init"]) == 1 and seen["init"] == seen["step"]
+    assert threading.get_ident() not in seen["init"]
+    monkeypatch.undo()
+    offline = LLM(MODEL, **KW).generate(["The capital of France is"], sp, use_tqdm=False)[0]
+    assert out.finished and out.outputs[0].token_ids == offline.outputs[0].token_ids
+    assert len(out.outputs[0].token_ids) == 6
+
+
+def test_construction_error_reaches_the_caller():
+    before = {t.name for t in threading.enumerate()}
+    with pytest.raises(ValueError, match="max_num_seqs"):
+        AsyncLLM.from_engine_args(EngineArgs(model=MODEL, max_num_seqs=0, **KW))
+    assert not any(t.name == "pagedllm-engine" and t.is_alive() for t in threading.enumerate()
+                   if t.name not in before)
+
+
+def test_shutdown_before_any_request_stops_the_thread():
+    engine = AsyncLLM.from_engine_args(EngineArgs(model=MODEL, **KW))
+    assert engine._thread.is_alive()  # built, waiting for the first request's event loop
+    engine.shutdown()
+    assert not engine._thread.is_alive()
