@@ -115,10 +115,12 @@ def install_cpu_allocator() -> bool:
 
     glibc maps every allocation above 32 MiB afresh and unmaps it on free, so such a tensor
     pays ~0.4 s/GB of page faults on first touch; W8A8 prefill of 8,192 tokens spent ~1.1 s of
-    5.5 s that way (docs/performance.md, step 22). Cached blocks are 2 MiB-aligned and advised
-    for transparent huge pages. At most ``PAGEDLLM_CPU_ALLOCATOR_CACHE`` bytes (a size string
-    such as ``512MiB``; default 1 GiB) of free blocks are kept; ``PAGEDLLM_CPU_ALLOCATOR=0``
-    leaves torch's allocator in place.
+    5.5 s that way (docs/performance.md, step 22). At most ``PAGEDLLM_CPU_ALLOCATOR_CACHE``
+    bytes (a size string such as ``512MiB``; default 1 GiB) of free blocks are kept;
+    ``PAGEDLLM_CPU_ALLOCATOR=0`` leaves torch's allocator in place.
+    ``PAGEDLLM_CPU_ALLOCATOR_HUGEPAGES=1`` advises new blocks for transparent huge pages
+    (decode attention ~5% faster on a cache in huge pages, but start-up 0.2-2.5 s slower while
+    the kernel compacts memory to find them).
 
     Returns:
         True if the allocator is installed (now or before), False if disabled or the kernels
@@ -142,7 +144,8 @@ def install_cpu_allocator() -> bool:
             raise ValueError(f"PAGEDLLM_CPU_ALLOCATOR_CACHE: {e}") from None
     else:
         cache_bytes = DEFAULT_ALLOCATOR_CACHE_BYTES
-    if ops.install_cpu_allocator(DEFAULT_ALLOCATOR_MIN_BYTES, int(cache_bytes)):
+    huge = os.environ.get("PAGEDLLM_CPU_ALLOCATOR_HUGEPAGES", "0") == "1"
+    if ops.install_cpu_allocator(DEFAULT_ALLOCATOR_MIN_BYTES, int(cache_bytes), huge):
         logger.debug("pagedllm: caching CPU allocator installed (keeps up to %d bytes of free blocks)", cache_bytes)
     return True
 

@@ -38,7 +38,7 @@ def installed():
     gc.collect()  # earlier tests' garbage must not be freed into the cache mid-test
     ops.cpu_allocator_empty_cache()
     yield
-    ops.install_cpu_allocator(DEFAULT_ALLOCATOR_MIN_BYTES, DEFAULT_ALLOCATOR_CACHE_BYTES)
+    ops.install_cpu_allocator(DEFAULT_ALLOCATOR_MIN_BYTES, DEFAULT_ALLOCATOR_CACHE_BYTES, False)
 
 
 def test_large_blocks_are_reused_without_page_faults():
@@ -46,7 +46,7 @@ def test_large_blocks_are_reused_without_page_faults():
     x = torch.empty(64 * MiB, dtype=torch.uint8)
     x.fill_(7)  # faults its pages in once
     ptr = x.data_ptr()
-    assert ptr % (2 * MiB) == 0  # 2 MiB-aligned (transparent huge pages)
+    assert ptr % (2 * MiB) == 0  # 2 MiB-aligned (eligible for transparent huge pages)
     del x
     s0 = ops.cpu_allocator_stats()
     assert s0["cached_bytes"] == 64 * MiB and s0["live_bytes"] == live0
@@ -107,6 +107,14 @@ def test_tensors_allocated_and_freed_on_other_threads():
     assert ops.cpu_allocator_stats()["live_bytes"] == live0
 
 
+def test_huge_pages_setting():
+    assert ops.cpu_allocator_stats()["huge_pages"] == 0  # the default: no synchronous compaction
+    ops.install_cpu_allocator(DEFAULT_ALLOCATOR_MIN_BYTES, DEFAULT_ALLOCATOR_CACHE_BYTES, True)
+    assert ops.cpu_allocator_stats()["huge_pages"] == 1
+    x = torch.full((3 * MiB,), 2.0)  # a new block, advised MADV_HUGEPAGE
+    assert x.data_ptr() % (2 * MiB) == 0 and float(x.sum()) == 6 * MiB
+
+
 def test_fork_child_allocates():
     x = torch.ones(4 * MiB)
     pid = os.fork()
@@ -128,12 +136,12 @@ def test_engine_installs_it_unless_disabled():
             "llm = LLM('SmolLM2-135M-Instruct', num_threads=1, kv_cache_memory='64MiB'); "
             "print(json.dumps(get_ops().cpu_allocator_stats()))")
     for flag, installed in (("1", True), ("0", False)):
-        env = dict(os.environ, PAGEDLLM_CPU_ALLOCATOR=flag)
+        env = dict(os.environ, PAGEDLLM_CPU_ALLOCATOR=flag, PAGEDLLM_CPU_ALLOCATOR_HUGEPAGES="1")
         out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
         assert out.returncode == 0, out.stderr[-2000:]
         stats = json.loads(out.stdout.strip().splitlines()[-1])
         if installed:
-            assert stats["max_cached_bytes"] == DEFAULT_ALLOCATOR_CACHE_BYTES
+            assert stats["max_cached_bytes"] == DEFAULT_ALLOCATOR_CACHE_BYTES and stats["huge_pages"] == 1
             assert stats["live_bytes"] >= 64 * MiB  # the KV cache lives in its blocks
         else:
             assert stats == {}

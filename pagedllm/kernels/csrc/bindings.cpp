@@ -23,7 +23,7 @@ bool int8_gemm_supported();
 at::Tensor int8_gemm_packed(at::Tensor x, at::Tensor packed, at::Tensor comp, int64_t N);
 at::Tensor int8_gemm_packed_dequant(at::Tensor x, at::Tensor packed, at::Tensor comp, int64_t N, at::Tensor sx,
                                    at::Tensor sw, c10::optional<at::Tensor> bias, at::ScalarType dtype);
-bool install_cpu_allocator(int64_t min_bytes, int64_t max_cached_bytes);
+bool install_cpu_allocator(int64_t min_bytes, int64_t max_cached_bytes, bool huge_pages);
 std::unordered_map<std::string, int64_t> cpu_allocator_stats();
 void cpu_allocator_empty_cache();
 
@@ -52,7 +52,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("dtype"));
   m.def("install_cpu_allocator", &install_cpu_allocator,
         "install the caching allocator for large CPU blocks as torch's CPU allocator (True the first time)",
-        py::arg("min_bytes"), py::arg("max_cached_bytes"));
-  m.def("cpu_allocator_stats", &cpu_allocator_stats, "hits, misses, cached_bytes, live_bytes, limits ({} if not installed)");
+        py::arg("min_bytes"), py::arg("max_cached_bytes"), py::arg("huge_pages") = false);
+  m.def("cpu_allocator_stats", &cpu_allocator_stats, "hits, misses, cached_bytes, live_bytes, settings ({} if not installed)");
   m.def("cpu_allocator_empty_cache", &cpu_allocator_empty_cache, "return the allocator's cached free blocks to the OS");
 }

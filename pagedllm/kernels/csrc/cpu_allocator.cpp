@@ -7,9 +7,11 @@
 // prefill step of 8,192 tokens allocates a 100 MB int32 GEMM output per layer: 1.1 million page
 // faults and ~1.1 s of a 5.5 s prefill (docs/performance.md, step 22). This allocator keeps freed
 // large blocks (up to a byte cap) and hands them out again, so a block's pages are faulted once.
-// Its blocks are 2 MiB-aligned mmaps advised MADV_HUGEPAGE: where transparent huge pages are
-// enabled ("madvise" or "always"), KV caches and weights get 2 MiB pages (fewer TLB misses on
-// the scattered KV reads of decode attention).
+// Its blocks are 2 MiB-aligned mmaps; with huge_pages they are also advised MADV_HUGEPAGE, so
+// where transparent huge pages are enabled ("madvise" or "always") KV caches and weights get
+// 2 MiB pages (fewer TLB misses on the scattered KV reads of decode attention: ~5% faster). Off
+// by default: the kernel may compact memory synchronously to find huge pages on first touch,
+// which made start-up up to 2.5 s slower here.
 //
 // Allocations under min_bytes go to the allocator that was installed before (torch's default).
 // Thread-safe (one mutex; large allocations are rare); fork-safe (the mutex is held across
@@ -32,8 +34,8 @@ constexpr size_t kHugePage = size_t(2) << 20;
 
 class CachingCpuAllocator final : public c10::Allocator {
  public:
-  CachingCpuAllocator(c10::Allocator* base, size_t min_bytes, size_t max_cached)
-      : base_(base), min_bytes_(min_bytes), max_cached_(max_cached) {}
+  CachingCpuAllocator(c10::Allocator* base, size_t min_bytes, size_t max_cached, bool huge_pages)
+      : base_(base), min_bytes_(min_bytes), max_cached_(max_cached), huge_pages_(huge_pages) {}
 
   c10::DataPtr allocate(size_t n) override {
     if (n < min_bytes_) return base_->allocate(n);
@@ -69,10 +71,11 @@ class CachingCpuAllocator final : public c10::Allocator {
     default_copy_data(dest, src, count);
   }
 
-  void set_limits(size_t min_bytes, size_t max_cached) {
+  void set_limits(size_t min_bytes, size_t max_cached, bool huge_pages) {
     std::lock_guard<std::mutex> g(mu_);
     min_bytes_ = min_bytes;
     max_cached_ = max_cached;
+    huge_pages_ = huge_pages;
     trim_locked(max_cached_);
   }
 
@@ -89,7 +92,8 @@ class CachingCpuAllocator final : public c10::Allocator {
             {"cached_bytes", static_cast<int64_t>(cached_)},
             {"live_bytes", static_cast<int64_t>(live_bytes_)},
             {"min_bytes", static_cast<int64_t>(min_bytes_)},
-            {"max_cached_bytes", static_cast<int64_t>(max_cached_)}};
+            {"max_cached_bytes", static_cast<int64_t>(max_cached_)},
+            {"huge_pages", huge_pages_ ? 1 : 0}};
   }
 
   void lock() { mu_.lock(); }
@@ -133,7 +137,7 @@ class CachingCpuAllocator final : public c10::Allocator {
     const uintptr_t tail = a + size + kHugePage - (aligned + size);
     if (tail > 0) munmap(reinterpret_cast<void*>(aligned + size), tail);
     void* p = reinterpret_cast<void*>(aligned);
-    madvise(p, size, MADV_HUGEPAGE);  // advisory: fails harmlessly where THP is off
+    if (huge_pages_) madvise(p, size, MADV_HUGEPAGE);  // advisory: fails harmlessly where THP is off
     return p;
   }
 
@@ -148,6 +152,7 @@ class CachingCpuAllocator final : public c10::Allocator {
 
   c10::Allocator* base_;
   size_t min_bytes_, max_cached_;
+  bool huge_pages_;
   std::mutex mu_;
   std::multimap<size_t, void*> free_;         // cached blocks by size
   std::unordered_map<void*, size_t> live_;    // blocks in use -> size
@@ -162,22 +167,23 @@ void after_fork() { CachingCpuAllocator::instance->unlock(); }
 
 }  // namespace
 
-// Installs the allocator (once per process; later calls only change the limits). Blocks of at
-// least min_bytes are cached after free while the cache holds at most max_cached_bytes.
-bool install_cpu_allocator(int64_t min_bytes, int64_t max_cached_bytes) {
+// Installs the allocator (once per process; later calls only change the settings). Blocks of at
+// least min_bytes are cached after free while the cache holds at most max_cached_bytes; new
+// blocks are advised MADV_HUGEPAGE when huge_pages.
+bool install_cpu_allocator(int64_t min_bytes, int64_t max_cached_bytes, bool huge_pages) {
   TORCH_CHECK(min_bytes > 0 && max_cached_bytes >= 0, "install_cpu_allocator: min_bytes must be > 0 and "
               "max_cached_bytes >= 0");
   static std::mutex install_mu;
   std::lock_guard<std::mutex> g(install_mu);
   if (CachingCpuAllocator::instance != nullptr) {
-    CachingCpuAllocator::instance->set_limits(min_bytes, max_cached_bytes);
+    CachingCpuAllocator::instance->set_limits(min_bytes, max_cached_bytes, huge_pages);
     return false;
   }
   // NOTE: never deleted: tensors may be freed during interpreter shutdown, after static
   // destructors would have run.
   CachingCpuAllocator::instance =
       new CachingCpuAllocator(c10::GetCPUAllocator(), static_cast<size_t>(min_bytes),
-                              static_cast<size_t>(max_cached_bytes));
+                              static_cast<size_t>(max_cached_bytes), huge_pages);
   pthread_atfork(&before_fork, &after_fork, &after_fork);
   c10::SetCPUAllocator(CachingCpuAllocator::instance, /*priority=*/UINT8_MAX);
   return true;
