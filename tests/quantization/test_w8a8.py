@@ -155,7 +155,7 @@ def test_int8_gemm_packed_exact(shape):
     w = torch.randint(-128, 128, (n, k), generator=g, dtype=torch.int8)
     w[0, :] = 127  # extremes: u = 255 against +-127/-128
     packed, comp = w8a8.pack_int8_weight(w)
-    for m in (0, 1, 5, 6, 7, 13, 64):
+    for m in (0, 1, 5, 6, 7, 13, 16, 17, 64):  # 7..16: the tall tile
         x = torch.randint(-128, 128, (m, k), generator=g, dtype=torch.int8)
         if m:
             x[0, :] = 127
@@ -180,7 +180,7 @@ def test_int8_gemm_packed_dequant_equals_gemm_then_dequant(shape, dtype, with_bi
     packed, comp = w8a8.pack_int8_weight(w)
     sw = torch.rand(n, generator=g) * 0.01 + 1e-4
     bias = (torch.randn(n, generator=g) * 3).to(dtype) if with_bias else None
-    for m in (0, 1, 5, 6, 7, 13, 64):
+    for m in (0, 1, 5, 6, 7, 13, 16, 17, 64):  # 7..16: the tall tile
         x = torch.randint(-128, 128, (m, k), generator=g, dtype=torch.int8)
         sx = torch.rand(m, generator=g) * 0.1
         if m:

@@ -52,6 +52,7 @@ namespace {
 constexpr int kMR = 6;   // rows of x per tile
 constexpr int kNR = 4;   // 16-column blocks per tile (64 columns)
 constexpr int kPrefetch = 1024;  // bytes ahead in each weight stream
+constexpr int kTallMax = 16;    // batches of kMR+1 .. kTallMax rows use the tall tile
 
 inline __attribute__((always_inline)) void dpbusd(__m512i& acc, __m512i x, __m512i w) {
   asm("vpdpbusd %2, %1, %0" : "+v"(acc) : "v"(x), "v"(w));
@@ -134,6 +135,51 @@ void tile(const uint8_t* __restrict a, int64_t lda, const int8_t* __restrict b, 
 #undef PL_FOR_IJ
 #undef PL_FOR_J
 
+// A tall tile for 7..16 rows: MR rows x one 16-column block, so a batch of up to 16 rows
+// streams each weight block once (the 6 x 64 tiles stream it once per 6 rows and run the later
+// row tiles from cache after the stream, without overlapping the two).
+#define PL_FOR_T(X) X(0) X(1) X(2) X(3) X(4) X(5) X(6) X(7) X(8) X(9) X(10) X(11) X(12) X(13) X(14) X(15)
+
+template <int MR, typename OutT>
+void tile_tall(const uint8_t* __restrict a, int64_t lda, const int8_t* __restrict b, int64_t KQ,
+               const int32_t* __restrict comp, OutT* __restrict c, int64_t ldc, int64_t ncols, Dequant dq) {
+#define PL_DECL(i) __m512i c##i = _mm512_setzero_si512();
+  PL_FOR_T(PL_DECL)
+#undef PL_DECL
+  for (int64_t kq = 0; kq < KQ; ++kq) {
+    const int64_t o = kq * 64;
+    _mm_prefetch(reinterpret_cast<const char*>(b + o + kPrefetch), _MM_HINT_T0);
+    const __m512i w = _mm512_loadu_si512(b + o);
+#define PL_STEP(i)                                                                                       \
+  if constexpr (i < MR) {                                                                              \
+    dpbusd(c##i, _mm512_set1_epi32(*reinterpret_cast<const int32_t*>(a + i * lda + kq * 4)), w);      \
+  }
+    PL_FOR_T(PL_STEP)
+#undef PL_STEP
+  }
+  const __mmask16 mk = pagedllm_cpu::tail_mask(ncols);
+  const __m512i cv = _mm512_loadu_si512(comp);
+#define PL_STORE(i)                                                                                      \
+  if constexpr (i < MR) {                                                                              \
+    store16<OutT>(c + i * ldc, _mm512_sub_epi32(c##i, cv), mk, dq.sx != nullptr ? dq.sx[i] : 0.f, dq.sw, \
+                  dq.bias);                                                                            \
+  }
+  PL_FOR_T(PL_STORE)
+#undef PL_STORE
+}
+#undef PL_FOR_T
+
+template <typename OutT>
+void tile_tall_any(int mr, const uint8_t* a, int64_t lda, const int8_t* b, int64_t KQ, const int32_t* comp,
+                   OutT* c, int64_t ldc, int64_t ncols, Dequant dq) {
+  switch (mr) {
+#define PL_CASE(R) case R: tile_tall<R>(a, lda, b, KQ, comp, c, ldc, ncols, dq); break;
+    PL_CASE(7) PL_CASE(8) PL_CASE(9) PL_CASE(10) PL_CASE(11) PL_CASE(12) PL_CASE(13) PL_CASE(14) PL_CASE(15)
+    default: tile_tall<16>(a, lda, b, KQ, comp, c, ldc, ncols, dq); break;
+#undef PL_CASE
+  }
+}
+
 template <int MR, typename OutT>
 void tile_nr(int nr, const uint8_t* a, int64_t lda, const int8_t* b, int64_t KQ, const int32_t* comp,
              OutT* c, int64_t ldc, int64_t ncols, Dequant dq) {
@@ -171,6 +217,17 @@ void gemm_packed(const int8_t* x, int64_t M, int64_t K, const int8_t* b, int64_t
   for (int64_t m = 0; m < M; ++m) {
     for (int64_t k = 0; k < K; ++k) u[m * lda + k] = xs[m * K + k] ^ 0x80u;
     for (int64_t k = K; k < lda; ++k) u[m * lda + k] = 128u;
+  }
+  if (M > kMR && M <= kTallMax) {  // one tall tile per 16-column block: the weights stream once
+    at::parallel_for(0, NB, 1, [&](int64_t nb0, int64_t nb1) {
+      for (int64_t nb = nb0; nb < nb1; ++nb) {
+        const Dequant t{dq.sx, dq.sw != nullptr ? dq.sw + nb * 16 : nullptr,
+                        dq.bias != nullptr ? dq.bias + nb * 16 : nullptr};
+        tile_tall_any(static_cast<int>(M), u, lda, b + nb * KQ * 64, KQ, cp + nb * 16, c + nb * 16, N,
+                      std::min<int64_t>(16, N - nb * 16), t);
+      }
+    });
+    return;
   }
   // Threads split the 16-column blocks evenly; each walks its blocks kNR at a time and, for each
   // group, every kMR-row tile of x (the group's weights stay in L1/L2 across the row tiles).
