@@ -61,8 +61,6 @@ inline __attribute__((always_inline)) void dpbusd(__m512i& acc, __m512i x, __m51
 #define PL_FOR_J(X, i) X(i, 0) X(i, 1) X(i, 2) X(i, 3)
 #define PL_FOR_IJ(X) PL_FOR_J(X, 0) PL_FOR_J(X, 1) PL_FOR_J(X, 2) PL_FOR_J(X, 3) PL_FOR_J(X, 4) PL_FOR_J(X, 5)
 
-// One tile: MR rows of u (row stride lda bytes) times NR 16-column blocks starting at b; stores
-// the first ncols columns of the MR x (16 NR) result at c (row stride ldc).
 // The dequantization epilogue's operands, offset to the tile's first row and column (sx null:
 // the tile stores int32 sums).
 struct Dequant {
@@ -83,6 +81,9 @@ inline __attribute__((always_inline)) void store16(OutT* dst, __m512i acc, __mma
   }
 }
 
+// One tile: MR rows of u (row stride lda bytes) times NR 16-column blocks starting at b; stores
+// the first ncols columns of the MR x (16 NR) result at c (row stride ldc), as int32 sums or
+// dequantized with dq.
 template <int MR, int NR, typename OutT>
 void tile(const uint8_t* __restrict a, int64_t lda, const int8_t* __restrict b, int64_t KQ,
           const int32_t* __restrict comp, OutT* __restrict c, int64_t ldc, int64_t ncols, Dequant dq) {
@@ -126,7 +127,8 @@ void tile(const uint8_t* __restrict a, int64_t lda, const int8_t* __restrict b, 
     const int64_t rem = ncols - j * 16;                                                                  \
     const __mmask16 mk = pagedllm_cpu::tail_mask(rem);                                                  \
     store16<OutT>(c + i * ldc + j * 16, _mm512_sub_epi32(c##i##j, _mm512_loadu_si512(comp + j * 16)), mk,      \
-                  dq.sx != nullptr ? dq.sx[i] : 0.f, dq.sw + j * 16, dq.bias != nullptr ? dq.bias + j * 16 : nullptr); \
+                  dq.sx != nullptr ? dq.sx[i] : 0.f, dq.sw != nullptr ? dq.sw + j * 16 : nullptr,                \
+                  dq.bias != nullptr ? dq.bias + j * 16 : nullptr);                                             \
   }
   PL_FOR_IJ(PL_STORE)
 #undef PL_STORE
