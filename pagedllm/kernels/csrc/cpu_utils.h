@@ -136,6 +136,22 @@ inline uint8_t fp8_encode(float x) {
 
 // Rows per parallel task so that each task touches at least ``min_elems`` elements: below that,
 // waking the other OpenMP threads costs more than the work (the same rule as ATen's GRAIN_SIZE).
+// Checks the operands of W8A8's dequantization (dequant_int32, int8_gemm_packed_dequant) for an
+// [M, N] result: sx float32 [M], sw float32 [N], bias [N] or none, dtype float32 / bfloat16.
+// Returns the bias as a contiguous float32 tensor (undefined when there is none).
+inline at::Tensor check_dequant_operands(const at::Tensor& sx, const at::Tensor& sw, const c10::optional<at::Tensor>& bias,
+                                         at::ScalarType dtype, int64_t M, int64_t N) {
+  TORCH_CHECK(sx.numel() == M && sx.scalar_type() == at::kFloat && sx.is_contiguous(), "sx must be float32 [M]");
+  TORCH_CHECK(sw.numel() == N && sw.scalar_type() == at::kFloat && sw.is_contiguous(), "sw must be float32 [N]");
+  TORCH_CHECK(dtype == at::kFloat || dtype == at::kBFloat16, "dtype must be float32 or bfloat16");
+  at::Tensor b;
+  if (bias.has_value()) {
+    b = bias->to(at::kFloat).contiguous();
+    TORCH_CHECK(b.numel() == N, "bias must be [N]");
+  }
+  return b;
+}
+
 #ifdef __AVX512F__
 // W8A8 dequantization of 16 int32 GEMM sums of one row (lanes in mk): float(acc) * (sm * sw[n]),
 // then + bias[n] when bias is not null. The order is pinned by empty asm barriers, which

@@ -283,14 +283,7 @@ at::Tensor int8_gemm_packed(at::Tensor x, at::Tensor packed, at::Tensor comp, in
 at::Tensor int8_gemm_packed_dequant(at::Tensor x, at::Tensor packed, at::Tensor comp, int64_t N, at::Tensor sx,
                                    at::Tensor sw, c10::optional<at::Tensor> bias, at::ScalarType dtype) {
   const auto [M, K, NB, KQ] = check_packed(x, packed, comp, N);
-  TORCH_CHECK(sx.numel() == M && sx.scalar_type() == at::kFloat && sx.is_contiguous(), "sx must be float32 [M]");
-  TORCH_CHECK(sw.numel() == N && sw.scalar_type() == at::kFloat && sw.is_contiguous(), "sw must be float32 [N]");
-  TORCH_CHECK(dtype == at::kFloat || dtype == at::kBFloat16, "dtype must be float32 or bfloat16");
-  at::Tensor b;
-  if (bias.has_value()) {
-    b = bias->to(at::kFloat).contiguous();
-    TORCH_CHECK(b.numel() == N, "bias must be [N]");
-  }
+  const at::Tensor b = pagedllm_cpu::check_dequant_operands(sx, sw, bias, dtype, M, N);
   auto out = at::empty({M, N}, x.options().dtype(dtype));
 #ifdef PAGEDLLM_HAVE_VNNI
   if (M > 0) {

@@ -113,14 +113,7 @@ at::Tensor dequant_int32(at::Tensor acc, at::Tensor sx, at::Tensor sw, c10::opti
                          at::ScalarType dtype) {
   TORCH_CHECK(acc.dim() == 2 && acc.is_contiguous() && acc.scalar_type() == at::kInt, "acc must be contiguous int32 [M, N]");
   const int64_t M = acc.size(0), N = acc.size(1);
-  TORCH_CHECK(sx.numel() == M && sx.scalar_type() == at::kFloat && sx.is_contiguous(), "sx must be float32 [M]");
-  TORCH_CHECK(sw.numel() == N && sw.scalar_type() == at::kFloat && sw.is_contiguous(), "sw must be float32 [N]");
-  TORCH_CHECK(dtype == at::kFloat || dtype == at::kBFloat16, "dtype must be float32 or bfloat16");
-  at::Tensor b;
-  if (bias.has_value()) {
-    b = bias->to(at::kFloat).contiguous();
-    TORCH_CHECK(b.numel() == N, "bias must be [N]");
-  }
+  const at::Tensor b = pagedllm_cpu::check_dequant_operands(sx, sw, bias, dtype, M, N);
   auto out = at::empty({M, N}, acc.options().dtype(dtype));
   const int32_t* ap = acc.data_ptr<int32_t>();
   const float* sxp = sx.data_ptr<float>();
