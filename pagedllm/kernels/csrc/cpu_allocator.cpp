@@ -23,6 +23,7 @@
 #include <sys/mman.h>
 #include <torch/extension.h>
 
+#include <atomic>
 #include <cstdint>
 #include <map>
 #include <mutex>
@@ -91,9 +92,9 @@ class CachingCpuAllocator final : public c10::Allocator {
             {"misses", misses_},
             {"cached_bytes", static_cast<int64_t>(cached_)},
             {"live_bytes", static_cast<int64_t>(live_bytes_)},
-            {"min_bytes", static_cast<int64_t>(min_bytes_)},
+            {"min_bytes", static_cast<int64_t>(min_bytes_.load())},
             {"max_cached_bytes", static_cast<int64_t>(max_cached_)},
-            {"huge_pages", huge_pages_ ? 1 : 0}};
+            {"huge_pages", huge_pages_.load() ? 1 : 0}};
   }
 
   void lock() { mu_.lock(); }
@@ -151,8 +152,9 @@ class CachingCpuAllocator final : public c10::Allocator {
   }
 
   c10::Allocator* base_;
-  size_t min_bytes_, max_cached_;
-  bool huge_pages_;
+  std::atomic<size_t> min_bytes_;  // read without the lock by allocate / map_block
+  size_t max_cached_;
+  std::atomic<bool> huge_pages_;
   std::mutex mu_;
   std::multimap<size_t, void*> free_;         // cached blocks by size
   std::unordered_map<void*, size_t> live_;    // blocks in use -> size
