@@ -89,7 +89,8 @@ class AsyncLLM:
         self._loop_known = threading.Event()  # set by _ensure_started (or shutdown)
         self._loop: Optional[asyncio.AbstractEventLoop] = None
         self._deliveries: Optional[_Deliveries] = None
-        self._queues: dict[str, _LoopQueue] = {}
+        self._queues: dict[str, _LoopQueue] = {}  # engine thread: requests it holds
+        self._ids_in_use: set[str] = set()  # event-loop side: ids from add until the caller is done
         self._dead: Optional[BaseException] = None
         self._stats_lock = threading.Lock()
         # NOTE: the engine is built and stepped on one thread. OpenMP (libgomp) gives each thread
@@ -103,7 +104,15 @@ class AsyncLLM:
         self._thread = threading.Thread(target=self._thread_main, args=(args, built, init_error),
                                         name="pagedllm-engine", daemon=True)
         self._thread.start()
-        built.wait()
+        try:
+            built.wait()
+        except KeyboardInterrupt:
+            # NOTE: the build cannot be interrupted inside C++; leaving the interpreter while
+            # the thread runs there aborted the process (SIGABRT). Let it finish, then stop it.
+            self._stop.set()
+            self._loop_known.set()
+            self._thread.join()
+            raise
         if init_error:
             self._thread.join()
             raise init_error[0]
@@ -161,8 +170,12 @@ class AsyncLLM:
             kind = cmd[0]
             if kind == "add":
                 _, rid, pp, params, q = cmd
+                try:
+                    eng.add_processed_request(rid, pp, params, queue=q)
+                except Exception as e:  # this request's error only: nothing else is touched
+                    q.put_nowait(e)
+                    continue
                 self._queues[rid] = q
-                eng.add_processed_request(rid, pp, params, queue=q)
             elif kind == "abort":
                 ids = [r for r in cmd[1] if r in self._queues]
                 for r in ids:
@@ -229,12 +242,13 @@ class AsyncLLM:
         if self._dead is not None:
             raise EngineDeadError(f"engine loop is dead: {self._dead!r}")
         self._ensure_started()
-        if request_id in self._queues:
+        if request_id in self._ids_in_use:
             raise ValueError(f"request_id: {request_id!r} is already in use")
 
     def _add(self, request_id: str, pp: Any, params: Any) -> asyncio.Queue:
         """Hand a validated request to the engine thread; its outputs arrive on the returned queue."""
         q: asyncio.Queue = asyncio.Queue()
+        self._ids_in_use.add(request_id)  # released by the caller's finally (generate / encode)
         self._submit(("add", request_id, pp, params, _LoopQueue(self._deliveries, q)))
         return q
 
@@ -269,6 +283,7 @@ class AsyncLLM:
                 if finished:
                     return
         finally:
+            self._ids_in_use.discard(request_id)
             if not finished:
                 self._submit(("abort", [request_id]))
 
@@ -302,6 +317,7 @@ class AsyncLLM:
                 raise item
             return item
         finally:
+            self._ids_in_use.discard(request_id)
             if not done:
                 self._submit(("abort", [request_id]))
 

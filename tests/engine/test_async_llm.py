@@ -67,3 +67,42 @@ def test_shutdown_before_any_request_stops_the_thread():
     assert engine._thread.is_alive()  # built, waiting for the first request's event loop
     engine.shutdown()
     assert not engine._thread.is_alive()
+
+
+def test_duplicate_request_id_fails_alone():
+    """Two concurrent requests with one id: the second is refused (ValueError) and nothing else
+    is touched; an add the engine refuses reaches only that request's queue."""
+    engine = AsyncLLM.from_engine_args(EngineArgs(model=MODEL, **KW))
+    sp = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+
+    async def collect(gen):
+        final = None
+        async for out in gen:
+            final = out
+        return final
+
+    async def run():
+        other = asyncio.ensure_future(collect(engine.generate("Once upon a time", sp, "other")))
+        first = asyncio.ensure_future(collect(engine.generate("Hello there", sp, "dup")))
+        await asyncio.sleep(0)  # both have started
+        second = asyncio.ensure_future(collect(engine.generate("General Kenobi", sp, "dup")))
+        results = await asyncio.gather(other, first, second, return_exceptions=True)
+        # white box: the engine thread refuses an id it already holds; only that queue hears it
+        held = asyncio.ensure_future(collect(engine.generate("The sky is", sp, "held")))
+        await asyncio.sleep(0)
+        q = engine._add("held", *engine.engine.validate("Another prompt", sp, strict_length=True))
+        refused = await q.get()
+        return results, await held, refused
+
+    try:
+        (other, first, second), held, refused = asyncio.run(run())
+    finally:
+        engine.shutdown()
+    assert isinstance(second, ValueError) and "already in use" in str(second)
+    assert other.finished and len(other.outputs[0].token_ids) == 12
+    assert first.finished and len(first.outputs[0].token_ids) == 12
+    assert held.finished and len(held.outputs[0].token_ids) == 12
+    assert isinstance(refused, Exception)
+    offline = LLM(MODEL, **KW).generate(["Once upon a time", "Hello there"], sp, use_tqdm=False)
+    assert other.outputs[0].token_ids == offline[0].outputs[0].token_ids
+    assert first.outputs[0].token_ids == offline[1].outputs[0].token_ids
