@@ -55,11 +55,13 @@ def test_engine_built_and_stepped_on_one_thread(monkeypatch):
 
 
 def test_construction_error_reaches_the_caller():
-    before = {t.name for t in threading.enumerate()}
+    def engine_threads() -> int:
+        return sum(t.name == "pagedllm-engine" and t.is_alive() for t in threading.enumerate())
+
+    before = engine_threads()
     with pytest.raises(ValueError, match="max_num_seqs"):
         AsyncLLM.from_engine_args(EngineArgs(model=MODEL, max_num_seqs=0, **KW))
-    assert not any(t.name == "pagedllm-engine" and t.is_alive() for t in threading.enumerate()
-                   if t.name not in before)
+    assert engine_threads() == before  # the failed build's thread has ended
 
 
 def test_shutdown_before_any_request_stops_the_thread():
@@ -102,7 +104,7 @@ def test_duplicate_request_id_fails_alone():
     assert other.finished and len(other.outputs[0].token_ids) == 12
     assert first.finished and len(first.outputs[0].token_ids) == 12
     assert held.finished and len(held.outputs[0].token_ids) == 12
-    assert isinstance(refused, Exception)
+    assert isinstance(refused, ValueError) and "already" in str(refused), refused
     offline = LLM(MODEL, **KW).generate(["Once upon a time", "Hello there"], sp, use_tqdm=False)
     assert other.outputs[0].token_ids == offline[0].outputs[0].token_ids
     assert first.outputs[0].token_ids == offline[1].outputs[0].token_ids
