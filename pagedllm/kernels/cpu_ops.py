@@ -47,7 +47,7 @@ _tried = False
 
 _SRCS = [os.path.join(os.path.dirname(__file__), "csrc", f)
          for f in ("paged_decode.cpp", "quant_ops.cpp", "layer_ops.cpp", "int8_gemm.cpp", "cpu_allocator.cpp",
-                    "bindings.cpp")]
+                    "fused_decode.cpp", "bindings.cpp")]
 _CFLAGS = ["-O3", "-march=native", "-fopenmp", "-ffast-math"]
 
 

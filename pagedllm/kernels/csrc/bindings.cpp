@@ -3,6 +3,7 @@
 #include <string>
 #include <tuple>
 #include <unordered_map>
+#include <vector>
 
 torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor kv_cache, torch::Tensor block_tables,
                                      torch::Tensor seq_lens, double scale, int64_t window, double soft_cap);
@@ -26,6 +27,11 @@ at::Tensor int8_gemm_packed_dequant(at::Tensor x, at::Tensor packed, at::Tensor 
 bool install_cpu_allocator(int64_t min_bytes, int64_t max_cached_bytes, bool huge_pages);
 std::unordered_map<std::string, int64_t> cpu_allocator_stats();
 void cpu_allocator_empty_cache();
+at::Tensor llama_decode_w8a8(at::Tensor x, at::Tensor positions, std::vector<at::Tensor> layers,
+                             std::vector<at::Tensor> kv_caches, at::Tensor slot_mapping, at::Tensor block_tables,
+                             at::Tensor seq_lens, at::Tensor cos, at::Tensor sin, at::Tensor final_norm,
+                             std::vector<int64_t> windows, int64_t num_heads, int64_t num_kv_heads,
+                             int64_t head_dim, double scale, double eps);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode_attention", &paged_decode_attention, "paged decode attention (CPU)", py::call_guard<py::gil_scoped_release>());
@@ -55,4 +61,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("min_bytes"), py::arg("max_cached_bytes"), py::arg("huge_pages") = false);
   m.def("cpu_allocator_stats", &cpu_allocator_stats, "hits, misses, cached_bytes, live_bytes, settings ({} if not installed)");
   m.def("cpu_allocator_empty_cache", &cpu_allocator_empty_cache, "return the allocator's cached free blocks to the OS");
+  m.def("llama_decode_w8a8", &llama_decode_w8a8,
+        "the decoder layers + final norm of a decode-only W8A8 Llama step in one call (same kernels, same order)",
+        py::call_guard<py::gil_scoped_release>(), py::arg("x"), py::arg("positions"), py::arg("layers"),
+        py::arg("kv_caches"), py::arg("slot_mapping"), py::arg("block_tables"), py::arg("seq_lens"), py::arg("cos"),
+        py::arg("sin"), py::arg("final_norm"), py::arg("windows"), py::arg("num_heads"), py::arg("num_kv_heads"),
+        py::arg("head_dim"), py::arg("scale"), py::arg("eps"));
 }

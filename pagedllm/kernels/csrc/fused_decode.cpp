@@ -1,0 +1,92 @@
+// The decoder layers of a decode-only step of a Llama-shaped W8A8 model, in one call.
+//
+// The Python model runs each layer as ~10 kernel calls (norm+quantize, qkv GEMM, rope, K/V store,
+// decode attention, quantize, o GEMM, norm+quantize, gate/up GEMM, SiLU*up+quantize, down GEMM);
+// at decode batch sizes each call's Python and dispatcher overhead (~7 us) adds up to 2-3 ms per
+// step for SmolLM2's 30 layers (docs/performance.md, step 26). This file calls the same C++
+// kernels, in the same order and on the same operands, from one loop, so the result is
+// bit-identical to the Python path (tested in tests/kernels/test_fused_decode.py).
+#include <torch/extension.h>
+
+#include <tuple>
+#include <vector>
+
+// The kernels it strings together (paged_decode.cpp, quant_ops.cpp, layer_ops.cpp, int8_gemm.cpp).
+torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor kv_cache, torch::Tensor block_tables,
+                                     torch::Tensor seq_lens, double scale, int64_t window, double soft_cap);
+std::tuple<at::Tensor, at::Tensor> quantize_rows_int8(at::Tensor x);
+std::tuple<at::Tensor, at::Tensor> rms_norm_quant(at::Tensor x, c10::optional<at::Tensor> residual,
+                                                   at::Tensor weight, double eps);
+std::tuple<at::Tensor, at::Tensor> dequant_silu_mul_quant(at::Tensor acc, at::Tensor sx, at::Tensor sw);
+void rotary_inplace(at::Tensor q, at::Tensor k, at::Tensor positions, at::Tensor cos, at::Tensor sin);
+void reshape_and_cache(at::Tensor k, at::Tensor v, at::Tensor kv_cache, at::Tensor slots);
+at::Tensor rms_norm(at::Tensor x, c10::optional<at::Tensor> residual, at::Tensor weight, double eps);
+at::Tensor int8_gemm_packed(at::Tensor x, at::Tensor packed, at::Tensor comp, int64_t N);
+at::Tensor int8_gemm_packed_dequant(at::Tensor x, at::Tensor packed, at::Tensor comp, int64_t N, at::Tensor sx,
+                                   at::Tensor sw, c10::optional<at::Tensor> bias, at::ScalarType dtype);
+
+namespace {
+
+// Per layer, in this order (FUSED_DECODE_TENSORS_PER_LAYER in pagedllm/models/fused_decode.py):
+enum LayerTensor {
+  kInNorm,                                // float32 [H]: input_layernorm's effective weight
+  kQkvPacked, kQkvComp, kQkvScale, kQkvBias,  // qkv_proj: packed int8, comp, w_scales [N], bias or empty
+  kOPacked, kOComp, kOScale, kOBias,          // o_proj
+  kPostNorm,                              // float32 [H]: post_attention_layernorm's effective weight
+  kGuPacked, kGuComp, kGuScale,           // gate_up_proj (no bias)
+  kDownPacked, kDownComp, kDownScale, kDownBias,  // down_proj
+  kPerLayer
+};
+
+c10::optional<at::Tensor> opt(const at::Tensor& t) {
+  return t.numel() ? c10::optional<at::Tensor>(t) : c10::nullopt;
+}
+
+}  // namespace
+
+// x: [T, H] float32/bf16 token embeddings (becomes the residual stream; updated in place).
+// positions: int64 [T]; layers: kPerLayer tensors per layer; kv_caches: one [NB, 2, BS, Hkv, D]
+// per layer; slot_mapping int64 [T]; block_tables int64 [T, max_blocks]; seq_lens int64 [T];
+// cos/sin: float32 [P, D/2] rope tables; windows: per-layer sliding window (0 = none).
+// Returns the final norm's output [T, H] in x's dtype.
+at::Tensor llama_decode_w8a8(at::Tensor x, at::Tensor positions, std::vector<at::Tensor> layers,
+                             std::vector<at::Tensor> kv_caches, at::Tensor slot_mapping, at::Tensor block_tables,
+                             at::Tensor seq_lens, at::Tensor cos, at::Tensor sin, at::Tensor final_norm,
+                             std::vector<int64_t> windows, int64_t num_heads, int64_t num_kv_heads,
+                             int64_t head_dim, double scale, double eps) {
+  const int64_t L = static_cast<int64_t>(kv_caches.size());
+  TORCH_CHECK(static_cast<int64_t>(layers.size()) == L * kPerLayer, "llama_decode_w8a8: expected ", kPerLayer,
+              " tensors per layer for ", L, " layers, got ", layers.size());
+  TORCH_CHECK(static_cast<int64_t>(windows.size()) == L, "llama_decode_w8a8: one window per layer");
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous(), "llama_decode_w8a8: x must be a contiguous [T, H] tensor");
+  const int64_t T = x.size(0), H = x.size(1);
+  const int64_t dq = num_heads * head_dim, dkv = num_kv_heads * head_dim;
+  const at::ScalarType dtype = x.scalar_type();
+  at::Tensor residual = x, h;
+  for (int64_t l = 0; l < L; ++l) {
+    const at::Tensor* w = layers.data() + l * kPerLayer;
+    // input_layernorm (+ the previous layer's residual add) -> int8 rows
+    auto [q8, s8] = l == 0 ? rms_norm_quant(x, c10::nullopt, w[kInNorm], eps)
+                           : rms_norm_quant(h, residual, w[kInNorm], eps);
+    at::Tensor qkv = int8_gemm_packed_dequant(q8, w[kQkvPacked], w[kQkvComp], w[kQkvScale].numel(), s8,
+                                              w[kQkvScale], opt(w[kQkvBias]), dtype);
+    at::Tensor q = qkv.narrow(1, 0, dq).view({T, num_heads, head_dim});
+    at::Tensor k = qkv.narrow(1, dq, dkv).view({T, num_kv_heads, head_dim});
+    at::Tensor v = qkv.narrow(1, dq + dkv, dkv).view({T, num_kv_heads, head_dim});
+    rotary_inplace(q, k, positions, cos, sin);
+    reshape_and_cache(k, v, kv_caches[l], slot_mapping);
+    at::Tensor attn = paged_decode_attention(q, kv_caches[l], block_tables, seq_lens, scale, windows[l], 0.0);
+    auto [qa, sa] = quantize_rows_int8(attn.reshape({T, dq}).contiguous());
+    h = int8_gemm_packed_dequant(qa, w[kOPacked], w[kOComp], w[kOScale].numel(), sa, w[kOScale], opt(w[kOBias]),
+                                 dtype);
+    // post_attention_layernorm (+ residual add) -> gate|up -> silu(gate) * up -> down
+    auto [q2, s2] = rms_norm_quant(h, residual, w[kPostNorm], eps);
+    at::Tensor acc = int8_gemm_packed(q2, w[kGuPacked], w[kGuComp], w[kGuScale].numel());
+    auto [q3, s3] = dequant_silu_mul_quant(acc, s2, w[kGuScale]);
+    h = int8_gemm_packed_dequant(q3, w[kDownPacked], w[kDownComp], w[kDownScale].numel(), s3, w[kDownScale],
+                                 opt(w[kDownBias]), dtype);
+  }
+  TORCH_CHECK(h.defined(), "llama_decode_w8a8: no layers");
+  TORCH_CHECK(h.size(1) == H, "llama_decode_w8a8: hidden size mismatch");
+  return rms_norm(h, residual, final_norm, eps);
+}

@@ -1,0 +1,143 @@
+"""Decode-only steps of a Llama-shaped W8A8 model on CPU in one C++ call.
+
+At decode batch sizes a step's kernels are short (SmolLM2 at batch 1: ~7 ms of kernels in a
+~10 ms step), and the Python around them (module calls, argument checks, ~10 pybind calls per
+layer) costs 2-3 ms per step. ``llama_decode_w8a8`` (``kernels/csrc/fused_decode.cpp``) runs the
+decoder layers and the final norm of such a step from one C++ loop, calling the same kernels in
+the same order on the same operands as the module path, so its output is bit-identical
+(``tests/kernels/test_fused_decode.py``); it also holds the GIL released for the whole forward.
+
+It applies when every condition of the module path's fused W8A8 kernels holds: CPU, float32 or
+bfloat16 activations, every projection a packed ``W8A8Linear`` (``int8_gemm_packed``), SiLU MLP,
+Llama-style norms (no q/k norm, no soft cap), a decode-only step (one query token per request)
+of at most ``PACKED_GEMM_MAX_M`` requests, and a KV cache the C++ attention reads. Anything else
+runs the module path. ``PAGEDLLM_FUSED_DECODE=0`` turns it off (for A/B runs).
+"""
+from __future__ import annotations
+
+import os
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+#: Tensors per decoder layer passed to ``llama_decode_w8a8`` (its ``LayerTensor`` enum).
+FUSED_DECODE_TENSORS_PER_LAYER = 17
+
+
+def fused_decode_enabled() -> bool:
+    """Whether ``PAGEDLLM_FUSED_DECODE`` allows the fused path (default on; ``0`` turns it off)."""
+    return os.environ.get("PAGEDLLM_FUSED_DECODE", "1") != "0"
+
+
+def _linear_tensors(lin, with_bias: bool) -> Optional[list[torch.Tensor]]:
+    from pagedllm.quantization.w8a8 import W8A8Linear
+
+    if not isinstance(lin, W8A8Linear) or lin.weight_packed is None or lin.out_dtype is not None:
+        return None
+    out = [lin.weight_packed, lin.weight_comp, lin.w_scales]
+    if with_bias:
+        out.append(torch.empty(0) if lin.bias is None else lin.bias.detach().float().contiguous())
+    elif lin.bias is not None:
+        return None
+    return out
+
+
+class FusedDecodeW8A8:
+    """The per-layer operands of ``llama_decode_w8a8`` for one model, gathered once.
+
+    Build with ``FusedDecodeW8A8.build(model)`` (None when the model's structure does not fit);
+    ``run(x, positions)`` returns the final hidden states or None when this step does not fit.
+    """
+
+    def __init__(self, layer_tensors: list[torch.Tensor], windows: list[int], final_norm: torch.Tensor,
+                 rotary, num_heads: int, num_kv_heads: int, head_dim: int, scale: float, eps: float, ops) -> None:
+        self.layer_tensors, self.windows, self.final_norm = layer_tensors, windows, final_norm
+        self.rotary, self.num_heads, self.num_kv_heads, self.head_dim = rotary, num_heads, num_kv_heads, head_dim
+        self.scale, self.eps, self.ops = scale, eps, ops
+        self._cache_ok: dict[tuple, bool] = {}
+
+    @classmethod
+    def build(cls, model: nn.Module) -> Optional["FusedDecodeW8A8"]:
+        """Gather the operands from a ``LlamaModel`` (embed_tokens, layers, norm), or None when
+        any layer is not the Llama W8A8 shape this kernel runs, or the kernels are not built."""
+        from pagedllm.kernels.cpu_ops import get_ops
+        from pagedllm.models.layers import RMSNorm
+
+        ops = get_ops()
+        if ops is None or not hasattr(ops, "llama_decode_w8a8") or not fused_decode_enabled():
+            return None
+        layers = getattr(model, "layers", None)
+        norm = getattr(model, "norm", None)
+        if not layers or not isinstance(norm, RMSNorm) or norm.gemma or norm.quantize_output:
+            return None
+        tensors: list[torch.Tensor] = []
+        windows: list[int] = []
+        first = layers[0].self_attn
+        rotary, eps = first.rotary[0], norm.eps
+        shape = (first.num_heads, first.num_kv_heads, first.head_dim, first.attn.scale)
+        for layer in layers:
+            attn, mlp = getattr(layer, "self_attn", None), getattr(layer, "mlp", None)
+            n1, n2 = getattr(layer, "input_layernorm", None), getattr(layer, "post_attention_layernorm", None)
+            if attn is None or mlp is None or not isinstance(n1, RMSNorm) or not isinstance(n2, RMSNorm):
+                return None
+            if (n1.gemma or n2.gemma or not n1.quantize_output or not n2.quantize_output
+                    or n1.eps != eps or n2.eps != eps or type(layer).forward is not _llama_layer_forward()):
+                return None
+            if (attn.q_norm is not None or attn.rotary[0] is not rotary or attn.attn.logits_soft_cap is not None
+                    or (attn.num_heads, attn.num_kv_heads, attn.head_dim, attn.attn.scale) != shape
+                    or mlp.act is not F.silu):
+                return None
+            qkv = _linear_tensors(attn.qkv_proj, True)
+            o = _linear_tensors(attn.o_proj, True)
+            gu = _linear_tensors(mlp.gate_up_proj, False)
+            down = _linear_tensors(mlp.down_proj, True)
+            if qkv is None or o is None or gu is None or down is None:
+                return None
+            tensors += [n1._effective_weight(), *qkv, *o, n2._effective_weight(), *gu, *down]
+            windows.append(int(attn.attn.sliding_window or 0))
+        assert len(tensors) == FUSED_DECODE_TENSORS_PER_LAYER * len(layers)
+        return cls(tensors, windows, norm._effective_weight(), rotary, *shape[:3], float(shape[3]), float(eps), ops)
+
+    def _cache_readable(self, x: torch.Tensor, kv_cache: torch.Tensor) -> bool:
+        """Whether the C++ store and decode attention take this cache for ``x``'s dtype (as the
+        module path decides in ``attention.torch_paged``)."""
+        key = (x.dtype, kv_cache.dtype)
+        ok = self._cache_ok.get(key)
+        if ok is None:
+            from pagedllm.attention.torch_paged import kernel_reads_cache
+
+            q = torch.empty(1, self.num_heads, self.head_dim, dtype=x.dtype)
+            ok = self._cache_ok[key] = kernel_reads_cache(self.ops, q, kv_cache)
+        return ok and kv_cache.is_contiguous()
+
+    def run(self, x: torch.Tensor, positions: torch.Tensor) -> Optional[torch.Tensor]:
+        """x ``[T, H]`` token embeddings, positions int64 ``[T]`` -> the final norm's output
+        ``[T, H]`` (x's dtype), or None (and nothing done) when this step is not a decode-only
+        step the kernel runs; must be called inside ``set_forward_context``."""
+        from pagedllm.attention.backend import get_forward_context
+        from pagedllm.attention.torch_paged import TorchPagedAttention
+        from pagedllm.quantization.w8a8 import PACKED_GEMM_MAX_M
+
+        if x.device.type != "cpu" or x.dtype not in (torch.float32, torch.bfloat16) or x.dim() != 2:
+            return None
+        ctx = get_forward_context()
+        meta, caches = ctx.attn_metadata, ctx.kv_caches
+        t = x.shape[0]
+        if (meta is None or not caches or len(caches) != len(self.windows) or not 0 < t <= PACKED_GEMM_MAX_M
+                or meta.num_reqs != t or meta.num_decodes != t or not isinstance(ctx.impl, TorchPagedAttention)
+                or ctx.impl._ops is None or positions.dtype != torch.int64
+                or not self._cache_readable(x, caches[0])):
+            return None
+        self.rotary._ensure(positions)
+        return self.ops.llama_decode_w8a8(
+            x.contiguous(), positions.contiguous(), self.layer_tensors, caches, meta.slot_mapping.contiguous(),
+            meta.block_tables, meta.seq_lens, self.rotary._cos_half, self.rotary._sin_half, self.final_norm,
+            self.windows, self.num_heads, self.num_kv_heads, self.head_dim, self.scale, self.eps)
+
+
+def _llama_layer_forward():
+    from pagedllm.models.llama import LlamaDecoderLayer
+
+    return LlamaDecoderLayer.forward
