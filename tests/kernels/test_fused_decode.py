@@ -1,0 +1,211 @@
+"""The fused W8A8 decode path (``llama_decode_w8a8``) against the module path it replaces.
+
+It calls the same kernels in the same order, so hidden states and the KV cache it writes must be
+bit-identical to the module path's, for float32 and bfloat16, a bf16 or fp8 cache, biases and
+sliding windows; steps it does not run (prefill, mixed, too many rows) must fall back.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+import pagedllm.kernels.cpu_ops as cpu_ops
+import pagedllm.quantization.w8a8 as w8a8
+from pagedllm.attention.backend import ForwardContext, set_forward_context
+from pagedllm.attention.torch_paged import TorchPagedAttention, build_metadata
+from pagedllm.models.fused_decode import FusedDecodeW8A8
+from pagedllm.quantization import quantize_model
+
+torch.set_num_threads(1)
+
+OPS = cpu_ops.get_ops()
+pytestmark = pytest.mark.skipif(
+    OPS is None or not hasattr(OPS, "llama_decode_w8a8") or not OPS.int8_gemm_supported(),
+    reason="needs the C++ kernels with the AVX512-VNNI int8 GEMM")
+
+BLOCK = 4
+
+
+def _model(dtype, bias=False, window=None, hidden=128):
+    from transformers import LlamaConfig
+
+    from pagedllm.models.llama import LlamaForCausalLM
+
+    cfg = LlamaConfig(vocab_size=512, hidden_size=hidden, intermediate_size=256, num_hidden_layers=3,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                      tie_word_embeddings=True, attention_bias=bias, architectures=["LlamaForCausalLM"])
+    if window:
+        cfg.sliding_window = window
+        cfg.layer_types = ["sliding_attention", "full_attention", "sliding_attention"]
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(cfg, dtype)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.normal_(1.0, 0.1)
+            else:
+                p.normal_(0, 1.0 if "embed" in name else (0.05 if p.dim() > 1 else 0.1))
+    quantize_model(model, "w8a8")
+    return model.eval()
+
+
+def _forward(model, ids, positions, caches, meta, fused: bool):
+    """One forward; ``fused`` picks the path. Returns (hidden, whether the fused kernel ran)."""
+    plan = model.model._fused_decode() if fused else None
+    ran = []
+    if plan is not None:
+        real = plan.ops
+
+        class Spy:  # counts calls of the fused kernel, forwards everything else
+            def __getattr__(self, name):
+                return getattr(real, name)
+
+            def llama_decode_w8a8(self, *a, **k):
+                ran.append(1)
+                return real.llama_decode_w8a8(*a, **k)
+
+        plan.ops = Spy()
+    key = model.model.layers[0].self_attn.qkv_proj
+    saved = model.model._fused
+    model.model._fused = saved if fused else (key, None)
+    try:
+        ctx = ForwardContext(attn_metadata=meta, kv_caches=caches, impl=TorchPagedAttention())
+        with torch.inference_mode(), set_forward_context(ctx):
+            h = model(ids, positions)
+    finally:
+        model.model._fused = saved
+        if plan is not None:
+            plan.ops = real
+    return h, bool(ran)
+
+
+def _prefill(model, lens, cache_dtype, dtype):
+    """Prefill requests of ``lens`` tokens into fresh caches; returns (caches, block lists)."""
+    n_layers = len(model.model.layers)
+    nb = sum(-(-(n + 8) // BLOCK) for n in lens) + 1
+    _, hkv, d = model.get_kv_cache_spec()
+    caches = [torch.zeros(nb, 2, BLOCK, hkv, d, dtype=cache_dtype or dtype) for _ in range(n_layers)]
+    blocks, nxt = [], 1
+    for n in lens:
+        k = -(-(n + 8) // BLOCK)
+        blocks.append(list(range(nxt, nxt + k)))
+        nxt += k
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, 512, (sum(lens),), generator=g)
+    positions = torch.cat([torch.arange(n) for n in lens])
+    meta = build_metadata([(0, n, b) for n, b in zip(lens, blocks)], BLOCK)
+    _, ran = _forward(model, ids, positions, caches, meta, fused=True)
+    assert not ran  # prefill steps take the module path
+    return caches, blocks
+
+
+def _decode_both(model, lens, caches, blocks, steps=3):
+    """``steps`` decode steps on copies of ``caches`` by each path; asserts bit-identity."""
+    a = [c.clone() for c in caches]
+    b = [c.clone() for c in caches]
+    g = torch.Generator().manual_seed(2)
+    lens = list(lens)
+    for _ in range(steps):
+        ids = torch.randint(0, 512, (len(lens),), generator=g)
+        positions = torch.tensor(lens, dtype=torch.int64)
+        meta = build_metadata([(n, 1, bl) for n, bl in zip(lens, blocks)], BLOCK)
+        h_mod, ran_mod = _forward(model, ids, positions, a, meta, fused=False)
+        h_fused, ran_fused = _forward(model, ids, positions, b, meta, fused=True)
+        assert ran_fused and not ran_mod
+        assert h_fused.dtype == h_mod.dtype and h_fused.shape == h_mod.shape
+        assert torch.equal(h_fused, h_mod)
+        for ca, cb in zip(a, b):
+            assert torch.equal(ca.view(torch.uint8), cb.view(torch.uint8))
+        lens = [n + 1 for n in lens]
+    return h_fused
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fused_decode_bit_identical(dtype):
+    model = _model(dtype)
+    lens = [5, 13, 2, 9]
+    caches, blocks = _prefill(model, lens, None, dtype)
+    h = _decode_both(model, lens, caches, blocks)
+    assert torch.isfinite(h.float()).all() and h.float().abs().sum() > 0
+
+
+@pytest.mark.parametrize("kv", [torch.float8_e4m3fn, torch.float8_e5m2])
+def test_fused_decode_fp8_cache(kv):
+    if not OPS.kv_fp8_supported(torch.empty(1, 4, 64, dtype=torch.bfloat16)):
+        pytest.skip("no AVX512-BF16 fp8 cache reads here")
+    model = _model(torch.bfloat16, hidden=256)  # head size 64: the fp8 reads need 64/128/256
+    lens = [7, 3]
+    caches, blocks = _prefill(model, lens, kv, torch.bfloat16)
+    _decode_both(model, lens, caches, blocks)
+
+
+def test_fused_decode_bias_and_sliding_window():
+    model = _model(torch.bfloat16, bias=True, window=6)
+    assert model.model.layers[0].self_attn.qkv_proj.bias is not None
+    plan = model.model._fused_decode()
+    assert plan is not None and plan.windows == [6, 0, 6]
+    lens = [11, 4, 17]
+    caches, blocks = _prefill(model, lens, None, torch.bfloat16)
+    _decode_both(model, lens, caches, blocks, steps=4)
+
+
+def test_fused_decode_falls_back():
+    model = _model(torch.bfloat16)
+    lens = [6, 10]
+    caches, blocks = _prefill(model, lens, None, torch.bfloat16)
+    # a mixed step (one decode, one prefill chunk) runs the module path
+    meta = build_metadata([(6, 1, blocks[0]), (10, 3, blocks[1])], BLOCK)
+    ids, positions = torch.tensor([1, 2, 3, 4]), torch.tensor([6, 10, 11, 12])
+    h, ran = _forward(model, ids, positions, caches, meta, fused=True)
+    assert not ran and h.shape == (4, 128)
+    # more decode rows than the packed GEMM takes: module path
+    old = w8a8.PACKED_GEMM_MAX_M
+    try:
+        w8a8.PACKED_GEMM_MAX_M = 1
+        meta = build_metadata([(7, 1, blocks[0]), (13, 1, blocks[1])], BLOCK)
+        _, ran = _forward(model, torch.tensor([5, 6]), torch.tensor([7, 13]), caches, meta, fused=True)
+        assert not ran
+    finally:
+        w8a8.PACKED_GEMM_MAX_M = old
+    # an fp32 cache under bf16 activations (not readable by the kernels) also falls back
+    f32 = [c.float() for c in caches]
+    meta = build_metadata([(7, 1, blocks[0])], BLOCK)
+    _, ran = _forward(model, torch.tensor([5]), torch.tensor([7]), f32, meta, fused=True)
+    assert not ran
+
+
+def test_fused_decode_not_built(monkeypatch, tiny_llama):
+    # unquantized models and the environment switch: no plan
+    assert tiny_llama(True).model._fused_decode() is None
+    model = _model(torch.bfloat16)
+    assert isinstance(model.model._fused_decode(), FusedDecodeW8A8)
+    monkeypatch.setenv("PAGEDLLM_FUSED_DECODE", "0")
+    assert FusedDecodeW8A8.build(model.model) is None
+    # quantizing after a first forward rebuilds the plan (keyed on the projection modules)
+    m2 = tiny_llama(True, torch.bfloat16)
+    assert m2.model._fused_decode() is None
+    monkeypatch.delenv("PAGEDLLM_FUSED_DECODE")
+    quantize_model(m2, "w8a8")
+    assert isinstance(m2.model._fused_decode(), FusedDecodeW8A8)
+
+
+@pytest.mark.slow
+def test_smollm2_fused_decode_same_tokens_and_logprobs(smollm2_path, monkeypatch):
+    """End to end through ``LLM``: greedy tokens and logprobs equal with the fused path on and off."""
+    from pagedllm import LLM, SamplingParams
+
+    prompts = ["The capital of France is", "Write a haiku about autumn leaves.", "1, 2, 3, 4,"]
+    sp = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True, logprobs=3)
+    got, texts = [], []
+    for flag in ("1", "0"):
+        monkeypatch.setenv("PAGEDLLM_FUSED_DECODE", flag)
+        llm = LLM(smollm2_path, dtype="bfloat16", quantization="w8a8", kv_cache_memory=32 * 1024**2, seed=0)
+        plan = llm.llm_engine.core.runner.model.model._fused_decode()
+        assert (plan is not None) == (flag == "1")
+        outs = llm.generate(prompts, sp, use_tqdm=False)
+        got.append([(o.outputs[0].token_ids, [sorted((k, v.logprob) for k, v in d.items()) for d in o.outputs[0].logprobs])
+                    for o in outs])
+        texts.append(outs[0].outputs[0].text)
+        del llm
+    assert got[0] == got[1]
+    assert "Paris" in texts[0], texts[0]
