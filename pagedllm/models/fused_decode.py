@@ -65,12 +65,16 @@ class FusedDecodeW8A8:
         from pagedllm.kernels.cpu_ops import get_ops
         from pagedllm.models.layers import RMSNorm
 
-        ops = get_ops()
-        if ops is None or not hasattr(ops, "llama_decode_w8a8") or not fused_decode_enabled():
-            return None
         layers = getattr(model, "layers", None)
         norm = getattr(model, "norm", None)
         if not layers or not isinstance(norm, RMSNorm) or norm.gemma or norm.quantize_output:
+            return None
+        # NOTE: packed W8A8 weights first: they imply the C++ kernels are built, and a model that
+        # is not W8A8 on CPU (bf16, CUDA) must not trigger their build here.
+        if _linear_tensors(getattr(getattr(layers[0], "self_attn", None), "qkv_proj", None), True) is None:
+            return None
+        ops = get_ops()
+        if ops is None or not hasattr(ops, "llama_decode_w8a8") or not fused_decode_enabled():
             return None
         tensors: list[torch.Tensor] = []
         windows: list[int] = []
@@ -128,6 +132,7 @@ class FusedDecodeW8A8:
         if (meta is None or not caches or len(caches) != len(self.windows) or not 0 < t <= PACKED_GEMM_MAX_M
                 or meta.num_reqs != t or meta.num_decodes != t or not isinstance(ctx.impl, TorchPagedAttention)
                 or ctx.impl._ops is None or positions.dtype != torch.int64
+                or any(t.dtype != torch.int64 for t in (meta.slot_mapping, meta.block_tables, meta.seq_lens))
                 or not self._cache_readable(x, caches[0])):
             return None
         self.rotary._ensure(positions)

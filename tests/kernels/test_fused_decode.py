@@ -175,8 +175,14 @@ def test_fused_decode_falls_back():
 
 
 def test_fused_decode_not_built(monkeypatch, tiny_llama):
-    # unquantized models and the environment switch: no plan
-    assert tiny_llama(True).model._fused_decode() is None
+    # unquantized models and the environment switch: no plan, and deciding that does not load the
+    # C++ kernels (a bf16 or CUDA model must not trigger their build)
+    def no_build():
+        raise AssertionError("get_ops called")
+
+    with monkeypatch.context() as m:
+        m.setattr(cpu_ops, "get_ops", no_build)
+        assert tiny_llama(True).model._fused_decode() is None
     model = _model(torch.bfloat16)
     assert isinstance(model.model._fused_decode(), FusedDecodeW8A8)
     monkeypatch.setenv("PAGEDLLM_FUSED_DECODE", "0")
