@@ -1,17 +1,20 @@
-"""Decode-only steps of a Llama-shaped W8A8 model on CPU in one C++ call.
+"""Decode-only steps of a Llama-shaped model on CPU in one C++ call.
 
-At decode batch sizes a step's kernels are short (SmolLM2 at batch 1: ~7 ms of kernels in a
-~10 ms step), and the Python around them (module calls, argument checks, ~10 pybind calls per
-layer) costs 2-3 ms per step. ``llama_decode_w8a8`` (``kernels/csrc/fused_decode.cpp``) runs the
-decoder layers and the final norm of such a step from one C++ loop, calling the same kernels in
-the same order on the same operands as the module path, so its output is bit-identical
-(``tests/kernels/test_fused_decode.py``); it also holds the GIL released for the whole forward.
+At decode batch sizes a step's kernels are short (SmolLM2 W8A8 at batch 1: ~7 ms of kernels in a
+~10 ms step), and the Python around them (module calls, argument checks, ~10 kernel calls per
+layer) costs 2-3 ms per step. ``llama_decode_w8a8`` and ``llama_decode_dense``
+(``kernels/csrc/fused_decode.cpp``) run the decoder layers and the final norm of such a step from
+one C++ loop, calling the same kernels and operators in the same order on the same operands as
+the module path, so the output is bit-identical (``tests/kernels/test_fused_decode.py``); the GIL
+stays released for the whole forward.
 
-It applies when every condition of the module path's fused W8A8 kernels holds: CPU, float32 or
-bfloat16 activations, every projection a packed ``W8A8Linear`` (``int8_gemm_packed``), SiLU MLP,
-Llama-style norms (no q/k norm, no soft cap), a decode-only step (one query token per request)
-of at most ``PACKED_GEMM_MAX_M`` requests, and a KV cache the C++ attention reads. Anything else
-runs the module path. ``PAGEDLLM_FUSED_DECODE=0`` turns it off (for A/B runs).
+Two kinds of models qualify: W8A8 (every projection a packed ``W8A8Linear``, the norms feeding
+them quantizing, ``int8_gemm_packed``) and float ones (every projection a plain ``Linear``: bf16
+with oneDNN-packed weights as ``prepack_cpu_linears`` leaves them, or float32). Also required:
+CPU, float32 or bfloat16 activations, SiLU MLP, Llama-style norms (no q/k norm, no soft cap), a
+decode-only step (one query token per request; W8A8: at most ``PACKED_GEMM_MAX_M`` requests), and
+a KV cache the C++ attention reads. Anything else runs the module path.
+``PAGEDLLM_FUSED_DECODE=0`` turns it off (for A/B runs).
 """
 from __future__ import annotations
 
@@ -24,6 +27,8 @@ from torch import nn
 
 #: Tensors per decoder layer passed to ``llama_decode_w8a8`` (its ``LayerTensor`` enum).
 FUSED_DECODE_TENSORS_PER_LAYER = 17
+#: Tensors per decoder layer passed to ``llama_decode_dense`` (its ``DenseTensor`` enum).
+FUSED_DENSE_TENSORS_PER_LAYER = 10
 
 
 def fused_decode_enabled() -> bool:
@@ -32,6 +37,7 @@ def fused_decode_enabled() -> bool:
 
 
 def _linear_tensors(lin, with_bias: bool) -> Optional[list[torch.Tensor]]:
+    """A packed ``W8A8Linear``'s operands (packed weights, comp, scales[, bias or empty]), or None."""
     from pagedllm.quantization.w8a8 import W8A8Linear
 
     if not isinstance(lin, W8A8Linear) or lin.weight_packed is None or lin.out_dtype is not None:
@@ -44,40 +50,69 @@ def _linear_tensors(lin, with_bias: bool) -> Optional[list[torch.Tensor]]:
     return out
 
 
-class FusedDecodeW8A8:
-    """The per-layer operands of ``llama_decode_w8a8`` for one model, gathered once.
+def _dense_tensors(lin, dtype: torch.dtype) -> Optional[tuple[list[torch.Tensor], bool]]:
+    """A plain ``Linear``'s ``([weight, bias or empty], packed)`` in ``dtype``, or None."""
+    from pagedllm.models.layers import Linear
 
-    Build with ``FusedDecodeW8A8.build(model)`` (None when the model's structure does not fit);
+    if not isinstance(lin, Linear) or type(lin).forward is not Linear.forward:
+        return None
+    packed = lin._packed is not None
+    w = lin._packed if packed else lin.weight
+    if w.dtype != dtype or (lin.bias is not None and lin.bias.dtype != dtype):
+        return None
+    # NOTE: the parameters themselves (not detached views), so that Module.to() swapping their
+    # data in place is seen here too.
+    return [w, torch.empty(0) if lin.bias is None else lin.bias], packed
+
+
+class FusedDecode:
+    """The per-layer operands of ``llama_decode_w8a8`` / ``llama_decode_dense`` for one model,
+    gathered once.
+
+    Build with ``FusedDecode.build(model)`` (None when the model's structure does not fit);
     ``run(x, positions)`` returns the final hidden states or None when this step does not fit.
+
+    Attributes:
+        kind: "w8a8" or "dense"; dtype: the activation dtype a dense model takes (None for
+            W8A8: float32 or bfloat16); packed: dense weights are oneDNN-packed.
     """
 
-    def __init__(self, layer_tensors: list[torch.Tensor], windows: list[int], final_norm: torch.Tensor,
-                 rotary, num_heads: int, num_kv_heads: int, head_dim: int, scale: float, eps: float, ops) -> None:
+    def __init__(self, kind: str, layer_tensors: list[torch.Tensor], windows: list[int], final_norm: torch.Tensor,
+                 rotary, num_heads: int, num_kv_heads: int, head_dim: int, scale: float, eps: float, ops,
+                 dtype: Optional[torch.dtype] = None, packed: bool = False) -> None:
+        self.kind, self.dtype, self.packed = kind, dtype, packed
         self.layer_tensors, self.windows, self.final_norm = layer_tensors, windows, final_norm
         self.rotary, self.num_heads, self.num_kv_heads, self.head_dim = rotary, num_heads, num_kv_heads, head_dim
         self.scale, self.eps, self.ops = scale, eps, ops
         self._cache_ok: dict[tuple, bool] = {}
 
     @classmethod
-    def build(cls, model: nn.Module) -> Optional["FusedDecodeW8A8"]:
+    def build(cls, model: nn.Module) -> Optional["FusedDecode"]:
         """Gather the operands from a ``LlamaModel`` (embed_tokens, layers, norm), or None when
-        any layer is not the Llama W8A8 shape this kernel runs, or the kernels are not built."""
+        any layer is not a Llama shape these kernels run, or the kernels are not built."""
         from pagedllm.kernels.cpu_ops import get_ops
-        from pagedllm.models.layers import RMSNorm
+        from pagedllm.models.layers import Linear, RMSNorm
 
         layers = getattr(model, "layers", None)
         norm = getattr(model, "norm", None)
         if not layers or not isinstance(norm, RMSNorm) or norm.gemma or norm.quantize_output:
             return None
-        # NOTE: packed W8A8 weights first: they imply the C++ kernels are built, and a model that
-        # is not W8A8 on CPU (bf16, CUDA) must not trigger their build here.
-        if _linear_tensors(getattr(getattr(layers[0], "self_attn", None), "qkv_proj", None), True) is None:
+        # NOTE: the kind is read off the first projection before the C++ kernels are asked for:
+        # a model they cannot run (CUDA, weight-only int8/int4) must not trigger their build.
+        qkv0 = getattr(getattr(layers[0], "self_attn", None), "qkv_proj", None)
+        if _linear_tensors(qkv0, True) is not None:
+            kind, dtype = "w8a8", None
+        elif (isinstance(qkv0, Linear) and qkv0.weight.device.type == "cpu"
+              and (qkv0._packed if qkv0._packed is not None else qkv0.weight).dtype in (torch.float32, torch.bfloat16)):
+            kind, dtype = "dense", (qkv0._packed if qkv0._packed is not None else qkv0.weight).dtype
+        else:
             return None
         ops = get_ops()
-        if ops is None or not hasattr(ops, "llama_decode_w8a8") or not fused_decode_enabled():
+        if ops is None or not hasattr(ops, f"llama_decode_{kind}") or not fused_decode_enabled():
             return None
         tensors: list[torch.Tensor] = []
         windows: list[int] = []
+        packs: set[bool] = set()
         first = layers[0].self_attn
         rotary, eps = first.rotary[0], norm.eps
         shape = (first.num_heads, first.num_kv_heads, first.head_dim, first.attn.scale)
@@ -86,23 +121,35 @@ class FusedDecodeW8A8:
             n1, n2 = getattr(layer, "input_layernorm", None), getattr(layer, "post_attention_layernorm", None)
             if attn is None or mlp is None or not isinstance(n1, RMSNorm) or not isinstance(n2, RMSNorm):
                 return None
-            if (n1.gemma or n2.gemma or not n1.quantize_output or not n2.quantize_output
+            quantized = kind == "w8a8"  # the norms feeding W8A8 projections emit int8 rows
+            if (n1.gemma or n2.gemma or n1.quantize_output != quantized or n2.quantize_output != quantized
                     or n1.eps != eps or n2.eps != eps or type(layer).forward is not _llama_layer_forward()):
                 return None
             if (attn.q_norm is not None or attn.rotary[0] is not rotary or attn.attn.logits_soft_cap is not None
                     or (attn.num_heads, attn.num_kv_heads, attn.head_dim, attn.attn.scale) != shape
                     or mlp.act is not F.silu):
                 return None
-            qkv = _linear_tensors(attn.qkv_proj, True)
-            o = _linear_tensors(attn.o_proj, True)
-            gu = _linear_tensors(mlp.gate_up_proj, False)
-            down = _linear_tensors(mlp.down_proj, True)
-            if qkv is None or o is None or gu is None or down is None:
-                return None
+            if kind == "w8a8":
+                parts = [_linear_tensors(attn.qkv_proj, True), _linear_tensors(attn.o_proj, True),
+                         _linear_tensors(mlp.gate_up_proj, False), _linear_tensors(mlp.down_proj, True)]
+                if any(p is None for p in parts):
+                    return None
+            else:
+                dense = [_dense_tensors(lin, dtype) for lin in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj,
+                                                               mlp.down_proj)]
+                if any(d is None for d in dense):
+                    return None
+                parts = [d[0] for d in dense]
+                packs.update(d[1] for d in dense)
+            qkv, o, gu, down = parts
             tensors += [n1._effective_weight(), *qkv, *o, n2._effective_weight(), *gu, *down]
             windows.append(int(attn.attn.sliding_window or 0))
-        assert len(tensors) == FUSED_DECODE_TENSORS_PER_LAYER * len(layers)
-        return cls(tensors, windows, norm._effective_weight(), rotary, *shape[:3], float(shape[3]), float(eps), ops)
+        if len(packs) > 1:  # some linears packed, some not: the module path decides per layer
+            return None
+        per_layer = FUSED_DECODE_TENSORS_PER_LAYER if kind == "w8a8" else FUSED_DENSE_TENSORS_PER_LAYER
+        assert len(tensors) == per_layer * len(layers)
+        return cls(kind, tensors, windows, norm._effective_weight(), rotary, *shape[:3], float(shape[3]),
+                   float(eps), ops, dtype=dtype, packed=bool(packs and packs.pop()))
 
     def _cache_readable(self, x: torch.Tensor, kv_cache: torch.Tensor) -> bool:
         """Whether the C++ store and decode attention take this cache for ``x``'s dtype (as the
@@ -124,22 +171,26 @@ class FusedDecodeW8A8:
         from pagedllm.attention.torch_paged import TorchPagedAttention
         from pagedllm.quantization.w8a8 import PACKED_GEMM_MAX_M
 
-        if x.device.type != "cpu" or x.dtype not in (torch.float32, torch.bfloat16) or x.dim() != 2:
+        if (x.device.type != "cpu" or x.dtype not in (torch.float32, torch.bfloat16) or x.dim() != 2
+                or (self.dtype is not None and x.dtype != self.dtype)):
             return None
         ctx = get_forward_context()
         meta, caches = ctx.attn_metadata, ctx.kv_caches
-        t = x.shape[0]
-        if (meta is None or not caches or len(caches) != len(self.windows) or not 0 < t <= PACKED_GEMM_MAX_M
-                or meta.num_reqs != t or meta.num_decodes != t or not isinstance(ctx.impl, TorchPagedAttention)
+        n = x.shape[0]
+        max_rows = PACKED_GEMM_MAX_M if self.kind == "w8a8" else n
+        if (meta is None or not caches or len(caches) != len(self.windows) or not 0 < n <= max_rows
+                or meta.num_reqs != n or meta.num_decodes != n or not isinstance(ctx.impl, TorchPagedAttention)
                 or ctx.impl._ops is None or positions.dtype != torch.int64
-                or any(t.dtype != torch.int64 for t in (meta.slot_mapping, meta.block_tables, meta.seq_lens))
+                or any(m.dtype != torch.int64 for m in (meta.slot_mapping, meta.block_tables, meta.seq_lens))
                 or not self._cache_readable(x, caches[0])):
             return None
         self.rotary._ensure(positions)
-        return self.ops.llama_decode_w8a8(
-            x.contiguous(), positions.contiguous(), self.layer_tensors, caches, meta.slot_mapping.contiguous(),
-            meta.block_tables, meta.seq_lens, self.rotary._cos_half, self.rotary._sin_half, self.final_norm,
-            self.windows, self.num_heads, self.num_kv_heads, self.head_dim, self.scale, self.eps)
+        args = (x.contiguous(), positions.contiguous(), self.layer_tensors, caches, meta.slot_mapping.contiguous(),
+                meta.block_tables, meta.seq_lens, self.rotary._cos_half, self.rotary._sin_half, self.final_norm,
+                self.windows, self.num_heads, self.num_kv_heads, self.head_dim, self.scale, self.eps)
+        if self.kind == "w8a8":
+            return self.ops.llama_decode_w8a8(*args)
+        return self.ops.llama_decode_dense(*args, self.packed)
 
 
 def _llama_layer_forward():

@@ -60,23 +60,25 @@ class LlamaModel(nn.Module):
             LlamaDecoderLayer(config, i, self.rotary, head_dim, spec) for i in range(config.num_hidden_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self._fused: tuple = (None, None)  # (first layer's qkv module when built, FusedDecodeW8A8 or None)
+        self._fused: tuple = (None, None)  # ((first qkv module, its packed weight) when built, FusedDecode or None)
 
     def _fused_decode(self):
-        """The ``FusedDecodeW8A8`` plan of this model, or None; rebuilt when quantization has
-        swapped the projections since it was last built."""
-        key = self.layers[0].self_attn.qkv_proj if len(self.layers) else None
-        if self._fused[0] is not key:
-            from pagedllm.models.fused_decode import FusedDecodeW8A8
+        """The ``FusedDecode`` plan of this model, or None; rebuilt when quantization or
+        prepacking has swapped the projections' weights since it was last built."""
+        qkv = self.layers[0].self_attn.qkv_proj if len(self.layers) else None
+        key = (qkv, getattr(qkv, "_packed", None))  # NOTE: prepacking swaps a Linear's weight in place
+        old = self._fused[0]
+        if old is None or old[0] is not key[0] or old[1] is not key[1]:
+            from pagedllm.models.fused_decode import FusedDecode
 
-            self._fused = (key, FusedDecodeW8A8.build(self))
+            self._fused = (key, FusedDecode.build(self))
         return self._fused[1]
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         x, residual = self.embed_tokens(input_ids), None
         fused = self._fused_decode()
         if fused is not None:
-            out = fused.run(x, positions)  # a decode-only W8A8 step on CPU: one C++ call
+            out = fused.run(x, positions)  # a decode-only step on CPU: one C++ call
             if out is not None:
                 return out
         for layer in self.layers:

@@ -1,8 +1,10 @@
-"""The fused W8A8 decode path (``llama_decode_w8a8``) against the module path it replaces.
+"""The fused decode paths (``llama_decode_w8a8``, ``llama_decode_dense``) against the module path
+they replace.
 
-It calls the same kernels in the same order, so hidden states and the KV cache it writes must be
-bit-identical to the module path's, for float32 and bfloat16, a bf16 or fp8 cache, biases and
-sliding windows; steps it does not run (prefill, mixed, too many rows) must fall back.
+They call the same kernels in the same order, so hidden states and the KV cache they write must be
+bit-identical to the module path's: W8A8 and float weights (float32, bfloat16, bfloat16 packed for
+oneDNN), a bf16 or fp8 cache, biases and sliding windows; steps they do not run (prefill, mixed,
+too many rows, an unreadable cache) must fall back.
 """
 from __future__ import annotations
 
@@ -13,7 +15,7 @@ import pagedllm.kernels.cpu_ops as cpu_ops
 import pagedllm.quantization.w8a8 as w8a8
 from pagedllm.attention.backend import ForwardContext, set_forward_context
 from pagedllm.attention.torch_paged import TorchPagedAttention, build_metadata
-from pagedllm.models.fused_decode import FusedDecodeW8A8
+from pagedllm.models.fused_decode import FusedDecode
 from pagedllm.quantization import quantize_model
 
 torch.set_num_threads(1)
@@ -26,7 +28,9 @@ pytestmark = pytest.mark.skipif(
 BLOCK = 4
 
 
-def _model(dtype, bias=False, window=None, hidden=128):
+def _model(dtype, bias=False, window=None, hidden=128, mode="w8a8"):
+    """A random 3-layer Llama: ``mode`` "w8a8" (quantized), "dense" (float weights) or "prepack"
+    (bf16 weights packed for oneDNN, as the engine leaves an unquantized bf16 model)."""
     from transformers import LlamaConfig
 
     from pagedllm.models.llama import LlamaForCausalLM
@@ -45,7 +49,12 @@ def _model(dtype, bias=False, window=None, hidden=128):
                 p.normal_(1.0, 0.1)
             else:
                 p.normal_(0, 1.0 if "embed" in name else (0.05 if p.dim() > 1 else 0.1))
-    quantize_model(model, "w8a8")
+    if mode == "w8a8":
+        quantize_model(model, "w8a8")
+    elif mode == "prepack":
+        from pagedllm.models.layers import prepack_cpu_linears
+
+        assert prepack_cpu_linears(model) > 0
     return model.eval()
 
 
@@ -64,10 +73,14 @@ def _forward(model, ids, positions, caches, meta, fused: bool):
                 ran.append(1)
                 return real.llama_decode_w8a8(*a, **k)
 
+            def llama_decode_dense(self, *a, **k):
+                ran.append(1)
+                return real.llama_decode_dense(*a, **k)
+
         plan.ops = Spy()
-    key = model.model.layers[0].self_attn.qkv_proj
+    model.model._fused_decode()  # (re)builds the plan if the weights changed
     saved = model.model._fused
-    model.model._fused = saved if fused else (key, None)
+    model.model._fused = saved if fused else (saved[0], None)  # same key, no plan: module path
     try:
         ctx = ForwardContext(attn_metadata=meta, kv_caches=caches, impl=TorchPagedAttention())
         with torch.inference_mode(), set_forward_context(ctx):
@@ -120,27 +133,33 @@ def _decode_both(model, lens, caches, blocks, steps=3):
     return h_fused
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_fused_decode_bit_identical(dtype):
-    model = _model(dtype)
+@pytest.mark.parametrize("mode,dtype", [("w8a8", torch.float32), ("w8a8", torch.bfloat16),
+                                        ("dense", torch.float32), ("dense", torch.bfloat16),
+                                        ("prepack", torch.bfloat16)])
+def test_fused_decode_bit_identical(mode, dtype):
+    model = _model(dtype, mode=mode)
+    plan = model.model._fused_decode()
+    assert plan.kind == ("w8a8" if mode == "w8a8" else "dense") and plan.packed == (mode == "prepack")
     lens = [5, 13, 2, 9]
     caches, blocks = _prefill(model, lens, None, dtype)
     h = _decode_both(model, lens, caches, blocks)
     assert torch.isfinite(h.float()).all() and h.float().abs().sum() > 0
 
 
+@pytest.mark.parametrize("mode", ["w8a8", "prepack"])
 @pytest.mark.parametrize("kv", [torch.float8_e4m3fn, torch.float8_e5m2])
-def test_fused_decode_fp8_cache(kv):
+def test_fused_decode_fp8_cache(kv, mode):
     if not OPS.kv_fp8_supported(torch.empty(1, 4, 64, dtype=torch.bfloat16)):
         pytest.skip("no AVX512-BF16 fp8 cache reads here")
-    model = _model(torch.bfloat16, hidden=256)  # head size 64: the fp8 reads need 64/128/256
+    model = _model(torch.bfloat16, hidden=256, mode=mode)  # head size 64: the fp8 reads need 64/128/256
     lens = [7, 3]
     caches, blocks = _prefill(model, lens, kv, torch.bfloat16)
     _decode_both(model, lens, caches, blocks)
 
 
-def test_fused_decode_bias_and_sliding_window():
-    model = _model(torch.bfloat16, bias=True, window=6)
+@pytest.mark.parametrize("mode", ["w8a8", "prepack"])
+def test_fused_decode_bias_and_sliding_window(mode):
+    model = _model(torch.bfloat16, bias=True, window=6, mode=mode)
     assert model.model.layers[0].self_attn.qkv_proj.bias is not None
     plan = model.model._fused_decode()
     assert plan is not None and plan.windows == [6, 0, 6]
@@ -172,32 +191,52 @@ def test_fused_decode_falls_back():
     meta = build_metadata([(7, 1, blocks[0])], BLOCK)
     _, ran = _forward(model, torch.tensor([5]), torch.tensor([7]), f32, meta, fused=True)
     assert not ran
+    # a float model whose activations have another dtype than its weights: module path
+    dense = _model(torch.float32, mode="dense")
+    caches, blocks = _prefill(dense, lens, None, torch.float32)
+    meta = build_metadata([(6, 1, blocks[0])], BLOCK)
+    ctx = ForwardContext(attn_metadata=meta, kv_caches=caches, impl=TorchPagedAttention())
+    with torch.inference_mode(), set_forward_context(ctx):
+        assert dense.model._fused_decode().run(torch.zeros(1, 128, dtype=torch.bfloat16), torch.tensor([6])) is None
 
 
 def test_fused_decode_not_built(monkeypatch, tiny_llama):
-    # unquantized models and the environment switch: no plan, and deciding that does not load the
-    # C++ kernels (a bf16 or CUDA model must not trigger their build)
+    # weight-only quantized models get no plan, and deciding that does not load the C++ kernels
+    # (nor may a CUDA model trigger their build)
     def no_build():
         raise AssertionError("get_ops called")
 
+    wo = tiny_llama(True)
+    quantize_model(wo, "int8")
     with monkeypatch.context() as m:
         m.setattr(cpu_ops, "get_ops", no_build)
-        assert tiny_llama(True).model._fused_decode() is None
+        assert wo.model._fused_decode() is None
     model = _model(torch.bfloat16)
-    assert isinstance(model.model._fused_decode(), FusedDecodeW8A8)
+    assert isinstance(model.model._fused_decode(), FusedDecode)
     monkeypatch.setenv("PAGEDLLM_FUSED_DECODE", "0")
-    assert FusedDecodeW8A8.build(model.model) is None
-    # quantizing after a first forward rebuilds the plan (keyed on the projection modules)
-    m2 = tiny_llama(True, torch.bfloat16)
-    assert m2.model._fused_decode() is None
+    assert FusedDecode.build(model.model) is None
+    assert FusedDecode.build(_model(torch.bfloat16, mode="prepack").model) is None
     monkeypatch.delenv("PAGEDLLM_FUSED_DECODE")
-    quantize_model(m2, "w8a8")
-    assert isinstance(m2.model._fused_decode(), FusedDecodeW8A8)
+    # quantizing or prepacking after a first forward rebuilds the plan
+    m2 = tiny_llama(True, torch.bfloat16)
+    p0 = m2.model._fused_decode()
+    assert p0.kind == "dense" and not p0.packed
+    from pagedllm.models.layers import prepack_cpu_linears
+
+    prepack_cpu_linears(m2)
+    p1 = m2.model._fused_decode()
+    assert p1 is not p0 and p1.kind == "dense" and p1.packed
+    m3 = tiny_llama(True, torch.bfloat16)
+    assert m3.model._fused_decode().kind == "dense"
+    quantize_model(m3, "w8a8")
+    assert m3.model._fused_decode().kind == "w8a8"
 
 
 @pytest.mark.slow
-def test_smollm2_fused_decode_same_tokens_and_logprobs(smollm2_path, monkeypatch):
-    """End to end through ``LLM``: greedy tokens and logprobs equal with the fused path on and off."""
+@pytest.mark.parametrize("quantization", ["w8a8", None])
+def test_smollm2_fused_decode_same_tokens_and_logprobs(smollm2_path, monkeypatch, quantization):
+    """End to end through ``LLM`` (W8A8, and the default bf16 with oneDNN-packed weights): greedy
+    tokens and logprobs are equal with the fused path on and off."""
     from pagedllm import LLM, SamplingParams
 
     prompts = ["The capital of France is", "Write a haiku about autumn leaves.", "1, 2, 3, 4,"]
@@ -205,9 +244,11 @@ def test_smollm2_fused_decode_same_tokens_and_logprobs(smollm2_path, monkeypatch
     got, texts = [], []
     for flag in ("1", "0"):
         monkeypatch.setenv("PAGEDLLM_FUSED_DECODE", flag)
-        llm = LLM(smollm2_path, dtype="bfloat16", quantization="w8a8", kv_cache_memory=32 * 1024**2, seed=0)
+        llm = LLM(smollm2_path, dtype="bfloat16", quantization=quantization, kv_cache_memory=32 * 1024**2, seed=0)
         plan = llm.llm_engine.core.runner.model.model._fused_decode()
         assert (plan is not None) == (flag == "1")
+        if plan is not None:
+            assert plan.kind == ("w8a8" if quantization else "dense") and plan.packed == (quantization is None)
         outs = llm.generate(prompts, sp, use_tqdm=False)
         got.append([(o.outputs[0].token_ids, [sorted((k, v.logprob) for k, v in d.items()) for d in o.outputs[0].logprobs])
                     for o in outs])

@@ -1,12 +1,16 @@
-// The decoder layers of a decode-only step of a Llama-shaped W8A8 model, in one call.
+// The decoder layers of a decode-only step of a Llama-shaped model, in one call: W8A8 weights
+// (llama_decode_w8a8) or float weights (llama_decode_dense: bf16 with oneDNN-packed weights, or
+// float32).
 //
 // The Python model runs each layer as ~10 kernel calls (norm+quantize, qkv GEMM, rope, K/V store,
 // decode attention, quantize, o GEMM, norm+quantize, gate/up GEMM, SiLU*up+quantize, down GEMM);
 // at decode batch sizes each call's Python and dispatcher overhead (~7 us) adds up to 2-3 ms per
-// step for SmolLM2's 30 layers (docs/performance.md, step 26). This file calls the same C++
-// kernels, in the same order and on the same operands, from one loop, so the result is
-// bit-identical to the Python path (tested in tests/kernels/test_fused_decode.py).
+// step for SmolLM2's 30 layers (docs/performance.md, step 26). This file calls the same kernels
+// (the float linears through the same ATen / oneDNN operators), in the same order and on the same
+// operands, from one loop, so the result is bit-identical to the Python path (tested in
+// tests/kernels/test_fused_decode.py).
 #include <torch/extension.h>
+#include <ATen/core/dispatch/Dispatcher.h>
 
 #include <tuple>
 #include <vector>
@@ -42,6 +46,44 @@ c10::optional<at::Tensor> opt(const at::Tensor& t) {
   return t.numel() ? c10::optional<at::Tensor>(t) : c10::nullopt;
 }
 
+// qkv [T, (Hq + 2 Hkv) * D] -> rope on q/k in place, K/V stored at slot_mapping, decode attention
+// over the cache: [T, Hq * D] (SelfAttention.forward + TorchPagedAttention.forward's decode-only
+// branch).
+at::Tensor attention_block(const at::Tensor& qkv, const at::Tensor& positions, const at::Tensor& kv_cache,
+                           const at::Tensor& slot_mapping, const at::Tensor& block_tables,
+                           const at::Tensor& seq_lens, const at::Tensor& cos, const at::Tensor& sin,
+                           int64_t window, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
+                           double scale) {
+  const int64_t T = qkv.size(0), dq = num_heads * head_dim, dkv = num_kv_heads * head_dim;
+  at::Tensor q = qkv.narrow(1, 0, dq).view({T, num_heads, head_dim});
+  at::Tensor k = qkv.narrow(1, dq, dkv).view({T, num_kv_heads, head_dim});
+  at::Tensor v = qkv.narrow(1, dq + dkv, dkv).view({T, num_kv_heads, head_dim});
+  rotary_inplace(q, k, positions, cos, sin);
+  reshape_and_cache(k, v, kv_cache, slot_mapping);
+  return paged_decode_attention(q, kv_cache, block_tables, seq_lens, scale, window, 0.0).reshape({T, dq});
+}
+
+// Linear.forward: oneDNN's packed bf16 linear (mkldnn::_linear_pointwise, as the module calls it)
+// or F.linear on the dense weight.
+at::Tensor linear(const at::Tensor& x, const at::Tensor& w, const at::Tensor& bias, bool packed) {
+  if (packed) {
+    static auto op = c10::Dispatcher::singleton()
+                         .findSchemaOrThrow("mkldnn::_linear_pointwise", "")
+                         .typed<at::Tensor(const at::Tensor&, const at::Tensor&, const std::optional<at::Tensor>&,
+                                           c10::string_view, c10::List<std::optional<at::Scalar>>,
+                                           std::optional<c10::string_view>)>();
+    c10::List<std::optional<at::Scalar>> scalars;
+    scalars.push_back(std::nullopt);
+    return op.call(x, w, opt(bias), "none", scalars, c10::string_view(""));
+  }
+  return at::linear(x, w, opt(bias));
+}
+
+// Per layer for llama_decode_dense (FUSED_DENSE_TENSORS_PER_LAYER in pagedllm/models/fused_decode.py):
+enum DenseTensor {
+  dInNorm, dQkvW, dQkvBias, dOW, dOBias, dPostNorm, dGuW, dGuBias, dDownW, dDownBias, dPerLayer
+};
+
 }  // namespace
 
 // x: [T, H] float32/bf16 token embeddings (becomes the residual stream; updated in place).
@@ -59,8 +101,7 @@ at::Tensor llama_decode_w8a8(at::Tensor x, at::Tensor positions, std::vector<at:
               " tensors per layer for ", L, " layers, got ", layers.size());
   TORCH_CHECK(static_cast<int64_t>(windows.size()) == L, "llama_decode_w8a8: one window per layer");
   TORCH_CHECK(x.dim() == 2 && x.is_contiguous(), "llama_decode_w8a8: x must be a contiguous [T, H] tensor");
-  const int64_t T = x.size(0), H = x.size(1);
-  const int64_t dq = num_heads * head_dim, dkv = num_kv_heads * head_dim;
+  const int64_t H = x.size(1);
   const at::ScalarType dtype = x.scalar_type();
   at::Tensor residual = x, h;
   for (int64_t l = 0; l < L; ++l) {
@@ -70,13 +111,9 @@ at::Tensor llama_decode_w8a8(at::Tensor x, at::Tensor positions, std::vector<at:
                            : rms_norm_quant(h, residual, w[kInNorm], eps);
     at::Tensor qkv = int8_gemm_packed_dequant(q8, w[kQkvPacked], w[kQkvComp], w[kQkvScale].numel(), s8,
                                               w[kQkvScale], opt(w[kQkvBias]), dtype);
-    at::Tensor q = qkv.narrow(1, 0, dq).view({T, num_heads, head_dim});
-    at::Tensor k = qkv.narrow(1, dq, dkv).view({T, num_kv_heads, head_dim});
-    at::Tensor v = qkv.narrow(1, dq + dkv, dkv).view({T, num_kv_heads, head_dim});
-    rotary_inplace(q, k, positions, cos, sin);
-    reshape_and_cache(k, v, kv_caches[l], slot_mapping);
-    at::Tensor attn = paged_decode_attention(q, kv_caches[l], block_tables, seq_lens, scale, windows[l], 0.0);
-    auto [qa, sa] = quantize_rows_int8(attn.reshape({T, dq}).contiguous());
+    at::Tensor attn = attention_block(qkv, positions, kv_caches[l], slot_mapping, block_tables, seq_lens, cos, sin,
+                                      windows[l], num_heads, num_kv_heads, head_dim, scale);
+    auto [qa, sa] = quantize_rows_int8(attn.contiguous());
     h = int8_gemm_packed_dequant(qa, w[kOPacked], w[kOComp], w[kOScale].numel(), sa, w[kOScale], opt(w[kOBias]),
                                  dtype);
     // post_attention_layernorm (+ residual add) -> gate|up -> silu(gate) * up -> down
@@ -88,5 +125,36 @@ at::Tensor llama_decode_w8a8(at::Tensor x, at::Tensor positions, std::vector<at:
   }
   TORCH_CHECK(h.defined(), "llama_decode_w8a8: no layers");
   TORCH_CHECK(h.size(1) == H, "llama_decode_w8a8: hidden size mismatch");
+  return rms_norm(h, residual, final_norm, eps);
+}
+
+// The same loop for a float model (module path: RMSNorm -> Linear, no quantization): x [T, H]
+// float32/bf16; layers: dPerLayer tensors per layer (weights oneDNN-packed when `packed`, as
+// prepack_cpu_linears leaves a bf16 model, else dense [N, K]; empty tensors for absent biases);
+// the other arguments as for llama_decode_w8a8. Returns the final norm's output [T, H].
+at::Tensor llama_decode_dense(at::Tensor x, at::Tensor positions, std::vector<at::Tensor> layers,
+                              std::vector<at::Tensor> kv_caches, at::Tensor slot_mapping, at::Tensor block_tables,
+                              at::Tensor seq_lens, at::Tensor cos, at::Tensor sin, at::Tensor final_norm,
+                              std::vector<int64_t> windows, int64_t num_heads, int64_t num_kv_heads,
+                              int64_t head_dim, double scale, double eps, bool packed) {
+  const int64_t L = static_cast<int64_t>(kv_caches.size());
+  TORCH_CHECK(static_cast<int64_t>(layers.size()) == L * dPerLayer, "llama_decode_dense: expected ", dPerLayer,
+              " tensors per layer for ", L, " layers, got ", layers.size());
+  TORCH_CHECK(static_cast<int64_t>(windows.size()) == L, "llama_decode_dense: one window per layer");
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous(), "llama_decode_dense: x must be a contiguous [T, H] tensor");
+  at::Tensor residual = x, h;
+  for (int64_t l = 0; l < L; ++l) {
+    const at::Tensor* w = layers.data() + l * dPerLayer;
+    at::Tensor n1 = l == 0 ? rms_norm(x, c10::nullopt, w[dInNorm], eps) : rms_norm(h, residual, w[dInNorm], eps);
+    at::Tensor qkv = linear(n1, w[dQkvW], w[dQkvBias], packed);
+    at::Tensor attn = attention_block(qkv, positions, kv_caches[l], slot_mapping, block_tables, seq_lens, cos, sin,
+                                      windows[l], num_heads, num_kv_heads, head_dim, scale);
+    h = linear(attn, w[dOW], w[dOBias], packed);
+    at::Tensor n2 = rms_norm(h, residual, w[dPostNorm], eps);
+    at::Tensor gu = linear(n2, w[dGuW], w[dGuBias], packed);
+    const int64_t I = gu.size(1) / 2;
+    h = linear(at::silu(gu.narrow(1, 0, I)) * gu.narrow(1, I, I), w[dDownW], w[dDownBias], packed);
+  }
+  TORCH_CHECK(h.defined(), "llama_decode_dense: no layers");
   return rms_norm(h, residual, final_norm, eps);
 }
