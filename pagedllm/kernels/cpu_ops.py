@@ -13,8 +13,9 @@
   in place, the K/V store into the paged cache, and RMSNorm with the residual add folded in,
   each one pass (torch references: ``RotaryEmbedding.forward``, ``attention.torch_paged.write_kv``,
   ``RMSNorm.forward``).
-* ``llama_decode_w8a8`` (``csrc/fused_decode.cpp``): the decoder layers of a decode-only W8A8
-  Llama step in one call, stringing the kernels above together in the module path's order
+* ``llama_decode_w8a8``, ``llama_decode_dense`` (``csrc/fused_decode.cpp``): the decoder layers
+  of a decode-only Llama step (W8A8, resp. float weights) in one call, stringing the kernels above
+  (and for float weights the same ATen / oneDNN linear) together in the module path's order
   (``pagedllm.models.fused_decode``).
 * ``install_cpu_allocator`` (``csrc/cpu_allocator.cpp``): a caching allocator for large CPU
   blocks, installed as torch's CPU allocator by ``install_cpu_allocator()`` below.
