@@ -86,6 +86,19 @@ class FusedDecode:
         self.scale, self.eps, self.ops = scale, eps, ops
         self._cache_ok: dict[tuple, bool] = {}
 
+    def __getstate__(self) -> dict:
+        # NOTE: the kernels' extension module cannot be pickled or deep-copied (copy.deepcopy of a
+        # model that has run a step); a copy looks it up again.
+        state = dict(self.__dict__)
+        state["ops"] = None
+        return state
+
+    def __setstate__(self, state: dict) -> None:
+        from pagedllm.kernels.cpu_ops import get_ops
+
+        self.__dict__.update(state)
+        self.ops = get_ops()
+
     @classmethod
     def build(cls, model: nn.Module) -> Optional["FusedDecode"]:
         """Gather the operands from a ``LlamaModel`` (embed_tokens, layers, norm), or None when

@@ -256,3 +256,21 @@ def test_smollm2_fused_decode_same_tokens_and_logprobs(smollm2_path, monkeypatch
         del llm
     assert got[0] == got[1]
     assert "Paris" in texts[0], texts[0]
+
+
+def test_fused_decode_survives_deepcopy():
+    # a model that has run a step can be deep-copied; the copy's plan uses the copy's weights
+    import copy
+
+    model = _model(torch.bfloat16, mode="dense")  # NOTE: oneDNN-packed weights cannot be deep-copied at all
+    lens = [5, 8]
+    caches, blocks = _prefill(model, lens, None, torch.bfloat16)
+    twin = copy.deepcopy(model)
+    plan = twin.model._fused_decode()
+    assert plan is not model.model._fused_decode() and plan.ops is OPS
+    assert plan.layer_tensors[1] is twin.model.layers[0].self_attn.qkv_proj.weight
+    h = _decode_both(twin, lens, caches, blocks, steps=1)
+    ids, positions = torch.randint(0, 512, (2,), generator=torch.Generator().manual_seed(2)), torch.tensor(lens)
+    meta = build_metadata([(n, 1, bl) for n, bl in zip(lens, blocks)], BLOCK)
+    h0, ran = _forward(model, ids, positions, [c.clone() for c in caches], meta, fused=True)
+    assert ran and torch.equal(h0, h)
