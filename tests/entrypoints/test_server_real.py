@@ -275,9 +275,14 @@ def test_tokenize_detokenize_metrics(server):
 def test_sigterm_aborts_streams_and_exits_zero(server):
     base, proc = server
     finishes = []
+    unstreamed = []
 
     async def go():
         async with httpx.AsyncClient(timeout=60) as c:
+            # a non-streamed request in flight at shutdown gets a 503 error, not a 200 without choices
+            pending = asyncio.ensure_future(c.post(base + "/v1/chat/completions", headers=_h(), json={
+                "model": MODEL, "messages": [{"role": "user", "content": "Tell me a long story."}],
+                "max_tokens": 800, "ignore_eos": True}))
             async with c.stream("POST", base + "/v1/completions", headers=_h(),
                                 json={"model": MODEL, "prompt": "Tell me a long story.", "max_tokens": 800,
                                       "ignore_eos": True, "stream": True}) as resp:
@@ -289,7 +294,12 @@ def test_sigterm_aborts_streams_and_exits_zero(server):
                         finishes.extend(ch["finish_reason"] for ch in d["choices"] if ch["finish_reason"])
                         if n == 3:
                             proc.send_signal(signal.SIGTERM)
+            unstreamed.append(await pending)
 
     asyncio.run(go())
     assert finishes == ["abort"]
+    r = unstreamed[0]
+    assert r.status_code == 503, r.text
+    err = r.json()["error"]
+    assert err["code"] == 503 and err["type"] == "ServiceUnavailableError" and "shutting down" in err["message"]
     assert proc.wait(timeout=30) == 0

@@ -298,8 +298,13 @@ class OpenAIServing:
 
     async def collect(self, merged: MergedGenerators, raw_request: Optional[Request],
                       request_ids: Sequence[str]) -> dict[int, list[Any]]:
-        """All outputs of a non-streamed request (per prompt index). Aborts and raises
-        ClientDisconnected if the client disconnects while waiting."""
+        """All outputs of a non-streamed request (per prompt index).
+
+        Raises:
+            ClientDisconnected: the client disconnected while waiting (the request is aborted).
+            OpenAIError: 503 when a prompt's outputs ended before it finished (the server is
+                shutting down and aborted it), instead of a 200 with missing choices.
+        """
         results: dict[int, list[Any]] = {i: [] for i in range(len(merged.gens))}
 
         async def consume() -> None:
@@ -323,6 +328,9 @@ class OpenAIServing:
             if task.done():
                 task.result()
                 completed = True
+                if any(not outs or not outs[-1].finished for outs in results.values()):
+                    raise OpenAIError("the server is shutting down: the request was aborted before it "
+                                      "finished", 503)
                 return results
             logger.info("Client disconnected; aborting request(s) %s", list(request_ids))
             raise ClientDisconnected()
