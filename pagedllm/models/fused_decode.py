@@ -26,7 +26,7 @@ import torch.nn.functional as F
 from torch import nn
 
 #: Tensors per decoder layer passed to ``llama_decode_w8a8`` (its ``LayerTensor`` enum).
-FUSED_DECODE_TENSORS_PER_LAYER = 17
+FUSED_W8A8_TENSORS_PER_LAYER = 17
 #: Tensors per decoder layer passed to ``llama_decode_dense`` (its ``DenseTensor`` enum).
 FUSED_DENSE_TENSORS_PER_LAYER = 10
 
@@ -113,11 +113,12 @@ class FusedDecode:
         # NOTE: the kind is read off the first projection before the C++ kernels are asked for:
         # a model they cannot run (CUDA, weight-only int8/int4) must not trigger their build.
         qkv0 = getattr(getattr(layers[0], "self_attn", None), "qkv_proj", None)
+        w0 = (qkv0._packed if qkv0._packed is not None else qkv0.weight) if isinstance(qkv0, Linear) else None
         if _linear_tensors(qkv0, True) is not None:
             kind, dtype = "w8a8", None
-        elif (isinstance(qkv0, Linear) and qkv0.weight.device.type == "cpu"
-              and (qkv0._packed if qkv0._packed is not None else qkv0.weight).dtype in (torch.float32, torch.bfloat16)):
-            kind, dtype = "dense", (qkv0._packed if qkv0._packed is not None else qkv0.weight).dtype
+        elif (w0 is not None and qkv0.weight.device.type == "cpu"
+              and w0.dtype in (torch.float32, torch.bfloat16)):
+            kind, dtype = "dense", w0.dtype
         else:
             return None
         ops = get_ops()
@@ -159,7 +160,7 @@ class FusedDecode:
             windows.append(int(attn.attn.sliding_window or 0))
         if len(packs) > 1:  # some linears packed, some not: the module path decides per layer
             return None
-        per_layer = FUSED_DECODE_TENSORS_PER_LAYER if kind == "w8a8" else FUSED_DENSE_TENSORS_PER_LAYER
+        per_layer = FUSED_W8A8_TENSORS_PER_LAYER if kind == "w8a8" else FUSED_DENSE_TENSORS_PER_LAYER
         assert len(tensors) == per_layer * len(layers)
         return cls(kind, tensors, windows, norm._effective_weight(), rotary, *shape[:3], float(shape[3]),
                    float(eps), ops, dtype=dtype, packed=bool(packs and packs.pop()))

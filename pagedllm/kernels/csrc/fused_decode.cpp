@@ -31,7 +31,7 @@ at::Tensor int8_gemm_packed_dequant(at::Tensor x, at::Tensor packed, at::Tensor 
 
 namespace {
 
-// Per layer, in this order (FUSED_DECODE_TENSORS_PER_LAYER in pagedllm/models/fused_decode.py):
+// Per layer, in this order (FUSED_W8A8_TENSORS_PER_LAYER in pagedllm/models/fused_decode.py):
 enum LayerTensor {
   kInNorm,                                // float32 [H]: input_layernorm's effective weight
   kQkvPacked, kQkvComp, kQkvScale, kQkvBias,  // qkv_proj: packed int8, comp, w_scales [N], bias or empty
