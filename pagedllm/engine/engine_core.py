@@ -144,6 +144,8 @@ class EngineCore:
                     f"use max_model_len <= {capacity_tokens} or kv_cache_memory >= "
                     f"{(-(-max_model_len // args.block_size) + 1) * args.block_size * bytes_per_token} bytes")
         self.max_model_len = max_model_len
+        from pagedllm.models.rope import set_rope_max_model_len
+        set_rope_max_model_len(model, max_model_len)  # longrope: long factors iff max_model_len > original (vLLM)
         self.num_blocks = num_blocks
         self.block_size = args.block_size
         self.kv_capacity_tokens = capacity_tokens

@@ -37,10 +37,26 @@ def check_hf_dir(path: str, ignore_patterns: list[str] | None = None) -> list[st
 
 
 def load_hf_config(path: str):
-    """`AutoConfig.from_pretrained(path)` (reads config.json)."""
+    """`AutoConfig.from_pretrained(path)` (reads config.json); for a multimodal checkpoint served as text
+    (`text_model_config`), its text config."""
     from transformers import AutoConfig
 
-    return AutoConfig.from_pretrained(path)
+    return text_model_config(AutoConfig.from_pretrained(path))
+
+
+def text_model_config(config):
+    """`config`, or for a multimodal config without top-level text fields (e.g. `Gemma3Config`) its text
+    config (`get_text_config()`) carrying the top-level `architectures` (so the registry still picks the
+    multimodal class, which builds the text decoder) and `tie_word_embeddings`. The engine reads
+    `vocab_size`, `max_position_embeddings`, ... from the result."""
+    get_text = getattr(config, "get_text_config", None)
+    text = get_text() if get_text is not None else config
+    if text is config or "vocab_size" in config.__dict__:
+        return config
+    text.architectures = list(getattr(config, "architectures", None) or [])
+    if "tie_word_embeddings" in config.__dict__:
+        text.tie_word_embeddings = config.tie_word_embeddings
+    return text
 
 
 def load_generation_config(path: str) -> dict:

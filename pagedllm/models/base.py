@@ -37,6 +37,8 @@ class CausalLM(nn.Module):
     }
     # NOTE: buffers some older checkpoints carry; recomputed here.
     ignored_weight_suffixes: tuple[str, ...] = ("rotary_emb.inv_freq",)
+    # Checkpoint tensors of parts this model does not build (e.g. a vision tower).
+    ignored_weight_prefixes: tuple[str, ...] = ()
 
     def __init__(self, config, dtype: torch.dtype = torch.float32) -> None:
         super().__init__()
@@ -78,10 +80,12 @@ class CausalLM(nn.Module):
 
     def _canonical_name(self, name: str) -> Optional[str]:
         """Map a checkpoint name onto our naming (``model.`` prefix optional); None = ignore."""
-        if name.endswith(self.ignored_weight_suffixes):
+        if name.endswith(self.ignored_weight_suffixes) or name.startswith(self.ignored_weight_prefixes):
             return None
         if name.startswith("model.language_model."):
             name = "model." + name[len("model.language_model."):]
+        elif name.startswith("language_model."):  # older multimodal checkpoints: language_model.{model,lm_head}.*
+            name = name[len("language_model."):]
         if not name.startswith(("model.", "lm_head.")):
             name = "model." + name
         return name

@@ -140,8 +140,9 @@ class FusedDecode:
                     or n1.eps != eps or n2.eps != eps or type(layer).forward is not _llama_layer_forward()):
                 return None
             if (attn.q_norm is not None or attn.rotary[0] is not rotary or attn.attn.logits_soft_cap is not None
+                    or getattr(attn, "clip_qkv", None) is not None or rotary.rotary_dim != attn.head_dim
                     or (attn.num_heads, attn.num_kv_heads, attn.head_dim, attn.attn.scale) != shape
-                    or mlp.act is not F.silu):
+                    or getattr(mlp, "act", None) is not F.silu):
                 return None
             if kind == "w8a8":
                 parts = [_linear_tensors(attn.qkv_proj, True), _linear_tensors(attn.o_proj, True),

@@ -11,7 +11,8 @@ import torch
 from torch import nn
 
 from pagedllm.models.base import CausalLM
-from pagedllm.models.layers import Embedding, GatedMLP, RMSNorm, RotaryEmbedding, SelfAttention, rope_inv_freq
+from pagedllm.models.layers import Embedding, GatedMLP, RMSNorm, RotaryEmbedding, SelfAttention
+from pagedllm.models.rope import make_rotary
 
 
 class Gemma3DecoderLayer(nn.Module):
@@ -20,16 +21,17 @@ class Gemma3DecoderLayer(nn.Module):
     # Which norm's output is the direct input of which projection (W8A8 fuses norm + quantize).
     norm_feeds = {"input_layernorm": "self_attn.qkv_proj", "pre_feedforward_layernorm": "mlp.gate_up_proj"}
 
-    def __init__(self, config, layer_idx: int, rotary: RotaryEmbedding, head_dim: int) -> None:
+    def __init__(self, config, layer_idx: int, rotary: RotaryEmbedding, head_dim: int, spec: type) -> None:
         super().__init__()
         eps, hidden = config.rms_norm_eps, config.hidden_size
         sliding = config.layer_types[layer_idx] == "sliding_attention"
         self.self_attn = SelfAttention(
             hidden, config.num_attention_heads, config.num_key_value_heads, head_dim, layer_idx, rotary,
             config.query_pre_attn_scalar**-0.5, qkv_bias=config.attention_bias, o_bias=config.attention_bias,
-            qk_norm=lambda d: RMSNorm(d, eps, gemma=True),
+            qk_norm=(lambda d: RMSNorm(d, eps, gemma=True)) if spec.qk_norm else None,
             sliding_window=config.sliding_window if sliding else None,
-        )  # NOTE: no attn soft-cap: HF 5.24 Gemma3Attention ignores config.attn_logit_softcapping
+            soft_cap=config.attn_logit_softcapping if spec.attn_soft_cap else None,
+        )
         self.mlp = GatedMLP(hidden, config.intermediate_size, config.hidden_activation)
         self.input_layernorm = RMSNorm(hidden, eps, gemma=True)
         self.post_attention_layernorm = RMSNorm(hidden, eps, gemma=True)
@@ -51,16 +53,15 @@ class Gemma3DecoderLayer(nn.Module):
 class Gemma3TextModel(nn.Module):
     """Embedding * sqrt(hidden) -> decoder layers -> final norm."""
 
-    def __init__(self, config) -> None:
+    def __init__(self, config, spec: type) -> None:
         super().__init__()
         head_dim = config.head_dim
-        self.rotary = {t: RotaryEmbedding(head_dim, *rope_inv_freq(config, head_dim, t))
-                       for t in sorted(set(config.layer_types))}
+        self.rotary = {t: make_rotary(config, head_dim, t) for t in sorted(set(config.layer_types))}
         self.embed_tokens = Embedding(config.vocab_size, config.hidden_size)
         # NOTE: HF rounds the scale to the compute dtype (sqrt(640) -> 25.25 in bf16).
         self.register_buffer("embed_scale", torch.tensor(config.hidden_size**0.5), persistent=False)
         self.layers = nn.ModuleList(
-            Gemma3DecoderLayer(config, i, self.rotary[config.layer_types[i]], head_dim)
+            Gemma3DecoderLayer(config, i, self.rotary[config.layer_types[i]], head_dim, spec)
             for i in range(config.num_hidden_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, gemma=True)
@@ -77,5 +78,24 @@ class Gemma3TextModel(nn.Module):
 class Gemma3ForCausalLM(CausalLM):
     """HF ``Gemma3ForCausalLM`` (text only); logits soft-capped by ``final_logit_softcapping``."""
 
+    qk_norm = True  # per-head (1 + w) RMSNorm of q and k
+    attn_soft_cap = False  # NOTE: HF 5.24 Gemma3Attention ignores config.attn_logit_softcapping
+
     def build(self, config) -> nn.Module:
-        return Gemma3TextModel(config)
+        return Gemma3TextModel(config, type(self))
+
+
+class Gemma3ForConditionalGeneration(Gemma3ForCausalLM):
+    """The text decoder of an image-text Gemma 3 checkpoint (``Gemma3ForConditionalGeneration``),
+    built from its ``text_config``; the vision tower and projector weights are not loaded (text-only
+    prompts). Checkpoint names: ``model.language_model.*`` (transformers 5) or
+    ``language_model.model.*`` (older)."""
+
+    ignored_weight_prefixes = ("vision_tower.", "multi_modal_projector.", "model.vision_tower.",
+                               "model.multi_modal_projector.")
+
+    def __init__(self, config, dtype: torch.dtype = torch.float32) -> None:
+        text = config.get_text_config() if hasattr(config, "get_text_config") else config
+        if text is not config and not hasattr(text, "tie_word_embeddings"):
+            text.tie_word_embeddings = getattr(config, "tie_word_embeddings", True)
+        super().__init__(text, dtype)

@@ -206,7 +206,9 @@ def rope_inv_freq(config, head_dim: int, layer_type: Optional[str] = None) -> tu
     rope_type = params.get("rope_type", params.get("type", "default"))
     if rope_type == "default":
         base = params.get("rope_theta", getattr(config, "rope_theta", 10000.0))
-        return 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.float) / head_dim)), 1.0
+        # NOTE: partial rotary (Phi-3/4, ...): only the first int(D * factor) dims rotate, as in transformers.
+        dim = int(head_dim * params.get("partial_rotary_factor", getattr(config, "partial_rotary_factor", None) or 1.0))
+        return 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.float) / dim)), 1.0
     if rope_type in ("dynamic", "longrope"):
         raise NotImplementedError(f"rope_type {rope_type!r} is not supported")
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
@@ -227,10 +229,17 @@ class RotaryEmbedding(nn.Module):
     capturing, and a captured graph keeps the table's address).
     """
 
-    def __init__(self, head_dim: int, inv_freq: torch.Tensor, scaling: float = 1.0) -> None:
+    def __init__(self, head_dim: int, inv_freq: torch.Tensor, scaling: float = 1.0,
+                 row_inv_freq: Optional[Callable[[int], torch.Tensor]] = None) -> None:
         super().__init__()
         self.head_dim, self.scaling = head_dim, scaling
         self.inv_freq = inv_freq.float()
+        # Rotated dims R = 2 * len(inv_freq) <= D: the first R dims of each head rotate, the rest pass through
+        # (partial rotary, as transformers' apply_rotary_pos_emb).
+        self.rotary_dim = 2 * self.inv_freq.numel()
+        # Position-dependent frequencies (dynamic NTK, longrope): n -> float32 [n, R/2], row p = the
+        # inverse frequencies a token at position p is rotated with (see models/rope.py).
+        self.row_inv_freq = row_inv_freq
         self._cos = self._sin = torch.empty(0, head_dim)
         self._cos_half = self._sin_half = torch.empty(0, head_dim // 2)
         self._reserved = 0  # positions below this are covered on the table's device without a check
@@ -238,11 +247,11 @@ class RotaryEmbedding(nn.Module):
 
     def _table(self, n: int, device: torch.device) -> None:
         n = 1 << max(10, math.ceil(math.log2(max(n, 1))))
-        inv_freq = self.inv_freq.to(device)
-        freqs = torch.arange(n, dtype=torch.float, device=device).unsqueeze(1) * inv_freq.unsqueeze(0)
+        inv_freq = (self.row_inv_freq(n) if self.row_inv_freq is not None else self.inv_freq.unsqueeze(0)).to(device)
+        freqs = torch.arange(n, dtype=torch.float, device=device).unsqueeze(1) * inv_freq
         emb = torch.cat((freqs, freqs), dim=-1)
         self._cos, self._sin = emb.cos() * self.scaling, emb.sin() * self.scaling
-        half = self.head_dim // 2
+        half = self.rotary_dim // 2
         self._cos_half, self._sin_half = self._cos[:, :half].contiguous(), self._sin[:, :half].contiguous()
 
     def reserve(self, n: int, device: torch.device | str) -> None:
@@ -272,7 +281,7 @@ class RotaryEmbedding(nn.Module):
         On CPU with the C++ kernels this is one pass over q and k in float32 math with no
         temporaries (``rotary_inplace``); otherwise it is ``forward``.
         """
-        ops = get_ops() if q.device.type == "cpu" else None
+        ops = get_ops() if q.device.type == "cpu" and self.rotary_dim == self.head_dim else None
         if (ops is None or not hasattr(ops, "rotary_inplace") or q.dtype not in (torch.float32, torch.bfloat16)
                 or q.stride(-1) != 1 or k.stride(-1) != 1 or positions.dtype != torch.int64):
             return self.forward(positions, q, k)
@@ -285,6 +294,11 @@ class RotaryEmbedding(nn.Module):
         self._ensure(positions)
         cos = self._cos[positions].to(q.dtype).unsqueeze(1)
         sin = self._sin[positions].to(q.dtype).unsqueeze(1)
+        r = self.rotary_dim
+        if r != self.head_dim:  # partial rotary: the dims past R pass through unchanged
+            qr, kr = q[..., :r], k[..., :r]
+            return (torch.cat((qr * cos + _rotate_half(qr) * sin, q[..., r:]), -1),
+                    torch.cat((kr * cos + _rotate_half(kr) * sin, k[..., r:]), -1))
         return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
 
 
@@ -337,19 +351,24 @@ class SelfAttention(nn.Module):
         scale: softmax scale.
         qkv_bias, o_bias: biases of the projections.
         qk_norm: factory ``dim -> nn.Module`` for per-head q/k norms (Qwen3, Gemma 3), or None.
+        qk_norm_per_head: False = the q/k norms span all heads (``dim`` = Hq*D / Hkv*D: OLMo 2, OLMoE).
+        clip_qkv: clamp q, k, v to ``[-clip, clip]`` after the norms (OLMoE), or None.
         sliding_window, soft_cap: passed to ``Attention``.
     """
 
     def __init__(self, hidden: int, num_heads: int, num_kv_heads: int, head_dim: int, layer_idx: int,
                  rotary: RotaryEmbedding, scale: float, qkv_bias: bool = False, o_bias: bool = False,
                  qk_norm: Optional[Callable[[int], nn.Module]] = None,
-                 sliding_window: Optional[int] = None, soft_cap: Optional[float] = None) -> None:
+                 sliding_window: Optional[int] = None, soft_cap: Optional[float] = None,
+                 qk_norm_per_head: bool = True, clip_qkv: Optional[float] = None) -> None:
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
         self.qkv_proj = QKVLinear(hidden, num_heads, num_kv_heads, head_dim, qkv_bias)
         self.o_proj = Linear(num_heads * head_dim, hidden, bias=o_bias)
-        self.q_norm = qk_norm(head_dim) if qk_norm else None
-        self.k_norm = qk_norm(head_dim) if qk_norm else None
+        self.qk_norm_per_head, self.clip_qkv = qk_norm_per_head, clip_qkv
+        q_dim, k_dim = (head_dim, head_dim) if qk_norm_per_head else (num_heads * head_dim, num_kv_heads * head_dim)
+        self.q_norm = qk_norm(q_dim) if qk_norm else None
+        self.k_norm = qk_norm(k_dim) if qk_norm else None
         self.rotary = [rotary]  # NOTE: a list, so a shared rope is not registered as a submodule
         self.attn = Attention(num_heads, head_dim, scale, num_kv_heads, layer_idx, sliding_window, soft_cap)
 
@@ -357,8 +376,12 @@ class SelfAttention(nn.Module):
         """positions int64 ``[T]``, x ``[T, hidden]`` (or a W8A8 ``QuantizedActivation``) -> ``[T, hidden]``."""
         t, d = positions.shape[0], self.head_dim
         q, k, v = self.qkv_proj(x).split([self.num_heads * d, self.num_kv_heads * d, self.num_kv_heads * d], -1)
+        if self.q_norm is not None and not self.qk_norm_per_head:
+            q, k = self.q_norm(q.contiguous()), self.k_norm(k.contiguous())
+        if self.clip_qkv is not None:
+            q, k, v = (y.clamp(-self.clip_qkv, self.clip_qkv) for y in (q, k, v))
         q, k = q.reshape(t, self.num_heads, d), k.reshape(t, self.num_kv_heads, d)
-        if self.q_norm is not None:
+        if self.q_norm is not None and self.qk_norm_per_head:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = self.rotary[0].apply_(positions, q, k)  # NOTE: q/k are fresh views of qkv: in place is safe
         return self.o_proj(self.attn(q, k, v))

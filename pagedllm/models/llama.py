@@ -1,4 +1,5 @@
-"""Llama (and the Llama-shaped Qwen2/Qwen3): pre-norm decoder, GQA, rope, SiLU gated MLP."""
+"""Llama (and the Llama-shaped Qwen2/Qwen3, Mistral, Phi-3, ...): pre-norm decoder, GQA, rope, SiLU
+gated MLP. Subclasses change class attributes (the "spec") or the MLP / decoder layer."""
 from __future__ import annotations
 
 from typing import Optional
@@ -7,7 +8,18 @@ import torch
 from torch import nn
 
 from pagedllm.models.base import CausalLM
-from pagedllm.models.layers import Embedding, GatedMLP, RMSNorm, RotaryEmbedding, SelfAttention, rope_inv_freq
+from pagedllm.models.layers import Embedding, GatedMLP, RMSNorm, RotaryEmbedding, SelfAttention
+from pagedllm.models.rope import make_rotary
+
+
+def layer_sliding_window(config, layer_idx: int, per_layer_type: bool = True) -> Optional[int]:
+    """The sliding window of layer ``layer_idx`` as transformers applies it: from
+    ``config.layer_types`` when the model reads them (``per_layer_type``), else
+    ``config.sliding_window`` on every layer (Mistral, Phi-3, Mixtral, Qwen3-MoE); None = full."""
+    layer_types = getattr(config, "layer_types", None) if per_layer_type else None
+    if layer_types is not None:
+        return config.sliding_window if layer_types[layer_idx] == "sliding_attention" else None
+    return getattr(config, "sliding_window", None)
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -19,17 +31,16 @@ class LlamaDecoderLayer(nn.Module):
     def __init__(self, config, layer_idx: int, rotary: RotaryEmbedding, head_dim: int, spec: type) -> None:
         super().__init__()
         eps = config.rms_norm_eps
-        layer_types = getattr(config, "layer_types", None)
-        sliding = layer_types is not None and layer_types[layer_idx] == "sliding_attention"
         attn_bias = bool(getattr(config, "attention_bias", False))
         self.self_attn = SelfAttention(
             config.hidden_size, config.num_attention_heads, config.num_key_value_heads, head_dim, layer_idx,
-            rotary, head_dim**-0.5, qkv_bias=spec.qkv_bias or attn_bias, o_bias=attn_bias and spec.o_bias_from_config,
-            qk_norm=(lambda d: RMSNorm(d, eps)) if spec.qk_norm else None,
-            sliding_window=config.sliding_window if sliding else None,
+            rotary, spec.attn_scale(config, head_dim), qkv_bias=spec.qkv_bias or attn_bias,
+            o_bias=attn_bias and spec.o_bias_from_config,
+            qk_norm=(lambda d: RMSNorm(d, eps)) if spec.qk_norm else None, qk_norm_per_head=spec.qk_norm_per_head,
+            sliding_window=layer_sliding_window(config, layer_idx, spec.sliding_per_layer_type),
+            clip_qkv=getattr(config, "clip_qkv", None),
         )
-        self.mlp = GatedMLP(config.hidden_size, config.intermediate_size, config.hidden_act,
-                            bias=bool(getattr(config, "mlp_bias", False)))
+        self.mlp = spec.make_mlp(config, layer_idx)
         self.input_layernorm = RMSNorm(config.hidden_size, eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, eps)
 
@@ -54,10 +65,11 @@ class LlamaModel(nn.Module):
     def __init__(self, config, spec: type) -> None:
         super().__init__()
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-        self.rotary = RotaryEmbedding(head_dim, *rope_inv_freq(config, head_dim))
+        self.rotary = make_rotary(config, head_dim)
         self.embed_tokens = Embedding(config.vocab_size, config.hidden_size)
+        layer_cls = spec.decoder_layer or LlamaDecoderLayer
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(config, i, self.rotary, head_dim, spec) for i in range(config.num_hidden_layers)
+            layer_cls(config, i, self.rotary, head_dim, spec) for i in range(config.num_hidden_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self._fused: tuple = (None, None)  # ((first qkv module, its packed weight) when built, FusedDecode or None)
@@ -91,7 +103,21 @@ class LlamaForCausalLM(CausalLM):
 
     qkv_bias = False  # always-on q/k/v bias (Qwen2)
     o_bias_from_config = True  # o_proj bias follows config.attention_bias
-    qk_norm = False  # per-head RMSNorm of q and k before rope (Qwen3)
+    qk_norm = False  # RMSNorm of q and k before rope (Qwen3)
+    qk_norm_per_head = True  # False: the q/k norms span all heads (OLMo 2, OLMoE)
+    sliding_per_layer_type = True  # False: config.sliding_window applies to every layer (Mistral, ...)
+    decoder_layer: Optional[type] = None  # None = LlamaDecoderLayer
+
+    @classmethod
+    def make_mlp(cls, config, layer_idx: int) -> nn.Module:
+        """The feed-forward block of layer ``layer_idx`` (MoE models return a sparse block)."""
+        return GatedMLP(config.hidden_size, config.intermediate_size, config.hidden_act,
+                        bias=bool(getattr(config, "mlp_bias", False)))
+
+    @classmethod
+    def attn_scale(cls, config, head_dim: int) -> float:
+        """Softmax scale of the attention scores."""
+        return head_dim**-0.5
 
     def build(self, config) -> nn.Module:
         return LlamaModel(config, type(self))

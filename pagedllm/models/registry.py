@@ -1,16 +1,27 @@
 """HF ``architectures`` name -> model class."""
 from __future__ import annotations
 
-from pagedllm.models.gemma3 import Gemma3ForCausalLM
+from pagedllm.models.gemma2 import Gemma2ForCausalLM
+from pagedllm.models.gemma3 import Gemma3ForCausalLM, Gemma3ForConditionalGeneration
+from pagedllm.models.granite import GraniteForCausalLM
 from pagedllm.models.llama import LlamaForCausalLM
+from pagedllm.models.mistral import MistralForCausalLM
+from pagedllm.models.olmo2 import Olmo2ForCausalLM
+from pagedllm.models.phi3 import Phi3ForCausalLM
 from pagedllm.models.qwen2 import Qwen2ForCausalLM
 from pagedllm.models.qwen3 import Qwen3ForCausalLM
 
 MODEL_REGISTRY: dict[str, type] = {
     "LlamaForCausalLM": LlamaForCausalLM,
+    "MistralForCausalLM": MistralForCausalLM,
+    "Phi3ForCausalLM": Phi3ForCausalLM,
     "Qwen2ForCausalLM": Qwen2ForCausalLM,
     "Qwen3ForCausalLM": Qwen3ForCausalLM,
+    "Gemma2ForCausalLM": Gemma2ForCausalLM,
     "Gemma3ForCausalLM": Gemma3ForCausalLM,
+    "Gemma3ForConditionalGeneration": Gemma3ForConditionalGeneration,
+    "GraniteForCausalLM": GraniteForCausalLM,
+    "Olmo2ForCausalLM": Olmo2ForCausalLM,
 }
 
 
