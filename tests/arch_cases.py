@@ -57,6 +57,17 @@ CASES = {
         **COMMON, num_key_value_heads=2, embedding_multiplier=3.0, residual_multiplier=0.5,
         attention_multiplier=0.2, logits_scaling=4.0)),
     "olmo2": ("Olmo2ForCausalLM", lambda: tf.Olmo2Config(**COMMON, num_key_value_heads=2)),
+    "mixtral": ("MixtralForCausalLM", lambda: tf.MixtralConfig(
+        **COMMON, num_key_value_heads=2, num_local_experts=6, num_experts_per_tok=2, sliding_window=9)),
+    "qwen2_moe": ("Qwen2MoeForCausalLM", lambda: tf.Qwen2MoeConfig(
+        **{**COMMON, "num_hidden_layers": 3}, num_key_value_heads=2, num_experts=6, num_experts_per_tok=2,
+        moe_intermediate_size=32, shared_expert_intermediate_size=48, decoder_sparse_step=1, mlp_only_layers=[1],
+        norm_topk_prob=False)),
+    "qwen3_moe": ("Qwen3MoeForCausalLM", lambda: tf.Qwen3MoeConfig(
+        **COMMON, num_key_value_heads=1, head_dim=32, num_experts=8, num_experts_per_tok=3,
+        moe_intermediate_size=32, norm_topk_prob=True)),
+    "olmoe": ("OlmoeForCausalLM", lambda: tf.OlmoeConfig(
+        **COMMON, num_key_value_heads=2, num_experts=6, num_experts_per_tok=2, clip_qkv=1.5, norm_topk_prob=False)),
 }
 
 

@@ -168,11 +168,14 @@ def check_checkpoint_files(model, model_path: str, files: list[str], skip_names:
             canon = model._canonical_name(name)
             if canon is None or (canon == "lm_head.weight" and no_head):
                 continue
-            target = canon
-            for ckpt, (fused, _sid) in packed.items():
-                if f".{ckpt}." in canon:
-                    target = canon.replace(f".{ckpt}.", f".{fused}.")
-                    break
+            if hasattr(model, "param_target"):
+                target = model.param_target(canon)[0]
+            else:
+                target = canon
+                for ckpt, (fused, _sid) in packed.items():
+                    if f".{ckpt}." in canon:
+                        target = canon.replace(f".{ckpt}.", f".{fused}.")
+                        break
             if target not in params:
                 unknown.setdefault(base, []).append(name)
             else:

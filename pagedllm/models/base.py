@@ -90,6 +90,21 @@ class CausalLM(nn.Module):
             name = "model." + name
         return name
 
+    def param_target(self, name: str) -> tuple[str, object]:
+        """``(our parameter name, shard id)`` for a canonical checkpoint name (``_canonical_name``);
+        shard None = the whole parameter. Packed q/k/v and gate/up shards, and MoE experts (per
+        expert or stacked) onto ``FusedMoE``'s parameters."""
+        if ".experts." in name:
+            from pagedllm.models.moe import expert_param_target
+
+            target = expert_param_target(name)
+            if target is not None:
+                return target
+        for ckpt, (fused, sid) in self.packed_modules_mapping.items():
+            if f".{ckpt}." in name:
+                return name.replace(f".{ckpt}.", f".{fused}."), sid
+        return name, None
+
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         """Copy HF-named tensors into the parameters (casting to their dtype).
 
@@ -110,11 +125,7 @@ class CausalLM(nn.Module):
                 continue
             if name == "lm_head.weight" and self.lm_head is None:
                 continue  # NOTE: tied: the head is the embedding (HF state dicts list both)
-            shard = None
-            for ckpt, (fused, sid) in self.packed_modules_mapping.items():
-                if f".{ckpt}." in name:
-                    name, shard = name.replace(f".{ckpt}.", f".{fused}."), sid
-                    break
+            name, shard = self.param_target(name)
             param = params.get(name)
             if param is None:
                 unexpected.append(orig)
@@ -123,8 +134,11 @@ class CausalLM(nn.Module):
                 if shard is not None:
                     param.weight_loader(param, tensor.to(param.dtype), shard)
                     shards.setdefault(name, set()).add(shard)
-                    if shards[name] == set(param.shard_ids):
+                    if set(param.shard_ids) <= shards[name]:
                         loaded.add(name)
+                elif hasattr(param, "whole_loader"):
+                    param.whole_loader(param, tensor.to(param.dtype))
+                    loaded.add(name)
                 else:
                     if tensor.shape != param.shape:
                         raise ValueError(f"{orig}: checkpoint shape {tuple(tensor.shape)} != "

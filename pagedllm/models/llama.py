@@ -34,7 +34,8 @@ class LlamaDecoderLayer(nn.Module):
         attn_bias = bool(getattr(config, "attention_bias", False))
         self.self_attn = SelfAttention(
             config.hidden_size, config.num_attention_heads, config.num_key_value_heads, head_dim, layer_idx,
-            rotary, spec.attn_scale(config, head_dim), qkv_bias=spec.qkv_bias or attn_bias,
+            rotary, spec.attn_scale(config, head_dim),
+            qkv_bias=spec.qkv_bias or attn_bias or bool(getattr(config, "qkv_bias", False)),
             o_bias=attn_bias and spec.o_bias_from_config,
             qk_norm=(lambda d: RMSNorm(d, eps)) if spec.qk_norm else None, qk_norm_per_head=spec.qk_norm_per_head,
             sliding_window=layer_sliding_window(config, layer_idx, spec.sliding_per_layer_type),
@@ -57,6 +58,13 @@ class LlamaDecoderLayer(nn.Module):
         h = self.self_attn(positions, h)
         h, residual = self.post_attention_layernorm(h, residual)
         return self.mlp(h), residual
+
+
+class LlamaMoeDecoderLayer(LlamaDecoderLayer):
+    """A Llama layer whose MLP may be a sparse MoE block (``models/moe.py``): only the input norm
+    feeds a projection directly (W8A8 fuses no norm into the experts)."""
+
+    norm_feeds = {"input_layernorm": "self_attn.qkv_proj"}
 
 
 class LlamaModel(nn.Module):
