@@ -83,6 +83,17 @@ class EngineArgs:
             "int8" (weight-only, per-channel symmetric), "int4" (weight-only, group-wise, group
             32) or "w8a8" (int8 per-channel weights and dynamic per-token int8 activations);
             CPU only (see pagedllm.quantization and docs/performance.md "Low-bit weights").
+        revision: Hugging Face Hub revision (branch, tag or commit) of a Hub model id.
+        tokenizer_revision: Hub revision of ``tokenizer`` when it is a Hub id.
+        download_dir: HF cache directory for Hub downloads (default: HF_HUB_CACHE / HF_HOME).
+        load_format: "auto" (safetensors, else PyTorch .bin/.pt, else GGUF), "safetensors", "pt",
+            "gguf" or "dummy" (random weights; for profiling).
+        hf_overrides: config attributes to override after loading (vLLM's ``--hf-overrides``).
+        hf_config_path: HF config directory or Hub id used instead of the model's own config.
+        trust_remote_code: accepted for vLLM compatibility; a checkpoint's own Python code is never
+            executed (a config that needs it is refused with an explanation).
+        model_impl: "auto" (pagedllm's native model when the architecture has one, else the
+            transformers fallback), "pagedllm" (native only) or "transformers" (always the fallback).
     """
 
     model: str = "SmolLM2-135M-Instruct"
@@ -112,6 +123,14 @@ class EngineArgs:
     gpu_memory_utilization: float = 0.9
     attention_backend: Optional[str] = None
     quantization: Optional[str] = None
+    revision: Optional[str] = None
+    tokenizer_revision: Optional[str] = None
+    download_dir: Optional[str] = None
+    load_format: str = "auto"
+    hf_overrides: dict = field(default_factory=dict)
+    hf_config_path: Optional[str] = None
+    trust_remote_code: bool = False
+    model_impl: str = "auto"
 
     @classmethod
     def field_names(cls) -> set[str]:

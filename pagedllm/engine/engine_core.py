@@ -58,7 +58,10 @@ class EngineCore:
         self.kv_cache_dtype = resolve_kv_cache_dtype(args.kv_cache_dtype, self.dtype, self.device)
 
         loaded = load_model(args.model, dtype=self.dtype, tokenizer=args.tokenizer,
-                            ignore_patterns=args.ignore_patterns or None)
+                            ignore_patterns=args.ignore_patterns or None, revision=args.revision,
+                            download_dir=args.download_dir, load_format=args.load_format,
+                            tokenizer_revision=args.tokenizer_revision, hf_overrides=args.hf_overrides or None,
+                            hf_config_path=args.hf_config_path)
         self.loaded = loaded
         self.hf_config = loaded.hf_config
         self.tokenizer = loaded.tokenizer
@@ -78,13 +81,17 @@ class EngineCore:
             from pagedllm.pooling.adapters import drop_lm_head, split_head_weights
             drop_lm_head(model)
             weights = split_head_weights(weights, pool_head)
-        if loaded.source == "hf":
+        if loaded.load_format == "dummy":
+            from pagedllm.loader.dummy import initialize_dummy_weights
+            initialize_dummy_weights(model, args.seed)
+        elif loaded.source == "hf":
             from pagedllm.loader.hf_loader import check_checkpoint_files, safetensors_files
             check_checkpoint_files(model, loaded.model_path,
                                    safetensors_files(loaded.model_path, args.ignore_patterns or None),
                                    skip_names=("score.weight", "score.bias") if args.runner == "pooling" else ())
         try:
-            model.load_weights(weights)
+            if loaded.load_format != "dummy":
+                model.load_weights(weights)
         except ValueError as e:
             from pagedllm.loader.hf_loader import annotate_load_error
             raise annotate_load_error(e, loaded, args.ignore_patterns or None, model_cls.__name__) from None

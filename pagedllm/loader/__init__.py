@@ -1,6 +1,6 @@
-"""Model loading: GGUF files and HF safetensors directories -> config, weights, tokenizer.
+"""Model loading: GGUF files, HF checkpoint directories and Hugging Face Hub ids -> config, weights, tokenizer.
 
-    lm = load_model("SmolLM2-135M-Instruct")          # or a .gguf path, or an HF directory
+    lm = load_model("SmolLM2-135M-Instruct")          # or a .gguf path, an HF directory, or "org/name" (hub.py)
     lm.hf_config.architectures  -> ["LlamaForCausalLM"]
     for name, tensor in lm.weights(): ...             # HF names, dequantized, lm.dtype... one at a time
 
@@ -45,9 +45,12 @@ class LoadedModel:
         dequantized, converted to the requested dtype, HF layout ([out, in] for linear weights). For tied
         embeddings (config.tie_word_embeddings) no "lm_head.weight" is yielded from GGUF files.
     tokenizer: transformers fast tokenizer; `.chat_template` is None when the model has none.
-    model_path: the resolved .gguf file or HF directory.
+    model_path: the resolved .gguf file or HF directory (a Hub model's snapshot directory in the HF cache).
     source: "gguf" or "hf".
     generation_config: contents of generation_config.json (HF dirs), else {}.
+    load_format: the weights' format: "safetensors", "pt", "gguf" or "dummy" (no weights: the engine fills
+        the parameters with small random values, vLLM's dummy format).
+    repo_id: the Hugging Face Hub repo the model came from, or None.
     """
 
     hf_config: Any
@@ -56,6 +59,21 @@ class LoadedModel:
     model_path: str
     source: str
     generation_config: dict = field(default_factory=dict)
+    load_format: str = "safetensors"
+    repo_id: str | None = None
+
+
+def _no_weights() -> Iterator[tuple[str, torch.Tensor]]:
+    return iter(())
+
+
+def _local_or_hub(name: str, revision: str | None, download_dir: str | None, patterns: list[str] | None = None) -> str:
+    """A local path as is, else the snapshot directory of Hub repo `name` (config / tokenizer files)."""
+    from .hub import parse_model_ref, resolve_hub_files
+
+    if os.path.exists(name) or parse_model_ref(name) is None:
+        return name
+    return resolve_hub_files(name, revision, download_dir, patterns)
 
 
 def load_model(
@@ -63,45 +81,83 @@ def load_model(
     dtype: torch.dtype = torch.float32,
     tokenizer: str | None = None,
     ignore_patterns: list[str] | None = None,
+    *,
+    revision: str | None = None,
+    download_dir: str | None = None,
+    load_format: str = "auto",
+    tokenizer_revision: str | None = None,
+    hf_overrides: dict | None = None,
+    hf_config_path: str | None = None,
 ) -> LoadedModel:
-    """Resolve `model` (known name, .gguf path or HF directory) and load its config and tokenizer; weights are
-    read lazily when `LoadedModel.weights()` is iterated.
+    """Resolve `model` (known name, .gguf path, HF directory or Hugging Face Hub id) and load its config and
+    tokenizer; weights are read lazily when `LoadedModel.weights()` is iterated.
 
     dtype: floating dtype of the yielded weights (GGUF tensors are dequantized to float32 first).
-    tokenizer: optional tokenizer source (HF directory / name or .gguf file) overriding the model's own.
-    ignore_patterns: fnmatch patterns of safetensors file names to skip (HF directories only).
-    Raises ValueError for unknown names, unsupported GGUF architectures, or HF directories lacking config.json /
-    safetensors.
+    tokenizer: optional tokenizer source (HF directory, Hub id or .gguf file) overriding the model's own;
+        `tokenizer_revision` is its Hub revision.
+    ignore_patterns: fnmatch patterns of weight file names to skip (HF directories only).
+    revision, download_dir: the Hub revision (branch, tag or commit) and HF cache directory (`hub.py`).
+    load_format: "auto", "safetensors", "pt", "gguf" or "dummy" (vLLM's `--load-format`).
+    hf_overrides: config attributes to override (vLLM's `--hf-overrides`, `hf_loader.apply_hf_overrides`).
+    hf_config_path: an HF config directory or Hub id to use instead of the model's own config (e.g. for a GGUF
+        file, whose metadata otherwise gives the config).
+    Raises ValueError for unknown names or Hub ids, missing files, unsupported GGUF architectures, a
+    `load_format` the files do not match, or a config that needs custom code.
     """
+    from .hf_loader import apply_hf_overrides, load_hf_config
+    from .hub import LOAD_FORMATS, parse_model_ref, resolve_hub_model
     from .tokenizer import load_tokenizer
 
-    path = resolve_model_path(model)
+    if load_format not in LOAD_FORMATS:
+        raise ValueError(f"load_format: must be one of {list(LOAD_FORMATS)}, got {load_format!r}")
+    repo_id = None
+    try:
+        path = resolve_model_path(model)
+    except ValueError:
+        if os.path.exists(model) or parse_model_ref(model) is None:
+            raise
+        hub = resolve_hub_model(model, revision, download_dir, load_format)
+        path, repo_id = hub.path, hub.repo_id
+        if hub.load_format != "dummy":
+            load_format = hub.load_format
+    tok_src = _local_or_hub(tokenizer, tokenizer_revision, download_dir) if tokenizer else None
+    cfg_src = _local_or_hub(hf_config_path, revision, download_dir) if hf_config_path else None
     if os.path.isdir(path):
-        from .hf_loader import check_hf_dir, iter_safetensors_weights, load_generation_config, load_hf_config
+        from .hf_loader import hf_weight_files, iter_pt_weights, iter_safetensors_weights, load_generation_config
 
-        files = check_hf_dir(path, ignore_patterns)
-        config = load_hf_config(path)
-        tok = load_tokenizer(tokenizer or path)
+        if load_format == "gguf":
+            raise ValueError(f"load_format='gguf' needs a .gguf file; {path!r} is a directory")
+        fmt, files = hf_weight_files(path, ignore_patterns, load_format)
+        config = load_hf_config(cfg_src or path, hf_overrides)
+        tok = load_tokenizer(tok_src or path)
+        reader = {"safetensors": iter_safetensors_weights, "pt": iter_pt_weights}.get(fmt)
         return LoadedModel(
             hf_config=config,
-            weights=lambda: iter_safetensors_weights(files, dtype),
+            weights=(lambda: reader(files, dtype)) if reader else _no_weights,
             tokenizer=tok,
             model_path=path,
             source="hf",
             generation_config=load_generation_config(path),
+            load_format=fmt,
+            repo_id=repo_id,
         )
 
     from .gguf_file import GGUFFile
     from .gguf_loader import gguf_config, iter_gguf_weights
 
+    if load_format in ("safetensors", "pt"):
+        raise ValueError(f"load_format={load_format!r} needs an HF model directory; {path!r} is a GGUF file")
     gf = GGUFFile(path)
-    config = gguf_config(gf)
-    tok = load_tokenizer(tokenizer or path)
+    config = load_hf_config(cfg_src, hf_overrides) if cfg_src else apply_hf_overrides(gguf_config(gf), hf_overrides)
+    tok = load_tokenizer(tok_src or path)
+    dummy = load_format == "dummy"
     return LoadedModel(
         hf_config=config,
-        weights=lambda: iter_gguf_weights(gf, config, dtype),
+        weights=_no_weights if dummy else (lambda: iter_gguf_weights(gf, config, dtype)),
         tokenizer=tok,
         model_path=path,
         source="gguf",
         generation_config={},
+        load_format="dummy" if dummy else "gguf",
+        repo_id=repo_id,
     )

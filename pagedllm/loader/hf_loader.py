@@ -11,12 +11,59 @@ from collections.abc import Iterator
 import torch
 
 
+SAFETENSORS_INDEX = "model.safetensors.index.json"
+PT_INDEX = "pytorch_model.bin.index.json"
+_PT_SKIP = ("training_args.bin", "optimizer.pt", "scheduler.pt", "rng_state", "scaler.pt")
+
+
+def _indexed(path: str, index_name: str) -> list[str] | None:
+    """The shard files an index (`weight_map` values) lists, as paths; None without an index.
+    Raises ValueError naming a listed shard that is missing."""
+    index = os.path.join(path, index_name)
+    if not os.path.isfile(index):
+        return None
+    with open(index) as fh:
+        names = sorted(set(json.load(fh).get("weight_map", {}).values()))
+    missing = [n for n in names if not os.path.isfile(os.path.join(path, n))]
+    if missing:
+        raise ValueError(f"{path!r}: {index_name} lists shard(s) {missing} that are not in the directory")
+    return [os.path.join(path, n) for n in names]
+
+
 def safetensors_files(path: str, ignore_patterns: list[str] | None = None) -> list[str]:
     """Sorted `*.safetensors` files in directory `path`, minus those whose file name matches any of
-    `ignore_patterns` (fnmatch, e.g. ["consolidated*", "*.bak.safetensors"])."""
-    files = sorted(glob.glob(os.path.join(path, "*.safetensors")))
+    `ignore_patterns` (fnmatch, e.g. ["consolidated*", "*.bak.safetensors"]). With a
+    `model.safetensors.index.json`, exactly the shards it lists (a stray `*.safetensors` beside them,
+    e.g. a `consolidated.safetensors` copy, is not loaded: vLLM's rule)."""
+    files = _indexed(path, SAFETENSORS_INDEX)
+    if files is None:
+        files = sorted(glob.glob(os.path.join(path, "*.safetensors")))
     pats = ignore_patterns or []
     return [f for f in files if not any(fnmatch.fnmatch(os.path.basename(f), p) for p in pats)]
+
+
+def pt_files(path: str, ignore_patterns: list[str] | None = None) -> list[str]:
+    """PyTorch checkpoint files (`*.bin` / `*.pt`; the shards `pytorch_model.bin.index.json` lists when
+    present; training state such as `training_args.bin` skipped), minus `ignore_patterns`."""
+    files = _indexed(path, PT_INDEX)
+    if files is None:
+        files = sorted(f for f in glob.glob(os.path.join(path, "*.bin")) + glob.glob(os.path.join(path, "*.pt"))
+                       if not os.path.basename(f).startswith(_PT_SKIP))
+    pats = ignore_patterns or []
+    return [f for f in files if not any(fnmatch.fnmatch(os.path.basename(f), p) for p in pats)]
+
+
+def iter_pt_weights(files: list[str], dtype: torch.dtype = torch.float32) -> Iterator[tuple[str, torch.Tensor]]:
+    """Like `iter_safetensors_weights` for PyTorch checkpoints (`torch.load(weights_only=True, mmap=True)`:
+    no pickled code runs)."""
+    from tqdm import tqdm
+
+    for fname in tqdm(files, desc="Loading pt checkpoint shards", unit="shard", disable=not files):
+        state = torch.load(fname, map_location="cpu", weights_only=True, mmap=True)
+        for name, t in state.items():
+            if t.is_floating_point() and t.dtype != dtype:
+                t = t.to(dtype)
+            yield name, t
 
 
 def check_hf_dir(path: str, ignore_patterns: list[str] | None = None) -> list[str]:
@@ -36,12 +83,68 @@ def check_hf_dir(path: str, ignore_patterns: list[str] | None = None) -> list[st
     return files
 
 
-def load_hf_config(path: str):
-    """`AutoConfig.from_pretrained(path)` (reads config.json); for a multimodal checkpoint served as text
-    (`text_model_config`), its text config."""
+def hf_weight_files(path: str, ignore_patterns: list[str] | None = None, load_format: str = "auto") -> tuple[str, list[str]]:
+    """`(format, files)` of an HF model directory: safetensors (`safetensors_files`) or, for
+    `load_format` "pt" (or "auto" without safetensors), PyTorch files (`pt_files`); "dummy" needs none.
+    Raises ValueError naming the directory and what is missing."""
+    if load_format == "dummy":
+        return "dummy", []
+    if load_format in ("auto", "safetensors"):
+        files = safetensors_files(path, ignore_patterns)
+        if files or load_format == "safetensors":
+            return "safetensors", check_hf_dir(path, ignore_patterns)
+    files = pt_files(path, ignore_patterns)
+    if not files:
+        if load_format == "auto":
+            return "safetensors", check_hf_dir(path, ignore_patterns)  # NOTE: its error names what is missing
+        raise ValueError(f"{path!r} has no PyTorch checkpoint files (*.bin / *.pt) to load (load_format='pt')")
+    return "pt", files
+
+
+def load_hf_config(path: str, hf_overrides: dict | None = None):
+    """`AutoConfig.from_pretrained(path)` (reads config.json) with `hf_overrides` applied
+    (`apply_hf_overrides`); for a multimodal checkpoint served as text (`text_model_config`), its text
+    config. Never runs a checkpoint's own Python code.
+
+    Raises:
+        ValueError: the config needs custom code (`auto_map` for a model type transformers does not know).
+    """
     from transformers import AutoConfig
 
-    return text_model_config(AutoConfig.from_pretrained(path))
+    try:
+        config = AutoConfig.from_pretrained(path)
+    except ValueError as e:
+        auto_map = _config_json(path).get("auto_map")
+        if auto_map:
+            raise ValueError(
+                f"{path}: config.json needs the checkpoint's own Python code ({auto_map.get('AutoConfig', auto_map)}) "
+                f"for model_type {_config_json(path).get('model_type')!r}, which transformers does not know. "
+                "pagedllm never executes a checkpoint's code (--trust-remote-code is accepted for vLLM "
+                "compatibility but runs nothing); serve a checkpoint of an architecture transformers or "
+                "pagedllm implements") from None
+        raise
+    return text_model_config(apply_hf_overrides(config, hf_overrides))
+
+
+def _config_json(path: str) -> dict:
+    try:
+        with open(os.path.join(path, "config.json")) as fh:
+            return json.load(fh)
+    except (OSError, ValueError):
+        return {}
+
+
+def apply_hf_overrides(config, overrides: dict | None):
+    """Set `config.<key> = value` for each item of `overrides` (vLLM's `--hf-overrides`); a dict value
+    for an attribute that is itself a config (e.g. `text_config`) updates that config recursively.
+    Returns `config` (changed in place)."""
+    for key, value in (overrides or {}).items():
+        current = getattr(config, key, None)
+        if isinstance(value, dict) and current is not None and hasattr(current, "to_dict"):
+            apply_hf_overrides(current, value)
+        else:
+            setattr(config, key, value)
+    return config
 
 
 def text_model_config(config):
@@ -73,8 +176,9 @@ def iter_safetensors_weights(files: list[str], dtype: torch.dtype = torch.float3
     (integer / bool tensors, e.g. quantization metadata, are yielded unchanged). Names are the checkpoint's own
     (HF names, e.g. "model.layers.0.self_attn.q_proj.weight")."""
     from safetensors import safe_open
+    from tqdm import tqdm
 
-    for fname in files:
+    for fname in tqdm(files, desc="Loading safetensors checkpoint shards", unit="shard", disable=not files):
         with safe_open(fname, framework="pt") as fh:
             for name in fh.keys():
                 t = fh.get_tensor(name)

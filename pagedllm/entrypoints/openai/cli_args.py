@@ -42,7 +42,8 @@ def add_serve_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """Add every ``pagedllm serve`` flag to ``parser`` and return it."""
     parser.add_argument(
         "model", nargs="?", default=DEFAULT_MODEL,
-        help="Model to serve: a GGUF file, a Hugging Face checkpoint directory, or a known name "
+        help="Model to serve: a Hugging Face Hub id (org/name, org/name:QUANT for a GGUF repo, "
+             "org/name/file.gguf), a GGUF file, a Hugging Face checkpoint directory, or a known name "
              f"(default: {DEFAULT_MODEL}).")
 
     g = parser.add_argument_group("Server")
@@ -98,6 +99,26 @@ def add_serve_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                         "every batch size).")
     g.add_argument("--ignore-patterns", nargs="*", default=[],
                    help="fnmatch patterns of checkpoint files not to load.")
+    g.add_argument("--tokenizer", default=None,
+                   help="Tokenizer to use instead of the model's: a Hub id, an HF directory or a GGUF file.")
+    g.add_argument("--revision", default=None,
+                   help="Hub revision of the model (branch, tag or commit; default: main).")
+    g.add_argument("--tokenizer-revision", default=None, help="Hub revision of --tokenizer.")
+    g.add_argument("--download-dir", default=None,
+                   help="Hugging Face cache directory for downloads (default: HF_HUB_CACHE or HF_HOME/hub). "
+                        "HF_HUB_OFFLINE=1 uses only what is cached there; HF_TOKEN authenticates.")
+    g.add_argument("--load-format", default="auto", choices=["auto", "safetensors", "pt", "gguf", "dummy"],
+                   help="Weight format: auto (safetensors, else .bin/.pt, else GGUF), or one of them; "
+                        "dummy = random weights (profiling).")
+    g.add_argument("--hf-config-path", default=None,
+                   help="HF config (directory or Hub id) to use instead of the model's own, e.g. for a GGUF file.")
+    g.add_argument("--hf-overrides", type=_json_dict, default=None,
+                   help='Config attributes to override, as JSON, e.g. \'{"max_position_embeddings": 4096}\'.')
+    g.add_argument("--trust-remote-code", action="store_true",
+                   help="Accepted for vLLM compatibility; a checkpoint's own Python code is never executed.")
+    g.add_argument("--model-impl", default="auto", choices=["auto", "pagedllm", "transformers"],
+                   help="auto: pagedllm's native implementation when the architecture has one, else the "
+                        "transformers fallback (slower); pagedllm: native only; transformers: always the fallback.")
 
     g = parser.add_argument_group("Scheduler and KV cache")
     g.add_argument("--max-num-seqs", type=_positive_int, default=128,
