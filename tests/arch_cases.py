@@ -68,7 +68,12 @@ CASES = {
         moe_intermediate_size=32, norm_topk_prob=True)),
     "olmoe": ("OlmoeForCausalLM", lambda: tf.OlmoeConfig(
         **COMMON, num_key_value_heads=2, num_experts=6, num_experts_per_tok=2, clip_qkv=1.5, norm_topk_prob=False)),
+    # No native implementation: these run through the transformers fallback (models/transformers_backend.py).
+    "cohere": ("CohereForCausalLM", lambda: tf.CohereConfig(**COMMON, num_key_value_heads=2, logit_scale=0.5)),
+    "starcoder2": ("Starcoder2ForCausalLM", lambda: tf.Starcoder2Config(**COMMON, num_key_value_heads=2,
+                                                                         sliding_window=5)),
 }
+FALLBACK_CASES = ("cohere", "starcoder2")
 
 
 def tiny_tokenizer(vocab: int = VOCAB):

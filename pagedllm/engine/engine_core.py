@@ -72,7 +72,8 @@ class EngineCore:
             # *ForSequenceClassification / bare *Model checkpoints load into the causal-LM body.
             from pagedllm.pooling.adapters import pooling_architectures
             archs = pooling_architectures(archs)
-        model_cls = get_model_class(archs)
+        model_cls = get_model_class(archs, args.model_impl if args.runner == "generate" else "pagedllm",
+                                    self.hf_config)
         with torch.device(self.device):
             model = model_cls(self.hf_config, self.dtype)
         weights = loaded.weights()

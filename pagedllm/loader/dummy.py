@@ -9,6 +9,8 @@ from torch import nn
 def initialize_dummy_weights(model: nn.Module, seed: int = 0, low: float = -1e-3, high: float = 1e-3) -> int:
     """Fill every floating parameter of ``model`` with U(low, high) (norm weights too, as vLLM does),
     reproducibly from ``seed``; returns the number of values written."""
+    if hasattr(model, "materialize"):  # the transformers fallback is built on the meta device
+        model.materialize()
     gen = torch.Generator(device="cpu").manual_seed(seed)
     n = 0
     with torch.no_grad():

@@ -255,6 +255,8 @@ def check_checkpoint_files(model, model_path: str, files: list[str], skip_names:
 
     from safetensors import safe_open
 
+    if not hasattr(model, "_canonical_name"):  # the transformers fallback: transformers checks its own loading
+        return
     params = dict(model.named_parameters())
     packed = getattr(model, "packed_modules_mapping", {}) or {}
     no_head = getattr(model, "lm_head", "absent") is None

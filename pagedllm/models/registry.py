@@ -33,13 +33,37 @@ MODEL_REGISTRY: dict[str, type] = {
 }
 
 
-def get_model_class(architectures: list[str]) -> type:
-    """First supported class among ``architectures`` (a config's ``architectures`` list).
+MODEL_IMPLS = ("auto", "pagedllm", "transformers")
+
+
+def get_model_class(architectures: list[str], model_impl: str = "auto", config=None) -> type:
+    """The model class for a config's ``architectures``.
+
+    Args:
+        architectures: the config's ``architectures`` list.
+        model_impl: "auto" (the first native class, else the transformers fallback), "pagedllm" (native
+            only) or "transformers" (``TransformersForCausalLM`` for any architecture transformers has).
+        config: the config (needed to find transformers' class for the fallback).
 
     Raises:
-        ValueError: if none is supported; lists the supported names.
+        ValueError: an unknown ``model_impl``, or no class for the architectures (the message lists the
+            native ones and says whether transformers knows the model).
     """
-    for arch in architectures or []:
-        if arch in MODEL_REGISTRY:
-            return MODEL_REGISTRY[arch]
-    raise ValueError(f"unsupported model architectures {architectures}; supported: {sorted(MODEL_REGISTRY)}")
+    if model_impl not in MODEL_IMPLS:
+        raise ValueError(f"model_impl: must be one of {list(MODEL_IMPLS)}, got {model_impl!r}")
+    if model_impl != "transformers":
+        for arch in architectures or []:
+            if arch in MODEL_REGISTRY:
+                return MODEL_REGISTRY[arch]
+    fallback = None
+    if model_impl != "pagedllm" and config is not None:
+        from pagedllm.models.transformers_backend import TransformersForCausalLM, transformers_causal_lm_class
+
+        if transformers_causal_lm_class(config) is not None:
+            fallback = TransformersForCausalLM
+    if fallback is not None:
+        return fallback
+    hint = ("" if model_impl == "pagedllm" else
+            "; transformers has no causal-LM model for it either" if config is not None else "")
+    raise ValueError(f"unsupported model architectures {architectures}; supported natively: "
+                     f"{sorted(MODEL_REGISTRY)}{hint}")

@@ -1,5 +1,5 @@
-"""Every native dense architecture vs transformers on a tiny random checkpoint saved as safetensors
-(``tests/arch_cases.py``): loaded through ``pagedllm.loader``,
+"""Every native architecture, and two through the transformers fallback, vs transformers on a tiny random
+checkpoint saved as safetensors (``tests/arch_cases.py``): loaded through ``pagedllm.loader``,
 
 - fp32 logits within 1e-4 of transformers' for a prefill, decodes and a chunked prefill;
 - through ``LLM`` (chunked prefill: 8-token budget, prefix caching on, 4-token blocks): greedy tokens
@@ -37,9 +37,9 @@ def checkpoint(tmp_path_factory):
     return get
 
 
-def load_ours(path):
+def load_ours(path, model_impl="auto"):
     lm = load_model(path, dtype=torch.float32)
-    model = get_model_class(lm.hf_config.architectures)(lm.hf_config, torch.float32)
+    model = get_model_class(lm.hf_config.architectures, model_impl, lm.hf_config)(lm.hf_config, torch.float32)
     model.load_weights(lm.weights())
     return model.eval()
 
