@@ -8,10 +8,17 @@ Sources:
   `AutoConfig.from_pretrained(dir, gguf_file=name)` on the fields a model needs.
 
 Per-architecture fixes (see FACTS.md §4):
-- llama: llama.cpp's convert script permutes q/k rows for its rope layout; `_unpermute` undoes it
-  (n_head for Q, n_head_kv for K), after which HF rope (rotate_half) applies.
-- gemma3: llama.cpp stores RMSNorm weights as `1 + w`; HF Gemma RMSNorm computes `x * (1 + w)`, so 1 is
+- llama (and Mixtral, which llama.cpp writes as "llama" with experts), granite: llama.cpp's convert script
+  permutes q/k rows for its rope layout; `_unpermute` undoes it (n_head for Q, n_head_kv for K), after which HF
+  rope (rotate_half) applies.
+- gemma2, gemma3: llama.cpp stores RMSNorm weights as `1 + w`; HF Gemma RMSNorm computes `x * (1 + w)`, so 1 is
   subtracted from every `*norm.weight`.
+- phi3: `attn_qkv` / `ffn_up` are HF's fused `qkv_proj` / `gate_up_proj`; partial rotary from
+  `rope.dimension_count`; longrope factors from the `rope_factors_long` / `rope_factors_short` tensors.
+- MoE (llama.cpp's `ffn_{gate,up,down}_exps` `[E, out, in]`, router `ffn_gate_inp`, shared expert `*_shexp`):
+  the stacked tensors are yielded per expert under HF's names (`mlp.experts.N.{gate,up,down}_proj.weight`).
+Architectures beyond the four `TextConfig` covers get transformers' own config class
+(`AutoConfig.for_model`).
 """
 
 from __future__ import annotations
@@ -27,7 +34,7 @@ from gguf.constants import GGMLQuantizationType
 from gguf.quants import dequantize
 
 from .gguf_file import GGUFFile
-from .text_config import TextConfig
+from .text_config import SUPPORTED_MODEL_TYPES, TextConfig
 
 logger = logging.getLogger(__name__)
 
@@ -37,7 +44,36 @@ ARCHITECTURES = {
     "gemma3": ("gemma3_text", "Gemma3ForCausalLM"),
     "qwen2": ("qwen2", "Qwen2ForCausalLM"),
     "qwen3": ("qwen3", "Qwen3ForCausalLM"),
+    "phi3": ("phi3", "Phi3ForCausalLM"),
+    "gemma2": ("gemma2", "Gemma2ForCausalLM"),
+    "granite": ("granite", "GraniteForCausalLM"),
+    "olmo2": ("olmo2", "Olmo2ForCausalLM"),
+    "olmoe": ("olmoe", "OlmoeForCausalLM"),
+    "qwen2moe": ("qwen2_moe", "Qwen2MoeForCausalLM"),
+    "qwen3moe": ("qwen3_moe", "Qwen3MoeForCausalLM"),
 }
+_MIXTRAL = ("mixtral", "MixtralForCausalLM")  # llama.cpp writes Mixtral as "llama" with llama.expert_count > 0
+_PERMUTED_QK = ("llama", "granite")  # llama.cpp permutes q/k rows for these
+_NORM_PLUS_ONE = ("gemma2", "gemma3")  # llama.cpp stores Gemma's (1 + w) norm weights
+
+# Per-architecture GGUF metadata suffixes -> HF config fields (llama.cpp's writer keys; gguf-py Keys.LLM).
+_ARCH_CONFIG_KEYS = {
+    "gemma2": {"attention.sliding_window": "sliding_window", "attn_logit_softcapping": "attn_logit_softcapping",
+               "final_logit_softcapping": "final_logit_softcapping"},
+    "phi3": {"attention.sliding_window": "sliding_window"},
+    "granite": {"embedding_scale": "embedding_multiplier", "residual_scale": "residual_multiplier",
+                "attention.scale": "attention_multiplier", "logit_scale": "logits_scaling"},
+    "olmoe": {"expert_count": "num_experts", "expert_used_count": "num_experts_per_tok",
+              "attention.clamp_kqv": "clip_qkv"},
+    "qwen2moe": {"expert_count": "num_experts", "expert_used_count": "num_experts_per_tok",
+                 "expert_feed_forward_length": "moe_intermediate_size",
+                 "expert_shared_feed_forward_length": "shared_expert_intermediate_size"},
+    "qwen3moe": {"expert_count": "num_experts", "expert_used_count": "num_experts_per_tok",
+                 "expert_feed_forward_length": "moe_intermediate_size"},
+    "mixtral": {"expert_count": "num_local_experts", "expert_used_count": "num_experts_per_tok"},
+}
+# Top-k renormalisation llama.cpp applies per architecture (HF's norm_topk_prob; Mixtral always renormalises).
+_NORM_TOPK = {"qwen2moe": False, "qwen3moe": True, "olmoe": False}
 
 # GGUF metadata suffix (after "<arch>.") -> HF config field. Mirrors transformers integrations/ggml.py.
 _CONFIG_KEYS = {
@@ -82,8 +118,27 @@ _GEMMA3_LAYER_NAMES = {
     "post_attention_norm": "post_attention_layernorm",
     "post_ffw_norm": "post_feedforward_layernorm",
 }
-# Tensors llama.cpp adds that HF recomputes from the config (e.g. llama 3 rope scaling frequencies).
-_IGNORED = {"rope_freqs.weight"}
+_MOE_LAYER_NAMES = {
+    **_LAYER_NAMES,
+    "ffn_gate_inp": "mlp.gate",
+    "ffn_gate_inp_shexp": "mlp.shared_expert_gate",
+    "ffn_gate_shexp": "mlp.shared_expert.gate_proj",
+    "ffn_up_shexp": "mlp.shared_expert.up_proj",
+    "ffn_down_shexp": "mlp.shared_expert.down_proj",
+}
+_ARCH_LAYER_NAMES = {
+    "gemma3": _GEMMA3_LAYER_NAMES,
+    "gemma2": _GEMMA3_LAYER_NAMES,
+    "phi3": {**_LAYER_NAMES, "attn_qkv": "self_attn.qkv_proj", "ffn_up": "mlp.gate_up_proj"},
+    "olmo2": {**_LAYER_NAMES, "post_attention_norm": "post_attention_layernorm",
+              "post_ffw_norm": "post_feedforward_layernorm"},
+    "olmoe": _MOE_LAYER_NAMES, "qwen2moe": _MOE_LAYER_NAMES, "qwen3moe": _MOE_LAYER_NAMES, "llama": _MOE_LAYER_NAMES,
+}
+_EXPERTS = re.compile(r"^blk\.(\d+)\.ffn_(gate|up|down)_exps\.weight$")
+_ROPE_FACTORS = ("rope_factors_long.weight", "rope_factors_short.weight")
+# Tensors llama.cpp adds that HF recomputes from the config (e.g. llama 3 rope scaling frequencies; Phi-3's
+# longrope factors, read into the config by gguf_config_kwargs).
+_IGNORED = {"rope_freqs.weight", *_ROPE_FACTORS}
 _BLK = re.compile(r"^blk\.(\d+)\.([a-z_0-9]+)\.(weight|bias)$")
 
 SUPPORTED_QTYPES = frozenset(GGMLQuantizationType)  # whatever gguf.quants.dequantize implements
@@ -97,7 +152,7 @@ def hf_name(gguf_name: str, arch: str) -> str | None:
     m = _BLK.match(gguf_name)
     if not m:
         return None
-    table = _GEMMA3_LAYER_NAMES if arch == "gemma3" else _LAYER_NAMES
+    table = _ARCH_LAYER_NAMES.get(arch, _LAYER_NAMES)
     part = table.get(m.group(2))
     return None if part is None else f"model.layers.{m.group(1)}.{part}.{m.group(3)}"
 
@@ -195,19 +250,33 @@ def gguf_config_kwargs(f: GGUFFile) -> tuple[str, str, dict]:
     if arch not in ARCHITECTURES:
         raise ValueError(f"{f.path}: GGUF architecture {arch!r} not supported (supported: {sorted(ARCHITECTURES)})")
     model_type, hf_arch = ARCHITECTURES[arch]
+    keys_arch = arch
+    if arch == "llama" and (f.arch_get("expert_count") or 0) > 0:
+        model_type, hf_arch = _MIXTRAL
+        keys_arch = "mixtral"
     d: dict = {}
-    for suffix, field in _CONFIG_KEYS.items():
+    for suffix, field in {**_CONFIG_KEYS, **_ARCH_CONFIG_KEYS.get(keys_arch, {})}.items():
         v = f.arch_get(suffix)
         if v is not None:
             d[field] = v
     # head_dim: llama.cpp writes rope.dimension_count for llama (== head_dim there, as transformers assumes);
     # for the others attention.key_length is the head size.
-    if arch == "llama" and f.arch_get("rope.dimension_count") is not None:
+    if arch in ("llama", "granite") and f.arch_get("rope.dimension_count") is not None:
         d["head_dim"] = f.arch_get("rope.dimension_count")
     elif f.arch_get("attention.key_length") is not None:
         d["head_dim"] = f.arch_get("attention.key_length")
     if arch == "gemma3" and f.arch_get("attention.sliding_window") is not None:
         d["sliding_window"] = f.arch_get("attention.sliding_window")
+    if arch == "gemma2" and "head_dim" in d:
+        d["query_pre_attn_scalar"] = d["head_dim"]  # NOTE: llama.cpp scales Gemma 2 by 1/sqrt(head_dim)
+    if arch == "phi3":
+        _phi3_rope(f, d)
+    if arch in _NORM_TOPK:
+        d["norm_topk_prob"] = _NORM_TOPK[arch]
+    if arch in ("qwen2moe", "qwen3moe"):  # a layer without a router is dense (HF's mlp_only_layers)
+        d["decoder_sparse_step"] = 1
+        d["mlp_only_layers"] = [i for i in range(int(d["num_hidden_layers"]))
+                                if f"blk.{i}.ffn_gate_inp.weight" not in f.tensors]
     for key, field in _TOKEN_ID_KEYS.items():
         if key in f.metadata:
             d[field] = int(f.metadata[key])
@@ -218,6 +287,23 @@ def gguf_config_kwargs(f: GGUFFile) -> tuple[str, str, dict]:
         if isinstance(v, (np.integer, np.floating, np.bool_)):
             d[k] = v.item()
     return model_type, hf_arch, d
+
+
+def _phi3_rope(f: GGUFFile, d: dict) -> None:
+    """Phi-3's rope from llama.cpp's metadata: partial rotary (`rope.dimension_count` of head_dim) and,
+    with the `rope_factors_*` tensors, longrope (`rope.scaling.original_context_length`)."""
+    head_dim = d["hidden_size"] // d["num_attention_heads"]
+    rot = f.arch_get("rope.dimension_count")
+    if rot is not None and int(rot) != head_dim:
+        d["partial_rotary_factor"] = int(rot) / head_dim
+    if all(n in f.tensors for n in _ROPE_FACTORS):
+        orig = int(f.arch_get("rope.scaling.original_context_length") or d.get("max_position_embeddings"))
+        d["original_max_position_embeddings"] = orig
+        d["rope_scaling"] = {
+            "rope_type": "longrope", "rope_theta": d.pop("rope_theta", 10000.0),
+            "long_factor": dequantize_tensor(f, "rope_factors_long.weight").reshape(-1).tolist(),
+            "short_factor": dequantize_tensor(f, "rope_factors_short.weight").reshape(-1).tolist(),
+            "original_max_position_embeddings": orig}
 
 
 def gguf_config(f: GGUFFile) -> TextConfig:
@@ -231,7 +317,12 @@ def gguf_config(f: GGUFFile) -> TextConfig:
     Gemma3: local rope base 10000, sliding pattern 6 (layer_types) and query_pre_attn_scalar 256 are not in the
     file; Gemma3TextConfig's defaults supply them, as in transformers' own GGUF loading."""
     model_type, hf_arch, kwargs = gguf_config_kwargs(f)
-    cfg = TextConfig(model_type, **kwargs)
+    if model_type in SUPPORTED_MODEL_TYPES:
+        cfg = TextConfig(model_type, **kwargs)
+    else:
+        from transformers import AutoConfig
+
+        cfg = AutoConfig.for_model(model_type, **kwargs)
     cfg.architectures = [hf_arch]
     return cfg
 
@@ -248,19 +339,28 @@ def iter_gguf_weights(f: GGUFFile, config, dtype: torch.dtype = torch.float32) -
     n_head = config.num_attention_heads
     n_kv = config.num_key_value_heads
     for name in f.tensors:
+        experts = _EXPERTS.match(name)
+        if experts:  # stacked [E, out, in] -> one HF tensor per expert
+            stacked = dequantize_tensor(f, name, dtype)
+            layer, part = experts.group(1), experts.group(2)
+            for e in range(stacked.shape[0]):
+                yield f"model.layers.{layer}.mlp.experts.{e}.{part}_proj.weight", stacked[e]
+            continue
         target = hf_name(name, arch)
         if target is None:
             if name not in _IGNORED:
                 logger.warning("GGUF tensor %s has no HF name for arch %s; skipped", name, arch)
             continue
-        fix = (arch == "llama" and (".attn_q." in name or ".attn_k." in name)) or (
-            arch == "gemma3" and name.endswith("norm.weight"))
+        fix = (arch in _PERMUTED_QK and (".attn_q." in name or ".attn_k." in name)) or (
+            arch in _NORM_PLUS_ONE and name.endswith("norm.weight"))
         # NOTE: fix-ups run in float32 before the cast, as transformers does (norm - 1 in bf16 would round).
         t = dequantize_tensor(f, name, torch.float32 if fix else dtype)
         if fix:
-            if arch == "llama":
+            if arch in _PERMUTED_QK:
                 t = _unpermute(t, n_head if ".attn_q." in name else n_kv)
             else:
                 t = t - 1.0
             t = t.to(dtype)
+        if name.endswith("ffn_gate_inp_shexp.weight") and t.dim() == 1:
+            t = t.unsqueeze(0)  # llama.cpp stores the [1, H] shared-expert gate as [H]
         yield target, t

@@ -194,3 +194,28 @@ def test_serve_flags_reach_engine_args():
     assert a.trust_remote_code and a.model_impl == "transformers" and a.served_model_name == ["my-model"]
     d = engine_args_from_namespace(make_arg_parser().parse_args([]))
     assert d.load_format == "auto" and d.hf_overrides == {} and d.model_impl == "auto" and not d.trust_remote_code
+
+
+def test_gguf_repo_quant_and_file_selection(tmp_path, hub):
+    from gguf import GGMLQuantizationType as Q
+    from test_gguf_archs import _hf, write_gguf
+
+    src = tmp_path / "gguf-repo"
+    src.mkdir()
+    hf = _hf("qwen3_moe")
+    write_gguf(hf, "qwen3_moe", str(src / "tiny-qwen3moe-F32.gguf"))
+    write_gguf(hf, "qwen3_moe", str(src / "tiny-qwen3moe-Q8_0.gguf"), Q.Q8_0)
+    tok = tmp_path / "tok"
+    tiny_tokenizer().save_pretrained(tok)
+    add_snapshot(hub, "tiny-org/tiny-GGUF", str(src))
+    lm = load_model("tiny-org/tiny-GGUF:q8_0", tokenizer=str(tok))
+    assert lm.model_path.endswith("tiny-qwen3moe-Q8_0.gguf") and lm.load_format == "gguf"
+    assert lm.hf_config.architectures == ["Qwen3MoeForCausalLM"] and lm.repo_id == "tiny-org/tiny-GGUF"
+    f32 = load_model("tiny-org/tiny-GGUF/tiny-qwen3moe-F32.gguf", tokenizer=str(tok))
+    assert f32.model_path.endswith("tiny-qwen3moe-F32.gguf")
+    with pytest.raises(ValueError, match=r"several GGUF files.*tiny-org/tiny-GGUF:QUANT"):
+        load_model("tiny-org/tiny-GGUF", tokenizer=str(tok))
+    with pytest.raises(ValueError, match=r"no GGUF file for quantization 'Q5_K'"):
+        load_model("tiny-org/tiny-GGUF:Q5_K", tokenizer=str(tok))
+    llm = _llm("tiny-org/tiny-GGUF:Q8_0", tokenizer=str(tok))
+    assert len(_greedy(llm)[0]) == 8
