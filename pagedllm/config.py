@@ -94,6 +94,9 @@ class EngineArgs:
             executed (a config that needs it is refused with an explanation).
         model_impl: "auto" (pagedllm's native model when the architecture has one, else the
             transformers fallback), "pagedllm" (native only) or "transformers" (always the fallback).
+        enable_expert_parallel: shard MoE experts across the parallel ranks instead of slicing each
+            expert (vLLM's flag; the expert-parallel size is the number of ranks, so with one rank,
+            the only setting today, every expert is local; ``FusedMoE.shard_experts`` does the split).
     """
 
     model: str = "SmolLM2-135M-Instruct"
@@ -131,6 +134,7 @@ class EngineArgs:
     hf_config_path: Optional[str] = None
     trust_remote_code: bool = False
     model_impl: str = "auto"
+    enable_expert_parallel: bool = False
 
     @classmethod
     def field_names(cls) -> set[str]:

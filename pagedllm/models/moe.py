@@ -12,10 +12,11 @@ projection runs as one grouped GEMM over the sorted rows (``torch._grouped_mm`` 
 end offsets), so no Python loop runs per expert; the outputs are weighted and summed back per token
 with one ``index_add_``. An expert that receives no rows is an empty group.
 
-Expert parallelism: ``FusedMoE.shard_experts(rank, world_size)`` keeps experts
-``[rank * E / world, (rank + 1) * E / world)``; a rank's output holds only its experts'
-contributions, so the ranks' outputs sum (all-reduce) to the full layer (tested in
-tests/models/test_moe.py).
+Parallelism (for a sharding pass over the built model; tested in tests/models/test_moe.py): either
+``FusedMoE.shard_experts(rank, world_size)`` (expert parallelism: keeps experts
+``[rank * E / world, (rank + 1) * E / world)``) or ``FusedMoE.shard_intermediate(rank, world_size)``
+(tensor parallelism: every expert keeps a 1/world slice of its intermediate dim). Either way a rank's
+output is a partial sum, and the ranks' outputs add up (all-reduce) to the full layer.
 """
 from __future__ import annotations
 
@@ -138,6 +139,25 @@ class FusedMoE(nn.Module):
             self.w13_weight = nn.Parameter(self.w13_weight.data[lo:lo + n].clone(), requires_grad=False)
             self.w2_weight = nn.Parameter(self.w2_weight.data[lo:lo + n].clone(), requires_grad=False)
         self.expert_start, self.expert_end = rank * n, rank * n + n
+        self._set_loaders()
+
+    def shard_intermediate(self, rank: int, world_size: int) -> None:
+        """Keep rows ``[rank * I / world, (rank + 1) * I / world)`` of every expert's gate and up
+        projections and the matching columns of its down projection (tensor parallelism), after loading.
+
+        Raises:
+            ValueError: I not divisible by ``world_size``, or a rank out of range.
+        """
+        i = self.intermediate
+        if i % world_size or not 0 <= rank < world_size:
+            raise ValueError(f"tensor parallel: expert size {i} cannot be split {world_size} ways (rank {rank})")
+        n = i // world_size
+        lo, hi = rank * n, rank * n + n
+        with torch.no_grad():
+            w13 = torch.cat([self.w13_weight.data[:, lo:hi], self.w13_weight.data[:, i + lo:i + hi]], dim=1)
+            self.w13_weight = nn.Parameter(w13.contiguous(), requires_grad=False)
+            self.w2_weight = nn.Parameter(self.w2_weight.data[:, :, lo:hi].contiguous(), requires_grad=False)
+        self.intermediate = n
         self._set_loaders()
 
     def forward(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:

@@ -186,12 +186,13 @@ def test_serve_flags_reach_engine_args():
         "org/name:Q4_K_M", "--revision", "v2", "--tokenizer", "org/tok", "--tokenizer-revision", "t1",
         "--download-dir", "/tmp/x", "--load-format", "gguf", "--hf-config-path", "org/cfg",
         "--hf-overrides", '{"max_position_embeddings": 4096}', "--trust-remote-code", "--model-impl", "transformers",
-        "--served-model-name", "my-model"])
+        "--served-model-name", "my-model", "--enable-expert-parallel"])
     a = engine_args_from_namespace(ns)
     assert (a.model, a.revision, a.tokenizer, a.tokenizer_revision, a.download_dir, a.load_format) == (
         "org/name:Q4_K_M", "v2", "org/tok", "t1", "/tmp/x", "gguf")
     assert a.hf_overrides == {"max_position_embeddings": 4096} and a.hf_config_path == "org/cfg"
     assert a.trust_remote_code and a.model_impl == "transformers" and a.served_model_name == ["my-model"]
+    assert a.enable_expert_parallel
     d = engine_args_from_namespace(make_arg_parser().parse_args([]))
     assert d.load_format == "auto" and d.hf_overrides == {} and d.model_impl == "auto" and not d.trust_remote_code
 

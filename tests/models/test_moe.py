@@ -177,6 +177,23 @@ def test_expert_parallel_shards_sum_to_the_layer(world):
         FusedMoE(E, H, I).shard_experts(0, 3)
 
 
+def test_tensor_parallel_slices_sum_to_the_layer():
+    hf = _hf_experts()
+    x = torch.randn(25, H)
+    w, ids = _routes("random", 25, 2)
+    with torch.no_grad():
+        ref = _fused_like(hf)(x, w, ids)
+        total = torch.zeros_like(ref)
+        for rank in range(3):
+            part = _fused_like(hf)
+            part.shard_intermediate(rank, 3)
+            assert part.w13_weight.shape == (E, 2 * I // 3, H) and part.w2_weight.shape == (E, H, I // 3)
+            total += part(x, w, ids)
+    torch.testing.assert_close(total, ref, atol=1e-5, rtol=1e-5)
+    with pytest.raises(ValueError, match="cannot be split 5 ways"):
+        _fused_like(hf).shard_intermediate(0, 5)
+
+
 def test_checkpoint_names():
     assert expert_param_target("model.layers.0.mlp.experts.3.up_proj.weight") == (
         "model.layers.0.mlp.experts.w13_weight", (3, 1))
