@@ -336,6 +336,10 @@ class AsyncLLM:
         with self._stats_lock:
             return dict(self._last_stats)
 
+    def get_memory_stats(self) -> dict:
+        """Process memory in bytes (``EngineCore.get_memory_stats``); safe from any thread."""
+        return self.engine.core.get_memory_stats()
+
     async def check_health(self) -> None:
         if self._dead is not None or (self._thread is not None and not self._thread.is_alive()
                                       and not self._stop.is_set()):

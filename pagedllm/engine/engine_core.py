@@ -13,13 +13,10 @@ import torch
 from pagedllm.config import DEFAULT_CPU_KV_CACHE_BYTES, EngineArgs, parse_bytes
 from pagedllm.core.request import Request, RequestStatus
 from pagedllm.core.sched_output import EngineCoreOutput
+from pagedllm.metrics.memory import format_bytes as _fmt_bytes
 from pagedllm.platforms import default_num_threads, resolve_device, resolve_dtype, resolve_kv_cache_dtype
 
 logger = logging.getLogger("pagedllm")
-
-
-def _fmt_bytes(n: float) -> str:
-    return f"{n / 1024**3:.2f} GiB" if n >= 1024**3 else f"{n / 1024**2:.1f} MiB"
 
 
 class EngineCore:
@@ -251,3 +248,18 @@ class EngineCore:
             "prefix_cache_queries": s.prefix_cache_queries,
             "prefix_cache_hits": s.prefix_cache_hits,
         }
+
+    def get_memory_stats(self) -> dict:
+        """Process memory now, in bytes: ``resident_memory_bytes`` (RSS) and, on CPU with the
+        caching allocator installed, ``cpu_allocator_cached_bytes`` (free blocks kept for reuse,
+        bounded by its cap), ``cpu_allocator_live_bytes`` (blocks held by tensors) and
+        ``cpu_allocator_cache_limit_bytes`` (the cap)."""
+        from pagedllm.kernels.cpu_ops import cpu_allocator_stats
+        from pagedllm.metrics.memory import resident_memory_bytes
+
+        out = {"resident_memory_bytes": resident_memory_bytes()}
+        a = cpu_allocator_stats() if self.device.type == "cpu" else {}
+        if a:
+            out.update(cpu_allocator_cached_bytes=a["cached_bytes"], cpu_allocator_live_bytes=a["live_bytes"],
+                       cpu_allocator_cache_limit_bytes=a["max_cached_bytes"])
+        return out

@@ -4,7 +4,9 @@ Each ``PrometheusStatLogger`` owns its own ``CollectorRegistry`` so several serv
 one process never collide. Exposed names (Prometheus adds ``_total`` to counters):
 
 gauges     pagedllm:num_requests_running, pagedllm:num_requests_waiting,
-           pagedllm:kv_cache_usage_perc
+           pagedllm:kv_cache_usage_perc, pagedllm:cpu_allocator_cached_bytes,
+           pagedllm:cpu_allocator_live_bytes, pagedllm:cpu_allocator_cache_limit_bytes
+           (and prometheus_client's process_* metrics: process_resident_memory_bytes, ...)
 counters   pagedllm:prompt_tokens_total, pagedllm:generation_tokens_total,
            pagedllm:request_success_total{finished_reason}, pagedllm:num_preemptions_total,
            pagedllm:prefix_cache_queries_total, pagedllm:prefix_cache_hits_total
@@ -19,7 +21,7 @@ import threading
 from typing import Optional
 
 from prometheus_client import (CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram,
-                               generate_latest)
+                               ProcessCollector, generate_latest)
 
 from pagedllm.metrics.stats import IterationStats, SchedulerStats, SchedulerStatsAdapter
 
@@ -68,6 +70,17 @@ class PrometheusStatLogger:
         self.gauge_kv_usage = Gauge(p + "kv_cache_usage_perc",
                                     "KV-cache usage. 1 means 100 percent usage.",
                                     labels, registry=reg).labels(model_name)
+        # Memory (bytes), refreshed on every scrape by ``record_memory``; the standard
+        # process_resident_memory_bytes etc. come from prometheus_client's ProcessCollector.
+        ProcessCollector(registry=reg)
+        self.gauge_memory = {
+            key: Gauge(p + key, doc, labels, registry=reg).labels(model_name)
+            for key, doc in (
+                ("cpu_allocator_cached_bytes",
+                 "Free blocks the caching CPU allocator keeps for reuse (bounded by its cache limit)."),
+                ("cpu_allocator_live_bytes", "Blocks of the caching CPU allocator held by tensors."),
+                ("cpu_allocator_cache_limit_bytes", "Cap on the caching CPU allocator's free blocks."),
+            )}
         self.counter_preemptions = Counter(p + "num_preemptions",
                                            "Cumulative number of preemption from the engine.",
                                            labels, registry=reg).labels(model_name)
@@ -150,6 +163,13 @@ class PrometheusStatLogger:
                 self.hist_queue.observe(fr.queue_time)
                 self.hist_req_prompt.observe(fr.num_prompt_tokens)
                 self.hist_req_gen.observe(fr.num_generation_tokens)
+
+    def record_memory(self, stats: dict) -> None:
+        """Set the memory gauges from ``get_memory_stats()`` (keys absent = allocator not
+        installed: those gauges stay 0)."""
+        for key, g in self.gauge_memory.items():
+            if key in stats:
+                g.set(stats[key])
 
     def log(self) -> None:  # stat-logger interface; Prometheus is pull-based
         pass
