@@ -250,6 +250,31 @@ class LLMEngine:
                 req, st = entry
                 st.observe(self._iter_stats, req.arrival_time, req.first_scheduled_time, now, 0, False, reason)
 
+    def get_request_state_counts(self) -> dict[str, int]:
+        """Entries in every per-request structure the engine keeps, by name.
+
+        Each is bounded by the unfinished requests (what ``has_unfinished_requests`` counts; an
+        ``n > 1`` request counts once per sample) plus, for the runner's state and the
+        scheduler's ``finished_req_ids``, those finished since the last step (freed by the next
+        one): after the work is done and one more ``step()``, every count is 0. The soak tests
+        and ``pagedllm bench`` use it to show that nothing is kept per finished request.
+        """
+        core = self.core
+        sched, kv, runner = core.scheduler, core.kv_cache_manager, core.runner
+        return {
+            "scheduler.requests": len(sched.requests),
+            "scheduler.finished_req_ids": len(sched.finished_req_ids),
+            "kv_cache_manager.req_to_blocks": len(kv.req_to_blocks),
+            "runner.generators": len(runner.generators),
+            "runner.pool_state": len(runner.pool_state),
+            "runner.input_batch": len(runner.input_batch.row_of),
+            "output_processor.request_states": len(self.output_processor.request_states),
+            "output_processor.parent_requests": len(self.output_processor.parent_requests),
+            "engine.req_stats": len(self._req_stats),
+            "engine.children": len(self._children),
+            "engine.pooling": len(self._pooling),
+        }
+
     def pop_iteration_stats(self) -> IterationStats:
         """Metrics gathered since the last call (tokens, TTFTs, ITLs, finished requests)."""
         it = self._iter_stats
