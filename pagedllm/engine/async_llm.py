@@ -281,7 +281,10 @@ class AsyncLLM:
                 # NOTE: the request is already queued (it waits in the scheduler while its grammar
                 # compiles on the manager's threads); a compile error is raised here as the
                 # request's ValueError (HTTP 400) and the finally clause aborts it.
-                await asyncio.wrap_future(grammar)
+                try:
+                    await asyncio.wrap_future(grammar)
+                except ValueError as e:
+                    raise params.structured_outputs.rename_error(e) from None
             while True:
                 item = await q.get()
                 if isinstance(item, BaseException):

@@ -87,9 +87,10 @@ class LLMEngine:
                  add_special_tokens: bool = True, wait_for_grammar: bool = True):
         """Tokenize and validate one request without adding it.
 
-        A request with ``structured_outputs`` starts its grammar compiling (on the manager's
-        threads, or a cache hit); ``wait_for_grammar`` waits for it here, so a constraint no
-        backend can compile raises now (the async front end awaits ``grammar_future`` instead).
+        A request with ``structured_outputs``: with ``wait_for_grammar`` its grammar is compiled
+        (on the manager's threads, or a cache hit) before this returns, so a constraint no backend
+        can compile raises here; without it, only the backend name is checked (the async front
+        end then starts and awaits ``grammar_future`` itself).
 
         Returns:
             (ProcessedPrompt, SamplingParams with max_tokens filled).
@@ -104,9 +105,13 @@ class LLMEngine:
             prompt, getattr(params, "truncate_prompt_tokens", None), add_special_tokens)
         params = self.input_processor.process_sampling_params(params, len(pp.prompt_token_ids), strict_length)
         if params.structured_outputs is not None:
-            fut = self.grammar_future(params)
             if wait_for_grammar:
-                fut.result()
+                try:
+                    self.grammar_future(params).result()
+                except ValueError as e:
+                    raise params.structured_outputs.rename_error(e) from None
+            elif self.core.structured_output_manager is not None:
+                self.core.structured_output_manager.resolve_backend(params.structured_outputs)
         return pp, params
 
     def grammar_future(self, params: Any):

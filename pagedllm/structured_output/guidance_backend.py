@@ -11,14 +11,24 @@ from pagedllm.structured_output.backend import (CompiledGrammar, GrammarMatcher,
 
 
 class GuidanceMatcher(GrammarMatcher):
-    def __init__(self, matcher: Any) -> None:
+    def __init__(self, matcher: Any, eos_token_id: Optional[int]) -> None:
         self._m = matcher
+        self._eos = eos_token_id
 
     def accept_tokens(self, token_ids: list[int]) -> bool:
+        m = self._m
         for t in token_ids:
-            if not self._m.consume_token(int(t)) or self._m.is_error():
+            t = int(t)
+            if m.is_stopped():
+                # NOTE: a grammar that cannot continue allows only EOS; try_consume_tokens()
+                # refuses it there, consume_token() takes it.
+                if t != self._eos or not m.consume_token(t):
+                    return False
+            # NOTE: consume_token() on a refused token leaves a permanent error state;
+            # try_consume_tokens() stops before it (our contract: the valid prefix is consumed).
+            elif m.try_consume_tokens([t]) != 1:
                 return False
-        return True
+        return not m.is_error()
 
     def rollback(self, num_tokens: int) -> None:
         if num_tokens > 0:
@@ -38,12 +48,13 @@ class GuidanceMatcher(GrammarMatcher):
 class GuidanceCompiled(CompiledGrammar):
     backend = "guidance"
 
-    def __init__(self, prototype: Any) -> None:
+    def __init__(self, prototype: Any, eos_token_id: Optional[int]) -> None:
         # NOTE: building an LLMatcher parses the grammar (up to ~1 s for huge ones); copies are cheap.
         self._proto = prototype
+        self._eos = eos_token_id
 
     def new_matcher(self) -> GrammarMatcher:
-        return GuidanceMatcher(self._proto.deep_copy())
+        return GuidanceMatcher(self._proto.deep_copy(), self._eos)
 
 
 def _no_additional_properties(schema: Any) -> Any:
@@ -111,4 +122,4 @@ class GuidanceBackend(StructuredOutputBackend):
         m = LLMatcher(self._tok, grammar, log_level=0)
         if m.is_error():
             raise ValueError(f"{spec.field}: guidance cannot compile it: {m.get_error().strip()}")
-        return GuidanceCompiled(m)
+        return GuidanceCompiled(m, self.eos_token_id)

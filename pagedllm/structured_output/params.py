@@ -57,6 +57,9 @@ class StructuredOutputsParams:
     # Set by the engine when it validates the request (not constructor arguments).
     _backend: Optional[str] = field(default=None, init=False, repr=False, compare=False)
     _backend_was_auto: bool = field(default=False, init=False, repr=False, compare=False)
+    # The request field the constraint came from ("response_format", "guided_json", ...; set
+    # by the server), for error messages.
+    _source: Optional[str] = field(default=None, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         if self.json_object is False:
@@ -99,6 +102,15 @@ class StructuredOutputsParams:
             if getattr(self, k) is not None:
                 return k
         raise AssertionError("no constraint set")  # __post_init__ guarantees one
+
+    def rename_error(self, e: BaseException) -> ValueError:
+        """``e`` as a ValueError whose leading ``structured_outputs.<kind>`` names the request
+        field the constraint came from (``_source``), when the server set one."""
+        msg = str(e)
+        canonical = f"structured_outputs.{self.kind}"
+        if self._source and msg.startswith(canonical):
+            msg = self._source + msg[len(canonical):]
+        return ValueError(msg)
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> "StructuredOutputsParams":

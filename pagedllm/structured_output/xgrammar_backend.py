@@ -100,5 +100,12 @@ class XgrammarBackend(StructuredOutputBackend):
                 return c.compile_grammar(spec.spec)
             return c.compile_lark(spec.spec)
         if spec.kind == "structural_tag":
+            tag = json.loads(spec.spec)
+            if isinstance(tag, dict) and "structures" in tag:
+                # vLLM's first format: {"structures": [{"begin", "schema", "end"}], "triggers": [...]}
+                import xgrammar as xgr
+                items = [xgr.StructuralTagItem(begin=s["begin"], schema=json.dumps(s.get("schema", {})),
+                                               end=s["end"]) for s in tag["structures"]]
+                return c.compile_structural_tag(items, list(tag.get("triggers", [])))
             return c.compile_structural_tag(spec.spec)
         raise ValueError(f"{spec.field}: unknown constraint kind {spec.kind!r}")
