@@ -2,6 +2,8 @@
 
 Sends a workload of streamed /v1/completions requests to a running server and reports
 request/token throughput and TTFT / TPOT / ITL statistics in ms, printed like vLLM's.
+``--json-schema`` puts a JSON schema (structured outputs) on a share of the requests
+(``--structured-output-ratio``) and counts how many outputs parse and validate.
 """
 from __future__ import annotations
 
@@ -46,6 +48,34 @@ def random_prompts(num: int, input_len: int, seed: int) -> list[str]:
     return [" ".join(rng.choice(_WORDS) for _ in range(max(1, input_len))) for _ in range(num)]
 
 
+# ``--json-schema builtin``: 20 properties (the size the compile-time target is stated for).
+BUILTIN_SCHEMA: dict[str, Any] = {
+    "type": "object",
+    "properties": {
+        **{f"name_{i}": {"type": "string", "maxLength": 16} for i in range(5)},
+        **{f"count_{i}": {"type": "integer", "minimum": 0, "maximum": 10000} for i in range(5)},
+        **{f"flag_{i}": {"type": "boolean"} for i in range(5)},
+        **{f"kind_{i}": {"enum": ["alpha", "beta", "gamma", "delta"]} for i in range(4)},
+        "tags": {"type": "array", "items": {"type": "string", "maxLength": 12}, "maxItems": 4},
+    },
+}
+BUILTIN_SCHEMA["required"] = list(BUILTIN_SCHEMA["properties"])
+
+
+def load_json_schema(value: Optional[str]) -> Optional[dict[str, Any]]:
+    """``--json-schema``: None, ``builtin``, a path to a JSON file, or inline JSON."""
+    if value is None:
+        return None
+    if value == "builtin":
+        return BUILTIN_SCHEMA
+    import os
+    text = open(value, encoding="utf-8").read() if os.path.isfile(value) else value
+    schema = json.loads(text)
+    if not isinstance(schema, dict):
+        raise ValueError(f"--json-schema: expected a JSON object, got {type(schema).__name__}")
+    return schema
+
+
 @dataclass
 class RequestResult:
     success: bool = False
@@ -56,6 +86,8 @@ class RequestResult:
     itl: list[float] = field(default_factory=list)
     generated_text: str = ""
     error: str = ""
+    finish_reason: Optional[str] = None
+    constrained: bool = False
 
 
 async def _one_request(client, url: str, payload: dict, headers: dict) -> RequestResult:
@@ -82,6 +114,7 @@ async def _one_request(client, url: str, payload: dict, headers: dict) -> Reques
                 now = time.perf_counter()
                 if obj.get("choices"):
                     text = obj["choices"][0].get("text") or ""
+                    res.finish_reason = obj["choices"][0].get("finish_reason") or res.finish_reason
                     if chunks == 0:
                         res.ttft = now - st
                     else:
@@ -153,7 +186,26 @@ def compute_metrics(results: list[RequestResult], duration: float) -> dict[str, 
     m["ttfts"] = [r.ttft for r in results]
     m["itls"] = [r.itl for r in results]
     m["errors"] = [r.error for r in results]
+    constrained = [r for r in ok if r.constrained]
+    if constrained:
+        m["structured_outputs"] = len(constrained)
+        m["structured_outputs_stopped"] = sum(r.finish_reason == "stop" for r in constrained)
     return m
+
+
+def count_valid_json(results: list[RequestResult], schema: dict[str, Any]) -> int:
+    """Constrained outputs that finished ("stop") and validate against ``schema``."""
+    import jsonschema
+
+    n = 0
+    for r in results:
+        if r.success and r.constrained and r.finish_reason == "stop":
+            try:
+                jsonschema.validate(json.loads(r.generated_text), schema)
+            except (ValueError, jsonschema.ValidationError):
+                continue
+            n += 1
+    return n
 
 
 def format_results(m: dict[str, Any], max_concurrency: Optional[int], request_rate: float) -> str:
@@ -173,6 +225,11 @@ def format_results(m: dict[str, Any], max_concurrency: Optional[int], request_ra
     rowf("Request throughput (req/s):", m["request_throughput"])
     rowf("Output token throughput (tok/s):", m["output_throughput"])
     rowf("Total Token throughput (tok/s):", m["total_token_throughput"])
+    if "structured_outputs" in m:
+        row("Structured-output requests:", m["structured_outputs"])
+        row("  finished by the grammar (stop):", m["structured_outputs_stopped"])
+        if "structured_outputs_valid" in m:
+            row("  of those valid (jsonschema):", m["structured_outputs_valid"])
     for key, title, header in (("ttft", "TTFT", "Time to First Token"),
                                ("tpot", "TPOT", "Time per Output Token (excl. 1st token)"),
                                ("itl", "ITL", "Inter-token Latency")):
@@ -220,6 +277,11 @@ def add_bench_serve_args(parser: argparse.ArgumentParser) -> argparse.ArgumentPa
                         help="Print the result as JSON instead of the table.")
     parser.add_argument("--result-file", default=None,
                         help="Also write the full result (incl. per-request data) as JSON here.")
+    parser.add_argument("--json-schema", default=None,
+                        help="Constrain requests to this JSON schema (structured outputs): 'builtin' "
+                             "(20 properties), a path to a JSON file, or inline JSON.")
+    parser.add_argument("--structured-output-ratio", type=float, default=1.0,
+                        help="With --json-schema: the share of requests that carry it (default: 1).")
     parser.add_argument("--disable-tqdm", action="store_true", help="(accepted for vLLM compat)")
     return parser
 
@@ -245,27 +307,43 @@ async def benchmark(args: argparse.Namespace) -> dict[str, Any]:
         sem = asyncio.Semaphore(args.max_concurrency) if args.max_concurrency else None
         rng = random.Random(args.seed)
 
-        async def run(p: str) -> RequestResult:
+        schema = load_json_schema(getattr(args, "json_schema", None))
+        ratio = getattr(args, "structured_output_ratio", 1.0)
+        # Which requests carry the schema: evenly spread, ratio of them.
+        constrained = [schema is not None and int((i + 1) * ratio) > int(i * ratio)
+                       for i in range(len(prompts))]
+
+        async def run(p: str, constrain: bool) -> RequestResult:
             payload = {"model": model, "prompt": p, "max_tokens": args.max_tokens,
                        "temperature": args.temperature, "stream": True,
                        "stream_options": {"include_usage": True}}
             if args.ignore_eos:
                 payload["ignore_eos"] = True
+            if constrain:
+                payload["structured_outputs"] = {"json": schema}
             if sem is None:
-                return await _one_request(client, base + args.endpoint, payload, headers)
-            async with sem:
-                return await _one_request(client, base + args.endpoint, payload, headers)
+                res = await _one_request(client, base + args.endpoint, payload, headers)
+            else:
+                async with sem:
+                    res = await _one_request(client, base + args.endpoint, payload, headers)
+            res.constrained = constrain
+            return res
 
         start = time.perf_counter()
         tasks = []
-        for p in prompts:
-            tasks.append(asyncio.ensure_future(run(p)))
+        for p, c in zip(prompts, constrained):
+            tasks.append(asyncio.ensure_future(run(p, c)))
             if args.request_rate != float("inf") and args.request_rate > 0:
                 theta = 1.0 / (args.request_rate * args.burstiness)
                 await asyncio.sleep(rng.gammavariate(args.burstiness, theta))
         results = await asyncio.gather(*tasks)
         duration = time.perf_counter() - start
     m = compute_metrics(list(results), duration)
+    if schema is not None and m.get("structured_outputs"):
+        try:
+            m["structured_outputs_valid"] = count_valid_json(list(results), schema)
+        except ImportError:  # jsonschema is a dev dependency
+            pass
     rate = args.request_rate if math.isfinite(args.request_rate) else "inf"
     m.update(model_id=model, num_prompts=args.num_prompts, request_rate=rate,
              max_concurrency=args.max_concurrency, burstiness=args.burstiness,

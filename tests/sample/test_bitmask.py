@@ -6,7 +6,7 @@ import math
 import pytest
 import torch
 
-from pagedllm.sample.bitmask import apply_token_bitmask, unpack_bitmask
+from pagedllm.sample.bitmask import apply_token_bitmask, apply_token_bitmask_torch, unpack_bitmask
 from pagedllm.sample.metadata import SamplingMetadata
 from pagedllm.sample.sampler import Sampler
 from pagedllm.sampling_params import SamplingParams
@@ -48,18 +48,34 @@ def test_unpack_matches_bit_reference(vocab):
     assert not unpack_bitmask(bm[:, :1], vocab)[:, 32:].any()
 
 
-def test_apply_on_a_subset_of_rows():
-    logits = torch.randn(4, 40)
+@pytest.mark.parametrize("apply", [apply_token_bitmask, apply_token_bitmask_torch])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_apply_on_a_subset_of_rows(apply, dtype):
+    logits = torch.randn(4, 40).to(dtype)
     ref = logits.clone()
     allowed = torch.zeros(2, 40, dtype=torch.bool)
     allowed[0, [3, 7, 39]] = True
     allowed[1, [0]] = True
-    apply_token_bitmask(logits, torch.tensor([2, 0]), pack(allowed.tolist()))
+    apply(logits, torch.tensor([2, 0]), pack(allowed.tolist()))
     assert torch.equal(logits[1], ref[1]) and torch.equal(logits[3], ref[3])
     assert torch.equal(logits[2][allowed[0]], ref[2][allowed[0]])
     assert torch.isinf(logits[2][~allowed[0]]).all()
     assert torch.equal(logits[0][allowed[1]], ref[0][allowed[1]])
     assert torch.isinf(logits[0][~allowed[1]]).all()
+
+
+@pytest.mark.parametrize("vocab,width", [(49152, 1536), (70, 3), (100, 3)])
+def test_fast_path_equals_the_torch_oracle(vocab, width):
+    g = torch.Generator().manual_seed(vocab)
+    logits = torch.randn(6, vocab, generator=g)
+    bm = torch.randint(-2**31, 2**31 - 1, (3, width), dtype=torch.int32, generator=g)
+    for rows in (torch.tensor([4, 1, 5]), torch.arange(3)):
+        a, b = logits[:len(rows) + 3].clone(), logits[:len(rows) + 3].clone()
+        if len(rows) == 3 and rows.tolist() == [0, 1, 2]:
+            a, b = logits[:3].clone(), logits[:3].clone()
+        apply_token_bitmask(a, rows, bm)
+        apply_token_bitmask_torch(b, rows, bm)
+        assert torch.equal(a, b)
 
 
 def test_sampler_never_picks_a_masked_token_and_renormalizes_exactly():
