@@ -212,6 +212,7 @@ def build_app(engine: Any, args: Optional[argparse.Namespace] = None) -> FastAPI
             prom.gauge_running.set(s.get("num_running", 0))
             prom.gauge_waiting.set(s.get("num_waiting", 0))
             prom.gauge_kv_usage.set(s.get("kv_cache_usage", 0.0))
+            prom.gauge_so_entries.set(s.get("structured_output_cache_entries", 0))
         except Exception:
             logger.debug("get_scheduler_stats failed", exc_info=True)
         memory_fn = getattr(engine, "get_memory_stats", None)
