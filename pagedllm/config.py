@@ -97,6 +97,11 @@ class EngineArgs:
         enable_expert_parallel: shard MoE experts across the parallel ranks instead of slicing each
             expert (vLLM's flag; the expert-parallel size is the number of ranks, so with one rank,
             the only setting today, every expert is local; ``FusedMoE.shard_experts`` does the split).
+        structured_outputs_config: dict of structured-output settings (vLLM's
+            ``--structured-outputs-config``): ``backend`` ("auto" | "xgrammar" | "guidance"),
+            ``disable_fallback``, ``disable_any_whitespace``, ``disable_additional_properties``,
+            ``grammar_cache_size`` (compiled grammars kept, default 256), ``compile_threads``
+            (default 2); see ``pagedllm.structured_output.config``.
     """
 
     model: str = "SmolLM2-135M-Instruct"
@@ -135,6 +140,7 @@ class EngineArgs:
     trust_remote_code: bool = False
     model_impl: str = "auto"
     enable_expert_parallel: bool = False
+    structured_outputs_config: Optional[dict] = None
 
     @classmethod
     def field_names(cls) -> set[str]:
