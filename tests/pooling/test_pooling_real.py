@@ -32,7 +32,7 @@ def _set_pooling_type(llm, pooling_type: str) -> None:
     from pagedllm.pooling.pooler import Pooler
 
     core = llm.llm_engine.core
-    p = Pooler(PoolerConfig(pooling_type=pooling_type, normalize=False), "embed",
+    p = Pooler(PoolerConfig(pooling_type=pooling_type, use_activation=False), "embed",
                hidden_size=int(core.hf_config.hidden_size))
     core.pooler = p
     core.runner.pooler = p
@@ -58,7 +58,7 @@ def _check_model(path, hf_model, budget_chunked):
     for budget in (2048, budget_chunked):
         llm = LLM(path, runner="pooling", dtype="float32", kv_cache_memory=64 * 1024**2,
                   max_num_batched_tokens=budget, enable_prefix_caching=True,
-                  pooler_config=PoolerConfig(pooling_type="LAST", normalize=False))
+                  pooler_config=PoolerConfig(pooling_type="LAST", use_activation=False))
         tok = llm.get_tokenizer()
         if ids_list is None:
             ids_list = [tok.encode(t) for t in TEXTS]
@@ -73,9 +73,9 @@ def _check_model(path, hf_model, budget_chunked):
             assert [o.prompt_token_ids for o in outs] == ids_list
             for o, r in zip(outs, ref):
                 _close(o.outputs.data, r[pt])
-        # normalize=True (the embed default) is the L2-normalized vector.
+        # use_activation=True (the embed default) is the L2-normalized vector.
         _set_pooling_type(llm, "LAST")
-        llm.llm_engine.core.pooler.config.normalize = None
+        llm.llm_engine.core.pooler.config.use_activation = None
         outs = llm.embed(prompts[:2], use_tqdm=False)
         for o, r in zip(outs, ref):
             _close(o.outputs.data, F.normalize(r["LAST"], dim=-1))
@@ -121,7 +121,7 @@ def test_bare_gemma3_text_model_dir(gemma3_path, bare_gemma_dir):
     from pagedllm import LLM, PoolerConfig
 
     kw = dict(runner="pooling", dtype="float32", kv_cache_memory=64 * 1024**2,
-              pooler_config=PoolerConfig(pooling_type="MEAN", normalize=False))
+              pooler_config=PoolerConfig(pooling_type="MEAN", use_activation=False))
     full = LLM(gemma3_path, **kw)
     ids = [full.get_tokenizer().encode(t) for t in TEXTS[:3]]
     prompts = [{"prompt_token_ids": i} for i in ids]
