@@ -18,7 +18,7 @@ logger = logging.getLogger("pagedllm")
 
 # Which parameters each pooling task accepts (vLLM ``PoolingParams.valid_parameters``; "encode"
 # is the raw pooled hidden state / raw logits: nothing to switch).
-_VALID_PARAMETERS: dict[str, list[str]] = {
+VALID_PARAMETERS: dict[str, list[str]] = {
     "embed": ["dimensions", "use_activation"],
     "classify": ["use_activation"],
     "score": ["use_activation"],
@@ -27,7 +27,7 @@ _VALID_PARAMETERS: dict[str, list[str]] = {
     "token_classify": ["use_activation"],
 }
 _ALL_PARAMETERS = ("dimensions", "use_activation")
-POOLING_TASKS = tuple(_VALID_PARAMETERS)
+POOLING_TASKS = tuple(VALID_PARAMETERS)
 # Deprecated names of ``use_activation`` (vLLM's order of precedence).
 DEPRECATED_ACTIVATION_ALIASES = ("normalize", "softmax", "activation")
 _warned_aliases: set[str] = set()
@@ -159,9 +159,9 @@ class PoolingParams:
             t = self.truncate_prompt_tokens
             if not _is_int(t) or not (t >= 1 or t == -1):
                 raise ValueError(f"truncate_prompt_tokens must be >= 1 or -1, got {t}.")
-        if self.task is not None and self.task not in _VALID_PARAMETERS:
+        if self.task is not None and self.task not in VALID_PARAMETERS:
             raise ValueError(
-                f"task must be one of {sorted(_VALID_PARAMETERS)}, got {self.task!r}.")
+                f"task must be one of {sorted(VALID_PARAMETERS)}, got {self.task!r}.")
         if self.extra_kwargs is not None and not isinstance(self.extra_kwargs, dict):
             raise ValueError("extra_kwargs must be a dict or None.")
 
@@ -199,7 +199,7 @@ class PoolingParams:
         self._verify_args()
         if self.task is None:
             return
-        valid = _VALID_PARAMETERS[self.task]
+        valid = VALID_PARAMETERS[self.task]
         invalid = [p for p in _ALL_PARAMETERS
                    if getattr(self, p) is not None and p not in valid]
         if invalid:

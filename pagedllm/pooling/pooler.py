@@ -88,7 +88,7 @@ class Pooler:
                 parameter the task does not take, or a ``dimensions`` the model cannot give
                 (not Matryoshka-trained, not one of its sizes, or over the hidden size).
         """
-        from pagedllm.pooling_params import _VALID_PARAMETERS, PoolingParams
+        from pagedllm.pooling_params import VALID_PARAMETERS, PoolingParams
 
         if task not in self.supported_tasks:
             what = {"embed": "embeddings", "classify": "classification", "score": "cross-encoder scoring",
@@ -99,7 +99,7 @@ class Pooler:
                 f"(task {task!r}); it supports {list(self.supported_tasks)}")
         p = PoolingParams() if params is None else params.clone()
         cfg = self.config
-        for name in _VALID_PARAMETERS[task]:
+        for name in VALID_PARAMETERS[task]:
             if getattr(p, name) is None and getattr(cfg, name, None) is not None:
                 setattr(p, name, getattr(cfg, name))
         p.verify(task, hidden_size=self.hidden_size, is_matryoshka=self.is_matryoshka,

@@ -77,7 +77,8 @@ _KNOWN_PARAMS = (
     "prompt_logprobs", "logprobs", "logit_bias", "stop_token_ids", "stop", "seed", "n",
     "allowed_token_ids", "bad_words", "truncate_prompt_tokens", "messages", "prompt", "best_of",
     "ignore_eos", "cache_salt", "stream_options", "tools", "tool_choice", "response_format",
-    "chat_template", "chat_template_kwargs", "skip_special_tokens", "input",
+    "chat_template", "chat_template_kwargs", "skip_special_tokens", "input", "dimensions",
+    "use_activation",
 )
 _PARAM_RE = re.compile(r"`?\b(" + "|".join(re.escape(p) for p in _KNOWN_PARAMS) + r")\b`?")
 
