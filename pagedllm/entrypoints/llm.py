@@ -107,7 +107,8 @@ class LLM:
                 input over max_model_len is an error.
             use_tqdm: show a progress bar.
             pooling_task: "encode" (default: the raw pooled hidden state, or a classifier's raw
-                logits), "embed", "classify" or "score".
+                logits), "embed", "classify", "score", "token_embed" (every token's hidden state,
+                ``[T, hidden]``) or "token_classify" (every token's class probabilities).
 
         Returns:
             one PoolingRequestOutput per prompt (``outputs.data``: float32 tensor).
@@ -121,7 +122,8 @@ class LLM:
     def embed(self, prompts: Union[PromptType, Sequence[PromptType]], pooling_params: Any = None,
               *, truncate_prompt_tokens: Optional[int] = None, use_tqdm: bool = True) -> list:
         """Embeddings (``outputs.embedding``: list of floats; L2-normalized unless
-        ``normalize=False``; Matryoshka ``dimensions``), in input order. See ``encode``."""
+        ``use_activation=False`` in the PoolingParams or the PoolerConfig; Matryoshka
+        ``dimensions``), in input order. See ``encode``."""
         return self._pool(prompts, pooling_params, "embed", truncate_prompt_tokens, use_tqdm)
 
     def classify(self, prompts: Union[PromptType, Sequence[PromptType]], pooling_params: Any = None,

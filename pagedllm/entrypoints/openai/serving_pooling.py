@@ -9,7 +9,9 @@ Routes:
     POST /v1/embeddings           OpenAI: input str | list[str] | list[int] | list[list[int]],
                                   encoding_format "float" | "base64" (little-endian float32),
                                   dimensions; data[{object "embedding", index, embedding}], usage.
-    POST /pooling                 vLLM: data[{object "pooling", index, data}] (nested lists).
+    POST /pooling                 vLLM: task "encode" (default) | "embed" | "classify" | "score" |
+                                  "token_embed" | "token_classify";
+                                  data[{object "pooling", index, data}] (nested lists).
     POST /classify                vLLM: data[{index, label, probs, num_classes}].
     POST /score, /v1/score        vLLM: text_1/text_2 (or queries/documents, data_1/data_2);
                                   data[{index, object "score", score}].
@@ -17,6 +19,12 @@ Routes:
                                   Jina/Cohere: query, documents, top_n, return_documents;
                                   results[{index, relevance_score, document{text}}] sorted by
                                   relevance_score (descending).
+
+Activation: every request takes ``use_activation`` (vLLM's one switch: the L2 normalisation of
+embeddings, the softmax/sigmoid of classifiers; default: the server's --pooler-config, else
+true) and its deprecated aliases ``normalize``, ``softmax``, ``activation`` (a contradiction is
+a 400). ``dimensions`` needs a Matryoshka model (400 otherwise, as vLLM). Every response id is
+``{prefix}-{X-Request-Id or random}``.
 
 Scores: an embed model scores a pair by the cosine similarity of the two embeddings; a
 classify (cross-encoder) model encodes the pair as one input (``tokenizer(text_1, text_2)``).
