@@ -57,6 +57,9 @@ class EngineCore:
         loaded = load_model(args.model, dtype=self.dtype, tokenizer=args.tokenizer,
                             ignore_patterns=args.ignore_patterns or None)
         self.loaded = loaded
+        if args.hf_overrides is not None:
+            from pagedllm.config import apply_hf_overrides
+            loaded.hf_config = apply_hf_overrides(loaded.hf_config, args.hf_overrides)
         self.hf_config = loaded.hf_config
         self.tokenizer = loaded.tokenizer
         if args.runner not in ("generate", "pooling"):
