@@ -40,6 +40,47 @@ def parse_bytes(value: str | int) -> int:
     return n
 
 
+def apply_hf_overrides(hf_config: Any, overrides: Any) -> Any:
+    """Merge ``overrides`` into ``hf_config`` in place (vLLM ``--hf-overrides`` /
+    ``LLM(hf_overrides=...)``) and return the config.
+
+    Args:
+        hf_config: a transformers config or pagedllm's GGUF ``TextConfig`` (attributes).
+        overrides: None; a dict, or a JSON object string, of attribute -> value (a dict value
+            merges key by key into an attribute that is itself a dict or a sub-config); or a
+            callable ``config -> config``.
+
+    Raises:
+        ValueError: invalid JSON, or not a dict / callable.
+    """
+    import json
+
+    if overrides is None:
+        return hf_config
+    if callable(overrides):
+        return overrides(hf_config)
+    if isinstance(overrides, str):
+        try:
+            overrides = json.loads(overrides)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"hf_overrides: invalid JSON: {e}") from None
+    if not isinstance(overrides, dict):
+        raise ValueError(f"hf_overrides: expected a dict, got {type(overrides).__name__}")
+
+    def merge(target: Any, updates: dict) -> None:
+        for key, value in updates.items():
+            cur = target.get(key) if isinstance(target, dict) else getattr(target, key, None)
+            if isinstance(value, dict) and cur is not None and (isinstance(cur, dict) or hasattr(cur, "__dict__")):
+                merge(cur, value)
+            elif isinstance(target, dict):
+                target[key] = value
+            else:
+                setattr(target, key, value)
+
+    merge(hf_config, overrides)
+    return hf_config
+
+
 @dataclass
 class EngineArgs:
     """Every engine setting (offline ``LLM(...)`` keywords and ``pagedllm serve`` flags).
@@ -79,6 +120,9 @@ class EngineArgs:
             (CUDA only; used when kv_cache_memory is not given).
         attention_backend: "torch" | "triton" | "flashinfer" | None (CPU: torch, CUDA: triton;
             also PAGEDLLM_ATTENTION_BACKEND).
+        hf_overrides: a dict (or JSON object string) merged into the model's HF config after
+            loading, before the model is built (vLLM ``--hf-overrides``; e.g.
+            ``{"is_matryoshka": true}``), or a callable taking and returning the config.
         quantization: quantization of the linear layers and LM head after loading: None,
             "int8" (weight-only, per-channel symmetric), "int4" (weight-only, group-wise, group
             32) or "w8a8" (int8 per-channel weights and dynamic per-token int8 activations);
@@ -88,7 +132,6 @@ class EngineArgs:
         download_dir: HF cache directory for Hub downloads (default: HF_HUB_CACHE / HF_HOME).
         load_format: "auto" (safetensors, else PyTorch .bin/.pt, else GGUF), "safetensors", "pt",
             "gguf" or "dummy" (random weights; for profiling).
-        hf_overrides: config attributes to override after loading (vLLM's ``--hf-overrides``).
         hf_config_path: HF config directory or Hub id used instead of the model's own config.
         trust_remote_code: accepted for vLLM compatibility; a checkpoint's own Python code is never
             executed (a config that needs it is refused with an explanation).
@@ -135,12 +178,12 @@ class EngineArgs:
     tokenizer_revision: Optional[str] = None
     download_dir: Optional[str] = None
     load_format: str = "auto"
-    hf_overrides: dict = field(default_factory=dict)
     hf_config_path: Optional[str] = None
     trust_remote_code: bool = False
     model_impl: str = "auto"
     enable_expert_parallel: bool = False
     structured_outputs_config: Optional[dict] = None
+    hf_overrides: Optional[Any] = None
 
     @classmethod
     def field_names(cls) -> set[str]:

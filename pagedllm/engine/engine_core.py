@@ -57,9 +57,11 @@ class EngineCore:
         loaded = load_model(args.model, dtype=self.dtype, tokenizer=args.tokenizer,
                             ignore_patterns=args.ignore_patterns or None, revision=args.revision,
                             download_dir=args.download_dir, load_format=args.load_format,
-                            tokenizer_revision=args.tokenizer_revision, hf_overrides=args.hf_overrides or None,
-                            hf_config_path=args.hf_config_path)
+                            tokenizer_revision=args.tokenizer_revision, hf_config_path=args.hf_config_path)
         self.loaded = loaded
+        if args.hf_overrides is not None:
+            from pagedllm.config import apply_hf_overrides
+            loaded.hf_config = apply_hf_overrides(loaded.hf_config, args.hf_overrides)
         self.hf_config = loaded.hf_config
         self.tokenizer = loaded.tokenizer
         if args.runner not in ("generate", "pooling"):

@@ -98,13 +98,16 @@ def load_model(
     ignore_patterns: fnmatch patterns of weight file names to skip (HF directories only).
     revision, download_dir: the Hub revision (branch, tag or commit) and HF cache directory (`hub.py`).
     load_format: "auto", "safetensors", "pt", "gguf" or "dummy" (vLLM's `--load-format`).
-    hf_overrides: config attributes to override (vLLM's `--hf-overrides`, `hf_loader.apply_hf_overrides`).
+    hf_overrides: config attributes to override (vLLM's `--hf-overrides`, `pagedllm.config.apply_hf_overrides`),
+        applied to the checkpoint's full config (for a multimodal one, before its text config is taken).
     hf_config_path: an HF config directory or Hub id to use instead of the model's own config (e.g. for a GGUF
         file, whose metadata otherwise gives the config).
     Raises ValueError for unknown names or Hub ids, missing files, unsupported GGUF architectures, a
     `load_format` the files do not match, or a config that needs custom code.
     """
-    from .hf_loader import apply_hf_overrides, load_hf_config
+    from pagedllm.config import apply_hf_overrides
+
+    from .hf_loader import load_hf_config
     from .hub import LOAD_FORMATS, parse_model_ref, resolve_hub_model
     from .tokenizer import load_tokenizer
 

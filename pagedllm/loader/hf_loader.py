@@ -103,13 +103,15 @@ def hf_weight_files(path: str, ignore_patterns: list[str] | None = None, load_fo
 
 def load_hf_config(path: str, hf_overrides: dict | None = None):
     """`AutoConfig.from_pretrained(path)` (reads config.json) with `hf_overrides` applied
-    (`apply_hf_overrides`); for a multimodal checkpoint served as text (`text_model_config`), its text
+    (`pagedllm.config.apply_hf_overrides`); for a multimodal checkpoint served as text (`text_model_config`), its text
     config. Never runs a checkpoint's own Python code.
 
     Raises:
         ValueError: the config needs custom code (`auto_map` for a model type transformers does not know).
     """
     from transformers import AutoConfig
+
+    from pagedllm.config import apply_hf_overrides
 
     try:
         config = AutoConfig.from_pretrained(path)
@@ -132,19 +134,6 @@ def _config_json(path: str) -> dict:
             return json.load(fh)
     except (OSError, ValueError):
         return {}
-
-
-def apply_hf_overrides(config, overrides: dict | None):
-    """Set `config.<key> = value` for each item of `overrides` (vLLM's `--hf-overrides`); a dict value
-    for an attribute that is itself a config (e.g. `text_config`) updates that config recursively.
-    Returns `config` (changed in place)."""
-    for key, value in (overrides or {}).items():
-        current = getattr(config, key, None)
-        if isinstance(value, dict) and current is not None and hasattr(current, "to_dict"):
-            apply_hf_overrides(current, value)
-        else:
-            setattr(config, key, value)
-    return config
 
 
 def text_model_config(config):

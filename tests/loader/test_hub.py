@@ -194,7 +194,7 @@ def test_serve_flags_reach_engine_args():
     assert a.trust_remote_code and a.model_impl == "transformers" and a.served_model_name == ["my-model"]
     assert a.enable_expert_parallel
     d = engine_args_from_namespace(make_arg_parser().parse_args([]))
-    assert d.load_format == "auto" and d.hf_overrides == {} and d.model_impl == "auto" and not d.trust_remote_code
+    assert d.load_format == "auto" and d.hf_overrides is None and d.model_impl == "auto" and not d.trust_remote_code
 
 
 def test_gguf_repo_quant_and_file_selection(tmp_path, hub):
