@@ -13,6 +13,10 @@ import torch
 import transformers as tf
 
 VOCAB = 256
+PROMPT = [5, 17, 3, 88, 42, 9, 61, 23, 7, 70, 31, 2]
+# Three prompts sharing 8 tokens (two 4-token blocks) so the later ones hit the prefix cache.
+PROMPTS = [PROMPT, PROMPT[:8] + [200, 14, 150], PROMPT[:9] + [33, 44, 55, 66, 77]]
+NEW = 16
 COMMON = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
               max_position_embeddings=64, bos_token_id=1, eos_token_id=2, pad_token_id=0)
 
@@ -110,3 +114,14 @@ def make_checkpoint(case: str, path: str, seed: int = 0):
     model.save_pretrained(path)
     tiny_tokenizer().save_pretrained(path)
     return model
+
+
+def hf_greedy(hf, ids, n=NEW):
+    """transformers' greedy continuation of ``ids`` (its KV cache, one token per step; EOS does not stop
+    it) and the log-softmax of each chosen token."""
+    with torch.no_grad():
+        out = hf.generate(torch.tensor([ids]), max_new_tokens=n, min_new_tokens=n, do_sample=False,
+                          output_logits=True, return_dict_in_generate=True, pad_token_id=0, eos_token_id=None)
+    toks = out.sequences[0, len(ids):].tolist()
+    logps = [torch.log_softmax(l[0].float(), -1)[t].item() for l, t in zip(out.logits, toks)]
+    return toks, logps

@@ -14,7 +14,7 @@ import gguf
 import numpy as np
 import pytest
 import torch
-from arch_cases import CASES, build_hf, tiny_tokenizer
+from arch_cases import CASES, PROMPTS, build_hf, hf_greedy, tiny_tokenizer
 
 from pagedllm import LLM, SamplingParams
 from pagedllm.attention.backend import ForwardContext, set_forward_context
@@ -209,19 +209,24 @@ def test_gguf_logits_match_transformers(case, tmp_path):
     assert n_quantized >= 8
 
 
-@pytest.mark.parametrize("case", ["qwen3_moe", "phi3"])
+@pytest.mark.parametrize("case", list(GGUF_ARCH))
 def test_gguf_greedy_through_llm(case, tmp_path):
+    """3 prompts x 16 greedy tokens through ``LLM`` on the GGUF (8-token chunks, prefix caching on: the
+    later prompts share the first prompt's cached blocks) equal transformers' ``generate``."""
     hf = _hf(case)
     path = write_gguf(hf, case, str(tmp_path / f"{case}.gguf"))
     tiny_tokenizer().save_pretrained(tmp_path / "tok")
     llm = LLM(path, tokenizer=str(tmp_path / "tok"), dtype="float32", block_size=4, max_num_batched_tokens=8,
-              kv_cache_memory=2 * 1024**2)
-    out = llm.generate([{"prompt_token_ids": PROMPT}], SamplingParams(temperature=0, max_tokens=16, ignore_eos=True),
-                       use_tqdm=False)[0].outputs[0].token_ids
-    with torch.no_grad():
-        ref = hf.generate(torch.tensor([PROMPT]), max_new_tokens=16, min_new_tokens=16, do_sample=False,
-                          pad_token_id=0, eos_token_id=None)[0, len(PROMPT):].tolist()
-    assert list(out) == ref
+              kv_cache_memory=2 * 1024**2, enable_prefix_caching=True)
+    sp = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, logprobs=0)
+    prompts = [{"prompt_token_ids": p} for p in PROMPTS]
+    outs = llm.generate(prompts[:1], sp, use_tqdm=False) + llm.generate(prompts, sp, use_tqdm=False)
+    assert llm.llm_engine.core.scheduler.prefix_cache_hits > 0
+    for ids, out in zip(PROMPTS[:1] + PROMPTS, outs):
+        toks, logps = hf_greedy(hf, ids)
+        got = out.outputs[0]
+        assert list(got.token_ids) == toks
+        assert [lp[t].logprob for lp, t in zip(got.logprobs, toks)] == pytest.approx(logps, abs=1e-4)
 
 
 @pytest.mark.parametrize("case", TRANSFORMERS_READS)

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from arch_cases import CASES, make_checkpoint
+from arch_cases import CASES, NEW, PROMPT, PROMPTS, hf_greedy, make_checkpoint
 from test_tiny_models import Runner
 
 from pagedllm import LLM, SamplingParams
@@ -18,11 +18,7 @@ from pagedllm.loader import load_model
 from pagedllm.models.registry import get_model_class
 
 torch.set_num_threads(1)
-PROMPT = [5, 17, 3, 88, 42, 9, 61, 23, 7, 70, 31, 2]
 MORE = [11, 50, 93]
-# Three prompts sharing 8 tokens (two 4-token blocks) so the later ones hit the prefix cache.
-PROMPTS = [PROMPT, PROMPT[:8] + [200, 14, 150], PROMPT[:9] + [33, 44, 55, 66, 77]]
-NEW = 16
 _CKPTS: dict = {}
 
 
@@ -47,16 +43,6 @@ def load_ours(path, model_impl="auto"):
 def hf_logits(hf, ids):
     with torch.no_grad():
         return hf(torch.tensor([ids])).logits[0].float()
-
-
-def hf_greedy(hf, ids, n=NEW):
-    """transformers' greedy continuation (its KV cache, one token per step) and per-step log-softmax."""
-    with torch.no_grad():
-        out = hf.generate(torch.tensor([ids]), max_new_tokens=n, min_new_tokens=n, do_sample=False,
-                          output_logits=True, return_dict_in_generate=True, pad_token_id=0, eos_token_id=None)
-    toks = out.sequences[0, len(ids):].tolist()
-    logps = [torch.log_softmax(l[0].float(), -1)[t].item() for l, t in zip(out.logits, toks)]
-    return toks, logps
 
 
 @pytest.mark.parametrize("case", list(CASES))

@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from arch_cases import CASES, FALLBACK_CASES, make_checkpoint
-from test_architectures import PROMPTS, Runner, hf_logits, load_ours
+from arch_cases import CASES, FALLBACK_CASES, PROMPTS, make_checkpoint
+from test_architectures import Runner, hf_logits, load_ours
 
 from pagedllm import LLM, SamplingParams
 from pagedllm.models.registry import MODEL_REGISTRY, get_model_class
