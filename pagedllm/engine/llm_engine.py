@@ -242,6 +242,10 @@ class LLMEngine:
     def has_unfinished_requests(self) -> bool:
         return self.core.has_unfinished_requests()
 
+    def shutdown(self) -> None:
+        """Stop the executor's worker processes / actors (idempotent)."""
+        self.core.shutdown()
+
     def _observe_finished(self, core_ids: list[str], reason: str) -> None:
         now = time.time()
         for rid in core_ids:
