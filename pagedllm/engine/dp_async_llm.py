@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import threading
 from typing import Any, AsyncIterator, Optional
 
 from pagedllm.config import EngineArgs
@@ -63,12 +62,12 @@ class DPAsyncLLM:
             except BaseException as e:  # reported below, after every build has ended
                 errors.append(e)
 
-        # NOTE: replicas load concurrently (each in its own worker processes).
-        threads = [threading.Thread(target=build, args=(i,), name=f"pagedllm-dp-build-{i}") for i in range(n)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
+        # NOTE: one after the other: building them on threads raced in transformers' lazy
+        # imports ("cannot import name 'AutoConfig'") in the engine threads.
+        for i in range(n):
+            build(i)
+            if errors:
+                break
         if errors:
             self.shutdown()
             raise errors[0]
