@@ -230,6 +230,11 @@ class MultiprocExecutor(Executor):
                 return f"worker rank {rank} (pid {p.pid}) died with exit code {p.exitcode}"
         return None
 
+    def _wait_dead_rank(self, timeout: float) -> Optional[str]:
+        """The first rank found dead within ``timeout`` seconds, described, or None."""
+        mp_wait([p.sentinel for p in self.procs], timeout)
+        return self._dead_rank()
+
     def _send_all(self, data: bytes) -> None:
         for rank, c in enumerate(self.conns):
             try:
@@ -261,7 +266,11 @@ class MultiprocExecutor(Executor):
                         raise self._fail(self._dead_rank() or f"worker rank {rank} closed its pipe") from None
                     if status == "err":
                         desc, exc = value
-                        dead = self._fail(f"worker rank {rank} failed: {desc}")
+                        # NOTE: a peer's death shows first as a collective error on the ranks
+                        # still alive: name the rank that died when one did (waited for briefly).
+                        cause = self._wait_dead_rank(1.0)
+                        dead = self._fail(f"{cause} (rank {rank}: {desc})" if cause
+                                          else f"worker rank {rank} failed: {desc}")
                         if exc is not None:  # an RPC's own error (e.g. a ValueError at load)
                             raise exc from dead
                         raise dead
