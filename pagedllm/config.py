@@ -145,6 +145,14 @@ class EngineArgs:
             ``disable_fallback``, ``disable_any_whitespace``, ``disable_additional_properties``,
             ``grammar_cache_size`` (compiled grammars kept, default 256), ``compile_threads``
             (default 2); see ``pagedllm.structured_output.config``.
+        tensor_parallel_size: ranks each layer is split across (attention heads, MLP, vocab).
+        pipeline_parallel_size: stages the layers are split across (contiguous ranges).
+        data_parallel_size: independent engine replicas behind one server (each with
+            ``tensor_parallel_size x pipeline_parallel_size`` ranks).
+        data_parallel_rank: this replica's index (set by the data-parallel front end).
+        distributed_executor_backend: "uni" (one process, no IPC), "mp" (one spawned process
+            per rank, ``torch.distributed`` gloo on CPU / NCCL on CUDA) or "ray" (one Ray actor
+            per rank, placement groups; multi-node). None = "uni" for one rank, else "mp".
     """
 
     model: str = "SmolLM2-135M-Instruct"
@@ -184,6 +192,16 @@ class EngineArgs:
     enable_expert_parallel: bool = False
     structured_outputs_config: Optional[dict] = None
     hf_overrides: Optional[Any] = None
+    tensor_parallel_size: int = 1
+    pipeline_parallel_size: int = 1
+    data_parallel_size: int = 1
+    data_parallel_rank: int = 0
+    distributed_executor_backend: Optional[str] = None
+
+    @property
+    def world_size(self) -> int:
+        """Ranks of one engine replica: ``tensor_parallel_size * pipeline_parallel_size``."""
+        return self.tensor_parallel_size * self.pipeline_parallel_size
 
     @classmethod
     def field_names(cls) -> set[str]:

@@ -104,6 +104,9 @@ def _engine_kwargs(args: argparse.Namespace) -> dict:
         kw["quantization"] = args.quantization
     if getattr(args, "kv_cache_dtype", None):
         kw["kv_cache_dtype"] = args.kv_cache_dtype
+    for name in ("tensor_parallel_size", "pipeline_parallel_size", "distributed_executor_backend"):
+        if getattr(args, name, None):
+            kw[name] = getattr(args, name)
     return kw
 
 
@@ -124,6 +127,9 @@ def _common(p: argparse.ArgumentParser) -> None:
                    help="KV cache budget in bytes; accepts suffixes like 2GiB, 512MiB, 1.5G (as serve)")
     p.add_argument("--no-enable-prefix-caching", action="store_true")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--tensor-parallel-size", "-tp", type=int, default=None)
+    p.add_argument("--pipeline-parallel-size", "-pp", type=int, default=None)
+    p.add_argument("--distributed-executor-backend", default=None, choices=["uni", "mp", "ray"])
     p.add_argument("--json", action="store_true", help="print results as JSON")
     p.add_argument("--output-json", default=None, help="also write results to this file")
 

@@ -34,7 +34,17 @@ class LLM:
         if "pooler_config" in kwargs and dataclasses.is_dataclass(kwargs["pooler_config"]):
             kwargs["pooler_config"] = dataclasses.asdict(kwargs["pooler_config"])
         self.engine_args = EngineArgs(model=model, **kwargs)
+        if self.engine_args.data_parallel_size != 1:
+            raise ValueError(
+                f"data_parallel_size: {self.engine_args.data_parallel_size} replicas are served by "
+                f"`pagedllm serve --data-parallel-size N` (one endpoint, least-loaded routing); offline, "
+                f"run one LLM per replica (as vLLM's offline data-parallel example does)")
         self.llm_engine = LLMEngine(self.engine_args)
+
+    def shutdown(self) -> None:
+        """Stop the worker processes / Ray actors of a multi-rank engine (idempotent; also done
+        when the process exits)."""
+        self.llm_engine.shutdown()
 
     def get_tokenizer(self):
         return self.llm_engine.tokenizer

@@ -81,6 +81,7 @@ def load_model(
     dtype: torch.dtype = torch.float32,
     tokenizer: str | None = None,
     ignore_patterns: list[str] | None = None,
+    load_tokenizer: bool = True,
     *,
     revision: str | None = None,
     download_dir: str | None = None,
@@ -96,6 +97,7 @@ def load_model(
     tokenizer: optional tokenizer source (HF directory, Hub id or .gguf file) overriding the model's own;
         `tokenizer_revision` is its Hub revision.
     ignore_patterns: fnmatch patterns of weight file names to skip (HF directories only).
+    load_tokenizer: False leaves `tokenizer` None (a tensor/pipeline-parallel rank that never detokenizes).
     revision, download_dir: the Hub revision (branch, tag or commit) and HF cache directory (`hub.py`).
     load_format: "auto", "safetensors", "pt", "gguf" or "dummy" (vLLM's `--load-format`).
     hf_overrides: config attributes to override (vLLM's `--hf-overrides`, `pagedllm.config.apply_hf_overrides`),
@@ -105,6 +107,7 @@ def load_model(
     Raises ValueError for unknown names or Hub ids, missing files, unsupported GGUF architectures, a
     `load_format` the files do not match, or a config that needs custom code.
     """
+    want_tokenizer = load_tokenizer  # NOTE: before the import below rebinds the name
     from pagedllm.config import apply_hf_overrides
 
     from .hf_loader import load_hf_config
@@ -123,7 +126,7 @@ def load_model(
         path, repo_id = hub.path, hub.repo_id
         if hub.load_format != "dummy":
             load_format = hub.load_format
-    tok_src = _local_or_hub(tokenizer, tokenizer_revision, download_dir) if tokenizer else None
+    tok_src = _local_or_hub(tokenizer, tokenizer_revision, download_dir) if tokenizer and want_tokenizer else None
     cfg_src = _local_or_hub(hf_config_path, revision, download_dir) if hf_config_path else None
     if os.path.isdir(path):
         from .hf_loader import hf_weight_files, iter_pt_weights, iter_safetensors_weights, load_generation_config
@@ -132,7 +135,7 @@ def load_model(
             raise ValueError(f"load_format='gguf' needs a .gguf file; {path!r} is a directory")
         fmt, files = hf_weight_files(path, ignore_patterns, load_format)
         config = load_hf_config(cfg_src or path, hf_overrides)
-        tok = load_tokenizer(tok_src or path)
+        tok = load_tokenizer(tok_src or path) if want_tokenizer else None
         reader = {"safetensors": iter_safetensors_weights, "pt": iter_pt_weights}.get(fmt)
         return LoadedModel(
             hf_config=config,
@@ -152,7 +155,7 @@ def load_model(
         raise ValueError(f"load_format={load_format!r} needs an HF model directory; {path!r} is a GGUF file")
     gf = GGUFFile(path)
     config = load_hf_config(cfg_src, hf_overrides) if cfg_src else apply_hf_overrides(gguf_config(gf), hf_overrides)
-    tok = load_tokenizer(tok_src or path)
+    tok = load_tokenizer(tok_src or path) if want_tokenizer else None
     dummy = load_format == "dummy"
     return LoadedModel(
         hf_config=config,

@@ -172,15 +172,6 @@ class PrometheusStatLogger:
                                        "Histogram of time per output token in seconds (deprecated: "
                                        "use vllm:inter_token_latency_seconds).",
                                        labels, buckets=ITL_BUCKETS, registry=reg).labels(model_name)
-
-    def set_scheduler_gauges(self, num_running: int, num_waiting: int, kv_cache_usage: float) -> None:
-        """Set the request-count and KV-cache-usage gauges (and their deprecated aliases)."""
-        self.gauge_running.set(num_running)
-        self.gauge_waiting.set(num_waiting)
-        self.gauge_kv_usage.set(kv_cache_usage)
-        if self.gauge_gpu_cache is not None:
-            self.gauge_gpu_cache.set(kv_cache_usage)
-
         self.counter_so_queries = Counter(
             p + "structured_output_cache_queries",
             "Compiled-grammar cache lookups by structured-output requests.",
@@ -203,6 +194,14 @@ class PrometheusStatLogger:
             p + "structured_output_compile_seconds",
             "Histogram of structured-output grammar compile time in seconds.",
             labels, buckets=GRAMMAR_COMPILE_BUCKETS, registry=reg).labels(model_name)
+
+    def set_scheduler_gauges(self, num_running: int, num_waiting: int, kv_cache_usage: float) -> None:
+        """Set the request-count and KV-cache-usage gauges (and their deprecated aliases)."""
+        self.gauge_running.set(num_running)
+        self.gauge_waiting.set(num_waiting)
+        self.gauge_kv_usage.set(kv_cache_usage)
+        if self.gauge_gpu_cache is not None:
+            self.gauge_gpu_cache.set(kv_cache_usage)
 
     def record(self, scheduler_stats: Optional[SchedulerStats],
                iteration_stats: Optional[IterationStats]) -> None:

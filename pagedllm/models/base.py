@@ -116,6 +116,8 @@ class CausalLM(nn.Module):
                 checkpoint did not provide.
         """
         params = dict(self.named_parameters())
+        # NOTE: set by pipeline-parallel sharding: tensors of other stages' layers are skipped.
+        keep = getattr(self, "weight_name_filter", None)  # canonical name -> bool
         loaded: set[str] = set()
         shards: dict[str, set] = {}
         unexpected: list[str] = []
@@ -125,6 +127,8 @@ class CausalLM(nn.Module):
                 continue
             if name == "lm_head.weight" and self.lm_head is None:
                 continue  # NOTE: tied: the head is the embedding (HF state dicts list both)
+            if keep is not None and not keep(name):
+                continue
             name, shard = self.param_target(name)
             param = params.get(name)
             if param is None:
@@ -136,8 +140,11 @@ class CausalLM(nn.Module):
                     shards.setdefault(name, set()).add(shard)
                     if set(param.shard_ids) <= shards[name]:
                         loaded.add(name)
-                elif hasattr(param, "whole_loader"):
+                elif hasattr(param, "whole_loader"):  # stacked MoE experts
                     param.whole_loader(param, tensor.to(param.dtype))
+                    loaded.add(name)
+                elif getattr(param, "weight_loader", None) is not None:
+                    param.weight_loader(param, tensor.to(param.dtype))  # e.g. a tensor-parallel slice
                     loaded.add(name)
                 else:
                     if tensor.shape != param.shape:

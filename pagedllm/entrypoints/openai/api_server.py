@@ -80,8 +80,11 @@ def build_app(engine: Any, args: Optional[argparse.Namespace] = None) -> FastAPI
     servings = (serving_completion, serving_chat)
 
     # Stat loggers: the engine calls record(scheduler_stats, iteration_stats) after each step.
-    prom = PrometheusStatLogger(model_name=served[0], max_model_len=int(engine.max_model_len),
-                                prefix=get("metrics_prefix", "pagedllm") or "pagedllm")
+    metrics_prefix = get("metrics_prefix", "pagedllm") or "pagedllm"
+    make_prom = getattr(engine, "make_prometheus_logger", None)  # data parallel: a series per replica
+    prom = (make_prom(served[0], int(engine.max_model_len), metrics_prefix) if make_prom is not None
+            else PrometheusStatLogger(model_name=served[0], max_model_len=int(engine.max_model_len),
+                                      prefix=metrics_prefix))
     if getattr(engine, "stat_loggers", None) is None:
         try:
             engine.stat_loggers = []
@@ -275,7 +278,11 @@ def run_server(args: argparse.Namespace) -> int:
     _setup_logging()
     normalize_args(args)
     engine_args = engine_args_from_namespace(args)
-    engine = AsyncLLM.from_engine_args(engine_args)
+    if engine_args.data_parallel_size > 1:
+        from pagedllm.engine.dp_async_llm import DPAsyncLLM
+        engine = DPAsyncLLM.from_engine_args(engine_args)
+    else:
+        engine = AsyncLLM.from_engine_args(engine_args)
     app = build_app(engine, args)
     host = getattr(args, "host", "127.0.0.1") or "127.0.0.1"
     port = int(getattr(args, "port", 8000))

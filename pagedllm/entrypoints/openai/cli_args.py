@@ -176,6 +176,19 @@ def add_serve_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g.add_argument("--prefix-caching-hash-algo", default="sha256", choices=["sha256", "xxhash"],
                    help="Hash of prefix-cache blocks (default: sha256).")
 
+    g = parser.add_argument_group("Parallelism")
+    g.add_argument("--tensor-parallel-size", "-tp", type=_positive_int, default=1,
+                   help="Ranks each layer is split across (attention heads, MLP, vocabulary; default: 1).")
+    g.add_argument("--pipeline-parallel-size", "-pp", type=_positive_int, default=1,
+                   help="Pipeline stages the layers are split across (default: 1).")
+    g.add_argument("--data-parallel-size", "-dp", type=_positive_int, default=1,
+                   help="Independent engine replicas behind this server; requests go to the least "
+                        "loaded one (default: 1).")
+    g.add_argument("--distributed-executor-backend", default=None, choices=["uni", "mp", "ray"],
+                   help="How ranks run: 'uni' (in this process; one rank only), 'mp' (a process per "
+                        "rank) or 'ray' (a Ray actor per rank; multi-node). Default: uni for one "
+                        "rank, else mp.")
+
     g = parser.add_argument_group("Device")
     g.add_argument("--allowed-origins", type=json.loads, default=["*"],
                    help='CORS allowed origins as a JSON list (vLLM default: ["*"]).')
