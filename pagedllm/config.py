@@ -137,9 +137,10 @@ class EngineArgs:
             executed (a config that needs it is refused with an explanation).
         model_impl: "auto" (pagedllm's native model when the architecture has one, else the
             transformers fallback), "pagedllm" (native only) or "transformers" (always the fallback).
-        enable_expert_parallel: shard MoE experts across the parallel ranks instead of slicing each
-            expert (vLLM's flag; the expert-parallel size is the number of ranks, so with one rank,
-            the only setting today, every expert is local; ``FusedMoE.shard_experts`` does the split).
+        enable_expert_parallel: vLLM's flag to shard MoE experts across the ranks. Accepted; today
+            every rank holds all experts (correct under tensor parallelism: the experts' output
+            needs no reduction, only memory is not split). ``FusedMoE.shard_experts`` /
+            ``shard_intermediate`` are the splits a sharding pass would call.
         structured_outputs_config: dict of structured-output settings (vLLM's
             ``--structured-outputs-config``): ``backend`` ("auto" | "xgrammar" | "guidance"),
             ``disable_fallback``, ``disable_any_whitespace``, ``disable_additional_properties``,

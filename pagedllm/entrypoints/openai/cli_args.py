@@ -142,8 +142,8 @@ def add_serve_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g.add_argument("--trust-remote-code", action="store_true",
                    help="Accepted for vLLM compatibility; a checkpoint's own Python code is never executed.")
     g.add_argument("--enable-expert-parallel", action="store_true",
-                   help="Shard MoE experts across the parallel ranks (expert parallelism; with one rank "
-                        "every expert is local).")
+                   help="vLLM's expert-parallel flag; accepted, but every rank still holds all MoE experts "
+                        "(tensor parallelism splits attention and dense MLPs only).")
     g.add_argument("--model-impl", default="auto", choices=["auto", "pagedllm", "transformers"],
                    help="auto: pagedllm's native implementation when the architecture has one, else the "
                         "transformers fallback (slower); pagedllm: native only; transformers: always the fallback.")
