@@ -74,7 +74,11 @@ def build_app(engine: Any, args: Optional[argparse.Namespace] = None) -> FastAPI
                   log_requests=not bool(get("disable_log_requests", False)))
 
     serving_completion = OpenAIServingCompletion(engine, served, **common)
-    serving_chat = OpenAIServingChat(engine, served, **common)
+    from pagedllm.entrypoints.openai.cli_args import resolve_parsers
+    enable_auto_tools, tool_parser_cls, reasoning_parser_cls = resolve_parsers(args)
+    serving_chat = OpenAIServingChat(engine, served, enable_auto_tools=enable_auto_tools,
+                                     tool_parser=tool_parser_cls,
+                                     reasoning_parser=reasoning_parser_cls, **common)
     serving_models = OpenAIServingModels(engine, served, **common)
     serving_tokenization = OpenAIServingTokenization(engine, served, **common)
     servings = (serving_completion, serving_chat)
@@ -257,10 +261,15 @@ def run_server(args: argparse.Namespace) -> int:
 
     from pagedllm.engine.async_llm import AsyncLLM
 
-    from pagedllm.entrypoints.openai.cli_args import normalize_args
+    from pagedllm.entrypoints.openai.cli_args import normalize_args, resolve_parsers
 
     _setup_logging()
     normalize_args(args)
+    try:
+        resolve_parsers(args)  # bad parser flags fail before the model loads
+    except ValueError as e:
+        print(f"pagedllm serve: error: {e}", file=sys.stderr, flush=True)
+        return 2
     engine_args = engine_args_from_namespace(args)
     engine = AsyncLLM.from_engine_args(engine_args)
     app = build_app(engine, args)
