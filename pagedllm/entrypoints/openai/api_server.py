@@ -23,6 +23,7 @@ from pagedllm.entrypoints.openai.errors import OpenAIError, error_response, inst
 from pagedllm.entrypoints.openai.protocol import (ChatCompletionRequest, CompletionRequest,
                                                   DetokenizeRequest, TokenizeChatRequest,
                                                   TokenizeCompletionRequest)
+from pagedllm.entrypoints.openai.protocol_responses import ResponsesRequest
 from pagedllm.entrypoints.openai.serving_chat import OpenAIServingChat
 from pagedllm.entrypoints.openai.serving_completion import OpenAIServingCompletion
 from pagedllm.entrypoints.openai.serving_models import (OpenAIServingModels,
@@ -102,7 +103,15 @@ def build_app(engine: Any, args: Optional[argparse.Namespace] = None) -> FastAPI
                 log_stats = LoggingStatLogger(interval=STATS_LOG_INTERVAL_S)
                 loggers_list.append(log_stats)
 
+    from pagedllm.entrypoints.openai.response_store import DEFAULT_MAX_ENTRIES, ResponseStore
+    from pagedllm.entrypoints.openai.serving_responses import OpenAIServingResponses
+    store_size = get("responses_store_size", DEFAULT_MAX_ENTRIES)
+    serving_responses = OpenAIServingResponses(serving_chat, ResponseStore(
+        DEFAULT_MAX_ENTRIES if store_size is None else int(store_size), registry=prom.registry,
+        model_name=served[0]))
+
     async def abort_all() -> None:
+        await serving_responses.abort_all()
         for s in servings:
             await s.abort_all()
 
@@ -175,6 +184,23 @@ def build_app(engine: Any, args: Optional[argparse.Namespace] = None) -> FastAPI
     async def create_chat_completion(request: ChatCompletionRequest, raw_request: Request):
         _check_generate_runner()
         return await serving_chat.create_chat_completion(request, raw_request)
+
+    @app.post("/v1/responses")
+    async def create_response(request: ResponsesRequest, raw_request: Request):
+        _check_generate_runner()
+        return await serving_responses.create_response(request, raw_request)
+
+    @app.get("/v1/responses/{response_id}")
+    async def retrieve_response(response_id: str):
+        return serving_responses.retrieve(response_id)
+
+    @app.delete("/v1/responses/{response_id}")
+    async def delete_response(response_id: str):
+        return serving_responses.delete(response_id)
+
+    @app.post("/v1/responses/{response_id}/cancel")
+    async def cancel_response(response_id: str):
+        return await serving_responses.cancel(response_id)
 
     @app.get("/v1/models")
     async def show_available_models():

@@ -85,6 +85,12 @@ def add_serve_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                    help="Split the model's reasoning (`reasoning_content` / `reasoning`) from "
                         "its answer: deepseek_r1, qwen3, think.")
 
+    g.add_argument("--responses-store-size", type=int, default=1024,
+                   help="Max responses kept in memory for the Responses API (`store`, "
+                        "`previous_response_id`, GET /v1/responses/{id}, background); the least "
+                        "recently used finished one is evicted; 0 turns storing off "
+                        "(default: 1024).")
+
     g = parser.add_argument_group("Model")
     g.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16",
                                                        "half", "float", "bf16", "fp32", "fp16"],

@@ -183,9 +183,10 @@ def forced_tool_schema(choice: ToolChoice, tools: list[dict[str, Any]], parallel
     return None
 
 
-def constrain_to_json(sampling_params: Any, schema: dict[str, Any], field: str) -> None:
+def constrain_to_json(sampling_params: Any, schema: Optional[dict[str, Any]], field: str,
+                      json_object: bool = False) -> None:
     """Constrain generation to ``schema`` (structured outputs: ``StructuredOutputsParams(json=
-    schema)``).
+    schema)``), or to any JSON object with ``json_object``.
 
     Raises:
         OpenAIError: 400 when this build has no structured outputs (never unconstrained
@@ -196,7 +197,20 @@ def constrain_to_json(sampling_params: Any, schema: dict[str, Any], field: str) 
     except ImportError:
         raise OpenAIError(f"`{field}` needs structured outputs (constrained decoding), which "
                           "this pagedllm build does not support yet.", 400, field) from None
-    sampling_params.structured_outputs = StructuredOutputsParams(json=schema)
+    try:
+        params = (StructuredOutputsParams(json_object=True) if json_object
+                  else StructuredOutputsParams(json=schema))
+    except ValueError as e:
+        raise OpenAIError(f"`{field}`: {e}", 400, field) from None
+    sampling_params.structured_outputs = params
+
+
+def check_json_schema(schema: Any, where: str, param: str) -> None:
+    """Raises OpenAIError 400 (``param``) if ``schema`` is not a valid JSON schema."""
+    try:
+        _check_schema(schema, where)
+    except OpenAIError as e:
+        raise OpenAIError(e.message, 400, param) from None
 
 
 def prepare_tool_history(conv: list[dict[str, Any]]) -> list[dict[str, Any]]:
