@@ -23,7 +23,9 @@ from pagedllm.entrypoints.openai.errors import OpenAIError, error_response, inst
 from pagedllm.entrypoints.openai.protocol import (ChatCompletionRequest, CompletionRequest,
                                                   DetokenizeRequest, TokenizeChatRequest,
                                                   TokenizeCompletionRequest)
+from pagedllm.entrypoints.openai.protocol_anthropic import anthropic_error_body
 from pagedllm.entrypoints.openai.protocol_responses import ResponsesRequest
+from pagedllm.entrypoints.openai.serving_messages import AnthropicServingMessages
 from pagedllm.entrypoints.openai.serving_chat import OpenAIServingChat
 from pagedllm.entrypoints.openai.serving_completion import OpenAIServingCompletion
 from pagedllm.entrypoints.openai.serving_models import (OpenAIServingModels,
@@ -162,12 +164,16 @@ def build_app(engine: Any, args: Optional[argparse.Namespace] = None) -> FastAPI
 
         @app.middleware("http")
         async def authentication(request: Request, call_next):
-            # Only the OpenAI routes are protected (as vLLM does).
+            # Only the OpenAI routes are protected (as vLLM does). Anthropic clients send the
+            # key as `x-api-key`; either header is accepted.
             if request.method != "OPTIONS" and request.url.path.startswith("/v1"):
                 got = request.headers.get("Authorization", "").encode()
-                if not hmac.compare_digest(got, expected):
-                    return error_response("Unauthorized: missing or invalid API key.", 401,
-                                          None, "AuthenticationError")
+                got_x = ("Bearer " + request.headers.get("x-api-key", "")).encode()
+                if not (hmac.compare_digest(got, expected) or hmac.compare_digest(got_x, expected)):
+                    msg = "Unauthorized: missing or invalid API key."
+                    if request.url.path.startswith("/v1/messages"):
+                        return JSONResponse(anthropic_error_body(msg, 401), status_code=401)
+                    return error_response(msg, 401, None, "AuthenticationError")
             return await call_next(request)
 
     def _check_generate_runner() -> None:
@@ -201,6 +207,19 @@ def build_app(engine: Any, args: Optional[argparse.Namespace] = None) -> FastAPI
     @app.post("/v1/responses/{response_id}/cancel")
     async def cancel_response(response_id: str):
         return await serving_responses.cancel(response_id)
+
+    serving_messages = AnthropicServingMessages(serving_chat)
+
+    @app.post("/v1/messages")
+    async def create_message(raw_request: Request):
+        if getattr(engine, "runner", "generate") != "generate":
+            return JSONResponse(anthropic_error_body(
+                "This model does not support text generation.", 400), status_code=400)
+        return await serving_messages.handle(raw_request)
+
+    @app.post("/v1/messages/count_tokens")
+    async def count_message_tokens(raw_request: Request):
+        return await serving_messages.handle(raw_request, count_only=True)
 
     @app.get("/v1/models")
     async def show_available_models():
