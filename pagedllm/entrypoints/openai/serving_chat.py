@@ -349,12 +349,24 @@ class OpenAIServingChat(OpenAIServing):
                         pd = parser.feed(delta_text, final=output.finish_reason is not None)
                         if not pd and output.finish_reason is None and logprobs is None:
                             continue  # held back (a possible marker): nothing to send yet
-                        delta = DeltaMessage(
-                            content=pd.content or None,
-                            reasoning_content=pd.reasoning or None, reasoning=pd.reasoning or None,
-                            tool_calls=[c.to_dict() for c in pd.tool_calls])
                         if finish_reason is not None:
                             finish_reason = parser.finish_reason(finish_reason)
+                        # One chunk per tool-call fragment (a call's name, then its arguments,
+                        # as OpenAI streams them); text, logprobs and finish_reason ride on the
+                        # first / last of them.
+                        frags = [[c.to_dict()] for c in pd.tool_calls] or [[]]
+                        for k, frag in enumerate(frags):
+                            last = k == len(frags) - 1
+                            delta = DeltaMessage(
+                                content=(pd.content or None) if k == 0 else None,
+                                reasoning_content=(pd.reasoning or None) if k == 0 else None,
+                                reasoning=(pd.reasoning or None) if k == 0 else None,
+                                tool_calls=frag)
+                            if last:
+                                break
+                            yield sse(chunk_json(ChatCompletionResponseStreamChoice(
+                                index=i, delta=delta, logprobs=None, finish_reason=None),
+                                previous_num_tokens[i]))
                     choice = ChatCompletionResponseStreamChoice(
                         index=i, delta=delta, logprobs=logprobs,
                         finish_reason=finish_reason,
