@@ -335,3 +335,18 @@ def test_registry_and_plugin(tmp_path):
     bad.write_text("raise RuntimeError('boom')\n")
     with pytest.raises(ValueError, match="boom"):
         ToolParserManager.import_tool_parser(str(bad))
+
+
+@pytest.mark.parametrize("name", ["hermes", "llama3_json", "mistral", "deepseek_v3"])
+def test_long_arguments_stream_exactly(name):
+    """Past 1 KiB a growing call is re-parsed only every 1/32 of growth: the fragments get
+    coarser but still rebuild the exact arguments, and still arrive in many pieces."""
+    args = {"path": "notes.md", "content": "lorem ipsum \"dolor\" sit amet\n" * 400,
+            "lines": list(range(300))}
+    text = {"hermes": f'<tool_call>\n{{"name": "write", "arguments": {_j(args)}}}\n</tool_call>',
+            "llama3_json": f'{{"name": "write", "parameters": {_j(args)}}}',
+            "mistral": f'[TOOL_CALLS][{{"name": "write", "arguments": {_j(args)}}}]',
+            "deepseek_v3": DS_BEGIN + _ds_call("write", args) + DS_END}[name]
+    _, calls, frags, _ = stream(make_parser(name), text, chunks(text, random.Random(3), 6))
+    assert [(c["name"], c["arguments"]) for c in calls] == [("write", _j(args))]
+    assert sum(1 for f in frags if f["function"].get("arguments")) > 50

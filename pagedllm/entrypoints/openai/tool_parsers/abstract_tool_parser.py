@@ -25,6 +25,7 @@ import importlib.util
 import json
 import logging
 import os
+import re
 import sys
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional, Sequence, Union
@@ -103,6 +104,7 @@ class PartialToolCall:
     arguments: Any = None
     arguments_text: Optional[str] = None
     complete: bool = False
+    _stable: Optional[str] = field(default=None, repr=False, compare=False)
 
     def final_arguments(self) -> str:
         """The OpenAI ``arguments`` string: the JSON text of the arguments object."""
@@ -117,7 +119,9 @@ class PartialToolCall:
             return self.final_arguments()
         if not isinstance(self.arguments, (dict, list)):
             return ""
-        return stable_json_prefix(self.arguments)
+        if self._stable is None:  # a cached partial parse is asked again until it grows
+            self._stable = stable_json_prefix(self.arguments)
+        return self._stable
 
 
 @dataclass
@@ -154,6 +158,10 @@ def call_from_object(obj: Any, args_keys: Sequence[str] = ("arguments", "paramet
     return PartialToolCall(name=obj["name"], arguments=args, complete=True)
 
 
+# A complete "name" string at the start of a call object.
+_LEADING_NAME = re.compile(r'\s*\{\s*"name"\s*:\s*("(?:[^"\\]|\\.)*")')
+
+
 def partial_call_from_json(text: str, args_keys: Sequence[str] = ("arguments", "parameters")
                            ) -> PartialToolCall:
     """A partial call from a prefix of a ``{"name": ..., "arguments": {...}}`` JSON text.
@@ -166,8 +174,12 @@ def partial_call_from_json(text: str, args_keys: Sequence[str] = ("arguments", "
         return PartialToolCall()
     if not isinstance(full, dict):
         raise ValueError("a tool call must be a JSON object")
-    done = partial_json(text, complete_strings_only=True) or {}
-    name = done.get("name") if isinstance(done, dict) else None
+    m = _LEADING_NAME.match(text)
+    if m:  # the usual order, "name" first: no second parse needed
+        name = json.loads(m.group(1))
+    else:
+        done = partial_json(text, complete_strings_only=True) or {}
+        name = done.get("name") if isinstance(done, dict) else None
     args = None
     for k in args_keys:
         if k in full:
@@ -192,6 +204,7 @@ class ToolParser:
         # Tool name -> JSON schema of its parameters (for formats whose values are untyped).
         self.tool_schemas: dict[str, dict] = {}
         self._streamer: Optional[ToolCallStreamer] = None
+        self._partial_cache: dict[Any, tuple[str, Any]] = {}
 
     # ---- request-time hooks ---------------------------------------------------------------
     def set_tools(self, tools: Optional[Sequence[Any]]) -> None:
@@ -213,6 +226,20 @@ class ToolParser:
 
     def make_tool_call_id(self) -> str:
         return random_tool_call_id()
+
+    def partial(self, key: Any, text: str, parse: Callable[[str], Any]) -> Any:
+        """``parse(text)`` for the unfinished part of a streamed output (``key`` names it,
+        e.g. its start offset). NOTE: partial JSON parsing is linear in the text, so parsing
+        a growing call on every token is quadratic; a text over 1 KiB is parsed again only
+        once it grew by 1/32 (its earlier parse, a prefix, is returned meanwhile), which
+        bounds the work to O(n log n) at the price of coarser fragments for long arguments."""
+        cached = self._partial_cache.get(key)
+        if cached is not None and len(text) >= len(cached[0]):
+            if len(text) - len(cached[0]) < max(1, (len(text) - 1024) // 32):
+                return cached[1]
+        res = parse(text)
+        self._partial_cache = {key: (text, res)}
+        return res
 
     # ---- parsing ------------------------------------------------------------------------
     def parse(self, text: str, final: bool) -> ToolParse:

@@ -63,7 +63,7 @@ class DeepSeekV3ToolParser(ToolParser):
             raise ValueError("empty function name")
         if complete:
             return call_from_object({"name": name, "arguments": json.loads(body)})
-        value = partial_json(body)
+        value = self.partial(seg[:sep], body, partial_json)
         return PartialToolCall(name=name, arguments=value if isinstance(value, dict) else None)
 
     def parse(self, text: str, final: bool) -> ToolParse:

@@ -24,7 +24,7 @@ class RequiredToolParser(ToolParser):
             if not isinstance(arr, list):
                 raise ValueError("expected a JSON array of tool calls")
             return ToolParse("", [call_from_object(o, _KEYS) for o in arr])
-        return ToolParse("", partial_calls_from_array(text))
+        return ToolParse("", self.partial("array", text, partial_calls_from_array))
 
 
 class NamedToolParser(ToolParser):

@@ -49,7 +49,7 @@ class Hermes2ProToolParser(ToolParser):
                     calls.append(call_from_object(json.loads(body)))
                 else:
                     body = body[: len(body) - held_marker_prefix(body, (self.end_token,))]
-                    calls.append(partial_call_from_json(body))
+                    calls.append(self.partial(s, body, partial_call_from_json))
                 break
             calls.append(call_from_object(json.loads(text[body_start:e])))
             pos = e + len(self.end_token)

@@ -43,7 +43,7 @@ class Llama3JsonToolParser(ToolParser):
             except json.JSONDecodeError:
                 if final:
                     raise
-                calls.append(partial_call_from_json(body[i:]))
+                calls.append(self.partial(i, body[i:], partial_call_from_json))
                 break
             calls.append(call_from_object(obj))
             i = end

@@ -68,7 +68,7 @@ class MistralToolParser(ToolParser):
             try:
                 arr = json.loads(r)
             except json.JSONDecodeError:
-                return ToolParse(content, partial_calls_from_array(r))
+                return ToolParse(content, self.partial("array", r, partial_calls_from_array))
             return ToolParse(content, [call_from_object(o) for o in arr])
         if not r:
             if final:
@@ -91,7 +91,7 @@ class MistralToolParser(ToolParser):
                 obj = json.loads(body)
                 calls.append(call_from_object({"name": name, "arguments": obj}))
             else:
-                value = partial_json(body)
+                value = self.partial(k, body, partial_json)
                 calls.append(PartialToolCall(name=name or None,
                                              arguments=value if isinstance(value, dict) else None))
         return ToolParse(content, calls)
