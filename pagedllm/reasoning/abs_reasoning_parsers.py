@@ -106,6 +106,25 @@ class ReasoningParser:
             return not self.start_optional
         return last_end > last_start
 
+    def reasoning_end_in(self, previous_ids: Sequence[int], new_ids: Sequence[int]
+                         ) -> Optional[int]:
+        """How many of ``new_ids`` it takes to complete ``end_token`` (the tokens after them
+        are the answer), or None when ``new_ids`` do not end the reasoning. ``previous_ids``
+        (the tokens before, while still reasoning) give the context a marker split over
+        several tokens needs; only their last 16 are decoded, so each call costs
+        O(len(new_ids)) decodes of short sequences."""
+        if self.end_token_id is not None:
+            for k, t in enumerate(new_ids):
+                if t == self.end_token_id:
+                    return k + 1
+            return None
+        ctx = list(previous_ids[-16:])
+        before = self.model_tokenizer.decode(ctx).count(self.end_token)
+        for k in range(1, len(new_ids) + 1):
+            if self.model_tokenizer.decode(ctx + list(new_ids[:k])).count(self.end_token) > before:
+                return k
+        return None
+
     def extract_content_ids(self, input_ids: Sequence[int]) -> list[int]:
         """The output ids after the end of the reasoning (all of them without reasoning)."""
         ids = list(input_ids)

@@ -112,3 +112,28 @@ def test_registry():
     assert {"deepseek_r1", "qwen3", "think"} <= set(ReasoningParserManager.list_registered())
     with pytest.raises(KeyError, match="available"):
         ReasoningParserManager.get_reasoning_parser("nope")
+
+
+def test_reasoning_end_in_new_tokens():
+    p = ReasoningParserManager.get_reasoning_parser(R1)(_Tok())
+    assert p.reasoning_end_in([1, 2], [1, 6, 2, 1]) == 2  # the single end token
+    assert p.reasoning_end_in([1, 2], [1, 2]) is None
+
+
+class _CharTok:
+    """A tokenizer without a </think> token: one id per character."""
+
+    def get_vocab(self):
+        return {}
+
+    def decode(self, ids):
+        return "".join(chr(i) for i in ids)
+
+
+def test_reasoning_end_split_over_tokens():
+    p = ReasoningParserManager.get_reasoning_parser(R1)(_CharTok())
+    assert p.end_token_id is None
+    ids = [ord(c) for c in "thinking</th"]
+    assert p.reasoning_end_in([], ids) is None
+    new = [ord(c) for c in "ink>{\"a\""]
+    assert p.reasoning_end_in(ids, new) == 4  # "ink>" completes the marker
