@@ -7,7 +7,8 @@ from __future__ import annotations
 __version__ = "0.1.0"
 
 __all__ = ["LLM", "SamplingParams", "PoolingParams", "RequestOutput", "CompletionOutput",
-           "PoolingRequestOutput", "EngineArgs", "RequestOutputKind", "PoolerConfig", "__version__"]
+           "PoolingRequestOutput", "EngineArgs", "RequestOutputKind", "PoolerConfig", "StructuredOutputsParams",
+           "__version__"]
 
 
 def __getattr__(name: str):
@@ -15,7 +16,7 @@ def __getattr__(name: str):
     if name == "LLM":
         from pagedllm.entrypoints.llm import LLM
         return LLM
-    if name in ("SamplingParams", "RequestOutputKind"):
+    if name in ("SamplingParams", "RequestOutputKind", "StructuredOutputsParams"):
         from pagedllm import sampling_params
         return getattr(sampling_params, name)
     if name == "PoolingParams":

@@ -83,6 +83,11 @@ class EngineArgs:
             "int8" (weight-only, per-channel symmetric), "int4" (weight-only, group-wise, group
             32) or "w8a8" (int8 per-channel weights and dynamic per-token int8 activations);
             CPU only (see pagedllm.quantization and docs/performance.md "Low-bit weights").
+        structured_outputs_config: dict of structured-output settings (vLLM's
+            ``--structured-outputs-config``): ``backend`` ("auto" | "xgrammar" | "guidance"),
+            ``disable_fallback``, ``disable_any_whitespace``, ``disable_additional_properties``,
+            ``grammar_cache_size`` (compiled grammars kept, default 256), ``compile_threads``
+            (default 2); see ``pagedllm.structured_output.config``.
     """
 
     model: str = "SmolLM2-135M-Instruct"
@@ -112,6 +117,7 @@ class EngineArgs:
     gpu_memory_utilization: float = 0.9
     attention_backend: Optional[str] = None
     quantization: Optional[str] = None
+    structured_outputs_config: Optional[dict] = None
 
     @classmethod
     def field_names(cls) -> set[str]:

@@ -124,6 +124,8 @@ class AsyncLLM:
         self.runner = args.runner
         self.default_sampling_params = dict(self.engine.default_sampling_params)
         self.kv_capacity_tokens = self.engine.core.kv_capacity_tokens
+        if self.engine.core.structured_output_manager is not None:
+            self.engine.core.structured_output_manager.prewarm()
         self.stat_loggers: list[Any] = []
         self._last_stats: dict = self.engine.core.get_scheduler_stats()
 
@@ -270,10 +272,19 @@ class AsyncLLM:
         """
         self._check_can_add(request_id)
         pp, params = self.engine.validate(prompt, sampling_params, strict_length=True,
-                                          add_special_tokens=add_special_tokens)
+                                          add_special_tokens=add_special_tokens, wait_for_grammar=False)
+        grammar = self.engine.grammar_future(params)
         q = self._add(request_id, pp, params)
         finished = False
         try:
+            if grammar is not None:
+                # NOTE: the request is already queued (it waits in the scheduler while its grammar
+                # compiles on the manager's threads); a compile error is raised here as the
+                # request's ValueError (HTTP 400) and the finally clause aborts it.
+                try:
+                    await asyncio.wrap_future(grammar)
+                except ValueError as e:
+                    raise params.structured_outputs.rename_error(e) from None
             while True:
                 item = await q.get()
                 if isinstance(item, BaseException):
@@ -335,6 +346,10 @@ class AsyncLLM:
     def get_scheduler_stats(self) -> dict:
         with self._stats_lock:
             return dict(self._last_stats)
+
+    def get_memory_stats(self) -> dict:
+        """Process memory in bytes (``EngineCore.get_memory_stats``); safe from any thread."""
+        return self.engine.core.get_memory_stats()
 
     async def check_health(self) -> None:
         if self._dead is not None or (self._thread is not None and not self._thread.is_alive()

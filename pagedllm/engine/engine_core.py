@@ -13,13 +13,10 @@ import torch
 from pagedllm.config import DEFAULT_CPU_KV_CACHE_BYTES, EngineArgs, parse_bytes
 from pagedllm.core.request import Request, RequestStatus
 from pagedllm.core.sched_output import EngineCoreOutput
+from pagedllm.metrics.memory import format_bytes as _fmt_bytes
 from pagedllm.platforms import default_num_threads, resolve_device, resolve_dtype, resolve_kv_cache_dtype
 
 logger = logging.getLogger("pagedllm")
-
-
-def _fmt_bytes(n: float) -> str:
-    return f"{n / 1024**3:.2f} GiB" if n >= 1024**3 else f"{n / 1024**2:.1f} MiB"
 
 
 class EngineCore:
@@ -167,6 +164,12 @@ class EngineCore:
             from pagedllm.pooling.pooler import build_pooler
             pooler = build_pooler(args, self.hf_config, model, pool_head.get("weight"), pool_head.get("bias"))
         self.pooler = pooler
+        self.structured_output_manager = None
+        if args.runner == "generate":
+            from pagedllm.structured_output.manager import StructuredOutputManager
+            # NOTE: cheap; a backend (tokenizer scan) is built on first use, off this thread.
+            self.structured_output_manager = StructuredOutputManager(
+                self.tokenizer, self.vocab_size, self.eos_token_id, args.structured_outputs_config)
         from pagedllm.attention.selector import get_attn_backend
         attn_impl = get_attn_backend(self.device, args.attention_backend)
         self.runner = ModelRunner(model, num_blocks, args.block_size,
@@ -220,6 +223,17 @@ class EngineCore:
 
     # ------------------------------------------------------------------ requests
     def add_request(self, request: Request) -> None:
+        """Queue ``request``; one with structured outputs gets its grammar state (compiled on
+        the manager's threads; it waits as WAITING_FOR_FSM until then).
+
+        Raises:
+            ValueError: structured outputs on a pooling engine, or a duplicate id.
+        """
+        so_params = getattr(request.sampling_params, "structured_outputs", None)
+        if so_params is not None:
+            if self.structured_output_manager is None:
+                raise ValueError("structured_outputs: needs a generation model (runner='generate')")
+            request.structured_output_request = self.structured_output_manager.new_request(so_params)
         self.scheduler.add_request(request)
 
     def abort_requests(self, request_ids: list[str],
@@ -233,9 +247,15 @@ class EngineCore:
     def step(self) -> list[EngineCoreOutput]:
         """Schedule, run the model and update request states once."""
         so = self.scheduler.schedule()
+        if so.structured_output_request_ids:
+            reqs = self.scheduler.requests
+            so.grammar_bitmask = self.structured_output_manager.grammar_bitmask(
+                [reqs[rid].structured_output_request for rid in so.structured_output_request_ids])
         runner_out = self.runner.execute(so)
-        if so.is_empty:
-            return []
+        if so.is_empty and self.scheduler.num_waiting_for_fsm():
+            # NOTE: only grammars still compiling: yield the CPU to the compile threads instead
+            # of spinning through empty steps.
+            time.sleep(0.002)
         return self.scheduler.update_from_output(so, runner_out)
 
     def reset_prefix_cache(self) -> bool:
@@ -250,4 +270,20 @@ class EngineCore:
             "num_preemptions_total": s.num_preemptions_total,
             "prefix_cache_queries": s.prefix_cache_queries,
             "prefix_cache_hits": s.prefix_cache_hits,
+            **(self.structured_output_manager.stats() if self.structured_output_manager else {}),
         }
+
+    def get_memory_stats(self) -> dict:
+        """Process memory now, in bytes: ``resident_memory_bytes`` (RSS) and, on CPU with the
+        caching allocator installed, ``cpu_allocator_cached_bytes`` (free blocks kept for reuse,
+        bounded by its cap), ``cpu_allocator_live_bytes`` (blocks held by tensors) and
+        ``cpu_allocator_cache_limit_bytes`` (the cap)."""
+        from pagedllm.kernels.cpu_ops import cpu_allocator_stats
+        from pagedllm.metrics.memory import resident_memory_bytes
+
+        out = {"resident_memory_bytes": resident_memory_bytes()}
+        a = cpu_allocator_stats() if self.device.type == "cpu" else {}
+        if a:
+            out.update(cpu_allocator_cached_bytes=a["cached_bytes"], cpu_allocator_live_bytes=a["live_bytes"],
+                       cpu_allocator_cache_limit_bytes=a["max_cached_bytes"])
+        return out

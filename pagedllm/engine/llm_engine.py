@@ -84,8 +84,13 @@ class LLMEngine:
         return str(next(self._ids))
 
     def validate(self, prompt: Any, params: Any, strict_length: bool = False,
-                 add_special_tokens: bool = True):
+                 add_special_tokens: bool = True, wait_for_grammar: bool = True):
         """Tokenize and validate one request without adding it.
+
+        A request with ``structured_outputs``: with ``wait_for_grammar`` its grammar is compiled
+        (on the manager's threads, or a cache hit) before this returns, so a constraint no backend
+        can compile raises here; without it, only the backend name is checked (the async front
+        end then starts and awaits ``grammar_future`` itself).
 
         Returns:
             (ProcessedPrompt, SamplingParams with max_tokens filled).
@@ -99,7 +104,30 @@ class LLMEngine:
         pp = self.input_processor.process_prompt(
             prompt, getattr(params, "truncate_prompt_tokens", None), add_special_tokens)
         params = self.input_processor.process_sampling_params(params, len(pp.prompt_token_ids), strict_length)
+        if params.structured_outputs is not None:
+            if wait_for_grammar:
+                try:
+                    self.grammar_future(params).result()
+                except ValueError as e:
+                    raise params.structured_outputs.rename_error(e) from None
+            elif self.core.structured_output_manager is not None:
+                self.core.structured_output_manager.resolve_backend(params.structured_outputs)
         return pp, params
+
+    def grammar_future(self, params: Any):
+        """The compile of ``params.structured_outputs`` (a ``concurrent.futures.Future`` whose
+        exception is a ValueError naming the field), or None without structured outputs.
+
+        Raises:
+            ValueError: an unknown backend name, or an engine that cannot constrain (pooling).
+        """
+        so = getattr(params, "structured_outputs", None)
+        if so is None:
+            return None
+        mgr = self.core.structured_output_manager
+        if mgr is None:
+            raise ValueError("structured_outputs: needs a generation model (runner='generate')")
+        return mgr.grammar_future(so)
 
     def add_processed_request(self, request_id: str, pp: Any, params: Any,
                               queue: Any = None, arrival_time: Optional[float] = None) -> None:
@@ -250,12 +278,40 @@ class LLMEngine:
                 req, st = entry
                 st.observe(self._iter_stats, req.arrival_time, req.first_scheduled_time, now, 0, False, reason)
 
+    def get_request_state_counts(self) -> dict[str, int]:
+        """Entries in every per-request structure the engine keeps, by name.
+
+        Each is bounded by the unfinished requests (what ``has_unfinished_requests`` counts; an
+        ``n > 1`` request counts once per sample) plus, for the runner's state and the
+        scheduler's ``finished_req_ids``, those finished since the last step (freed by the next
+        one): after the work is done and one more ``step()``, every count is 0. The soak tests
+        and ``pagedllm bench`` use it to show that nothing is kept per finished request.
+        """
+        core = self.core
+        sched, kv, runner = core.scheduler, core.kv_cache_manager, core.runner
+        return {
+            "scheduler.requests": len(sched.requests),
+            "scheduler.finished_req_ids": len(sched.finished_req_ids),
+            "kv_cache_manager.req_to_blocks": len(kv.req_to_blocks),
+            "runner.generators": len(runner.generators),
+            "runner.pool_state": len(runner.pool_state),
+            "runner.input_batch": len(runner.input_batch.row_of),
+            "output_processor.request_states": len(self.output_processor.request_states),
+            "output_processor.parent_requests": len(self.output_processor.parent_requests),
+            "engine.req_stats": len(self._req_stats),
+            "engine.children": len(self._children),
+            "engine.pooling": len(self._pooling),
+        }
+
     def pop_iteration_stats(self) -> IterationStats:
         """Metrics gathered since the last call (tokens, TTFTs, ITLs, finished requests)."""
         it = self._iter_stats
         total = self.core.scheduler.num_preemptions_total
         it.num_preempted = total - self._preemptions_seen
         self._preemptions_seen = total
+        mgr = self.core.structured_output_manager
+        if mgr is not None:
+            it.grammar_compile_seconds = mgr.pop_compile_seconds()
         self._iter_stats = IterationStats()
         return it
 

@@ -154,6 +154,20 @@ def install_cpu_allocator() -> bool:
     return True
 
 
+def cpu_allocator_stats() -> dict[str, int]:
+    """The caching CPU allocator's counters, or ``{}`` when it is not installed.
+
+    Keys: ``cached_bytes`` (free blocks kept for reuse, at most ``max_cached_bytes``),
+    ``live_bytes`` (blocks held by tensors), ``hits`` / ``misses`` (allocations served from the
+    cache / freshly mapped), ``min_bytes``, ``max_cached_bytes``, ``huge_pages``. Bytes are
+    whole 2 MiB-rounded blocks.
+    """
+    ops = _ops if _tried else None  # never triggers a build
+    if ops is None or not hasattr(ops, "cpu_allocator_stats"):
+        return {}
+    return dict(ops.cpu_allocator_stats())
+
+
 def get_ops() -> Optional[Any]:
     """The compiled extension module, or None when disabled or it failed to build."""
     global _ops, _tried

@@ -7,6 +7,7 @@ import time
 from collections import deque
 from typing import Optional
 
+from pagedllm.metrics.memory import format_bytes
 from pagedllm.metrics.stats import IterationStats, SchedulerStats, SchedulerStatsAdapter
 
 logger = logging.getLogger("pagedllm.metrics")
@@ -19,15 +20,19 @@ class LoggingStatLogger:
     """Accumulates stats from ``record`` and logs one line every ``interval`` seconds:
 
     "Avg prompt throughput: X tokens/s, Avg generation throughput: Y tokens/s, Running: N reqs,
-    Waiting: M reqs, KV cache usage: P%, Prefix cache hit rate: H%"
+    Waiting: M reqs, KV cache usage: P%, Prefix cache hit rate: H%[, Resident memory: R,
+    CPU allocator cache: C]"
 
     ``record`` logs itself once the interval has passed; ``log()`` can also be called from a
     timer (the API server does, every interval) so the line keeps coming while idle requests
     drain. Idle periods (nothing processed, nothing running or waiting) log only once.
     """
 
-    def __init__(self, interval: float = 5.0, log_fn=None):
+    def __init__(self, interval: float = 5.0, log_fn=None, memory_fn=None):
         self.interval = float(interval)
+        # Optional callable returning get_memory_stats()-style bytes (resident memory, the CPU
+        # allocator's cache) for the end of the line.
+        self._memory_fn = memory_fn
         self._log_fn = log_fn or logger.info
         self._lock = threading.Lock()
         self._adapt = SchedulerStatsAdapter()
@@ -74,6 +79,20 @@ class LoggingStatLogger:
     def prefix_cache_hit_rate(self) -> float:
         return self._prefix_hits / self._prefix_queries if self._prefix_queries else 0.0
 
+    def _memory_part(self) -> str:
+        if self._memory_fn is None:
+            return ""
+        try:
+            m = self._memory_fn()
+        except Exception:  # a failed reading must not stop the log line
+            return ""
+        part = ""
+        if m.get("resident_memory_bytes"):
+            part += f", Resident memory: {format_bytes(m['resident_memory_bytes'])}"
+        if "cpu_allocator_cached_bytes" in m:
+            part += f", CPU allocator cache: {format_bytes(m['cpu_allocator_cached_bytes'])}"
+        return part
+
     def log(self) -> Optional[str]:
         with self._lock:
             now = time.monotonic()
@@ -91,6 +110,7 @@ class LoggingStatLogger:
                     f"Running: {s.num_running_reqs} reqs, Waiting: {s.num_waiting_reqs} reqs, "
                     f"KV cache usage: {s.kv_cache_usage * 100:.1f}%, "
                     f"Prefix cache hit rate: {self.prefix_cache_hit_rate * 100:.1f}%")
+            line += self._memory_part()
             self.last_line = line
             skip = idle and self._last_line_idle
             self._last_line_idle = idle

@@ -4,13 +4,21 @@ Each ``PrometheusStatLogger`` owns its own ``CollectorRegistry`` so several serv
 one process never collide. Exposed names (Prometheus adds ``_total`` to counters):
 
 gauges     pagedllm:num_requests_running, pagedllm:num_requests_waiting,
-           pagedllm:kv_cache_usage_perc
+           pagedllm:kv_cache_usage_perc, pagedllm:cpu_allocator_cached_bytes,
+           pagedllm:cpu_allocator_live_bytes, pagedllm:cpu_allocator_cache_limit_bytes
+           (and prometheus_client's process_* metrics: process_resident_memory_bytes, ...)
 counters   pagedllm:prompt_tokens_total, pagedllm:generation_tokens_total,
            pagedllm:request_success_total{finished_reason}, pagedllm:num_preemptions_total,
-           pagedllm:prefix_cache_queries_total, pagedllm:prefix_cache_hits_total
+           pagedllm:prefix_cache_queries_total, pagedllm:prefix_cache_hits_total,
+           pagedllm:structured_output_cache_queries_total,
+           pagedllm:structured_output_cache_hits_total,
+           pagedllm:structured_output_compile_failures_total
+gauges     pagedllm:structured_output_cache_entries (compiled grammars held; at most
+           pagedllm:structured_output_cache_capacity)
 histograms pagedllm:time_to_first_token_seconds, pagedllm:inter_token_latency_seconds,
            pagedllm:e2e_request_latency_seconds, pagedllm:request_queue_time_seconds,
-           pagedllm:request_prompt_tokens, pagedllm:request_generation_tokens
+           pagedllm:request_prompt_tokens, pagedllm:request_generation_tokens,
+           pagedllm:structured_output_compile_seconds (one observation per grammar compiled)
 All carry the label ``model_name``.
 """
 from __future__ import annotations
@@ -19,7 +27,7 @@ import threading
 from typing import Optional
 
 from prometheus_client import (CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram,
-                               generate_latest)
+                               ProcessCollector, generate_latest)
 
 from pagedllm.metrics.stats import IterationStats, SchedulerStats, SchedulerStatsAdapter
 
@@ -30,6 +38,8 @@ ITL_BUCKETS = [0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.
 REQUEST_LATENCY_BUCKETS = [0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0,
                            50.0, 60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0]
 FINISH_REASONS = ("stop", "length", "abort")
+GRAMMAR_COMPILE_BUCKETS = [0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0,
+                           10.0, 30.0]
 
 
 def _token_buckets(max_model_len: int) -> list[float]:
@@ -68,6 +78,17 @@ class PrometheusStatLogger:
         self.gauge_kv_usage = Gauge(p + "kv_cache_usage_perc",
                                     "KV-cache usage. 1 means 100 percent usage.",
                                     labels, registry=reg).labels(model_name)
+        # Memory (bytes), refreshed on every scrape by ``record_memory``; the standard
+        # process_resident_memory_bytes etc. come from prometheus_client's ProcessCollector.
+        ProcessCollector(registry=reg)
+        self.gauge_memory = {
+            key: Gauge(p + key, doc, labels, registry=reg).labels(model_name)
+            for key, doc in (
+                ("cpu_allocator_cached_bytes",
+                 "Free blocks the caching CPU allocator keeps for reuse (bounded by its cache limit)."),
+                ("cpu_allocator_live_bytes", "Blocks of the caching CPU allocator held by tensors."),
+                ("cpu_allocator_cache_limit_bytes", "Cap on the caching CPU allocator's free blocks."),
+            )}
         self.counter_preemptions = Counter(p + "num_preemptions",
                                            "Cumulative number of preemption from the engine.",
                                            labels, registry=reg).labels(model_name)
@@ -111,6 +132,29 @@ class PrometheusStatLogger:
                                       "Number of generation tokens processed.", labels,
                                       buckets=tok_buckets, registry=reg).labels(model_name)
 
+        self.counter_so_queries = Counter(
+            p + "structured_output_cache_queries",
+            "Compiled-grammar cache lookups by structured-output requests.",
+            labels, registry=reg).labels(model_name)
+        self.counter_so_hits = Counter(
+            p + "structured_output_cache_hits",
+            "Structured-output requests whose grammar was already compiled (cache hits).",
+            labels, registry=reg).labels(model_name)
+        self.counter_so_failures = Counter(
+            p + "structured_output_compile_failures",
+            "Structured-output constraints no grammar backend could compile.",
+            labels, registry=reg).labels(model_name)
+        self.gauge_so_entries = Gauge(p + "structured_output_cache_entries",
+                                      "Compiled grammars held in the cache.",
+                                      labels, registry=reg).labels(model_name)
+        self.gauge_so_capacity = Gauge(p + "structured_output_cache_capacity",
+                                       "Most compiled grammars the cache holds (LRU bound).",
+                                       labels, registry=reg).labels(model_name)
+        self.hist_grammar_compile = Histogram(
+            p + "structured_output_compile_seconds",
+            "Histogram of structured-output grammar compile time in seconds.",
+            labels, buckets=GRAMMAR_COMPILE_BUCKETS, registry=reg).labels(model_name)
+
     def record(self, scheduler_stats: Optional[SchedulerStats],
                iteration_stats: Optional[IterationStats]) -> None:
         """scheduler_stats: a SchedulerStats, or the engine's totals dict (deltas are taken).
@@ -128,6 +172,7 @@ class PrometheusStatLogger:
                     self.counter_prefix_queries.inc(scheduler_stats.prefix_cache_queries)
                 if scheduler_stats.prefix_cache_hits > 0:
                     self.counter_prefix_hits.inc(scheduler_stats.prefix_cache_hits)
+                self._record_structured_output(scheduler_stats)
             if iteration_stats is None:
                 return
             if iteration_stats.num_preempted > 0:
@@ -136,6 +181,8 @@ class PrometheusStatLogger:
                 self.counter_prompt_tokens.inc(iteration_stats.num_prompt_tokens)
             if iteration_stats.num_generation_tokens > 0:
                 self.counter_generation_tokens.inc(iteration_stats.num_generation_tokens)
+            for t in iteration_stats.grammar_compile_seconds:
+                self.hist_grammar_compile.observe(t)
             for t in iteration_stats.time_to_first_tokens_iter:
                 self.hist_ttft.observe(t)
             for t in iteration_stats.inter_token_latencies_iter:
@@ -150,6 +197,23 @@ class PrometheusStatLogger:
                 self.hist_queue.observe(fr.queue_time)
                 self.hist_req_prompt.observe(fr.num_prompt_tokens)
                 self.hist_req_gen.observe(fr.num_generation_tokens)
+
+    def record_memory(self, stats: dict) -> None:
+        """Set the memory gauges from ``get_memory_stats()`` (keys absent = allocator not
+        installed: those gauges stay 0)."""
+        for key, g in self.gauge_memory.items():
+            if key in stats:
+                g.set(stats[key])
+
+    def _record_structured_output(self, st: SchedulerStats) -> None:
+        if st.structured_output_cache_queries > 0:
+            self.counter_so_queries.inc(st.structured_output_cache_queries)
+        if st.structured_output_cache_hits > 0:
+            self.counter_so_hits.inc(st.structured_output_cache_hits)
+        if st.structured_output_compile_failures > 0:
+            self.counter_so_failures.inc(st.structured_output_compile_failures)
+        self.gauge_so_entries.set(st.structured_output_cache_entries)
+        self.gauge_so_capacity.set(st.structured_output_cache_capacity)
 
     def log(self) -> None:  # stat-logger interface; Prometheus is pull-based
         pass

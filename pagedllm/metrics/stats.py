@@ -26,6 +26,11 @@ class SchedulerStats:
         prefix_cache_queries: prompt tokens looked up in the prefix cache during this step
             (a delta, not a running total).
         prefix_cache_hits: of those, tokens found in the cache (delta).
+        structured_output_cache_queries / structured_output_cache_hits: grammar-cache lookups
+            by constrained requests, and of those the hits (deltas).
+        structured_output_compile_failures: constraints no backend could compile (delta).
+        structured_output_cache_entries: compiled grammars held (snapshot; bounded by
+            ``structured_output_cache_capacity``).
     """
 
     num_running_reqs: int = 0
@@ -33,6 +38,11 @@ class SchedulerStats:
     kv_cache_usage: float = 0.0
     prefix_cache_queries: int = 0
     prefix_cache_hits: int = 0
+    structured_output_cache_queries: int = 0
+    structured_output_cache_hits: int = 0
+    structured_output_compile_failures: int = 0
+    structured_output_cache_entries: int = 0
+    structured_output_cache_capacity: int = 0
 
     @classmethod
     def from_totals(cls, stats: dict, prev: Optional[dict] = None) -> "SchedulerStats":
@@ -44,6 +54,11 @@ class SchedulerStats:
             kv_cache_usage=float(stats.get("kv_cache_usage", 0.0)),
             prefix_cache_queries=_delta(stats, prev, "prefix_cache_queries"),
             prefix_cache_hits=_delta(stats, prev, "prefix_cache_hits"),
+            structured_output_cache_queries=_delta(stats, prev, "structured_output_cache_queries"),
+            structured_output_cache_hits=_delta(stats, prev, "structured_output_cache_hits"),
+            structured_output_compile_failures=_delta(stats, prev, "structured_output_compile_failures"),
+            structured_output_cache_entries=int(stats.get("structured_output_cache_entries", 0)),
+            structured_output_cache_capacity=int(stats.get("structured_output_cache_capacity", 0)),
         )
 
 
@@ -106,6 +121,8 @@ class IterationStats:
             non-first token this step.
         finished_requests: requests that finished in this step.
         num_preempted: requests preempted in this step.
+        grammar_compile_seconds: durations of the structured-output grammar compiles that
+            finished since the previous step.
     """
 
     iteration_timestamp: float = field(default_factory=time.time)
@@ -115,6 +132,7 @@ class IterationStats:
     inter_token_latencies_iter: list[float] = field(default_factory=list)
     finished_requests: list[FinishedRequestStats] = field(default_factory=list)
     num_preempted: int = 0
+    grammar_compile_seconds: list[float] = field(default_factory=list)
 
 
 @dataclass

@@ -190,6 +190,10 @@ class FakeAsyncLLM:
                 "num_preemptions_total": self.num_preemptions,
                 "prefix_cache_queries": self.prefix_queries, "prefix_cache_hits": self.prefix_hits}
 
+    def get_memory_stats(self) -> dict:
+        return {"resident_memory_bytes": 3 << 30, "cpu_allocator_cached_bytes": 64 << 20,
+                "cpu_allocator_live_bytes": 2 << 30, "cpu_allocator_cache_limit_bytes": 1 << 30}
+
     async def check_health(self) -> None:
         if self.dead:
             raise RuntimeError("engine loop died")

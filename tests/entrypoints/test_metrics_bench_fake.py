@@ -8,8 +8,8 @@ import sys
 
 import httpx
 
-from pagedllm.entrypoints.bench_serve import (add_bench_serve_args, benchmark, format_results,
-                                              synthetic_prompts)
+from pagedllm.entrypoints.bench_serve import (MIXED_KINDS, add_bench_serve_args, benchmark, format_results,
+                                              mixed_requests, synthetic_prompts)
 from pagedllm.entrypoints.openai.api_server import build_app
 from pagedllm.metrics.loggers import LoggingStatLogger
 from pagedllm.metrics.prometheus import PrometheusStatLogger
@@ -83,3 +83,82 @@ def test_bench_serve_against_fake():
                 "Mean TTFT (ms):", "Median TPOT (ms):", "P99 ITL (ms):"):
         assert key in out
     assert synthetic_prompts(3, 10, 0) == synthetic_prompts(3, 10, 0)
+
+
+def _sample(text: str, name: str) -> float:
+    """The value of the exposition line for ``name`` (with its labels)."""
+    vals = [float(x.rsplit(" ", 1)[1]) for x in text.splitlines() if x.rsplit(" ", 1)[0] == name]
+    assert len(vals) == 1, (name, vals)
+    return vals[0]
+
+
+def test_memory_gauges_and_log_line():
+    p = PrometheusStatLogger("m", 128)
+    p.record_memory({"resident_memory_bytes": 5, "cpu_allocator_cached_bytes": 3 << 20,
+                     "cpu_allocator_live_bytes": 7 << 20, "cpu_allocator_cache_limit_bytes": 1 << 30})
+    text = p.render().decode()
+    assert _sample(text, 'pagedllm:cpu_allocator_cached_bytes{model_name="m"}') == 3 << 20
+    assert _sample(text, 'pagedllm:cpu_allocator_live_bytes{model_name="m"}') == 7 << 20
+    assert _sample(text, 'pagedllm:cpu_allocator_cache_limit_bytes{model_name="m"}') == 1 << 30
+    # This test process's RSS, from prometheus_client's ProcessCollector.
+    assert _sample(text, "process_resident_memory_bytes") > 10 << 20
+    lines = []
+    lg = LoggingStatLogger(interval=1000, log_fn=lines.append,
+                           memory_fn=lambda: {"resident_memory_bytes": 3 << 30, "cpu_allocator_cached_bytes": 64 << 20})
+    line = lg.log()
+    assert line.endswith(", Resident memory: 3.00 GiB, CPU allocator cache: 64.0 MiB"), line
+    broken = LoggingStatLogger(interval=1000, log_fn=lines.append, memory_fn=lambda: 1 / 0)
+    assert "Resident memory" not in broken.log()  # a failed reading never stops the line
+
+
+def test_server_metrics_carry_memory_and_mixed_soak_samples_it():
+    engine = FakeAsyncLLM(max_model_len=4096)
+    app = build_app(engine, argparse.Namespace(disable_log_requests=True, disable_log_stats=True))
+    args = add_bench_serve_args(argparse.ArgumentParser()).parse_args(
+        ["--dataset-name", "mixed", "--num-prompts", "16", "--max-tokens", "4", "--max-concurrency", "4",
+         "--warmup-requests", "8", "--memory-samples", "2"])
+    args.transport = httpx.ASGITransport(app=app)
+    args.base_url = "http://testserver"
+    m = asyncio.run(benchmark(args))
+    assert m["failed"] == 0, [e for e in m["errors"] if e][:3]
+    assert m["completed"] == 16
+    assert [s["requests_done"] for s in m["memory_samples"]] == [8, 12, 16]  # after warm-up, then 2
+    assert all(s["resident_memory_bytes"] > 10 << 20 for s in m["memory_samples"])
+    assert "resident_memory_growth_ratio" in m
+
+    async def scrape():
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as c:
+            return (await c.get("/metrics")).text
+    text = asyncio.run(scrape())
+    assert _sample(text, f'pagedllm:cpu_allocator_cached_bytes{{model_name="{m["model_id"]}"}}') == 64 << 20
+
+
+def test_mixed_workload_is_deterministic_and_covers_every_kind():
+    a = mixed_requests(24, 3, 8)
+    assert a == mixed_requests(24, 3, 8) and a != mixed_requests(24, 4, 8)
+    endpoints = {e for e, _, _ in a}
+    assert endpoints == {"/v1/chat/completions", "/v1/completions"}
+    assert sum(abort for _, _, abort in a) == 24 // len(MIXED_KINDS)
+    assert any(not body["stream"] for _, body, _ in a)
+    assert any(len(body.get("prompt", "")) > 4000 for _, body, _ in a)
+    assert any("seed" in body for _, body, _ in a) and any(body.get("logprobs") == 5 for _, body, _ in a)
+
+
+def test_bench_serve_json_schema_on_a_share_of_requests():
+    from pagedllm.entrypoints.bench_serve import BUILTIN_SCHEMA
+    engine = FakeAsyncLLM(max_model_len=256)
+    app = build_app(engine, argparse.Namespace(disable_log_requests=True, disable_log_stats=True))
+    args = add_bench_serve_args(argparse.ArgumentParser()).parse_args(
+        ["--num-prompts", "6", "--max-tokens", "4", "--input-len", "8", "--max-concurrency", "3",
+         "--json-schema", "builtin", "--structured-output-ratio", "0.5"])
+    args.transport = httpx.ASGITransport(app=app)
+    args.base_url = "http://testserver"
+    m = asyncio.run(benchmark(args))
+    assert m["completed"] == 6 and m["structured_outputs"] == 3
+    sos = [sp.structured_outputs for _, sp, _ in engine.received]
+    assert sum(so is not None for so in sos) == 3
+    assert all(so.json == BUILTIN_SCHEMA for so in sos if so is not None)
+    assert len(BUILTIN_SCHEMA["properties"]) == 20
+    # The fake engine ignores the constraint: its text is no JSON, so none counts as valid.
+    assert m["structured_outputs_valid"] == 0
+    assert "Structured-output requests:" in format_results(m, 3, float("inf"))

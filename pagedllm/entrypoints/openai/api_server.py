@@ -102,7 +102,8 @@ def build_app(engine: Any, args: Optional[argparse.Namespace] = None) -> FastAPI
             if existing:
                 log_stats = existing[0]
             else:
-                log_stats = LoggingStatLogger(interval=STATS_LOG_INTERVAL_S)
+                log_stats = LoggingStatLogger(interval=STATS_LOG_INTERVAL_S,
+                                              memory_fn=getattr(engine, "get_memory_stats", None))
                 loggers_list.append(log_stats)
 
     from pagedllm.entrypoints.openai.response_store import DEFAULT_MAX_ENTRIES, ResponseStore
@@ -260,8 +261,15 @@ def build_app(engine: Any, args: Optional[argparse.Namespace] = None) -> FastAPI
             prom.gauge_running.set(s.get("num_running", 0))
             prom.gauge_waiting.set(s.get("num_waiting", 0))
             prom.gauge_kv_usage.set(s.get("kv_cache_usage", 0.0))
+            prom.gauge_so_entries.set(s.get("structured_output_cache_entries", 0))
         except Exception:
             logger.debug("get_scheduler_stats failed", exc_info=True)
+        memory_fn = getattr(engine, "get_memory_stats", None)
+        if memory_fn is not None:
+            try:
+                prom.record_memory(memory_fn())
+            except Exception:
+                logger.debug("get_memory_stats failed", exc_info=True)
         return Response(prom.render(), media_type=prom.content_type)
 
     @app.post("/reset_prefix_cache")

@@ -120,6 +120,14 @@ def add_serve_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g.add_argument("--ignore-patterns", nargs="*", default=[],
                    help="fnmatch patterns of checkpoint files not to load.")
 
+    g = parser.add_argument_group("Structured outputs")
+    g.add_argument("--structured-outputs-config", type=_json_dict, default=None,
+                   help='Structured-output settings as JSON (vLLM\'s flag), e.g. \'{"backend": "auto"}\': '
+                        'backend auto (xgrammar, llguidance for what it cannot compile) | xgrammar | '
+                        'guidance; disable_fallback, disable_any_whitespace, '
+                        'disable_additional_properties (booleans); grammar_cache_size (compiled '
+                        'grammars kept, default 256); compile_threads (default 2).')
+
     g = parser.add_argument_group("Scheduler and KV cache")
     g.add_argument("--max-num-seqs", type=_positive_int, default=128,
                    help="Max requests scheduled in one step (default: 128).")

@@ -78,6 +78,8 @@ _KNOWN_PARAMS = (
     "allowed_token_ids", "bad_words", "truncate_prompt_tokens", "messages", "prompt", "best_of",
     "ignore_eos", "cache_salt", "stream_options", "tools", "tool_choice", "response_format",
     "chat_template", "chat_template_kwargs", "skip_special_tokens", "input",
+    "structured_outputs", "guided_json", "guided_regex", "guided_choice", "guided_grammar",
+    "guided_decoding_backend", "guided_whitespace_pattern", "structural_tag",
 )
 _PARAM_RE = re.compile(r"`?\b(" + "|".join(re.escape(p) for p in _KNOWN_PARAMS) + r")\b`?")
 
