@@ -233,7 +233,8 @@ class EngineCore:
         if so_params is not None:
             if self.structured_output_manager is None:
                 raise ValueError("structured_outputs: needs a generation model (runner='generate')")
-            request.structured_output_request = self.structured_output_manager.new_request(so_params)
+            request.structured_output_request = self.structured_output_manager.new_request(
+                so_params, request.prompt_token_ids)
         self.scheduler.add_request(request)
 
     def abort_requests(self, request_ids: list[str],

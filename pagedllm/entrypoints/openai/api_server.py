@@ -323,6 +323,12 @@ def run_server(args: argparse.Namespace) -> int:
     except ValueError as e:
         print(f"pagedllm serve: error: {e}", file=sys.stderr, flush=True)
         return 2
+    if getattr(args, "reasoning_parser", None):
+        # Structured outputs constrain the answer, not the reasoning (vLLM: the reasoning
+        # parser is part of the structured-outputs config).
+        cfg = dict(getattr(args, "structured_outputs_config", None) or {})
+        cfg.setdefault("reasoning_parser", args.reasoning_parser)
+        args.structured_outputs_config = cfg
     engine_args = engine_args_from_namespace(args)
     engine = AsyncLLM.from_engine_args(engine_args)
     app = build_app(engine, args)
