@@ -249,3 +249,45 @@ def test_messages_errors_are_anthropic_errors(claude, server):
     with pytest.raises(anthropic.AuthenticationError):
         Anthropic(base_url=server, api_key="wrong", max_retries=0).messages.create(
             model=MODEL, max_tokens=4, messages=[{"role": "user", "content": "hi"}])
+
+
+def test_responses_full_round_trip_through_a_forced_call(oai):
+    if not _structured():
+        pytest.skip("structured outputs are not in this build")
+    import jsonschema
+    fn = {"type": "function", **WEATHER["function"]}
+    with oai.responses.stream(model=MODEL, input="What is the weather in Paris?", tools=[fn],
+                              tool_choice={"type": "function", "name": "get_weather"},
+                              max_output_tokens=200, temperature=0) as s:
+        events = [e.type for e in s]
+        first = s.get_final_response()
+    (call,) = [o for o in first.output if o.type == "function_call"]
+    assert call.name == "get_weather" and "response.function_call_arguments.delta" in events
+    jsonschema.validate(json.loads(call.arguments), WEATHER["function"]["parameters"])
+    final = oai.responses.create(model=MODEL, previous_response_id=first.id, tools=[fn],
+                                 input=[{"type": "function_call_output", "call_id": call.call_id,
+                                         "output": "18 C, light rain"}],
+                                 max_output_tokens=40, temperature=0)
+    assert final.output_text and final.usage.input_tokens > first.usage.input_tokens
+
+
+def test_messages_full_round_trip_through_a_forced_call(claude):
+    if not _structured():
+        pytest.skip("structured outputs are not in this build")
+    import jsonschema
+    tool = {"name": "get_weather", "description": "Get the current weather in a city",
+            "input_schema": WEATHER["function"]["parameters"]}
+    msgs = [{"role": "user", "content": "What is the weather in Paris?"}]
+    with claude.messages.stream(model=MODEL, max_tokens=200, tools=[tool], messages=msgs,
+                                tool_choice={"type": "tool", "name": "get_weather"}) as s:
+        first = s.get_final_message()
+    assert first.stop_reason == "tool_use"
+    (use,) = [b for b in first.content if b.type == "tool_use"]
+    jsonschema.validate(use.input, tool["input_schema"])
+    msgs += [{"role": "assistant", "content": [b.model_dump(exclude_none=True)
+                                               for b in first.content]},
+             {"role": "user", "content": [{"type": "tool_result", "tool_use_id": use.id,
+                                           "content": "18 C, light rain"}]}]
+    final = claude.messages.create(model=MODEL, max_tokens=40, tools=[tool], messages=msgs,
+                                   extra_body={"temperature": 0.0})
+    assert final.content and final.content[0].type == "text" and final.content[0].text
