@@ -8,7 +8,7 @@ __version__ = "0.1.0"
 
 __all__ = ["LLM", "SamplingParams", "PoolingParams", "RequestOutput", "CompletionOutput",
            "PoolingRequestOutput", "EngineArgs", "RequestOutputKind", "PoolerConfig", "StructuredOutputsParams",
-           "__version__"]
+           "TextPrompt", "TokensPrompt", "PromptType", "__version__"]
 
 
 def __getattr__(name: str):
@@ -28,6 +28,9 @@ def __getattr__(name: str):
     if name in ("RequestOutput", "CompletionOutput", "PoolingRequestOutput"):
         from pagedllm import outputs
         return getattr(outputs, name)
+    if name in ("TextPrompt", "TokensPrompt", "PromptType"):
+        from pagedllm import inputs
+        return getattr(inputs, name)
     if name == "EngineArgs":
         from pagedllm.config import EngineArgs
         return EngineArgs

@@ -233,6 +233,8 @@ class AsyncLLM:
             for rid in ids:
                 self._queues[rid].put_nowait(e)
             self._queues.clear()
+            if getattr(eng.core.executor, "is_failed", False):
+                self._dead = e  # NOTE: a rank died, hung or failed: no step can run any more
             try:
                 eng.abort_request(ids)
             except Exception:
@@ -352,9 +354,16 @@ class AsyncLLM:
         return self.engine.core.get_memory_stats()
 
     async def check_health(self) -> None:
+        """Raises ``EngineDeadError`` when the engine loop has died or a worker rank has died or
+        hangs (the message names the rank)."""
         if self._dead is not None or (self._thread is not None and not self._thread.is_alive()
                                       and not self._stop.is_set()):
             raise EngineDeadError(f"engine loop is dead: {self._dead!r}")
+        executor = self.engine.core.executor
+        try:
+            executor.check_health()
+        except Exception as e:
+            raise EngineDeadError(f"engine is dead: {e}") from None
 
     def shutdown(self) -> None:
         """Abort every request and stop the engine thread."""
@@ -366,3 +375,6 @@ class AsyncLLM:
         self._loop_known.set()
         if self._thread is not None and self._thread is not threading.current_thread():
             self._thread.join(timeout=10)
+        engine = getattr(self, "engine", None)
+        if engine is not None:
+            engine.shutdown()  # NOTE: stops worker processes / Ray actors

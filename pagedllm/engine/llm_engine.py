@@ -270,6 +270,10 @@ class LLMEngine:
     def has_unfinished_requests(self) -> bool:
         return self.core.has_unfinished_requests()
 
+    def shutdown(self) -> None:
+        """Stop the executor's worker processes / actors (idempotent)."""
+        self.core.shutdown()
+
     def _observe_finished(self, core_ids: list[str], reason: str) -> None:
         now = time.time()
         for rid in core_ids:
@@ -288,14 +292,22 @@ class LLMEngine:
         and ``pagedllm bench`` use it to show that nothing is kept per finished request.
         """
         core = self.core
-        sched, kv, runner = core.scheduler, core.kv_cache_manager, core.runner
-        return {
+        sched, kv = core.scheduler, core.kv_cache_manager
+        out = {
             "scheduler.requests": len(sched.requests),
             "scheduler.finished_req_ids": len(sched.finished_req_ids),
             "kv_cache_manager.req_to_blocks": len(kv.req_to_blocks),
-            "runner.generators": len(runner.generators),
-            "runner.pool_state": len(runner.pool_state),
-            "runner.input_batch": len(runner.input_batch.row_of),
+        }
+        try:
+            runner = core.runner
+        except AttributeError:  # workers in other processes: their state is theirs to count
+            runner = None
+        if runner is not None:
+            out.update({"runner.generators": len(runner.generators),
+                        "runner.pool_state": len(runner.pool_state),
+                        "runner.input_batch": len(runner.input_batch.row_of)})
+        return {
+            **out,
             "output_processor.request_states": len(self.output_processor.request_states),
             "output_processor.parent_requests": len(self.output_processor.parent_requests),
             "engine.req_stats": len(self._req_stats),

@@ -99,6 +99,9 @@ class FinishedRequestStats:
         e2e_latency: seconds from arrival to finish.
         queue_time: seconds from arrival to first being scheduled.
         num_prompt_tokens / num_generation_tokens: token counts of the request (all samples).
+        prefill_time: seconds from first being scheduled to the first output token.
+        decode_time: seconds from the first output token to finish.
+        inference_time: seconds from first being scheduled to finish (prefill + decode).
     """
 
     finish_reason: str
@@ -106,6 +109,9 @@ class FinishedRequestStats:
     queue_time: float = 0.0
     num_prompt_tokens: int = 0
     num_generation_tokens: int = 0
+    prefill_time: float = 0.0
+    decode_time: float = 0.0
+    inference_time: float = 0.0
 
 
 @dataclass
@@ -189,10 +195,14 @@ class RequestStateStats:
         if finished_reason is not None:
             self.finished = True
             sched = first_scheduled_time if first_scheduled_time is not None else now
+            first = self.first_token_time if self.first_token_time is not None else now
             iteration_stats.finished_requests.append(FinishedRequestStats(
                 finish_reason=str(finished_reason),
                 e2e_latency=max(0.0, now - arrival_time),
                 queue_time=max(0.0, sched - arrival_time),
                 num_prompt_tokens=self.num_prompt_tokens,
                 num_generation_tokens=self.num_generation_tokens,
+                prefill_time=max(0.0, first - sched),
+                decode_time=max(0.0, now - first),
+                inference_time=max(0.0, now - sched),
             ))

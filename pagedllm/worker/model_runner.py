@@ -226,7 +226,10 @@ class ModelRunner:
             h = hidden
         else:
             h = hidden[torch.from_numpy(qsl[1:][sel_idx] - 1)]
-        logits = self.model.compute_logits(h).float()
+        logits = self.model.compute_logits(h)
+        if logits is None:  # NOTE: a tensor/pipeline-parallel rank that does not sample
+            return
+        logits = logits.float()
         sel = [reqs[i] for i in sel_idx]
         meta = self.input_batch.sampling_metadata(rows[sel_idx], self.device)
         if meta is None:
@@ -265,7 +268,10 @@ class ModelRunner:
         n_rows = min(e, P - 1) - s
         entries: list[Any] = [None] if s == 0 else []
         if n_rows > 0:
-            logits = self.model.compute_logits(h[:n_rows]).float()
+            logits = self.model.compute_logits(h[:n_rows])
+            if logits is None:  # a rank that does not sample
+                return
+            logits = logits.float()
             targets = torch.as_tensor(r.token_ids[s + 1:s + 1 + n_rows], dtype=torch.int64)
             k = r.sampling_params.prompt_logprobs
             ids, lps, ranks = compute_prompt_logprobs(logits, targets, k)

@@ -1,12 +1,15 @@
 """Request/response models of the OpenAI-compatible API (OpenAI + vLLM field names)."""
 from __future__ import annotations
 
+import logging
 import math
 import time
 import uuid
 from typing import Any, Literal, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+logger = logging.getLogger("pagedllm.entrypoints.openai")
 
 # vLLM's fallbacks for sampling fields neither the request nor the model's generation config set.
 _DEFAULT_SAMPLING_PARAMS = {
@@ -36,8 +39,26 @@ def random_uuid() -> str:
 
 
 class OpenAIBaseModel(BaseModel):
-    # Unknown fields are accepted and ignored, as OpenAI and vLLM do.
+    # Unknown fields are accepted and ignored, as OpenAI and vLLM do, with a logged warning
+    # naming them (vLLM's OpenAIBaseModel.__log_extra_fields__), so a misspelt or unsupported
+    # parameter is not dropped without a word.
     model_config = ConfigDict(extra="allow", ser_json_inf_nan="null")
+
+    @model_validator(mode="wrap")
+    @classmethod
+    def _log_extra_fields(cls, data: Any, handler: Any) -> Any:
+        result = handler(data)
+        if isinstance(data, dict):
+            known = set()
+            for name, f in cls.model_fields.items():
+                known.add(name)
+                if f.alias:
+                    known.add(f.alias)
+            extra = sorted(str(k) for k in data if k not in known)
+            if extra:
+                logger.warning("The following fields were present in the request but ignored "
+                               "(%s): %s", cls.__name__, extra)
+        return result
 
 
 # --------------------------------------------------------------------------------------------
@@ -57,8 +78,20 @@ class ErrorResponse(OpenAIBaseModel):
 
 
 class StreamOptions(OpenAIBaseModel):
-    include_usage: Optional[bool] = True
-    continuous_usage_stats: Optional[bool] = False
+    """OpenAI ``stream_options``: a usage chunk is streamed only for ``include_usage: true``
+    (absent = no usage, so ``stream_options: {}`` streams none); vLLM's
+    ``continuous_usage_stats`` adds usage to every chunk, and only together with it."""
+
+    include_usage: Optional[bool] = None
+    continuous_usage_stats: Optional[bool] = None
+
+    @property
+    def wants_usage(self) -> bool:
+        return self.include_usage is True
+
+    @property
+    def wants_continuous_usage(self) -> bool:
+        return self.include_usage is True and self.continuous_usage_stats is True
 
 
 class PromptTokenUsageInfo(OpenAIBaseModel):

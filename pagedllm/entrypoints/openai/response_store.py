@@ -5,8 +5,8 @@ Bound: at most ``max_entries`` responses (``--responses-store-size``, default 10
 storing off). When full, storing one more evicts the least recently used *finished* response
 (a background response still running is never evicted; if all of them are running, the new
 one is refused). Counted in /metrics as ``pagedllm:responses_store_entries`` (gauge) and
-``pagedllm:responses_store_evictions_total`` (counter). The store lives in the server process
-and is lost when it stops.
+``pagedllm:responses_store_evictions_total`` (counter; ``vllm:`` with ``--metrics-prefix vllm``).
+The store lives in the server process and is lost when it stops.
 """
 from __future__ import annotations
 
@@ -40,10 +40,11 @@ class ResponseStore:
         max_entries: the bound (0 = store nothing).
         registry: a prometheus_client CollectorRegistry for the metrics, or None.
         model_name: the ``model_name`` label of the metrics.
+        prefix: the metric names' prefix ("pagedllm", or "vllm" with ``--metrics-prefix vllm``).
     """
 
     def __init__(self, max_entries: int = DEFAULT_MAX_ENTRIES, registry: Any = None,
-                 model_name: str = ""):
+                 model_name: str = "", prefix: str = "pagedllm"):
         if max_entries < 0:
             raise ValueError(f"responses store size must be >= 0, got {max_entries}")
         self.max_entries = int(max_entries)
@@ -53,10 +54,10 @@ class ResponseStore:
         self._gauge = self._counter = None
         if registry is not None:
             from prometheus_client import Counter, Gauge
-            self._gauge = Gauge("pagedllm:responses_store_entries",
+            self._gauge = Gauge(f"{prefix}:responses_store_entries",
                                 "Responses held by the Responses API store.", ["model_name"],
                                 registry=registry).labels(model_name)
-            self._counter = Counter("pagedllm:responses_store_evictions",
+            self._counter = Counter(f"{prefix}:responses_store_evictions",
                                     "Responses evicted from the full Responses API store.",
                                     ["model_name"], registry=registry).labels(model_name)
 
