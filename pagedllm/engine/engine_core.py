@@ -150,6 +150,18 @@ class EngineCore:
 
     # ------------------------------------------------------------------ requests
     def add_request(self, request: Request) -> None:
+        """Queue ``request``; one with structured outputs gets its grammar state (compiled on
+        the manager's threads; it waits as WAITING_FOR_FSM until then).
+
+        Raises:
+            ValueError: structured outputs on a pooling engine, or a duplicate id.
+        """
+        so_params = getattr(request.sampling_params, "structured_outputs", None)
+        if so_params is not None:
+            if self.structured_output_manager is None:
+                raise ValueError("structured_outputs: needs a generation model (runner='generate')")
+            request.structured_output_request = self.structured_output_manager.new_request(
+                so_params, request.prompt_token_ids)
         self.scheduler.add_request(request)
 
     def abort_requests(self, request_ids: list[str],
