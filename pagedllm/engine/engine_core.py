@@ -13,7 +13,7 @@ from typing import Any, Optional
 
 from pagedllm.config import EngineArgs
 from pagedllm.core.request import Request, RequestStatus
-from pagedllm.core.sched_output import EngineCoreOutput, SchedulerOutput
+from pagedllm.core.sched_output import EngineCoreOutput, ModelRunnerOutput, SchedulerOutput
 from pagedllm.metrics.memory import format_bytes as _fmt_bytes
 
 logger = logging.getLogger("pagedllm")
@@ -150,6 +150,18 @@ class EngineCore:
 
     # ------------------------------------------------------------------ requests
     def add_request(self, request: Request) -> None:
+        """Queue ``request``; one with structured outputs gets its grammar state (compiled on
+        the manager's threads; it waits as WAITING_FOR_FSM until then).
+
+        Raises:
+            ValueError: structured outputs on a pooling engine, or a duplicate id.
+        """
+        so_params = getattr(request.sampling_params, "structured_outputs", None)
+        if so_params is not None:
+            if self.structured_output_manager is None:
+                raise ValueError("structured_outputs: needs a generation model (runner='generate')")
+            request.structured_output_request = self.structured_output_manager.new_request(
+                so_params, request.prompt_token_ids)
         self.scheduler.add_request(request)
 
     def abort_requests(self, request_ids: list[str],
@@ -166,13 +178,13 @@ class EngineCore:
             return self._step_with_batch_queue()
         so = self._schedule()
         runner_out = self.executor.execute_model(so)
-        if so.is_empty:
-            if self.scheduler.num_waiting_for_fsm():
-                # NOTE: only grammars still compiling: yield the CPU to the compile threads
-                # instead of spinning through empty steps.
-                time.sleep(0.002)
-            return []
-        return self.scheduler.update_from_output(so, runner_out)
+        if so.is_empty and self.scheduler.num_waiting_for_fsm():
+            # NOTE: only grammars still compiling: yield the CPU to the compile threads instead
+            # of spinning through empty steps.
+            time.sleep(0.002)
+        # NOTE: an empty step too: it returns the outputs of requests finished inside
+        # schedule() (a grammar that failed to compile).
+        return self.scheduler.update_from_output(so, runner_out or ModelRunnerOutput())
 
     def _schedule(self) -> SchedulerOutput:
         """``scheduler.schedule()`` plus the step's grammar bitmask for constrained rows."""
@@ -195,8 +207,12 @@ class EngineCore:
             if not so.is_empty:
                 q.append((so, self.executor.execute_model(so, non_block=True)))
                 scheduled = True
-            elif so.finished_req_ids or so.preempted_req_ids:
-                self.executor.execute_model(so)  # NOTE: the workers drop finished requests' state
+            else:
+                if so.finished_req_ids or so.preempted_req_ids:
+                    self.executor.execute_model(so)  # NOTE: the workers drop finished requests' state
+                failed = self.scheduler.update_from_output(so, ModelRunnerOutput())
+                if failed:  # requests finished inside schedule() (a grammar that failed to compile)
+                    return failed
         if not q or (scheduled and len(q) < self.batch_queue_size):
             return []
         so, fut = q.popleft()

@@ -78,13 +78,26 @@ class LLM:
 
     def chat(self, messages: Union[list[dict], list[list[dict]]], sampling_params: Any = None,
              use_tqdm: bool = True, chat_template: Optional[str] = None, add_generation_prompt: bool = True,
-             continue_final_message: bool = False, chat_template_kwargs: Optional[dict] = None
-             ) -> list[RequestOutput]:
+             continue_final_message: bool = False, chat_template_kwargs: Optional[dict] = None,
+             tools: Optional[list[dict]] = None) -> list[RequestOutput]:
         """Apply the chat template to one conversation or a list of them, then generate.
 
+        ``tools``: OpenAI-style function tools (``{"type": "function", "function": {"name",
+        "description", "parameters"}}``) shown to the template; parse the calls out of the
+        text with a tool parser (``pagedllm.entrypoints.openai.tool_parsers``).
+
         Raises:
-            ValueError: empty conversation or a tokenizer without a chat template.
+            ValueError: empty conversation, a tokenizer without a chat template, or invalid
+                ``tools``.
         """
+        if tools:
+            from pagedllm.entrypoints.openai.errors import OpenAIError
+            from pagedllm.entrypoints.openai.tool_calling import validate_tools
+            try:
+                tools = validate_tools(tools)
+            except OpenAIError as e:
+                raise ValueError(e.message) from None
+            chat_template_kwargs = dict(chat_template_kwargs or {}, tools=tools)
         convs = [messages] if messages and isinstance(messages[0], dict) else list(messages)
         prompts = [self.llm_engine_apply_chat_template(c, chat_template, add_generation_prompt,
                                                       continue_final_message, chat_template_kwargs)

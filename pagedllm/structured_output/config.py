@@ -20,6 +20,10 @@ class StructuredOutputsConfig:
             properties their schema names.
         grammar_cache_size: compiled grammars kept (LRU, by backend and constraint); >= 1.
         compile_threads: threads that compile grammars off the engine thread; >= 1.
+        reasoning_parser: name of a reasoning parser (``pagedllm.reasoning``; the server's
+            ``--reasoning-parser``): constraints start only once the reasoning has ended, so
+            the thinking text is free and only the answer is constrained (vLLM's field).
+        enable_in_reasoning: constrain the reasoning too (ignore ``reasoning_parser`` here).
     """
 
     backend: str = "auto"
@@ -28,6 +32,8 @@ class StructuredOutputsConfig:
     disable_additional_properties: bool = False
     grammar_cache_size: int = 256
     compile_threads: int = 2
+    reasoning_parser: Optional[str] = None
+    enable_in_reasoning: bool = False
 
     @classmethod
     def from_any(cls, value: Optional[Any]) -> "StructuredOutputsConfig":
@@ -50,7 +56,14 @@ class StructuredOutputsConfig:
         if cfg.backend not in BACKEND_NAMES:
             raise ValueError(f"structured_outputs_config.backend: must be one of {list(BACKEND_NAMES)}, "
                              f"got {cfg.backend!r}")
-        for name in ("disable_fallback", "disable_any_whitespace", "disable_additional_properties"):
+        if cfg.reasoning_parser is not None:
+            from pagedllm.reasoning import ReasoningParserManager
+            try:
+                ReasoningParserManager.get_reasoning_parser(cfg.reasoning_parser)
+            except KeyError as e:
+                raise ValueError(f"structured_outputs_config.reasoning_parser: {e.args[0]}") from None
+        for name in ("disable_fallback", "disable_any_whitespace", "disable_additional_properties",
+                     "enable_in_reasoning"):
             if not isinstance(getattr(cfg, name), bool):
                 raise ValueError(f"structured_outputs_config.{name}: must be a boolean")
         for name in ("grammar_cache_size", "compile_threads"):

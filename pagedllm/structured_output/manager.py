@@ -176,9 +176,24 @@ class StructuredOutputManager:
         raise ValueError(f"{first} (the guidance backend cannot either: {second.removeprefix(spec.field + ': ')})")
 
     # ------------------------------------------------------------------ requests
-    def new_request(self, params: StructuredOutputsParams) -> StructuredOutputRequest:
-        """Grammar state for one core request (not counted as a cache query)."""
-        return StructuredOutputRequest(self.grammar_future(params, count=False))
+    @property
+    def reasoner(self) -> Any:
+        """The reasoning parser whose reasoning stays unconstrained, or None."""
+        cfg = self.config
+        if cfg.reasoning_parser is None or cfg.enable_in_reasoning:
+            return None
+        if getattr(self, "_reasoner", None) is None:
+            from pagedllm.reasoning import ReasoningParserManager
+            self._reasoner = ReasoningParserManager.get_reasoning_parser(
+                cfg.reasoning_parser)(self.tokenizer)
+        return self._reasoner
+
+    def new_request(self, params: StructuredOutputsParams,
+                    prompt_token_ids: Optional[list[int]] = None) -> StructuredOutputRequest:
+        """Grammar state for one core request (not counted as a cache query). With a reasoning
+        parser, the grammar starts after the reasoning ends (in the prompt or in the output)."""
+        return StructuredOutputRequest(self.grammar_future(params, count=False), self.reasoner,
+                                       prompt_token_ids)
 
     def grammar_bitmask(self, requests: list[StructuredOutputRequest]) -> Any:
         """The step's bitmask: row i = allowed next tokens of ``requests[i]``.

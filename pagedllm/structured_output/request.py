@@ -22,10 +22,17 @@ class StructuredOutputRequest:
     preempted request keeps it (its outputs are kept; only the KV cache is recomputed).
     """
 
-    def __init__(self, grammar: Future) -> None:
+    def __init__(self, grammar: Future, reasoner: Any = None,
+                 prompt_token_ids: Optional[list[int]] = None) -> None:
         self._grammar = grammar
         self._matcher: Optional[GrammarMatcher] = None
         self.num_accepted = 0
+        # With a reasoning parser the grammar applies only after the reasoning: until then
+        # every token is allowed and none advances the matcher (vLLM's reasoning_ended).
+        self._reasoner = reasoner
+        ids = list(prompt_token_ids or [])
+        self.reasoning_ended = reasoner is None or reasoner.is_reasoning_end(ids)
+        self._ids = ids[-32:]  # the tail: context for an end marker split over tokens
 
     def is_ready(self) -> bool:
         """The grammar finished compiling (successfully or not): the request may be scheduled."""
@@ -45,7 +52,17 @@ class StructuredOutputRequest:
         return self._matcher
 
     def accept_tokens(self, token_ids: list[int]) -> bool:
-        """Advance the matcher over newly sampled tokens; False when one is not allowed."""
+        """Advance the matcher over newly sampled tokens; False when one is not allowed.
+        Reasoning tokens are not checked; the tokens after the end of the reasoning are."""
+        if not self.reasoning_ended:
+            k = self._reasoner.reasoning_end_in(self._ids, token_ids)
+            self._ids = (self._ids + list(token_ids))[-32:]  # context for a split marker
+            if k is None:
+                return True
+            self.reasoning_ended = True
+            token_ids = list(token_ids[k:])
+            if not token_ids:
+                return True
         ok = self.matcher.accept_tokens(token_ids)
         if ok:
             self.num_accepted += len(token_ids)
@@ -59,8 +76,10 @@ class StructuredOutputRequest:
         self.num_accepted -= num_tokens
 
     def is_terminated(self) -> bool:
-        return self.matcher.is_terminated()
+        return self.reasoning_ended and self.matcher.is_terminated()
 
     def fill_bitmask(self, bitmask: Any, row: int) -> None:
-        """Allowed next tokens into ``bitmask[row]`` (int32 ``[rows, ceil(V/32)]``, CPU)."""
-        self.matcher.fill_bitmask(bitmask, row)
+        """Allowed next tokens into ``bitmask[row]`` (int32 ``[rows, ceil(V/32)]``, CPU); the
+        row stays all-allowed while the request is reasoning."""
+        if self.reasoning_ended:
+            self.matcher.fill_bitmask(bitmask, row)

@@ -92,6 +92,27 @@ def add_serve_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                    help="Max number of logprobs a request may ask for (`logprobs`, "
                         "`top_logprobs`, `prompt_logprobs`; default: 20).")
 
+    g = parser.add_argument_group("Tool calling and reasoning")
+    g.add_argument("--enable-auto-tool-choice", action="store_true",
+                   help='Let the model decide when to call tools (`tool_choice: "auto"`, the '
+                        "default when a request has tools); needs --tool-call-parser.")
+    g.add_argument("--tool-call-parser", default=None,
+                   help="How to find tool calls in the model's text: hermes, llama3_json, "
+                        "mistral, pythonic, qwen3_coder (= qwen3_xml), deepseek_v3, ... (or a "
+                        "name registered by --tool-parser-plugin).")
+    g.add_argument("--tool-parser-plugin", default=None,
+                   help="A Python file that registers more tool parsers "
+                        "(ToolParserManager.register_module).")
+    g.add_argument("--reasoning-parser", default=None,
+                   help="Split the model's reasoning (`reasoning_content` / `reasoning`) from "
+                        "its answer: deepseek_r1, qwen3, think.")
+
+    g.add_argument("--responses-store-size", type=int, default=1024,
+                   help="Max responses kept in memory for the Responses API (`store`, "
+                        "`previous_response_id`, GET /v1/responses/{id}, background); the least "
+                        "recently used finished one is evicted; 0 turns storing off "
+                        "(default: 1024).")
+
     g = parser.add_argument_group("Model")
     g.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16",
                                                        "half", "float", "bf16", "fp32", "fp16"],
@@ -245,3 +266,37 @@ def normalize_args(args: argparse.Namespace) -> argparse.Namespace:
     if getattr(args, "dtype", None) in _DTYPE_ALIASES:
         args.dtype = _DTYPE_ALIASES[args.dtype]
     return args
+
+
+def resolve_parsers(args: Any) -> tuple[bool, Optional[type], Optional[type]]:
+    """(enable_auto_tools, tool parser class, reasoning parser class) from the tool-calling
+    and reasoning flags (``--tool-parser-plugin`` imported first).
+
+    Raises:
+        ValueError: --enable-auto-tool-choice without --tool-call-parser, an unknown parser
+            name (the message lists the known ones), or a plugin that fails to import.
+    """
+    get = (lambda name: getattr(args, name, None) if args is not None else None)
+    plugin, tool_name, reasoning_name = (get("tool_parser_plugin"), get("tool_call_parser"),
+                                         get("reasoning_parser"))
+    enable = bool(get("enable_auto_tool_choice"))
+    tool_cls = reasoning_cls = None
+    if plugin or tool_name or enable:
+        from pagedllm.entrypoints.openai.tool_parsers import ToolParserManager
+        if plugin:
+            ToolParserManager.import_tool_parser(plugin)
+        if enable and not tool_name:
+            raise ValueError("--enable-auto-tool-choice needs --tool-call-parser (one of: "
+                             f"{', '.join(ToolParserManager.list_registered())}).")
+        if tool_name:
+            try:
+                tool_cls = ToolParserManager.get_tool_parser(tool_name)
+            except KeyError as e:
+                raise ValueError(f"--tool-call-parser: {e.args[0]}") from None
+    if reasoning_name:
+        from pagedllm.reasoning import ReasoningParserManager
+        try:
+            reasoning_cls = ReasoningParserManager.get_reasoning_parser(reasoning_name)
+        except KeyError as e:
+            raise ValueError(f"--reasoning-parser: {e.args[0]}") from None
+    return enable, tool_cls, reasoning_cls

@@ -437,8 +437,11 @@ class ChatCompletionRequest(_SamplingFields):
     max_tokens: Optional[int] = Field(default=None, description="Deprecated: use max_completion_tokens.")
     max_completion_tokens: Optional[int] = None
     tools: Optional[list[dict[str, Any]]] = None
+    # Checked by the server (tool_calling.py): it knows the tool-call parser. Unset with
+    # tools = "auto" (vLLM); parallel_tool_calls=false keeps at most one call (OpenAI default true).
     tool_choice: Optional[Union[str, dict[str, Any]]] = "none"
-    parallel_tool_calls: Optional[bool] = False
+    parallel_tool_calls: Optional[bool] = True
+    include_reasoning: bool = True
 
     # vLLM chat extras
     add_generation_prompt: bool = True
@@ -447,19 +450,6 @@ class ChatCompletionRequest(_SamplingFields):
     documents: Optional[list[dict[str, str]]] = None
     chat_template: Optional[str] = None
     chat_template_kwargs: Optional[dict[str, Any]] = None
-
-    @model_validator(mode="after")
-    def _check_tools(self):
-        # vLLM: "auto" needs a tool-call parser and "required"/named choices need structured
-        # outputs; pagedllm has neither yet, so these are refused rather than silently ignored.
-        tc = self.tool_choice
-        if tc is not None and tc != "none":
-            if tc == "auto":
-                raise ValueError('"auto" tool choice requires --enable-auto-tool-choice and '
-                                 '--tool-call-parser to be set, which pagedllm does not support yet')
-            raise ValueError(f"tool_choice {tc!r} is not supported (it needs structured outputs); "
-                             "use tool_choice \"none\"")
-        return self
 
     @model_validator(mode="after")
     def _check_chat(self):
@@ -503,6 +493,7 @@ class ChatMessage(OpenAIBaseModel):
     role: str
     content: Optional[str] = None
     reasoning_content: Optional[str] = None
+    reasoning: Optional[str] = None  # vLLM's newer name of reasoning_content (same text)
     tool_calls: list[dict[str, Any]] = Field(default_factory=list)
 
 
@@ -545,6 +536,7 @@ class DeltaMessage(OpenAIBaseModel):
     role: Optional[str] = None
     content: Optional[str] = None
     reasoning_content: Optional[str] = None
+    reasoning: Optional[str] = None
     tool_calls: list[dict[str, Any]] = Field(default_factory=list)
 
 
