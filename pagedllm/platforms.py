@@ -109,3 +109,19 @@ def default_num_threads() -> int:
             return int(v)
     n = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
     return max(1, n)
+
+
+def trim_heap() -> bool:
+    """Return the C heap's free memory to the OS (glibc ``malloc_trim(0)``, see malloc_trim(3)).
+
+    Free chunks inside glibc's heaps (e.g. what loading a checkpoint left behind) otherwise stay
+    resident. Returns False where the C library has no ``malloc_trim`` (musl, macOS).
+    """
+    import ctypes
+    import ctypes.util
+
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        return bool(libc.malloc_trim(0))
+    except (OSError, AttributeError):
+        return False

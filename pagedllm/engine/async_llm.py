@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import queue
 import threading
 import time
@@ -93,6 +94,9 @@ class AsyncLLM:
         self._ids_in_use: set[str] = set()  # event-loop side: ids from add until the caller is done
         self._dead: Optional[BaseException] = None
         self._stats_lock = threading.Lock()
+        self._idle_since: Optional[float] = None
+        self._idle_released = False
+        self._idle_release_s = float(os.environ.get("PAGEDLLM_IDLE_RELEASE_S", "10"))
         # NOTE: the engine is built and stepped on one thread. OpenMP (libgomp) gives each thread
         # that enters a parallel region its own team of workers, and once the process has more
         # of them than cores it spins only ~100 times before sleeping, so each of a step's
@@ -219,9 +223,11 @@ class AsyncLLM:
                 if drained:  # e.g. an abort emptied the batch: publish the new state
                     self._record_stats()
                 self._deliveries.flush()
+                self._maybe_release_idle_memory(eng)
                 self._wake.wait(0.5)
                 self._wake.clear()
                 return
+            self._idle_since = None
             outputs = eng.step()
             for o in outputs:
                 if o.finished:
@@ -240,6 +246,20 @@ class AsyncLLM:
             except Exception:
                 logger.exception("abort after failure failed")
                 self._dead = e
+
+    def _maybe_release_idle_memory(self, eng) -> None:
+        """Once per idle period of ``PAGEDLLM_IDLE_RELEASE_S`` seconds (default 10; 0 = never),
+        return the workers' free allocator blocks and heap to the OS, so an idle server holds its
+        weights, KV cache and runtime, not the last burst's activations."""
+        now = time.monotonic()
+        if self._idle_since is None:
+            self._idle_since, self._idle_released = now, False
+            return
+        if self._idle_released or self._idle_release_s <= 0 or now - self._idle_since < self._idle_release_s:
+            return
+        self._idle_released = True
+        released = eng.core.release_idle_memory()
+        logger.debug("idle for %.0f s: released %d bytes of resident memory", now - self._idle_since, released)
 
     def _check_can_add(self, request_id: str) -> None:
         """Start the loop if needed; refuse a dead engine or a request id in use."""

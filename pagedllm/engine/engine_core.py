@@ -116,6 +116,7 @@ class EngineCore:
         self.block_size = args.block_size
         self.kv_capacity_tokens = capacity_tokens
         self.executor.initialize(num_blocks, max_model_len)
+        self.kv_cache_bytes = num_blocks * args.block_size * bytes_per_token
         self.startup_seconds = time.perf_counter() - t0
         ranks = f" x {len(fits)} ranks" if len(fits) > 1 else ""
         logger.info(
@@ -126,6 +127,30 @@ class EngineCore:
             str(self.kv_cache_dtype).replace("torch.", ""),
             _fmt_bytes(num_blocks * args.block_size * bytes_per_token),
             num_blocks, args.block_size, capacity_tokens, bytes_per_token, max_model_len)
+        self._log_memory_plan()
+
+    def _log_memory_plan(self) -> None:
+        """One start-up line: where the resident memory goes (weights, KV cache, the activation
+        workspace of a full step, the allocator's cache cap, and the rest: Python, torch, the
+        tokenizer) against the resident size now."""
+        mem = self.get_memory_stats()
+        rss = mem["resident_memory_bytes"]
+        args = self.args
+        # A full step's largest activations: T tokens x (q|k|v + gate|up + a few hidden-sized
+        # temporaries); per rank under tensor parallelism. An estimate for the log, not a bound.
+        cfg = self.hf_config
+        hidden = int(getattr(cfg, "hidden_size", 0) or 0)
+        inter = int(getattr(cfg, "intermediate_size", 0) or 0)
+        elem = 4 if str(self.dtype) == "torch.float32" else 2
+        workspace = args.max_num_batched_tokens * (6 * hidden + 2 * inter) * elem // max(1, args.tensor_parallel_size)
+        cache_cap = mem.get("cpu_allocator_cache_limit_bytes")
+        rest = rss - self.weight_bytes - self.kv_cache_bytes - mem.get("cpu_allocator_cached_bytes", 0)
+        logger.info(
+            "pagedllm: memory plan: weights %s + KV cache %s + step workspace ~%s (%d tokens) + allocator "
+            "cache up to %s; resident now %s (of which Python, torch, tokenizer and buffers ~%s)",
+            _fmt_bytes(self.weight_bytes), _fmt_bytes(self.kv_cache_bytes), _fmt_bytes(workspace),
+            args.max_num_batched_tokens, _fmt_bytes(cache_cap) if cache_cap is not None else "n/a",
+            _fmt_bytes(rss), _fmt_bytes(max(rest, 0)))
 
     # ------------------------------------------------------------------ in-process worker
     @property
@@ -233,16 +258,34 @@ class EngineCore:
             **(self.structured_output_manager.stats() if self.structured_output_manager else {}),
         }
 
+    def release_idle_memory(self) -> int:
+        """Between bursts of work: hand finished requests' ids to the workers (they drop their
+        state), then have every rank return its free allocator blocks and heap to the OS
+        (``Worker.release_idle_memory``); call from the thread that steps the engine.
+
+        Returns:
+            resident bytes released, summed over the ranks.
+        """
+        if self.scheduler.has_finished_requests() and not self.scheduler.has_unfinished_requests():
+            self.step()
+        released = sum(self.executor.collective_rpc("release_idle_memory"))
+        if self.executor.get_memory_stats().get("resident_memory_bytes"):  # workers elsewhere: this one too
+            from pagedllm.platforms import trim_heap
+            trim_heap()
+        return released
+
     def get_memory_stats(self) -> dict:
         """Memory now, in bytes: ``resident_memory_bytes`` (RSS of this process plus that of the
-        executor's worker processes on this machine) and, where the workers run in this process,
+        executor's worker processes on this machine), ``weight_bytes`` and ``kv_cache_bytes`` (the
+        output rank's weights; the KV cache of one rank) and, where the workers run in this process,
         the caching CPU allocator's ``cpu_allocator_cached_bytes`` (free blocks kept for reuse,
         at most ``cpu_allocator_cache_limit_bytes``) and ``cpu_allocator_live_bytes``.
 
         Reads ``/proc`` only (no call to the workers), so any thread may call it."""
         from pagedllm.metrics.memory import resident_memory_bytes
 
-        out = {"resident_memory_bytes": resident_memory_bytes()}
+        out = {"resident_memory_bytes": resident_memory_bytes(), "weight_bytes": self.weight_bytes,
+               "kv_cache_bytes": getattr(self, "kv_cache_bytes", 0)}
         extra = self.executor.get_memory_stats()
         out["resident_memory_bytes"] += extra.pop("resident_memory_bytes", 0)
         out.update(extra)

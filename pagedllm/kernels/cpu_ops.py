@@ -168,6 +168,13 @@ def cpu_allocator_stats() -> dict[str, int]:
     return dict(ops.cpu_allocator_stats())
 
 
+def cpu_allocator_empty_cache() -> None:
+    """Return the caching CPU allocator's free blocks to the OS (no-op when not installed)."""
+    ops = _ops if _tried else None  # never triggers a build
+    if ops is not None and hasattr(ops, "cpu_allocator_empty_cache"):
+        ops.cpu_allocator_empty_cache()
+
+
 def get_ops() -> Optional[Any]:
     """The compiled extension module, or None when disabled or it failed to build."""
     global _ops, _tried

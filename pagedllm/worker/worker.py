@@ -281,7 +281,18 @@ class Worker:
                 raise ValueError(f"kv_cache_memory: {e}") from None
         if self.device.type == "cuda":
             return self._profile_gpu_kv_bytes()
-        return DEFAULT_CPU_KV_CACHE_BYTES
+        return min(DEFAULT_CPU_KV_CACHE_BYTES, self._kv_bytes_usable())
+
+    def _kv_bytes_usable(self) -> int:
+        """KV bytes that ``max_num_seqs`` requests of ``max_model_len`` tokens can fill (the
+        model's context length when ``max_model_len`` is unset), plus the null block: a default
+        cache larger than this would never be used."""
+        args = self.args
+        mml = args.max_model_len or int(getattr(self.info.loaded.hf_config, "max_position_embeddings", 0) or 0)
+        if mml <= 0:
+            return DEFAULT_CPU_KV_CACHE_BYTES
+        blocks = args.max_num_seqs * -(-int(mml) // args.block_size) + 1
+        return blocks * args.block_size * self.get_kv_cache_spec().bytes_per_token
 
     def _profile_gpu_kv_bytes(self) -> int:
         """KV bytes on CUDA: ``gpu_memory_utilization`` x total memory minus weights and the peak
@@ -335,6 +346,25 @@ class Worker:
         if self.device.type == "cuda" and not args.enforce_eager and self.world_size == 1:
             secs = self.runner.capture_cuda_graphs(args.max_num_seqs, max_model_len)
             logger.info("pagedllm: captured decode CUDA graphs in %.2f s", secs)
+        self.release_idle_memory()  # what loading left behind: dequantized tensors, file buffers
+
+    def release_idle_memory(self) -> int:
+        """Give memory this rank holds but is not using back to the OS: the caching CPU
+        allocator's free blocks and glibc's free heap. Called after start-up and by a server
+        that has been idle a while; the next busy step re-faults what it needs (~0.4 s/GB).
+
+        Returns:
+            bytes of resident memory released (this process's RSS before minus after).
+        """
+        from pagedllm.metrics.memory import resident_memory_bytes
+        from pagedllm.platforms import trim_heap
+
+        before = resident_memory_bytes()
+        if self.device.type == "cpu":
+            from pagedllm.kernels.cpu_ops import cpu_allocator_empty_cache
+            cpu_allocator_empty_cache()
+        trim_heap()
+        return max(0, before - resident_memory_bytes())
 
     # ------------------------------------------------------------------ steps
     def execute_model(self, so: SchedulerOutput) -> Optional[ModelRunnerOutput]:

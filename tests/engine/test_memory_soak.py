@@ -132,3 +132,53 @@ def test_server_resident_memory_stays_flat_under_the_mixed_soak():
             proc.wait(timeout=30)
         except subprocess.TimeoutExpired:
             proc.kill()
+
+
+def test_default_kv_cache_is_what_the_sequences_can_use():
+    """No kv_cache_memory: the cache holds max_num_seqs x max_model_len tokens (+ the null
+    block) when that is less than the 2 GiB default, not 2 GiB."""
+    from pagedllm import LLM
+
+    llm = LLM("SmolLM2-135M-Instruct", dtype="float32", max_num_seqs=3, max_model_len=200)
+    core = llm.llm_engine.core
+    assert core.num_blocks == 3 * 13 + 1  # ceil(200 / 16) = 13 blocks per sequence
+    assert core.kv_cache_bytes == core.num_blocks * 16 * (2 * 30 * 3 * 64 * 4)
+    out = llm.generate(["one two three"] * 3, use_tqdm=False)
+    assert all(o.finished for o in out)
+    mem = core.get_memory_stats()
+    assert mem["kv_cache_bytes"] == core.kv_cache_bytes and mem["weight_bytes"] == core.weight_bytes
+
+
+def test_idle_server_engine_returns_its_free_blocks(monkeypatch, caplog):
+    """After a burst, an idle AsyncLLM returns the allocator's free blocks and free heap to the
+    OS (once per idle period of PAGEDLLM_IDLE_RELEASE_S); start-up logs the memory plan."""
+    import logging
+
+    from pagedllm import SamplingParams
+    from pagedllm.config import EngineArgs
+    from pagedllm.engine.async_llm import AsyncLLM
+    from pagedllm.kernels.cpu_ops import cpu_allocator_stats
+
+    monkeypatch.setenv("PAGEDLLM_IDLE_RELEASE_S", "0.5")
+    with caplog.at_level(logging.INFO, logger="pagedllm"):
+        eng = AsyncLLM(EngineArgs(model="SmolLM2-135M-Instruct", dtype="float32", kv_cache_memory="64MiB",
+                                  max_num_batched_tokens=1024))
+    assert any("memory plan: weights" in r.getMessage() and "resident now" in r.getMessage()
+               for r in caplog.records)
+    try:
+        async def burst():
+            long = " ".join(["river mountain garden music story"] * 150)  # a ~750-token prefill
+            async for _ in eng.generate(long, SamplingParams(max_tokens=2, temperature=0), "r1"):
+                pass
+            mid = cpu_allocator_stats().get("cached_bytes")
+            await asyncio.sleep(2.5)  # idle: the engine thread releases after 0.5 s
+            return mid
+        mid = asyncio.run(burst())
+        after = cpu_allocator_stats()
+        if after:  # the caching allocator is installed (C++ kernels built)
+            assert mid > 0, "the burst's activations should have left free blocks in the cache"
+            assert after["cached_bytes"] == 0
+        counts = eng.engine.get_request_state_counts()
+        assert all(v == 0 for v in counts.values()), counts  # finished ids were handed to the runner
+    finally:
+        eng.shutdown()

@@ -46,7 +46,7 @@ def test_large_blocks_are_reused_without_page_faults():
     x = torch.empty(64 * MiB, dtype=torch.uint8)
     x.fill_(7)  # faults its pages in once
     ptr = x.data_ptr()
-    assert ptr % (2 * MiB) == 0  # 2 MiB-aligned (eligible for transparent huge pages)
+    assert ptr % 4096 == 0  # page-aligned (2 MiB-aligned only with huge pages: below)
     del x
     s0 = ops.cpu_allocator_stats()
     assert s0["cached_bytes"] == 64 * MiB and s0["live_bytes"] == live0
@@ -132,6 +132,20 @@ def test_small_raw_allocations_go_back_to_the_base_allocator():
     grown = _resident_bytes() - rss0
     assert grown < 32 * MiB, f"resident memory grew by {grown / MiB:.0f} MiB"
     assert ops.cpu_allocator_stats()["live_bytes"] == live0
+
+
+def test_blocks_are_whole_pages_not_whole_huge_pages():
+    """Without huge pages a block is rounded to 4 KiB pages, not 2 MiB (the rounding cost
+    SmolLM2's weights ~120 MiB of resident memory); with them, to whole 2 MiB pages."""
+    live0 = ops.cpu_allocator_stats()["live_bytes"]
+    x = torch.empty(3 * MiB // 2 + 100, dtype=torch.uint8)  # 1.5 MiB + 100 B
+    assert ops.cpu_allocator_stats()["live_bytes"] - live0 == 3 * MiB // 2 + 4096
+    del x
+    ops.cpu_allocator_empty_cache()
+    ops.install_cpu_allocator(DEFAULT_ALLOCATOR_MIN_BYTES, DEFAULT_ALLOCATOR_CACHE_BYTES, True)
+    y = torch.empty(3 * MiB // 2 + 100, dtype=torch.uint8)
+    assert ops.cpu_allocator_stats()["live_bytes"] - live0 == 2 * MiB
+    assert y.data_ptr() % (2 * MiB) == 0
 
 
 def test_huge_pages_setting():

@@ -7,9 +7,10 @@
 // prefill step of 8,192 tokens allocates a 100 MB int32 GEMM output per layer: 1.1 million page
 // faults and ~1.1 s of a 5.5 s prefill (docs/performance.md, step 22). This allocator keeps freed
 // large blocks (up to a byte cap) and hands them out again, so a block's pages are faulted once.
-// Its blocks are 2 MiB-aligned mmaps; with huge_pages they are also advised MADV_HUGEPAGE, so
-// where transparent huge pages are enabled ("madvise" or "always") KV caches and weights get
-// 2 MiB pages (fewer TLB misses on the scattered KV reads of decode attention: ~5% faster). Off
+// Its blocks are mmaps of whole 4 KiB pages; with huge_pages they are whole 2 MiB pages, 2 MiB-
+// aligned and advised MADV_HUGEPAGE, so where transparent huge pages are enabled ("madvise" or
+// "always") KV caches and weights get 2 MiB pages (fewer TLB misses on the scattered KV reads of
+// decode attention: ~5% faster). Off
 // by default: the kernel may compact memory synchronously to find huge pages on first touch,
 // which made start-up up to 2.5 s slower here.
 //
@@ -34,6 +35,7 @@
 namespace {
 
 constexpr size_t kHugePage = size_t(2) << 20;
+constexpr size_t kPage = size_t(4) << 10;
 
 class CachingCpuAllocator final : public c10::Allocator {
  public:
@@ -42,7 +44,10 @@ class CachingCpuAllocator final : public c10::Allocator {
 
   c10::DataPtr allocate(size_t n) override {
     if (n < min_bytes_) return base_->allocate(n);
-    const size_t size = (n + kHugePage - 1) / kHugePage * kHugePage;
+    // Whole 2 MiB pages only when they may become huge pages; else whole 4 KiB pages (rounding
+    // every weight matrix up to 2 MiB cost SmolLM2 ~120 MiB of resident memory).
+    const size_t gran = huge_pages_ ? kHugePage : kPage;
+    const size_t size = (n + gran - 1) / gran * gran;
     void* p = nullptr;
     {
       std::lock_guard<std::mutex> g(mu_);
@@ -138,22 +143,26 @@ class CachingCpuAllocator final : public c10::Allocator {
     munmap(p, size);
   }
 
-  // A fresh 2 MiB-aligned anonymous mapping of `size` bytes (a multiple of 2 MiB).
+  // A fresh anonymous mapping of `size` bytes (a multiple of 4 KiB), 2 MiB-aligned when huge
+  // pages are asked for (else page-aligned, which is all a tensor needs).
   void* map_block(size_t size) {
-    void* raw = mmap(nullptr, size + kHugePage, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    const bool huge = huge_pages_;
+    const size_t pad = huge ? kHugePage : 0;
+    void* raw = mmap(nullptr, size + pad, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
     if (raw == MAP_FAILED) {
       empty_cache();  // cached blocks may be what is missing
-      raw = mmap(nullptr, size + kHugePage, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+      raw = mmap(nullptr, size + pad, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
     }
     TORCH_CHECK(raw != MAP_FAILED, "pagedllm CPU allocator: not enough memory: you tried to allocate ", size,
                 " bytes.");
+    if (!huge) return raw;
     const uintptr_t a = reinterpret_cast<uintptr_t>(raw);
     const uintptr_t aligned = (a + kHugePage - 1) / kHugePage * kHugePage;
     if (aligned > a) munmap(raw, aligned - a);
     const uintptr_t tail = a + size + kHugePage - (aligned + size);
     if (tail > 0) munmap(reinterpret_cast<void*>(aligned + size), tail);
     void* p = reinterpret_cast<void*>(aligned);
-    if (huge_pages_) madvise(p, size, MADV_HUGEPAGE);  // advisory: fails harmlessly where THP is off
+    madvise(p, size, MADV_HUGEPAGE);  // advisory: fails harmlessly where THP is off
     return p;
   }
 
