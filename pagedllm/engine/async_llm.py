@@ -304,7 +304,9 @@ class AsyncLLM:
                 # compiles on the manager's threads); a compile error is raised here as the
                 # request's ValueError (HTTP 400) and the finally clause aborts it.
                 try:
-                    await asyncio.wrap_future(grammar)
+                    # NOTE: shielded: a cancelled wait (client gone) must not cancel the compile,
+                    # which other requests with the same constraint share through the cache.
+                    await asyncio.shield(asyncio.wrap_future(grammar))
                 except ValueError as e:
                     raise params.structured_outputs.rename_error(e) from None
             while True:

@@ -130,6 +130,8 @@ class StructuredOutputManager:
         key = self.spec_for(params)
         with self._lock:
             fut = self._cache.get(key)
+            if fut is not None and fut.cancelled():  # shut down mid-compile: compile again
+                fut = None
             if count:
                 self.num_queries += 1
                 self.num_hits += fut is not None

@@ -42,6 +42,8 @@ class StructuredOutputRequest:
         """Why the grammar could not be compiled, or None (also None while compiling)."""
         if not self._grammar.done():
             return None
+        if self._grammar.cancelled():
+            return "the grammar compile was cancelled (engine shutting down)"
         exc = self._grammar.exception()
         return None if exc is None else clean_error(exc)
 

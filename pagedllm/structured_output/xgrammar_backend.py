@@ -3,7 +3,6 @@ structural tags; a pushdown automaton with precomputed token masks (https://gith
 from __future__ import annotations
 
 import json
-import threading
 from typing import Any, Optional
 
 from pagedllm.structured_output.backend import (CompiledGrammar, GrammarMatcher, GrammarSpec,
@@ -63,14 +62,13 @@ class XgrammarBackend(StructuredOutputBackend):
                                                       stop_token_ids=stop)
         except Exception as e:
             raise ValueError(f"xgrammar cannot use this tokenizer: {clean_error(e)}") from None
-        # NOTE: one compiler thread per grammar; parallelism comes from our compile pool.
+        # NOTE: one compiler thread per grammar; parallelism comes from our compile pool, whose
+        # threads share this compiler (as vLLM's do: compile_* may be called concurrently).
         self._compiler = xgr.GrammarCompiler(info, max_threads=1, cache_enabled=False)
-        self._lock = threading.Lock()  # NOTE: GrammarCompiler is not documented as thread-safe
 
     def compile(self, spec: GrammarSpec) -> CompiledGrammar:
         try:
-            with self._lock:
-                return XgrammarCompiled(self._compile(spec))
+            return XgrammarCompiled(self._compile(spec))
         except ValueError:
             raise
         except Exception as e:  # xgrammar raises RuntimeError / its own errors for bad input

@@ -168,3 +168,27 @@ def test_xgrammar_structural_tag(backends, smollm2_tokenizer):
     assert m.accept_tokens(smollm2_tokenizer.encode(text, add_special_tokens=False))
     m2 = backends["xgrammar"].compile(GrammarSpec("structural_tag", json.dumps(tag))).new_matcher()
     assert not m2.accept_tokens(smollm2_tokenizer.encode('<fn>{"y": 4}', add_special_tokens=False))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", BACKENDS)
+def test_gemma3_tokenizer(gemma3_path, name):
+    """Gemma 3's SentencePiece-style vocabulary (262,144 ids, EOS 1) works with both backends."""
+    from pagedllm.loader.tokenizer import load_tokenizer
+    from pagedllm.structured_output.guidance_backend import GuidanceBackend
+    from pagedllm.structured_output.xgrammar_backend import XgrammarBackend
+    tok = load_tokenizer(gemma3_path)
+    vocab, eos = 262144, 1
+    backend = (XgrammarBackend if name == "xgrammar" else GuidanceBackend)(tok, vocab, eos)
+    rng = random.Random(0)
+    choices = ["sí", "no", "quizás"]
+    compiled = backend.compile(GrammarSpec("choice", json.dumps(choices)))
+    for _ in range(6):
+        ids, ended = random_walk(compiled.new_matcher(), vocab, eos, rng)
+        assert ended and tok.decode(ids) in choices
+    schema = {"type": "object", "properties": {"a": {"type": "boolean"}}, "required": ["a"],
+              "additionalProperties": False}
+    compiled = backend.compile(GrammarSpec("json", json.dumps(schema), any_whitespace=False))
+    ids, ended = random_walk(compiled.new_matcher(), vocab, eos, rng, eos_bias=0.5)
+    assert ended
+    jsonschema.validate(json.loads(tok.decode(ids)), schema)

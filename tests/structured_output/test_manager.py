@@ -150,3 +150,20 @@ def test_bitmask_rows_follow_each_request(smollm2_tokenizer):
     r2.rollback(1)
     assert unpack_bitmask(m.grammar_bitmask([r2]), SMOLLM2_VOCAB)[0, tok.encode("3", add_special_tokens=False)[0]]
     m.shutdown()
+
+
+def test_concurrent_compiles_share_one_compiler(smollm2_tokenizer):
+    # Eight distinct constraints in flight at once on four threads (xgrammar's compiler is shared).
+    m = make(smollm2_tokenizer, compile_threads=4)
+    params = [SOP(json={"type": "object", "properties": {f"k{i}": {"type": "integer"}}, "required": [f"k{i}"]})
+              for i in range(6)] + [SOP(regex=f"x{{{i}}}") for i in range(1, 3)]
+    futs = [m.grammar_future(p) for p in params]
+    tok = smollm2_tokenizer
+    for i, f in enumerate(futs[:6]):
+        matcher = f.result(timeout=120).new_matcher()
+        assert matcher.accept_tokens(tok.encode(f'{{"k{i}": 5}}', add_special_tokens=False))
+        assert not f.result().new_matcher().accept_tokens(tok.encode(f'{{"k{i + 1}": 5}}', add_special_tokens=False))
+    for f in futs:
+        f.result(timeout=120)
+    assert m.stats()["structured_output_grammars_compiled"] == 8
+    m.shutdown()
