@@ -92,7 +92,7 @@ def test_duplicate_request_id_fails_alone():
         # white box: the engine thread refuses an id it already holds; only that queue hears it
         held = asyncio.ensure_future(collect(engine.generate("The sky is", sp, "held")))
         await asyncio.sleep(0)
-        q = engine._add("held", *engine.engine.validate("Another prompt", sp, strict_length=True))
+        q = engine._add(engine.engine.process_inputs("held", "Another prompt", sp, strict_length=True))
         refused = await q.get()
         return results, await held, refused
 
