@@ -271,8 +271,8 @@ class AsyncLLM:
                 raise ValueError(f"request_id: {request_id!r} does not match the EngineCoreRequest's "
                                  f"{prompt.request_id!r}")
             if prompt.is_pooling != pooling:
-                what = "a pooling request (use encode)" if prompt.is_pooling else "a generation request (use generate)"
-                raise ValueError(f"request: {request_id!r} is {what}")
+                what = "pooling (use encode)" if prompt.is_pooling else "generation (use generate)"
+                raise ValueError(f"request: {request_id!r} is a {what} request")
             return prompt
         return self.engine.process_inputs(request_id, prompt, params, strict_length=not pooling,
                                           wait_for_grammar=False, **kw)

@@ -186,7 +186,8 @@ class InputProcessor:
         if not ids:
             raise InputValidationError("The prompt cannot be empty.", "prompt")
         if from_text:
-            self.check_token_ids(ids)  # NOTE: a tokenizer with added tokens past the model's vocabulary
+            # NOTE: a tokenizer may have added tokens past the model's vocabulary (embedding rows).
+            self.check_token_ids(ids)
         keep = self.resolve_truncation(truncate_prompt_tokens)
         if keep is not None and len(ids) > keep:
             ids = ids[-keep:]

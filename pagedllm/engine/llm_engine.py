@@ -168,8 +168,17 @@ class LLMEngine:
             self.output_processor.add_request(
                 cid, request.prompt, request.prompt_token_ids, cp, parent, i,
                 arrival_time=request.arrival_time, queue=queue)
-        for cid, cp in kids:
-            self._add_core(cid, request, cp)
+        added: list[str] = []
+        try:
+            for cid, cp in kids:
+                self._add_core(cid, request, cp)
+                added.append(cid)
+        except BaseException:
+            self.core.abort_requests(added)
+            self.output_processor.abort_requests([rid])
+            for cid in added:
+                self._req_stats.pop(cid, None)
+            raise
         self._children[rid] = [cid for cid, _ in kids]
 
     def _add_core(self, rid: str, request: EngineCoreRequest, sampling_params: Any) -> None:

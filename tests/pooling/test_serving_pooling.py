@@ -176,7 +176,8 @@ def test_pooling_goes_the_one_input_path_and_is_counted(tiny_llama_causal):
     ids = [5, 17, 42, 7, 99]
     want = LLM(tiny_llama_causal, runner="pooling", convert="embed", **KW).embed(
         [TokensPrompt(prompt_token_ids=ids), "red apples"], use_tqdm=False)
-    engine = AsyncLLM.from_engine_args(EngineArgs(model=tiny_llama_causal, runner="pooling", convert="embed", **KW))
+    engine = AsyncLLM.from_engine_args(EngineArgs(model=tiny_llama_causal, runner="pooling", convert="embed",
+                                                  **KW))
     assert missing_members(engine) == []
     records = []
 

@@ -1,9 +1,10 @@
 """The OpenAI-compatible HTTP server (``pagedllm serve``).
 
 ``build_app(engine, args)`` makes the FastAPI app around an ``EngineClient``
-(``pagedllm.engine.protocol``: ``AsyncLLM``, ``DPAsyncLLM``); ``run_server(args)`` builds the engine from the parsed ``pagedllm serve`` flags and
-serves the app with uvicorn until SIGINT/SIGTERM (then it stops accepting connections, aborts
-the requests in flight and returns, so the process exits 0).
+(``pagedllm.engine.protocol``: ``AsyncLLM``, ``DPAsyncLLM``); ``run_server(args)`` builds the
+engine from the parsed ``pagedllm serve`` flags and serves the app with uvicorn until
+SIGINT/SIGTERM (then it stops accepting connections, aborts the requests in flight and
+returns, so the process exits 0).
 """
 from __future__ import annotations
 
