@@ -16,7 +16,8 @@ import time
 from typing import Any, AsyncIterator, Optional
 
 from pagedllm.config import EngineArgs
-from pagedllm.outputs import RequestOutput
+from pagedllm.engine.core_request import EngineCoreRequest
+from pagedllm.outputs import PoolingRequestOutput, RequestOutput
 
 logger = logging.getLogger("pagedllm")
 
@@ -68,14 +69,17 @@ class EngineDeadError(RuntimeError):
 
 
 class AsyncLLM:
-    """Async engine used by the OpenAI server (see ``generate``).
+    """Async engine used by the OpenAI server (see ``generate``); an ``EngineClient``.
 
     Attributes:
         tokenizer: the model's tokenizer.
+        input_processor: the engine's InputProcessor (the one input path: the server builds
+            its EngineCoreRequests with it).
         max_model_len: max prompt + output tokens.
         vocab_size: model vocabulary size.
         model_name: the model argument.
         runner: "generate" or "pooling".
+        pooler: the model's Pooler (tasks, labels), None for a generation model.
         default_sampling_params: dict of defaults from the model's generation config.
         kv_capacity_tokens: tokens the KV cache holds.
         stat_loggers: objects with ``record(scheduler_stats, iteration_stats)``, called after
@@ -122,10 +126,12 @@ class AsyncLLM:
             raise init_error[0]
         self.engine.collect_stats = True
         self.tokenizer = self.engine.tokenizer
+        self.input_processor = self.engine.input_processor
         self.max_model_len = self.engine.max_model_len
         self.vocab_size = self.engine.vocab_size
         self.model_name = args.model
         self.runner = args.runner
+        self.pooler = self.engine.pooler
         self.default_sampling_params = dict(self.engine.default_sampling_params)
         self.kv_capacity_tokens = self.engine.core.kv_capacity_tokens
         if self.engine.core.structured_output_manager is not None:
@@ -175,13 +181,13 @@ class AsyncLLM:
             n += 1
             kind = cmd[0]
             if kind == "add":
-                _, rid, pp, params, q = cmd
+                _, request, q = cmd
                 try:
-                    eng.add_processed_request(rid, pp, params, queue=q)
+                    eng.add_request(request, queue=q)
                 except Exception as e:  # this request's error only: nothing else is touched
                     q.put_nowait(e)
                     continue
-                self._queues[rid] = q
+                self._queues[request.request_id] = q
             elif kind == "abort":
                 ids = [r for r in cmd[1] if r in self._queues]
                 for r in ids:
@@ -269,12 +275,27 @@ class AsyncLLM:
         if request_id in self._ids_in_use:
             raise ValueError(f"request_id: {request_id!r} is already in use")
 
-    def _add(self, request_id: str, pp: Any, params: Any) -> asyncio.Queue:
+    def _add(self, request: EngineCoreRequest) -> asyncio.Queue:
         """Hand a validated request to the engine thread; its outputs arrive on the returned queue."""
         q: asyncio.Queue = asyncio.Queue()
-        self._ids_in_use.add(request_id)  # released by the caller's finally (generate / encode)
-        self._submit(("add", request_id, pp, params, _LoopQueue(self._deliveries, q)))
+        self._ids_in_use.add(request.request_id)  # released by the caller's finally (generate / encode)
+        self._submit(("add", request, _LoopQueue(self._deliveries, q)))
         return q
+
+    def _engine_request(self, prompt: Any, params: Any, request_id: str, pooling: bool,
+                        **kw: Any) -> EngineCoreRequest:
+        """``prompt`` itself when it is an EngineCoreRequest (its id must be ``request_id``),
+        else ``LLMEngine.process_inputs`` of it (the server's length rule: ``strict_length``)."""
+        if isinstance(prompt, EngineCoreRequest):
+            if prompt.request_id != request_id:
+                raise ValueError(f"request_id: {request_id!r} does not match the EngineCoreRequest's "
+                                 f"{prompt.request_id!r}")
+            if prompt.is_pooling != pooling:
+                what = "pooling (use encode)" if prompt.is_pooling else "generation (use generate)"
+                raise ValueError(f"request: {request_id!r} is a {what} request")
+            return prompt
+        return self.engine.process_inputs(request_id, prompt, params, strict_length=not pooling,
+                                          wait_for_grammar=False, **kw)
 
     # ------------------------------------------------------------------ API
     async def generate(self, prompt: Any, sampling_params: Any, request_id: str,
@@ -282,7 +303,9 @@ class AsyncLLM:
         """Stream a request's RequestOutputs (per ``sampling_params.output_kind``).
 
         Args:
-            prompt: text, or ``{"prompt_token_ids": [...]}`` (+ optional "prompt", "cache_salt").
+            prompt: an ``EngineCoreRequest`` from ``input_processor.process_inputs`` (what the
+                server sends; its own params are used), or text, a TextPrompt or a TokensPrompt
+                (processed here with the server's rule: prompt + max_tokens <= max_model_len).
             sampling_params: SamplingParams.
             request_id: unique id.
             add_special_tokens: tokenizer flag for text prompts (False for chat-templated text).
@@ -293,10 +316,11 @@ class AsyncLLM:
             EngineDeadError: the engine loop has died.
         """
         self._check_can_add(request_id)
-        pp, params = self.engine.validate(prompt, sampling_params, strict_length=True,
-                                          add_special_tokens=add_special_tokens, wait_for_grammar=False)
+        request = self._engine_request(prompt, sampling_params, request_id, False,
+                                       add_special_tokens=add_special_tokens)
+        params = request.sampling_params
         grammar = self.engine.grammar_future(params)
-        q = self._add(request_id, pp, params)
+        q = self._add(request)
         finished = False
         try:
             if grammar is not None:
@@ -323,11 +347,12 @@ class AsyncLLM:
                 self._submit(("abort", [request_id]))
 
     async def encode(self, prompt: Any, pooling_params: Any, request_id: str, *, task: Optional[str] = None,
-                     add_special_tokens: bool = True) -> Any:
+                     add_special_tokens: bool = True) -> PoolingRequestOutput:
         """Run one pooling request (``runner="pooling"``) and return its PoolingRequestOutput.
 
         Args:
-            prompt: text, or ``{"prompt_token_ids": [...]}`` (used exactly as given).
+            prompt: an ``EngineCoreRequest`` (pooling; its own params are used), or text, or
+                ``{"prompt_token_ids": [...]}`` (used exactly as given).
             pooling_params: PoolingParams or None.
             request_id: unique id.
             task: "embed", "classify", "score" or "encode" (default: ``pooling_params.task``,
@@ -339,11 +364,13 @@ class AsyncLLM:
                 empty prompt or one over max_model_len, a duplicate id (nothing is run then).
             EngineDeadError: the engine loop has died.
         """
+        from pagedllm.pooling_params import PoolingParams
+
         self._check_can_add(request_id)
-        pooler = getattr(self.engine.core, "pooler", None)
-        task = task or getattr(pooling_params, "task", None) or (pooler.task if pooler else "embed")
-        pp, params = self.engine.validate_pooling(prompt, pooling_params, task, add_special_tokens)
-        q = self._add(request_id, pp, params)
+        params = PoolingParams() if pooling_params is None else pooling_params
+        request = self._engine_request(prompt, params, request_id, True, task=task,
+                                       add_special_tokens=add_special_tokens)
+        q = self._add(request)
         done = False
         try:
             item = await q.get()
@@ -374,6 +401,11 @@ class AsyncLLM:
     def get_memory_stats(self) -> dict:
         """Process memory in bytes (``EngineCore.get_memory_stats``); safe from any thread."""
         return self.engine.core.get_memory_stats()
+
+    def make_prometheus_logger(self, model_name: str, max_model_len: int, prefix: str = "pagedllm") -> Any:
+        """The server's Prometheus stat logger for this engine (metric names ``{prefix}:...``)."""
+        from pagedllm.metrics.prometheus import PrometheusStatLogger
+        return PrometheusStatLogger(model_name=model_name, max_model_len=max_model_len, prefix=prefix)
 
     async def check_health(self) -> None:
         """Raises ``EngineDeadError`` when the engine loop has died or a worker rank has died or

@@ -1,37 +1,127 @@
-"""Chat templates through the tokenizer's own ``apply_chat_template`` (transformers)."""
+"""Chat templates through the tokenizer's own ``apply_chat_template`` (transformers).
+
+The one place a conversation becomes prompt text, for ``LLM.chat`` and every chat-shaped HTTP
+endpoint (chat completions, Responses, Anthropic messages, /tokenize), and the one loader of a
+``--chat-template`` / ``EngineArgs.chat_template`` value. Errors are ``InputValidationError``
+(a ValueError) with ``param`` "messages" or "chat_template".
+"""
 from __future__ import annotations
 
+import json
+import os
 from typing import Any, Optional
+
+from pagedllm.engine.input_processor import InputValidationError
+
+# Content parts rendered as text (OpenAI chat: "text"; Responses: "input_text" / "output_text").
+_TEXT_PARTS = ("text", "input_text", "output_text")
+
+
+def load_chat_template(value: Optional[str]) -> Optional[str]:
+    """A ``--chat-template`` value: the path of a file holding a Jinja template, or the template
+    itself (vLLM's ``load_chat_template``: a value with none of ``{``, ``}``, newline that is no
+    readable file is a path that failed to open).
+
+    Raises:
+        ValueError: a value that looks like a path but cannot be read.
+    """
+    if value is None:
+        return None
+    try:
+        if len(value) < 4096 and os.path.isfile(value):
+            with open(value, encoding="utf-8") as f:
+                return f.read()
+    except OSError:
+        pass
+    if any(c in value for c in "{}\n"):
+        return value
+    raise InputValidationError(f"chat_template: {value!r} is neither a readable file nor a Jinja template "
+                               "string.", "chat_template")
 
 
 def normalize_messages(messages: list[dict]) -> list[dict]:
-    """Flatten OpenAI text-part content (``[{"type": "text", "text": ...}]``) into strings.
+    """Copies of the messages with OpenAI content parts (``[{"type": "text", "text": ...}]``,
+    also ``input_text`` / ``output_text`` / ``refusal``) joined into one string (newlines
+    between parts, as vLLM) and ``None`` content as "".
 
     Raises:
-        ValueError: empty ``messages``, a message without a role, or a non-text part.
+        InputValidationError: empty ``messages``, a message without a role, or a non-text part.
     """
     if not messages:
-        raise ValueError("messages: must contain at least one message")
+        raise InputValidationError("messages: must contain at least one message", "messages")
     out = []
     for i, m in enumerate(messages):
         if not isinstance(m, dict) or "role" not in m:
-            raise ValueError(f"messages[{i}]: each message needs a 'role'")
+            raise InputValidationError(f"messages[{i}]: each message needs a 'role'", "messages")
         m = dict(m)
         c = m.get("content")
         if isinstance(c, list):
             parts = []
             for p in c:
-                if isinstance(p, dict) and p.get("type") == "text":
-                    parts.append(p.get("text", ""))
-                elif isinstance(p, str):
+                ptype = p.get("type") if isinstance(p, dict) else None
+                if isinstance(p, str):
                     parts.append(p)
+                elif ptype in _TEXT_PARTS:
+                    if not isinstance(p.get("text"), str):
+                        raise InputValidationError(
+                            f"messages[{i}].content: a text content part must have a string `text` field.",
+                            "messages")
+                    parts.append(p["text"])
+                elif ptype == "refusal":
+                    parts.append(str(p.get("refusal", "")))
                 else:
-                    raise ValueError(f"messages[{i}].content: only text parts are supported")
+                    raise InputValidationError(
+                        f"messages[{i}].content: unsupported content part type {ptype!r} (only text parts "
+                        "are supported)", "messages")
             m["content"] = "\n".join(parts)
         elif c is None:
             m["content"] = ""
         out.append(m)
     return out
+
+
+def prepare_tool_history(conv: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Check the tool turns of a conversation (template-ready dicts, modified in place) and parse
+    assistant ``tool_calls[].function.arguments`` JSON texts into objects (what chat templates
+    expect, as vLLM does).
+
+    Raises:
+        InputValidationError: a ``tool`` message without ``tool_call_id``, a malformed
+            ``tool_calls`` entry, or arguments that are not a JSON object (param "messages").
+    """
+    for i, m in enumerate(conv):
+        role = m.get("role")
+        if role == "tool" and not m.get("tool_call_id"):
+            raise InputValidationError(f"messages[{i}]: a `tool` message must have a `tool_call_id` (the id "
+                                       "of the assistant tool call it answers).", "messages")
+        calls = m.get("tool_calls")
+        if not calls:
+            continue
+        if role != "assistant":
+            raise InputValidationError(f"messages[{i}]: only assistant messages may have `tool_calls`.",
+                                       "messages")
+        fixed = []
+        for j, c in enumerate(calls):
+            where = f"messages[{i}].tool_calls[{j}]"
+            fn = c.get("function") if isinstance(c, dict) else None
+            if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
+                raise InputValidationError(f"{where} must be {{\"id\", \"type\": \"function\", "
+                                           "\"function\": {\"name\", \"arguments\"}}.", "messages")
+            args = fn.get("arguments", {})
+            if isinstance(args, str):
+                try:
+                    args = json.loads(args) if args.strip() else {}
+                except json.JSONDecodeError as e:
+                    raise InputValidationError(f"{where}.function.arguments is not valid JSON: {e}",
+                                               "messages") from None
+            if not isinstance(args, dict):
+                raise InputValidationError(f"{where}.function.arguments must be a JSON object.", "messages")
+            c = dict(c)
+            c["function"] = dict(fn, arguments=args)
+            c.setdefault("type", "function")
+            fixed.append(c)
+        m["tool_calls"] = fixed
+    return conv
 
 
 def map_developer_role(messages: list[dict], template: Optional[str]) -> list[dict]:
@@ -56,28 +146,71 @@ def map_developer_role(messages: list[dict], template: Optional[str]) -> list[di
             for m in messages]
 
 
-def apply_chat_template(tokenizer: Any, messages: list[dict], chat_template: Optional[str] = None,
-                        add_generation_prompt: bool = True, continue_final_message: bool = False,
-                        chat_template_kwargs: Optional[dict] = None) -> str:
-    """Render ``messages`` with the model's (or the given) Jinja chat template.
+def render_chat(tokenizer: Any, messages: list[dict], *, chat_template: Optional[str] = None,
+                add_generation_prompt: bool = True, continue_final_message: bool = False,
+                chat_template_kwargs: Optional[dict] = None, tools: Optional[list[dict]] = None,
+                documents: Optional[list[dict]] = None) -> str:
+    """Render a conversation with the given Jinja template, else the tokenizer's.
+
+    Steps: content parts joined (``normalize_messages``), tool turns checked and their
+    arguments parsed (``prepare_tool_history``), ``developer`` mapped to ``system`` for
+    templates without it; ``chat_template_kwargs`` override ``add_generation_prompt`` /
+    ``continue_final_message`` (vLLM); ``tools`` (OpenAI function tools, already checked) and
+    ``documents`` are passed to the template.
 
     Returns:
         the prompt text (tokenize it without adding special tokens: the template has them).
 
     Raises:
-        ValueError: no chat template, empty messages, or both ``add_generation_prompt`` and
-            ``continue_final_message`` set (as vLLM).
+        InputValidationError: no chat template ("chat_template"); empty messages, both
+            ``add_generation_prompt`` and ``continue_final_message``, ``continue_final_message``
+            without a final assistant message, bad tool turns, or a template that fails to
+            render ("messages").
     """
-    messages = normalize_messages(messages)
+    conv = prepare_tool_history(normalize_messages(messages))
     template = chat_template or getattr(tokenizer, "chat_template", None)
     if not template:
-        raise ValueError(
+        raise InputValidationError(
             "chat_template: this model's tokenizer has no chat template; pass chat_template= "
-            "(or --chat-template) to use chat")
-    if continue_final_message and add_generation_prompt:
-        raise ValueError("continue_final_message: cannot be combined with add_generation_prompt=True")
-    messages = map_developer_role(messages, template)
-    kwargs = dict(chat_template_kwargs or {})
-    return tokenizer.apply_chat_template(
-        messages, chat_template=template, tokenize=False, add_generation_prompt=add_generation_prompt,
-        continue_final_message=continue_final_message, **kwargs)
+            "(or --chat-template) to use chat", "chat_template")
+    kwargs: dict[str, Any] = {"add_generation_prompt": add_generation_prompt,
+                              "continue_final_message": continue_final_message}
+    kwargs.update(chat_template_kwargs or {})
+    kwargs["tokenize"] = False
+    if kwargs["continue_final_message"] and kwargs["add_generation_prompt"]:
+        raise InputValidationError("continue_final_message: cannot be combined with add_generation_prompt=True",
+                                   "messages")
+    if kwargs["continue_final_message"] and conv[-1].get("role") != "assistant":
+        raise InputValidationError("continue_final_message is set but the final message is not an "
+                                   "assistant message.", "messages")
+    conv = map_developer_role(conv, template if isinstance(template, str) else None)
+    if tools:
+        kwargs["tools"] = tools
+    if documents:
+        kwargs["documents"] = documents
+    if chat_template:
+        kwargs["chat_template"] = chat_template
+    try:
+        text = tokenizer.apply_chat_template(conv, **kwargs)
+    except (ValueError, TypeError, KeyError) as e:
+        raise InputValidationError(f"Could not apply the chat template: {e}", "messages") from e
+    except Exception as e:  # jinja2 errors (TemplateError, UndefinedError, ...)
+        raise InputValidationError(f"Could not apply the chat template: {e.__class__.__name__}: {e}",
+                                   "messages") from e
+    if not isinstance(text, str):  # some tokenizers return a list for batched input
+        text = text[0]
+    return text
+
+
+def apply_chat_template(tokenizer: Any, messages: list[dict], chat_template: Optional[str] = None,
+                        add_generation_prompt: bool = True, continue_final_message: bool = False,
+                        chat_template_kwargs: Optional[dict] = None) -> str:
+    """``render_chat`` with positional arguments (the offline API's older helper).
+
+    Raises:
+        InputValidationError: see ``render_chat``.
+    """
+    return render_chat(tokenizer, messages, chat_template=chat_template,
+                       add_generation_prompt=add_generation_prompt,
+                       continue_final_message=continue_final_message,
+                       chat_template_kwargs=chat_template_kwargs)

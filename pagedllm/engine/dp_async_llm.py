@@ -74,9 +74,13 @@ class DPAsyncLLM:
         first = self.replicas[0]
         self.tokenizer = first.tokenizer
         self.max_model_len = min(r.max_model_len for r in self.replicas)
+        # NOTE: the replicas are built from one EngineArgs: one front end checks for all of them
+        # (the smallest max_model_len, should a replica's KV cache hold fewer tokens).
+        self.input_processor = min((r.input_processor for r in self.replicas), key=lambda p: p.max_model_len)
         self.vocab_size = first.vocab_size
         self.model_name = first.model_name
         self.runner = first.runner
+        self.pooler = first.pooler
         self.default_sampling_params = dict(first.default_sampling_params)
         self.kv_capacity_tokens = sum(r.kv_capacity_tokens for r in self.replicas)
         self.engine = first.engine  # NOTE: front-end helpers (tokenizer, chat template) are identical
@@ -116,7 +120,8 @@ class DPAsyncLLM:
     # ------------------------------------------------------------------ API (AsyncLLM's)
     async def generate(self, prompt: Any, sampling_params: Any, request_id: str,
                        add_special_tokens: bool = True) -> AsyncIterator[Any]:
-        """``AsyncLLM.generate`` on the least-loaded replica."""
+        """``AsyncLLM.generate`` on the least-loaded replica (``prompt``: an EngineCoreRequest,
+        or a prompt that replica processes)."""
         i = self._route(request_id)
         try:
             async for out in self.replicas[i].generate(prompt, sampling_params, request_id,

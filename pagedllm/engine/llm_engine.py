@@ -7,6 +7,8 @@ from typing import Any, Optional
 
 from pagedllm.config import EngineArgs
 from pagedllm.core.request import Request, RequestStatus
+from pagedllm.engine.chat import load_chat_template
+from pagedllm.engine.core_request import EngineCoreRequest
 from pagedllm.engine.engine_core import EngineCore
 from pagedllm.engine.input_processor import InputProcessor
 from pagedllm.metrics.stats import IterationStats, RequestStateStats
@@ -35,8 +37,10 @@ class LLMEngine:
             self.tokenizer.chat_template = load_chat_template(args.chat_template)
         self.max_model_len = self.core.max_model_len
         self.vocab_size = self.core.vocab_size
+        self.pooler = self.core.pooler
         self.input_processor = InputProcessor(self.tokenizer, self.max_model_len, self.vocab_size,
-                                              args.max_logprobs)
+                                              args.max_logprobs, runner=args.runner, pooler=self.pooler,
+                                              eos_token_id=self.core.eos_token_id)
         self.output_processor = OutputProcessor(self.tokenizer)
         self.default_sampling_params = self._generation_defaults()
         self._ids = itertools.count()
@@ -48,8 +52,6 @@ class LLMEngine:
         self.collect_stats = False
         # parent request id -> child core request ids
         self._children: dict[str, list[str]] = {}
-        # pooling request id -> (prompt token ids, queue or None)
-        self._pooling: dict[str, tuple[list[int], Any]] = {}
 
     def _generation_defaults(self) -> dict:
         """Default sampling values from the model's generation config (vLLM ``--generation-config``)."""
@@ -83,9 +85,12 @@ class LLMEngine:
     def next_request_id(self) -> str:
         return str(next(self._ids))
 
-    def validate(self, prompt: Any, params: Any, strict_length: bool = False,
-                 add_special_tokens: bool = True, wait_for_grammar: bool = True):
-        """Tokenize and validate one request without adding it.
+    def process_inputs(self, request_id: str, prompt: Any, params: Any, *, task: Optional[str] = None,
+                       strict_length: bool = False, add_special_tokens: bool = True,
+                       arrival_time: Optional[float] = None, cache_salt: Optional[str] = None,
+                       lora_request: Any = None, priority: int = 0,
+                       wait_for_grammar: bool = True) -> EngineCoreRequest:
+        """``InputProcessor.process_inputs`` plus the structured-outputs check.
 
         A request with ``structured_outputs``: with ``wait_for_grammar`` its grammar is compiled
         (on the manager's threads, or a cache hit) before this returns, so a constraint no backend
@@ -93,26 +98,25 @@ class LLMEngine:
         end then starts and awaits ``grammar_future`` itself).
 
         Returns:
-            (ProcessedPrompt, SamplingParams with max_tokens filled).
+            the EngineCoreRequest (not added).
 
         Raises:
-            ValueError: naming the offending field.
+            ValueError: naming the offending field (``InputValidationError`` with ``param``).
         """
-        if self.args.runner == "pooling":
-            raise ValueError("this model was loaded with runner='pooling' and does not generate text; use "
-                             "embed/encode/classify/score, or load it with runner='generate'")
-        pp = self.input_processor.process_prompt(
-            prompt, getattr(params, "truncate_prompt_tokens", None), add_special_tokens)
-        params = self.input_processor.process_sampling_params(params, len(pp.prompt_token_ids), strict_length)
-        if params.structured_outputs is not None:
+        req = self.input_processor.process_inputs(
+            request_id, prompt, params, task=task, strict_length=strict_length,
+            add_special_tokens=add_special_tokens, arrival_time=arrival_time, cache_salt=cache_salt,
+            lora_request=lora_request, priority=priority)
+        so = req.structured_outputs
+        if so is not None:
             if wait_for_grammar:
                 try:
-                    self.grammar_future(params).result()
+                    self.grammar_future(req.sampling_params).result()
                 except ValueError as e:
-                    raise params.structured_outputs.rename_error(e) from None
+                    raise so.rename_error(e) from None
             elif self.core.structured_output_manager is not None:
-                self.core.structured_output_manager.resolve_backend(params.structured_outputs)
-        return pp, params
+                self.core.structured_output_manager.resolve_backend(so)
+        return req
 
     def grammar_future(self, params: Any):
         """The compile of ``params.structured_outputs`` (a ``concurrent.futures.Future`` whose
@@ -129,136 +133,86 @@ class LLMEngine:
             raise ValueError("structured_outputs: needs a generation model (runner='generate')")
         return mgr.grammar_future(so)
 
-    def add_processed_request(self, request_id: str, pp: Any, params: Any,
-                              queue: Any = None, arrival_time: Optional[float] = None) -> None:
-        """Add an already validated request (fans out ``n > 1`` into child requests)."""
-        from pagedllm.engine.output_processor import ParentRequest
-        from pagedllm.pooling_params import PoolingParams
+    def add_request(self, request: Any, prompt: Any = None, params: Any = None, queue: Any = None,
+                    strict_length: bool = False, *, task: Optional[str] = None) -> None:
+        """Add a request: an ``EngineCoreRequest`` (already processed), or a request id with a
+        prompt and its SamplingParams / PoolingParams (processed here). An ``n > 1`` request
+        fans out into ``n`` child requests; its outputs come out of ``step()`` (into ``queue``
+        when given: anything with ``put_nowait``).
 
-        if isinstance(params, PoolingParams):
-            self.add_processed_pooling_request(request_id, pp, params, queue, arrival_time)
-            return
-        arrival_time = time.time() if arrival_time is None else arrival_time
-        n = params.n
-        if n == 1:
+        Raises:
+            ValueError: naming the offending field, or a request id in use; nothing is added then.
+        """
+        if not isinstance(request, EngineCoreRequest):
+            request = self.process_inputs(request, prompt, params, task=task, strict_length=strict_length)
+        if request.pooling_params is not None:
             self.output_processor.add_request(
-                request_id, pp.prompt, pp.prompt_token_ids, params, None, 0, arrival_time=arrival_time,
-                queue=queue)
-            self._add_core(request_id, pp, params, arrival_time)
+                request.request_id, request.prompt, request.prompt_token_ids, request.pooling_params,
+                arrival_time=request.arrival_time, queue=queue)
+            self._add_core(request.request_id, request, None)
             return
-        parent = ParentRequest(request_id, params)
+        from pagedllm.engine.output_processor import ParentRequest
+
+        rid, params = request.request_id, request.sampling_params
+        if params.n == 1:
+            self.output_processor.add_request(
+                rid, request.prompt, request.prompt_token_ids, params, None, 0,
+                arrival_time=request.arrival_time, queue=queue)
+            self._add_core(rid, request, params)
+            return
+        parent = ParentRequest(rid, params)
         kids = []
-        for i in range(n):
-            cp = params.clone()
-            cp.n = 1
-            if params.seed is not None:
-                cp.seed = params.seed + i
-            cid = child_request_id(i, request_id)
+        for i in range(params.n):
+            cid, cp = parent.get_child_info(i)
             kids.append((cid, cp))
             self.output_processor.add_request(
-                cid, pp.prompt, pp.prompt_token_ids, cp, parent, i, arrival_time=arrival_time, queue=queue)
-        for cid, cp in kids:
-            self._add_core(cid, pp, cp, arrival_time)
-        self._children[request_id] = [cid for cid, _ in kids]
+                cid, request.prompt, request.prompt_token_ids, cp, parent, i,
+                arrival_time=request.arrival_time, queue=queue)
+        added: list[str] = []
+        try:
+            for cid, cp in kids:
+                self._add_core(cid, request, cp)
+                added.append(cid)
+        except BaseException:
+            self.core.abort_requests(added)
+            self.output_processor.abort_requests([rid])
+            for cid in added:
+                self._req_stats.pop(cid, None)
+            raise
+        self._children[rid] = [cid for cid, _ in kids]
 
-    def _add_core(self, rid: str, pp: Any, params: Any, arrival_time: float) -> None:
-        req = Request(rid, pp.prompt_token_ids, sampling_params=params, eos_token_id=self.core.eos_token_id,
-                      arrival_time=arrival_time, cache_salt=pp.cache_salt)
-        if params.prompt_logprobs is not None:
+    def _add_core(self, rid: str, request: EngineCoreRequest, sampling_params: Any) -> None:
+        eos = request.eos_token_id if request.eos_token_id is not None else self.core.eos_token_id
+        req = Request(rid, request.prompt_token_ids, sampling_params=sampling_params,
+                      pooling_params=request.pooling_params, eos_token_id=eos,
+                      arrival_time=request.arrival_time, cache_salt=request.cache_salt,
+                      priority=request.priority)
+        if sampling_params is not None and sampling_params.prompt_logprobs is not None:
             # Prompt logprobs need every prompt position computed: no prefix-cache hits.
             req.skip_prefix_cache = True
-        self.core.add_request(req)
+        try:
+            self.core.add_request(req)
+        except BaseException:
+            self.output_processor.abort_requests([rid])
+            raise
         if self.collect_stats:
-            self._req_stats[rid] = (req, RequestStateStats(num_prompt_tokens=len(pp.prompt_token_ids)))
+            self._req_stats[rid] = (req, RequestStateStats(num_prompt_tokens=len(request.prompt_token_ids)))
 
-    def add_request(self, request_id: str, prompt: Any, params: Any, queue: Any = None,
-                    strict_length: bool = False) -> None:
-        """Validate and add a generation request.
+    def add_pooling_request(self, request_id: str, prompt: Any, pooling_params: Any,
+                            task: Optional[str] = None, queue: Any = None) -> None:
+        """``add_request`` of a pooling request (``task`` defaults to ``pooling_params.task``,
+        else the model's: "embed" or "classify").
 
         Raises:
             ValueError: naming the offending field; nothing is added then.
         """
-        pp, params = self.validate(prompt, params, strict_length)
-        self.add_processed_request(request_id, pp, params, queue)
+        from pagedllm.pooling_params import PoolingParams
 
-    # ------------------------------------------------------------------ pooling
-    def validate_pooling(self, prompt: Any, pooling_params: Any, task: str,
-                         add_special_tokens: bool = True):
-        """Tokenize and validate one pooling request (``task``: "embed", "classify", "score",
-        "encode") without adding it.
-
-        Returns:
-            (ProcessedPrompt, verified PoolingParams clone).
-
-        Raises:
-            ValueError: a generation model, a task this model does not serve, an invalid
-                parameter, an empty prompt or one over ``max_model_len`` (never cut unless
-                ``truncate_prompt_tokens``).
-        """
-        pooler = getattr(self.core, "pooler", None)
-        if pooler is None:
-            raise ValueError(f"this model is not a pooling model (loaded with runner={self.args.runner!r}); "
-                             f"{task} needs runner='pooling' (--runner pooling)")
-        params = pooler.prepare_params(pooling_params, task)
-        t = params.truncate_prompt_tokens
-        if t == -1:
-            t = self.max_model_len
-        pp = self.input_processor.process_prompt(prompt, t, add_special_tokens)
-        return pp, params
-
-    def add_processed_pooling_request(self, request_id: str, pp: Any, params: Any, queue: Any = None,
-                                      arrival_time: Optional[float] = None) -> None:
-        """Add a validated pooling request: prefill only; its PoolingRequestOutput comes out of
-        ``step()`` (and into ``queue`` when given) after its last prefill chunk."""
-        if request_id in self._pooling:
-            raise ValueError(f"request_id: {request_id!r} is already in use")
-        arrival_time = time.time() if arrival_time is None else arrival_time
-        req = Request(request_id, pp.prompt_token_ids, sampling_params=None, pooling_params=params,
-                      eos_token_id=self.core.eos_token_id, arrival_time=arrival_time)
-        self.core.add_request(req)
-        self._pooling[request_id] = (list(pp.prompt_token_ids), queue)
-
-    def add_pooling_request(self, request_id: str, prompt: Any, pooling_params: Any,
-                            task: Optional[str] = None, queue: Any = None) -> None:
-        """Validate and add a pooling request (``task`` defaults to ``pooling_params.task``, else
-        the model's: "embed" or "classify").
-
-        Raises:
-            ValueError: see ``validate_pooling``; nothing is added then.
-        """
-        pooler = getattr(self.core, "pooler", None)
-        task = task or getattr(pooling_params, "task", None) or (pooler.task if pooler else "embed")
-        pp, params = self.validate_pooling(prompt, pooling_params, task)
-        self.add_processed_pooling_request(request_id, pp, params, queue)
-
-    def _pooling_outputs(self, core_outputs: list) -> tuple[list, list]:
-        """Split finished pooling requests off the core outputs as PoolingRequestOutputs."""
-        from pagedllm.outputs import PoolingOutput, PoolingRequestOutput
-
-        pooled, rest = [], []
-        for co in core_outputs:
-            entry = self._pooling.pop(co.req_id, None)
-            if entry is None:
-                rest.append(co)
-                continue
-            ids, q = entry
-            if co.pooled is None:
-                err = RuntimeError(f"pooling request {co.req_id} finished without a pooled output")
-                if q is None:
-                    raise err
-                q.put_nowait(err)
-                continue
-            out = PoolingRequestOutput(request_id=co.req_id, outputs=PoolingOutput(co.pooled),
-                                       prompt_token_ids=ids, finished=True)
-            if q is not None:
-                q.put_nowait(out)
-            pooled.append(out)
-        return pooled, rest
+        params = PoolingParams() if pooling_params is None else pooling_params
+        self.add_request(request_id, prompt, params, queue, task=task)
 
     def abort_request(self, request_ids: list[str]) -> None:
         """Abort requests (parent ids of n > 1 requests abort every child)."""
-        for rid in request_ids:
-            self._pooling.pop(rid, None)
         core_ids = []
         for rid in request_ids:
             kids = self._children.pop(rid, None)
@@ -312,7 +266,6 @@ class LLMEngine:
             "output_processor.parent_requests": len(self.output_processor.parent_requests),
             "engine.req_stats": len(self._req_stats),
             "engine.children": len(self._children),
-            "engine.pooling": len(self._pooling),
         }
 
     def pop_iteration_stats(self) -> IterationStats:
@@ -327,16 +280,12 @@ class LLMEngine:
         self._iter_stats = IterationStats()
         return it
 
-    def step(self) -> list[RequestOutput]:
-        """One engine step; returns the RequestOutputs produced (per ``output_kind``)."""
+    def step(self) -> list:
+        """One engine step; returns the RequestOutputs (per ``output_kind``) and
+        PoolingRequestOutputs produced for requests added without a queue."""
         core_outputs = self.core.step()
         if not core_outputs:
             return []
-        pooled: list = []
-        if self._pooling:
-            pooled, core_outputs = self._pooling_outputs(core_outputs)
-            if not core_outputs:
-                return pooled
         now = time.time()
         it = self._iter_stats
         for co in core_outputs:
@@ -344,6 +293,8 @@ class LLMEngine:
             if entry is None:
                 continue
             req, st = entry
+            if req.pooling_params is not None and co.finish_reason is not None:
+                it.num_prompt_tokens += st.num_prompt_tokens  # NOTE: its prefill is its whole work
             st.observe(it, req.arrival_time, req.first_scheduled_time, now, len(co.new_token_ids),
                        st.first_token_time is None and len(co.new_token_ids) > 0, co.finish_reason)
             if co.finish_reason is not None:
@@ -355,15 +306,4 @@ class LLMEngine:
         for o in outputs:
             if o.finished:
                 self._children.pop(o.request_id, None)
-        return pooled + outputs if pooled else outputs
-
-
-def load_chat_template(value: str) -> str:
-    """``--chat-template``: a path to a file holding a Jinja template, or the template itself."""
-    import os
-    if os.path.isfile(value):
-        with open(value) as f:
-            return f.read()
-    if any(c in value for c in "{}\n") or not os.path.splitext(value)[1]:
-        return value
-    raise ValueError(f"chat_template: file {value!r} does not exist")
+        return outputs

@@ -7,8 +7,13 @@ builds :class:`~pagedllm.outputs.RequestOutput` objects according to
 ``n`` child requests (ids ``f"{i}_{parent_id}"``); a :class:`ParentRequest` fans their
 outputs back into one RequestOutput per step.
 
-``OutputProcessor.process_outputs`` returns the RequestOutputs (for requests registered
-without a queue) and the ids the engine core must abort because a stop string matched.
+Pooling requests (registered with a ``PoolingParams``) get a :class:`PoolingRequestState`:
+their one output, after the last prefill chunk, becomes a
+:class:`~pagedllm.outputs.PoolingRequestOutput`.
+
+``OutputProcessor.process_outputs`` returns the RequestOutputs / PoolingRequestOutputs (for
+requests registered without a queue) and the ids the engine core must abort because a stop
+string matched.
 """
 from __future__ import annotations
 
@@ -22,7 +27,14 @@ from pagedllm.engine.detokenizer import (
     normalize_stop,
     stop_holdback,
 )
-from pagedllm.outputs import CompletionOutput, Logprob, PositionLogprobs, RequestOutput
+from pagedllm.outputs import (
+    CompletionOutput,
+    Logprob,
+    PoolingOutput,
+    PoolingRequestOutput,
+    PositionLogprobs,
+    RequestOutput,
+)
 
 CUMULATIVE = 0
 DELTA = 1
@@ -295,8 +307,33 @@ class RequestState:
         return m
 
 
+class PoolingRequestState:
+    """A pooling request waiting for its pooled output (prefill only: one output at the end)."""
+
+    def __init__(self, request_id: str, prompt: Optional[str], prompt_token_ids: Sequence[int],
+                 params: Any, queue: Any) -> None:
+        self.request_id = request_id
+        self.prompt = prompt
+        self.prompt_token_ids = list(prompt_token_ids)
+        self.params = params
+        self.queue = queue
+        self.parent = None
+
+    def make_output(self, eco: Any) -> PoolingRequestOutput:
+        """The PoolingRequestOutput of the finishing EngineCoreOutput ``eco``.
+
+        Raises:
+            RuntimeError: the request finished without a pooled tensor (an engine bug).
+        """
+        if eco.pooled is None:
+            raise RuntimeError(f"pooling request {self.request_id} finished without a pooled output")
+        return PoolingRequestOutput(request_id=self.request_id, outputs=PoolingOutput(eco.pooled),
+                                    prompt_token_ids=self.prompt_token_ids, finished=True)
+
+
 class OutputProcessor:
-    """Turns the engine core's per-step outputs into RequestOutputs.
+    """Turns the engine core's per-step outputs into RequestOutputs (PoolingRequestOutputs for
+    pooling requests).
 
     Attributes:
         request_states: core request id -> RequestState (unfinished requests only).
@@ -324,9 +361,19 @@ class OutputProcessor:
         """Register one (child) request. With ``queue`` (anything with ``put_nowait``),
         its RequestOutputs go there instead of being returned by ``process_outputs``; for
         a child, the queue is attached to its parent (give it once, or set
-        ``ParentRequest.queue``)."""
+        ``ParentRequest.queue``). ``params`` a PoolingParams: a pooling request (no parent).
+
+        Raises:
+            ValueError: ``request_id`` is already registered.
+        """
+        from pagedllm.pooling_params import PoolingParams
+
         if request_id in self.request_states:
-            raise ValueError(f"request id {request_id!r} already exists")
+            raise ValueError(f"request_id: {request_id!r} is already in use")
+        if isinstance(params, PoolingParams):
+            self.request_states[request_id] = PoolingRequestState(
+                request_id, prompt, prompt_token_ids, params, queue)
+            return
         if tokenizer is None:
             tokenizer = self.tokenizer
         if parent is not None:
@@ -379,19 +426,36 @@ class OutputProcessor:
     ) -> tuple[list[RequestOutput], list[str]]:
         """Consume one step's EngineCoreOutputs.
 
-        Returns ``(request_outputs, reqs_to_abort)``: the RequestOutputs of requests
-        without a queue (queued ones are ``put_nowait`` instead), and the core request
-        ids whose stop string matched (the core must abort them). Outputs for unknown
-        (finished/aborted) ids are ignored. A request with ``n > 1`` yields at most one
-        RequestOutput per call.
+        Returns ``(request_outputs, reqs_to_abort)``: the RequestOutputs (PoolingRequestOutputs
+        for pooling requests) of requests without a queue (queued ones are ``put_nowait``
+        instead), and the core request ids whose stop string matched (the core must abort
+        them). Outputs for unknown (finished/aborted) ids are ignored. A request with ``n > 1``
+        yields at most one RequestOutput per call.
+
+        Raises:
+            RuntimeError: a pooling request without a queue finished without a pooled output
+                (with a queue, the error goes to the queue).
         """
-        results: list[RequestOutput] = []
+        results: list = []
         reqs_to_abort: list[str] = []
         parent_updates: dict[str, list[RequestState]] = {}
 
         for eco in engine_core_outputs:
             state = self.request_states.get(eco.req_id)
             if state is None:
+                continue
+            if isinstance(state, PoolingRequestState):
+                if eco.finish_reason is None:
+                    continue  # NOTE: the core sends a pooling request's output only at its end
+                del self.request_states[state.request_id]
+                try:
+                    pooled = state.make_output(eco)
+                except RuntimeError as e:
+                    if state.queue is None:
+                        raise
+                    state.queue.put_nowait(e)
+                    continue
+                self._deliver(pooled, state.queue, results)
                 continue
             if state.update(eco):
                 reqs_to_abort.append(state.request_id)
@@ -442,7 +506,7 @@ class OutputProcessor:
         return results, reqs_to_abort
 
     @staticmethod
-    def _deliver(out: RequestOutput, queue: Any, results: list[RequestOutput]) -> None:
+    def _deliver(out: Any, queue: Any, results: list) -> None:
         if queue is not None:
             queue.put_nowait(out)
         else:

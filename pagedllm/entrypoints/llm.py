@@ -86,9 +86,12 @@ class LLM:
         "description", "parameters"}}``) shown to the template; parse the calls out of the
         text with a tool parser (``pagedllm.entrypoints.openai.tool_parsers``).
 
+        Rendering is the server's (``pagedllm.engine.chat.render_chat``): the same conversation
+        gives the same prompt token ids here and on ``/v1/chat/completions``.
+
         Raises:
-            ValueError: empty conversation, a tokenizer without a chat template, or invalid
-                ``tools``.
+            ValueError: empty conversation, a tokenizer without a chat template, invalid
+                ``tools`` or tool turns, or a template that fails to render.
         """
         if tools:
             from pagedllm.entrypoints.openai.errors import OpenAIError
@@ -97,22 +100,26 @@ class LLM:
                 tools = validate_tools(tools)
             except OpenAIError as e:
                 raise ValueError(e.message) from None
-            chat_template_kwargs = dict(chat_template_kwargs or {}, tools=tools)
         convs = [messages] if messages and isinstance(messages[0], dict) else list(messages)
         prompts = [self.llm_engine_apply_chat_template(c, chat_template, add_generation_prompt,
-                                                      continue_final_message, chat_template_kwargs)
+                                                      continue_final_message, chat_template_kwargs,
+                                                      tools=tools or None)
                    for c in convs]
         params_list = self._params_list(sampling_params, len(prompts))
         return self._run(list(zip(prompts, params_list)), use_tqdm)
 
     def llm_engine_apply_chat_template(self, conversation: list[dict], chat_template: Optional[str] = None,
                                        add_generation_prompt: bool = True, continue_final_message: bool = False,
-                                       chat_template_kwargs: Optional[dict] = None) -> dict:
-        """Render a conversation to ``{"prompt": text, "prompt_token_ids": ids}``."""
-        from pagedllm.engine.chat import apply_chat_template
+                                       chat_template_kwargs: Optional[dict] = None,
+                                       tools: Optional[list[dict]] = None) -> dict:
+        """Render a conversation to ``{"prompt": text, "prompt_token_ids": ids}`` (the template's
+        text, tokenized without adding special tokens, as the server does)."""
+        from pagedllm.engine.chat import render_chat
 
-        text = apply_chat_template(self.llm_engine.tokenizer, conversation, chat_template,
-                                   add_generation_prompt, continue_final_message, chat_template_kwargs)
+        text = render_chat(self.llm_engine.tokenizer, conversation, chat_template=chat_template,
+                           add_generation_prompt=add_generation_prompt,
+                           continue_final_message=continue_final_message,
+                           chat_template_kwargs=chat_template_kwargs, tools=tools)
         ids = self.llm_engine.input_processor.tokenize(text, add_special_tokens=False)
         return {"prompt": text, "prompt_token_ids": ids}
 
@@ -174,7 +181,7 @@ class LLM:
 
         from pagedllm.outputs import PoolingOutput, PoolingRequestOutput
 
-        pooler = getattr(self.llm_engine.core, "pooler", None)
+        pooler = self.llm_engine.pooler
         if pooler is None:
             raise ValueError("score: this model is not a pooling model (load it with runner='pooling')")
         q = [text_1] if isinstance(text_1, (str, dict)) else list(text_1)
@@ -230,7 +237,7 @@ class LLM:
         from pagedllm.pooling_params import PoolingParams
 
         eng = self.llm_engine
-        if getattr(eng.core, "pooler", None) is None:
+        if eng.pooler is None:
             raise ValueError(f"{task}: this model is not a pooling model (loaded with "
                              f"runner={self.engine_args.runner!r}); load it with runner='pooling'")
         if isinstance(prompts, (str, dict)):
@@ -245,21 +252,16 @@ class LLM:
             plist = list(pooling_params)
         else:
             plist = [pooling_params] * len(prompts)
-        validated = []
+        requests = []
         for i, (prompt, pp_) in enumerate(zip(prompts, plist)):
             pp_ = PoolingParams() if pp_ is None else pp_.clone()
             if truncate_prompt_tokens is not None:
                 pp_.truncate_prompt_tokens = truncate_prompt_tokens
             try:
-                validated.append(eng.validate_pooling(prompt, pp_, task))
+                requests.append(eng.process_inputs(eng.next_request_id(), prompt, pp_, task=task))
             except ValueError as e:
-                raise ValueError(f"{e} (prompt index {i})") from None
-        ids = []
-        for proc, params in validated:
-            rid = eng.next_request_id()
-            eng.add_processed_pooling_request(rid, proc, params)
-            ids.append(rid)
-        return self._run_until_done(ids, use_tqdm)
+                raise _at_index(e, i) from None
+        return self._add_and_run(requests, use_tqdm)
 
     def reset_prefix_cache(self) -> bool:
         """Drop every cached block hash (only when no request holds blocks).
@@ -285,20 +287,28 @@ class LLM:
 
         eng = self.llm_engine
         # Validate everything first so a bad prompt adds nothing.
-        validated = []
+        requests = []
         for i, (prompt, sp) in enumerate(items):
             try:
-                pp, sp = eng.validate(prompt, sp)
+                req = eng.process_inputs(eng.next_request_id(), prompt, sp)
             except ValueError as e:
-                raise ValueError(f"{e} (prompt index {i})") from None
-            sp.output_kind = RequestOutputKind.FINAL_ONLY
-            validated.append((pp, sp))
-        ids = []
-        for pp, sp in validated:
-            rid = eng.next_request_id()
-            eng.add_processed_request(rid, pp, sp)
-            ids.append(rid)
-        return self._run_until_done(ids, use_tqdm)
+                raise _at_index(e, i) from None
+            req.sampling_params.output_kind = RequestOutputKind.FINAL_ONLY
+            requests.append(req)
+        return self._add_and_run(requests, use_tqdm)
+
+    def _add_and_run(self, requests: list, use_tqdm: bool) -> list:
+        """Add processed requests (all or none) and run them to completion."""
+        eng = self.llm_engine
+        added: list[str] = []
+        try:
+            for req in requests:
+                eng.add_request(req)
+                added.append(req.request_id)
+        except BaseException:
+            eng.abort_request(added)
+            raise
+        return self._run_until_done(added, use_tqdm)
 
     def _run_until_done(self, ids: list[str], use_tqdm: bool) -> list:
         """Step the engine until every request in ``ids`` finished; outputs in ``ids`` order.
@@ -329,3 +339,13 @@ class LLM:
         if missing:
             raise RuntimeError(f"engine stopped with {len(missing)} unfinished request(s)")
         return [results[r] for r in ids]
+
+
+def _at_index(e: ValueError, i: int) -> ValueError:
+    """``e`` with " (prompt index i)" appended to its message, its type and ``param`` kept."""
+    from pagedllm.engine.input_processor import InputValidationError
+
+    msg = f"{e} (prompt index {i})"
+    if isinstance(e, InputValidationError):
+        return InputValidationError(msg, e.param)
+    return ValueError(msg)

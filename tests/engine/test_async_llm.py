@@ -92,7 +92,7 @@ def test_duplicate_request_id_fails_alone():
         # white box: the engine thread refuses an id it already holds; only that queue hears it
         held = asyncio.ensure_future(collect(engine.generate("The sky is", sp, "held")))
         await asyncio.sleep(0)
-        q = engine._add("held", *engine.engine.validate("Another prompt", sp, strict_length=True))
+        q = engine._add(engine.engine.process_inputs("held", "Another prompt", sp, strict_length=True))
         refused = await q.get()
         return results, await held, refused
 
@@ -108,3 +108,41 @@ def test_duplicate_request_id_fails_alone():
     offline = LLM(MODEL, **KW).generate(["Once upon a time", "Hello there"], sp, use_tqdm=False)
     assert other.outputs[0].token_ids == offline[0].outputs[0].token_ids
     assert first.outputs[0].token_ids == offline[1].outputs[0].token_ids
+
+
+def test_takes_the_engine_core_request_the_server_builds():
+    """The server builds an EngineCoreRequest with the engine's input processor and hands it to
+    generate (an EngineClient's); it runs as the same raw prompt does, and a mismatched id or a
+    pooling request is refused."""
+    from pagedllm.engine.protocol import EngineClient, missing_members
+    from pagedllm.pooling_params import PoolingParams
+
+    engine = AsyncLLM.from_engine_args(EngineArgs(model=MODEL, **KW))
+    assert isinstance(engine, EngineClient) and missing_members(engine) == []
+    sp = SamplingParams(temperature=0.0, max_tokens=6)
+    prompt = "The capital of France is"
+
+    async def collect(gen):
+        final = None
+        async for out in gen:
+            final = out
+        return final
+
+    async def run():
+        req = engine.input_processor.process_inputs("built", prompt, sp, strict_length=True)
+        assert req.sampling_params.max_tokens == 6 and req.sampling_params is not sp and req.prompt == prompt
+        built = await collect(engine.generate(req, sp, "built"))
+        raw = await collect(engine.generate(prompt, sp, "raw"))
+        with pytest.raises(ValueError, match="does not match"):
+            await collect(engine.generate(req, sp, "another"))
+        with pytest.raises(ValueError, match="not a pooling model"):
+            engine.input_processor.process_inputs("p", prompt, PoolingParams(), task="embed")
+        return built, raw
+
+    try:
+        built, raw = asyncio.run(run())
+    finally:
+        engine.shutdown()
+    assert built.request_id == "built" and built.prompt == prompt
+    assert built.outputs[0].token_ids == raw.outputs[0].token_ids and len(raw.outputs[0].token_ids) == 6
+    assert built.prompt_token_ids == raw.prompt_token_ids

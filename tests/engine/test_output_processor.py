@@ -362,3 +362,50 @@ def test_num_cached_tokens_and_no_detokenize(tok):
         [EngineCoreOutput("r", ids, finish_reason="length", num_cached_tokens=16)])
     assert outs[0].num_cached_tokens == 16
     assert outs[0].outputs[0].text == "" and outs[0].outputs[0].token_ids == ids
+
+
+def test_pooling_requests_go_through_the_output_processor(tok):
+    """A pooling request registered with its PoolingParams becomes a PoolingRequestOutput when its
+    last prefill chunk finishes (nothing before), returned or queued like a generation output; a
+    generation request in the same step is unaffected, and finished ids are forgotten."""
+    import torch
+
+    from pagedllm.outputs import PoolingRequestOutput, RequestOutput
+    from pagedllm.pooling_params import PoolingParams
+
+    class Q(list):
+        put_nowait = list.append
+
+    op = OutputProcessor(tok)
+    vec = torch.arange(4, dtype=torch.float32)
+    op.add_request("emb", "Hi", [1, 2, 3], PoolingParams())
+    queued = Q()
+    op.add_request("emb-q", None, [4, 5], PoolingParams(), queue=queued)
+    op.add_request("gen", PROMPT, tok.encode(PROMPT), SamplingParams(max_tokens=2, output_kind=FINAL))
+    assert op.get_num_unfinished_requests() == 3
+    # a prefill chunk that is not the last: no output
+    outs, aborts = op.process_outputs([EngineCoreOutput("emb", [])])
+    assert outs == [] and aborts == []
+    outs, _ = op.process_outputs([
+        EngineCoreOutput("emb", [], finish_reason="stop", pooled=vec),
+        EngineCoreOutput("emb-q", [], finish_reason="stop", pooled=vec * 2),
+        EngineCoreOutput("gen", [tok.encode(" Hello", add_special_tokens=False)[0]]),
+    ])
+    (o,) = outs
+    assert isinstance(o, PoolingRequestOutput) and o.request_id == "emb" and o.finished
+    assert o.prompt_token_ids == [1, 2, 3] and torch.equal(o.outputs.data, vec)
+    (q,) = queued
+    assert isinstance(q, PoolingRequestOutput) and torch.equal(q.outputs.data, vec * 2)
+    assert set(op.request_states) == {"gen"}
+    # a pooling request that ends without a pooled tensor is an error (its queue hears it)
+    op.add_request("bad", None, [1], PoolingParams(), queue=queued)
+    op.process_outputs([EngineCoreOutput("bad", [], finish_reason="stop")])
+    assert isinstance(queued[-1], RuntimeError) and "bad" in str(queued[-1])
+    op.add_request("bad2", None, [1], PoolingParams())
+    with pytest.raises(RuntimeError, match="without a pooled output"):
+        op.process_outputs([EngineCoreOutput("bad2", [], finish_reason="stop")])
+    outs, _ = op.process_outputs([EngineCoreOutput("gen", [7], finish_reason="length")])
+    assert isinstance(outs[0], RequestOutput) and op.get_num_unfinished_requests() == 0
+    op.add_request("x", None, [1], PoolingParams())
+    with pytest.raises(ValueError, match="already in use"):
+        op.add_request("x", None, [1], PoolingParams())

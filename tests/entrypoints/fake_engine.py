@@ -1,5 +1,10 @@
-"""A small deterministic stand-in for ``pagedllm.engine.async_llm.AsyncLLM`` (same interface),
-with SmolLM2's real tokenizer, for testing the HTTP layer without loading a model.
+"""A small deterministic stand-in for ``pagedllm.engine.async_llm.AsyncLLM`` (an ``EngineClient``:
+``pagedllm.engine.protocol``), with SmolLM2's real tokenizer and the engine's real
+``InputProcessor``, for testing the HTTP layer without loading a model.
+
+``generate`` takes what the server sends, an ``EngineCoreRequest``, or a raw prompt that it
+processes as ``AsyncLLM`` does; ``received`` records ``(prompt dict, SamplingParams, request id)``
+with the prompt dict ``{"prompt_token_ids", "prompt", "cache_salt"}`` of the processed request.
 
 Sample k of a request generates the token cycle of ``FAKE_TEXT`` starting at word k, one
 token per step; it stops at max_tokens ("length"), at a stop string ("stop") or at a stop token
@@ -14,6 +19,8 @@ import importlib.util
 import time
 from typing import Any, AsyncIterator, Optional
 
+from pagedllm.engine.core_request import EngineCoreRequest
+from pagedllm.engine.input_processor import InputProcessor
 from pagedllm.metrics.stats import IterationStats, RequestStateStats, SchedulerStats
 from pagedllm.outputs import CompletionOutput, Logprob, RequestOutput
 from pagedllm.sampling_params import RequestOutputKind, SamplingParams
@@ -38,8 +45,11 @@ class FakeAsyncLLM:
         self.tokenizer = load_tokenizer()
         self.max_model_len = max_model_len
         self.vocab_size = len(self.tokenizer)
+        self.input_processor = InputProcessor(self.tokenizer, max_model_len, self.vocab_size, 20,
+                                              runner=runner, eos_token_id=self.tokenizer.eos_token_id)
         self.model_name = model_name
         self.runner = runner
+        self.pooler = None
         self.default_sampling_params = dict(default_sampling_params or {})
         self.kv_capacity_tokens = 4096
         self.stat_loggers: list[Any] = []
@@ -73,29 +83,31 @@ class FakeAsyncLLM:
         for lg in self.stat_loggers:
             lg.record(sched, it)
 
-    # --- AsyncLLM interface -------------------------------------------------------------
-    async def generate(self, prompt: Any, sampling_params: SamplingParams,
-                       request_id: str) -> AsyncIterator[RequestOutput]:
-        sp = sampling_params
-        if isinstance(prompt, str):
-            ids = self.tokenizer.encode(prompt, add_special_tokens=True)
-            ptext: Optional[str] = prompt
-        else:
-            ids = list(prompt["prompt_token_ids"])
-            ptext = prompt.get("prompt")
-        if not ids:
-            raise ValueError("The decoder prompt cannot be empty")
-        for t in ids:
-            if t < 0 or t >= self.vocab_size:
-                raise ValueError(f"Token id {t} is out of vocabulary")
-        max_tokens = sp.max_tokens if sp.max_tokens is not None else self.max_model_len - len(ids)
-        if len(ids) + max_tokens > self.max_model_len:
-            raise ValueError(f"This model's maximum context length is {self.max_model_len} "
-                             f"tokens. However, you requested {len(ids) + max_tokens} tokens "
-                             f"({len(ids)} in the messages, {max_tokens} in the completion).")
-        if request_id in self.running:
-            raise ValueError(f"request_id {request_id!r} is already in use")
-        self.received.append((prompt, sp, request_id))
+    def engine_request(self, prompt: Any, sampling_params: SamplingParams, request_id: str,
+                       add_special_tokens: bool = True) -> EngineCoreRequest:
+        """``prompt`` if it is an EngineCoreRequest, else processed as AsyncLLM does."""
+        if isinstance(prompt, EngineCoreRequest):
+            assert prompt.request_id == request_id and prompt.sampling_params is not None
+            return prompt
+        return self.input_processor.process_inputs(request_id, prompt, sampling_params, strict_length=True,
+                                                   add_special_tokens=add_special_tokens)
+
+    def record(self, req: EngineCoreRequest) -> None:
+        if req.request_id in self.running:
+            raise ValueError(f"request_id {req.request_id!r} is already in use")
+        prompt = {"prompt_token_ids": list(req.prompt_token_ids), "prompt": req.prompt,
+                  "cache_salt": req.cache_salt}
+        self.received.append((prompt, req.sampling_params, req.request_id))
+
+    # --- EngineClient interface -----------------------------------------------------------
+    async def generate(self, prompt: Any, sampling_params: SamplingParams, request_id: str,
+                       add_special_tokens: bool = True) -> AsyncIterator[RequestOutput]:
+        req = self.engine_request(prompt, sampling_params, request_id, add_special_tokens)
+        sp = req.sampling_params
+        ids = list(req.prompt_token_ids)
+        ptext: Optional[str] = req.prompt
+        max_tokens = sp.max_tokens
+        self.record(req)
         self.running.add(request_id)
         arrival = time.time()
         n = sp.n
@@ -177,6 +189,10 @@ class FakeAsyncLLM:
                 self.aborted.append(request_id)
             self.running.discard(request_id)
 
+    async def encode(self, prompt: Any, pooling_params: Any, request_id: str, *, task: Optional[str] = None,
+                     add_special_tokens: bool = True) -> Any:
+        raise ValueError("this model is not a pooling model (loaded with runner='generate')")
+
     async def abort(self, request_id: str) -> None:
         if request_id in self.running:
             self.aborted.append(request_id)
@@ -197,6 +213,10 @@ class FakeAsyncLLM:
     async def check_health(self) -> None:
         if self.dead:
             raise RuntimeError("engine loop died")
+
+    def make_prometheus_logger(self, model_name: str, max_model_len: int, prefix: str = "pagedllm") -> Any:
+        from pagedllm.metrics.prometheus import PrometheusStatLogger
+        return PrometheusStatLogger(model_name=model_name, max_model_len=max_model_len, prefix=prefix)
 
     def shutdown(self) -> None:
         pass

@@ -33,14 +33,13 @@ class ScriptedAsyncLLM(FakeAsyncLLM):
         self._next += 1
         return s
 
-    async def generate(self, prompt: Any, sampling_params: SamplingParams,
-                       request_id: str) -> AsyncIterator[RequestOutput]:
-        sp = sampling_params
-        ids = list(prompt["prompt_token_ids"])
-        ptext = prompt.get("prompt") or self.tokenizer.decode(ids)
-        if request_id in self.running:
-            raise ValueError(f"request_id {request_id!r} is already in use")
-        self.received.append((prompt, sp, request_id))
+    async def generate(self, prompt: Any, sampling_params: SamplingParams, request_id: str,
+                       add_special_tokens: bool = True) -> AsyncIterator[RequestOutput]:
+        req = self.engine_request(prompt, sampling_params, request_id, add_special_tokens)
+        sp = req.sampling_params
+        ids = list(req.prompt_token_ids)
+        ptext = req.prompt or self.tokenizer.decode(ids)
+        self.record(req)
         self.running.add(request_id)
         n = sp.n
         toks = [self.tokenizer.encode(self._script(ptext), add_special_tokens=False)

@@ -161,3 +161,52 @@ def test_generation_model_rejected(tiny_llama_causal):
         return True
 
     assert _serve(engine, body)
+
+
+def test_pooling_goes_the_one_input_path_and_is_counted(tiny_llama_causal):
+    """AsyncLLM (an EngineClient) takes the EngineCoreRequest its input processor builds, as the
+    server does; the result equals LLM.embed's, and each pooling request is a finished request in
+    the engine's metrics (its prompt tokens, e2e latency) like a generation request, leaving no
+    per-request state behind (its output came through the OutputProcessor)."""
+    from pagedllm import LLM
+    from pagedllm.engine.protocol import missing_members
+    from pagedllm.inputs import TokensPrompt
+    from pagedllm.pooling_params import PoolingParams
+
+    ids = [5, 17, 42, 7, 99]
+    want = LLM(tiny_llama_causal, runner="pooling", convert="embed", **KW).embed(
+        [TokensPrompt(prompt_token_ids=ids), "red apples"], use_tqdm=False)
+    engine = AsyncLLM.from_engine_args(EngineArgs(model=tiny_llama_causal, runner="pooling", convert="embed",
+                                                  **KW))
+    assert missing_members(engine) == []
+    records = []
+
+    class Recorder:
+        def record(self, scheduler_stats, iteration_stats):
+            records.append(iteration_stats)
+
+    engine.stat_loggers.append(Recorder())
+
+    async def run():
+        req = engine.input_processor.process_inputs("e1", TokensPrompt(prompt_token_ids=ids), PoolingParams(),
+                                                    task="embed")
+        assert req.pooling_params is not None and req.sampling_params is None and req.prompt_token_ids == ids
+        a = await engine.encode(req, None, "e1")
+        b = await engine.encode("red apples", None, "e2", task="embed")
+        with pytest.raises(ValueError, match="does not match"):
+            await engine.encode(req, None, "other-id")
+        return a, b
+
+    try:
+        a, b = asyncio.run(run())
+        counts = engine.engine.get_request_state_counts()
+    finally:
+        engine.shutdown()
+    for got, ref in zip((a, b), want):
+        assert got.prompt_token_ids == ref.prompt_token_ids
+        torch.testing.assert_close(got.outputs.data, ref.outputs.data, rtol=1e-5, atol=1e-6)
+    finished = [f for it in records for f in it.finished_requests]
+    assert sorted(f.num_prompt_tokens for f in finished) == sorted([len(ids), len(b.prompt_token_ids)])
+    assert all(f.finish_reason == "stop" and f.num_generation_tokens == 0 for f in finished)
+    assert sum(it.num_prompt_tokens for it in records) == len(ids) + len(b.prompt_token_ids)
+    assert counts["output_processor.request_states"] == 0 and counts["engine.req_stats"] == 0

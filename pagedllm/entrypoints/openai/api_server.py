@@ -1,9 +1,10 @@
 """The OpenAI-compatible HTTP server (``pagedllm serve``).
 
-``build_app(engine, args)`` makes the FastAPI app around an ``AsyncLLM`` (or anything with its
-interface); ``run_server(args)`` builds the engine from the parsed ``pagedllm serve`` flags and
-serves the app with uvicorn until SIGINT/SIGTERM (then it stops accepting connections, aborts
-the requests in flight and returns, so the process exits 0).
+``build_app(engine, args)`` makes the FastAPI app around an ``EngineClient``
+(``pagedllm.engine.protocol``: ``AsyncLLM``, ``DPAsyncLLM``); ``run_server(args)`` builds the
+engine from the parsed ``pagedllm serve`` flags and serves the app with uvicorn until
+SIGINT/SIGTERM (then it stops accepting connections, aborts the requests in flight and
+returns, so the process exits 0).
 """
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ from typing import Any, Optional
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
+from pagedllm.engine.protocol import EngineClient
 from pagedllm.entrypoints.openai.errors import OpenAIError, error_response, install_exception_handlers
 from pagedllm.entrypoints.openai.protocol import (ChatCompletionRequest, CompletionRequest,
                                                   DetokenizeRequest, TokenizeChatRequest,
@@ -31,7 +33,6 @@ from pagedllm.entrypoints.openai.serving_completion import OpenAIServingCompleti
 from pagedllm.entrypoints.openai.serving_models import (OpenAIServingModels,
                                                         OpenAIServingTokenization)
 from pagedllm.metrics.loggers import LoggingStatLogger
-from pagedllm.metrics.prometheus import PrometheusStatLogger
 
 logger = logging.getLogger("pagedllm.entrypoints.openai.api_server")
 
@@ -53,16 +54,16 @@ def _version() -> str:
         return "0.1.0"
 
 
-def _served_names(engine: Any, args: Any) -> list[str]:
+def _served_names(engine: EngineClient, args: Any) -> list[str]:
     names = getattr(args, "served_model_name", None) if args is not None else None
     if isinstance(names, str):
         names = [names]
     if not names:
-        names = [str(getattr(engine, "model_name", "model"))]
+        names = [str(engine.model_name)]
     return list(names)
 
 
-def build_app(engine: Any, args: Optional[argparse.Namespace] = None) -> FastAPI:
+def build_app(engine: EngineClient, args: Optional[argparse.Namespace] = None) -> FastAPI:
     """The FastAPI app serving ``engine``.
 
     ``args`` (optional, a ``pagedllm serve`` namespace or anything with those attributes):
@@ -72,8 +73,8 @@ def build_app(engine: Any, args: Optional[argparse.Namespace] = None) -> FastAPI
     get = (lambda name, default=None: getattr(args, name, default) if args is not None else default)
     served = _served_names(engine, args)
     api_key = get("api_key")
-    common = dict(max_logprobs=int(get("max_logprobs", 20) or 20),
-                  chat_template=get("chat_template"),
+    # NOTE: --max-logprobs reaches the engine (EngineArgs.max_logprobs): its input processor checks.
+    common = dict(chat_template=get("chat_template"),
                   log_requests=not bool(get("disable_log_requests", False)))
 
     serving_completion = OpenAIServingCompletion(engine, served, **common)
@@ -88,27 +89,18 @@ def build_app(engine: Any, args: Optional[argparse.Namespace] = None) -> FastAPI
 
     # Stat loggers: the engine calls record(scheduler_stats, iteration_stats) after each step.
     metrics_prefix = get("metrics_prefix", "pagedllm") or "pagedllm"
-    make_prom = getattr(engine, "make_prometheus_logger", None)  # data parallel: a series per replica
-    prom = (make_prom(served[0], int(engine.max_model_len), metrics_prefix) if make_prom is not None
-            else PrometheusStatLogger(model_name=served[0], max_model_len=int(engine.max_model_len),
-                                      prefix=metrics_prefix))
-    if getattr(engine, "stat_loggers", None) is None:
-        try:
-            engine.stat_loggers = []
-        except Exception:
-            pass
-    loggers_list = getattr(engine, "stat_loggers", None)
+    # Data parallel: a series per replica (the engine makes its own logger).
+    prom = engine.make_prometheus_logger(served[0], int(engine.max_model_len), metrics_prefix)
+    loggers_list = engine.stat_loggers
     log_stats: Optional[LoggingStatLogger] = None
-    if isinstance(loggers_list, list):
-        loggers_list.append(prom)
-        if not get("disable_log_stats", False):
-            existing = [x for x in loggers_list if isinstance(x, LoggingStatLogger)]
-            if existing:
-                log_stats = existing[0]
-            else:
-                log_stats = LoggingStatLogger(interval=STATS_LOG_INTERVAL_S,
-                                              memory_fn=getattr(engine, "get_memory_stats", None))
-                loggers_list.append(log_stats)
+    loggers_list.append(prom)
+    if not get("disable_log_stats", False):
+        existing = [x for x in loggers_list if isinstance(x, LoggingStatLogger)]
+        if existing:
+            log_stats = existing[0]
+        else:
+            log_stats = LoggingStatLogger(interval=STATS_LOG_INTERVAL_S, memory_fn=engine.get_memory_stats)
+            loggers_list.append(log_stats)
 
     from pagedllm.entrypoints.openai.response_store import DEFAULT_MAX_ENTRIES, ResponseStore
     from pagedllm.entrypoints.openai.serving_responses import OpenAIServingResponses
@@ -143,10 +135,9 @@ def build_app(engine: Any, args: Optional[argparse.Namespace] = None) -> FastAPI
                 with contextlib.suppress(BaseException):
                     await task
             await abort_all()
-            if isinstance(loggers_list, list):
-                for x in (prom, log_stats):
-                    if x is not None and x in loggers_list:
-                        loggers_list.remove(x)
+            for x in (prom, log_stats):
+                if x is not None and x in loggers_list:
+                    loggers_list.remove(x)
 
     app = FastAPI(title="pagedllm OpenAI-compatible API", version=_version(), lifespan=lifespan)
     app.state.engine = engine
@@ -185,7 +176,7 @@ def build_app(engine: Any, args: Optional[argparse.Namespace] = None) -> FastAPI
             return await call_next(request)
 
     def _check_generate_runner() -> None:
-        if getattr(engine, "runner", "generate") != "generate":
+        if engine.runner != "generate":
             raise OpenAIError("This model does not support text generation (it was started "
                               "with --runner pooling).", 400, "model")
 
@@ -220,7 +211,7 @@ def build_app(engine: Any, args: Optional[argparse.Namespace] = None) -> FastAPI
 
     @app.post("/v1/messages")
     async def create_message(raw_request: Request):
-        if getattr(engine, "runner", "generate") != "generate":
+        if engine.runner != "generate":
             return JSONResponse(anthropic_error_body(
                 "This model does not support text generation.", 400), status_code=400)
         return await serving_messages.handle(raw_request)
@@ -236,9 +227,7 @@ def build_app(engine: Any, args: Optional[argparse.Namespace] = None) -> FastAPI
     @app.get("/health")
     async def health():
         try:
-            check = getattr(engine, "check_health", None)
-            if check is not None:
-                await check()
+            await engine.check_health()
         except Exception as e:
             return error_response(f"Engine is not healthy: {e}", 503)
         return Response(status_code=200)
@@ -270,12 +259,10 @@ def build_app(engine: Any, args: Optional[argparse.Namespace] = None) -> FastAPI
             prom.gauge_so_entries.set(s.get("structured_output_cache_entries", 0))
         except Exception:
             logger.debug("get_scheduler_stats failed", exc_info=True)
-        memory_fn = getattr(engine, "get_memory_stats", None)
-        if memory_fn is not None:
-            try:
-                prom.record_memory(memory_fn())
-            except Exception:
-                logger.debug("get_memory_stats failed", exc_info=True)
+        try:
+            prom.record_memory(engine.get_memory_stats())
+        except Exception:
+            logger.debug("get_memory_stats failed", exc_info=True)
         return Response(prom.render(), media_type=prom.content_type)
 
     @app.post("/reset_prefix_cache")
@@ -349,9 +336,8 @@ def run_server(args: argparse.Namespace) -> int:
     served = app.state.served_model_names
     print(f"pagedllm: serving model {served[0]!r} on http://{host}:{port} "
           f"(OpenAI API at http://{host}:{port}/v1)", flush=True)
-    cap = getattr(engine, "kv_cache_capacity_tokens", None) or getattr(engine, "kv_capacity_tokens", None)
-    print(f"pagedllm: KV cache capacity: {cap} tokens; max_model_len: {engine.max_model_len}",
-          flush=True)
+    print(f"pagedllm: KV cache capacity: {engine.kv_capacity_tokens} tokens; "
+          f"max_model_len: {engine.max_model_len}", flush=True)
 
     config = uvicorn.Config(app, host=host, port=port,
                             log_level=getattr(args, "uvicorn_log_level", "info") or "info",

@@ -24,17 +24,17 @@ from pagedllm.entrypoints.openai.serving_engine import (SSE_DONE, ClientDisconne
 from pagedllm.entrypoints.openai.output_parser import OutputParser
 from pagedllm.entrypoints.openai.tool_calling import (AUTO_TOOL_CHOICE_FLAGS_MESSAGE, ToolChoice,
                                                       constrain_to_json, forced_tool_schema,
-                                                      prepare_tool_history,
                                                       resolve_tool_choice, validate_tools)
 
 logger = logging.getLogger("pagedllm.entrypoints.openai")
 
 
 def messages_to_dicts(messages: list[ChatMessageParam]) -> list[dict[str, Any]]:
-    """Messages as plain dicts for the Jinja chat template (content flattened to a string)."""
+    """Messages as plain dicts for ``pagedllm.engine.chat.render_chat`` (which joins content
+    parts into a string)."""
     out = []
     for m in messages:
-        d: dict[str, Any] = {"role": m.role, "content": m.text_content() or ""}
+        d: dict[str, Any] = {"role": m.role, "content": m.content}
         if m.name is not None:
             d["name"] = m.name
         if m.tool_calls:
@@ -51,37 +51,22 @@ def render_chat(serving: OpenAIServing, messages: list[ChatMessageParam], *,
                 add_generation_prompt: bool, continue_final_message: bool,
                 chat_template: Optional[str], chat_template_kwargs: Optional[dict],
                 tools: Optional[list] = None, documents: Optional[list] = None) -> str:
-    """Apply the chat template (request template > server --chat-template > tokenizer's)."""
-    tok = serving.tokenizer
-    conv = prepare_tool_history(messages_to_dicts(messages))
-    if continue_final_message and (not conv or conv[-1]["role"] != "assistant"):
-        raise OpenAIError("continue_final_message is set but the final message is not an "
-                          "assistant message.", 400, "messages")
-    # chat_template_kwargs override the request's own flags (vLLM); tokenize stays False.
-    kwargs: dict[str, Any] = {"add_generation_prompt": add_generation_prompt,
-                              "continue_final_message": continue_final_message}
-    kwargs.update(chat_template_kwargs or {})
-    kwargs["tokenize"] = False
-    template = chat_template or serving.chat_template
-    if template is not None:
-        kwargs["chat_template"] = template
-    from pagedllm.engine.chat import map_developer_role
-    tmpl_src = template if template is not None else getattr(tok, "chat_template", None)
-    conv = map_developer_role(conv, tmpl_src if isinstance(tmpl_src, str) else None)
-    if tools:
-        kwargs["tools"] = tools
-    if documents:
-        kwargs["documents"] = documents
+    """Apply the chat template (request template > server --chat-template > tokenizer's) with
+    ``pagedllm.engine.chat.render_chat``, the renderer ``LLM.chat`` uses.
+
+    Raises:
+        OpenAIError: 400 (param "messages", or "chat_template" when the model has none).
+    """
+    from pagedllm.engine.chat import render_chat as render
+
     try:
-        text = tok.apply_chat_template(conv, **kwargs)
-    except (ValueError, TypeError, KeyError) as e:
-        raise OpenAIError(f"Could not apply the chat template: {e}", 400, "messages") from e
-    except Exception as e:  # jinja2 errors (TemplateError, UndefinedError, ...)
-        raise OpenAIError(f"Could not apply the chat template: {e.__class__.__name__}: {e}",
-                          400, "messages") from e
-    if not isinstance(text, str):  # some tokenizers return a list for batched input
-        text = text[0]
-    return text
+        return render(serving.tokenizer, messages_to_dicts(messages),
+                      chat_template=chat_template or serving.chat_template,
+                      add_generation_prompt=add_generation_prompt,
+                      continue_final_message=continue_final_message,
+                      chat_template_kwargs=chat_template_kwargs, tools=tools, documents=documents)
+    except ValueError as e:
+        raise value_error_to_openai(e, "messages") from e
 
 
 class ChatToolSetup:
@@ -188,30 +173,24 @@ class OpenAIServingChat(OpenAIServing):
                 documents=request.documents)
         except ValueError as e:
             raise value_error_to_openai(e, "messages") from e
-        ids = self.encode(prompt_text, request.add_special_tokens)
-        keep = request.resolve_truncation(self.max_model_len)
-        if keep is not None and len(ids) > keep:
-            ids = self.truncate(ids, keep)
-            prompt_text = self.tokenizer.decode(ids)
-        requested_max = (request.max_completion_tokens if request.max_completion_tokens is not None
-                         else request.max_tokens)
-        self.validate_input(ids, requested_max, prompt_param="messages",
-                            max_tokens_param=("max_completion_tokens"
-                                              if request.max_completion_tokens is not None
-                                              else "max_tokens"))
-        self.check_logprobs(request.top_logprobs if request.logprobs else None,
-                            request.prompt_logprobs, "top_logprobs")
+        # NOTE: the engine's field names as this endpoint calls them.
+        rename = {"prompt": "messages", "logprobs": "top_logprobs",
+                  "max_tokens": ("max_completion_tokens" if request.max_completion_tokens is not None
+                                 else "max_tokens")}
+        pp = self.process_prompt(prompt_text, truncate_prompt_tokens=request.truncate_prompt_tokens,
+                                 add_special_tokens=request.add_special_tokens, rename=rename)
+        ids = pp.prompt_token_ids
         try:
             sp = request.to_sampling_params(self.max_model_len - len(ids), self.max_model_len,
                                             self.default_sampling_params)
         except ValueError as e:
             raise value_error_to_openai(e) from e
         self.constrain_for_tools(sp, setup)
-        self.log_request(request_id, prompt_text, ids, sp)
+        engine_request = self.process_inputs(request_id, pp, sp, cache_salt=request.cache_salt, rename=rename)
+        self.log_request(request_id, pp.prompt, ids, engine_request.sampling_params)
         rids = [request_id]
         try:
-            merged = await self.start([self.engine_prompt(ids, prompt_text, request.cache_salt)],
-                                      [sp], rids, prime=bool(request.stream))
+            merged = await self.start([engine_request], prime=bool(request.stream))
         except ValueError as e:
             raise value_error_to_openai(e) from e
         if request.stream:

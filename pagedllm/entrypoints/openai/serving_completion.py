@@ -8,6 +8,7 @@ from typing import Any, AsyncIterator, Optional
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
+from pagedllm.engine.input_processor import ProcessedPrompt
 from pagedllm.entrypoints.openai.errors import OpenAIError, error_body, value_error_to_openai
 from pagedllm.entrypoints.openai.protocol import (CompletionLogProbs, CompletionRequest,
                                                   CompletionResponse, CompletionResponseChoice,
@@ -75,6 +76,12 @@ class OpenAIServingCompletion(OpenAIServing):
                                   tokens=out_tokens, top_logprobs=out_top)
 
     def _normalize_prompts(self, request: CompletionRequest) -> list[tuple[Optional[str], list[int]]]:
+        """``(text or None, token ids)`` per prompt, each through the engine's input path
+        (tokenized, checked against the vocabulary, truncated, its length checked).
+
+        Raises:
+            OpenAIError: 400 naming the field.
+        """
         p = request.prompt
         if isinstance(p, str):
             items: list = [p]
@@ -84,22 +91,12 @@ class OpenAIServingCompletion(OpenAIServing):
             items = list(p)
         if not items:
             raise OpenAIError("The prompt cannot be empty.", 400, "prompt")
-        keep = request.resolve_truncation(self.max_model_len)
         out = []
         for item in items:
-            if isinstance(item, str):
-                ids = self.encode(item, request.add_special_tokens)
-                text: Optional[str] = item
-                if keep is not None and len(ids) > keep:
-                    ids = self.truncate(ids, keep)
-                    text = self.tokenizer.decode(ids)
-            else:
-                ids = list(item)
-                self.check_token_ids(ids, "prompt")
-                if keep is not None:
-                    ids = self.truncate(ids, keep)
-                text = None
-            out.append((text, ids))
+            prompt = item if isinstance(item, str) else {"prompt_token_ids": list(item)}
+            pp = self.process_prompt(prompt, truncate_prompt_tokens=request.truncate_prompt_tokens,
+                                     add_special_tokens=request.add_special_tokens)
+            out.append((pp.prompt if isinstance(item, str) else None, pp.prompt_token_ids))
         return out
 
     async def create_completion(self, request: CompletionRequest,
@@ -110,25 +107,23 @@ class OpenAIServingCompletion(OpenAIServing):
         created = int(time.time())
         model_name = self.response_model_name(request.model)
         prompts = self._normalize_prompts(request)
-        self.check_logprobs(request.logprobs, request.prompt_logprobs)
 
-        engine_prompts, params, rids, prompt_texts = [], [], [], []
-        try:
-            for i, (text, ids) in enumerate(prompts):
-                self.validate_input(ids, request.max_tokens)
+        engine_requests, rids, prompt_texts = [], [], []
+        for i, (text, ids) in enumerate(prompts):
+            try:
                 sp = request.to_sampling_params(self.max_model_len - len(ids), self.max_model_len,
                                                 self.default_sampling_params)
-                rid = f"{request_id}-{i}"
-                self.log_request(rid, text if text is not None else ids, ids, sp)
-                engine_prompts.append(self.engine_prompt(ids, text, request.cache_salt))
-                params.append(sp)
-                rids.append(rid)
-                prompt_texts.append(text if text is not None else self.tokenizer.decode(ids))
-        except ValueError as e:
-            raise value_error_to_openai(e) from e
+            except ValueError as e:
+                raise value_error_to_openai(e) from e
+            rid = f"{request_id}-{i}"
+            req = self.process_inputs(rid, ProcessedPrompt(text, ids), sp, cache_salt=request.cache_salt)
+            self.log_request(rid, text if text is not None else ids, ids, req.sampling_params)
+            engine_requests.append(req)
+            rids.append(rid)
+            prompt_texts.append(text if text is not None else self.tokenizer.decode(ids))
 
         try:
-            merged = await self.start(engine_prompts, params, rids, prime=bool(request.stream))
+            merged = await self.start(engine_requests, prime=bool(request.stream))
         except ValueError as e:
             raise value_error_to_openai(e) from e
 

@@ -5,8 +5,6 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-import os
-from functools import partial
 from typing import Any, AsyncIterator, Optional, Sequence
 
 import anyio
@@ -14,7 +12,10 @@ from fastapi import Request
 from starlette.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
 
-from pagedllm.entrypoints.openai.errors import OpenAIError
+from pagedllm.engine.core_request import EngineCoreRequest
+from pagedllm.engine.input_processor import InputProcessor, ProcessedPrompt
+from pagedllm.engine.protocol import EngineClient
+from pagedllm.entrypoints.openai.errors import OpenAIError, value_error_to_openai
 from pagedllm.entrypoints.openai.protocol import clamp_logprob, random_uuid
 
 logger = logging.getLogger("pagedllm.entrypoints.openai")
@@ -201,15 +202,20 @@ class MergedGenerators:
 
 
 class OpenAIServing:
-    """Base of the completion/chat/tokenization handlers."""
+    """Base of the completion/chat/tokenization handlers.
 
-    def __init__(self, engine: Any, served_model_names: list[str], *, max_logprobs: int = 20,
-                 chat_template: Optional[str] = None, log_requests: bool = True,
-                 ):
+    Every prompt goes through the engine's ``input_processor`` (the input path the offline
+    ``LLM`` uses too): its ``InputValidationError``s become 400s with their ``param``, renamed
+    per endpoint (chat: "prompt" -> "messages", ...).
+    """
+
+    def __init__(self, engine: EngineClient, served_model_names: list[str], *,
+                 chat_template: Optional[str] = None, log_requests: bool = True):
+        from pagedllm.engine.chat import load_chat_template
+
         self.engine = engine
         self.served_model_names = list(served_model_names)
-        self.max_logprobs = max_logprobs
-        self.chat_template = resolve_chat_template(chat_template)
+        self.chat_template = load_chat_template(chat_template)
         self.log_requests = log_requests
         self.inflight: set[str] = set()
         self.inflight_streams: set[MergedGenerators] = set()
@@ -219,12 +225,16 @@ class OpenAIServing:
         return self.engine.tokenizer
 
     @property
+    def input_processor(self) -> InputProcessor:
+        return self.engine.input_processor
+
+    @property
     def max_model_len(self) -> int:
         return int(self.engine.max_model_len)
 
     @property
     def default_sampling_params(self) -> dict:
-        return dict(getattr(self.engine, "default_sampling_params", None) or {})
+        return dict(self.engine.default_sampling_params or {})
 
     # ---- model names -------------------------------------------------------------------
     def check_model(self, model: Optional[str]) -> None:
@@ -238,62 +248,48 @@ class OpenAIServing:
         return self.served_model_names[0]
 
     # ---- prompts -----------------------------------------------------------------------
+    @staticmethod
+    def input_error(e: ValueError, rename: Optional[dict[str, str]] = None) -> OpenAIError:
+        """The 400 for an input error; its ``param`` mapped through ``rename`` (the engine names
+        "prompt" / "max_tokens" / "logprobs"; an endpoint may call them otherwise)."""
+        err = value_error_to_openai(e)
+        if rename and err.param in rename:
+            err.param = rename[err.param]
+        return err
+
     def encode(self, text: str, add_special_tokens: bool) -> list[int]:
+        """Token ids of ``text`` (no other check). Raises OpenAIError 400 (param "prompt")."""
         try:
-            return list(self.tokenizer.encode(text, add_special_tokens=add_special_tokens))
-        except (TypeError, UnicodeError) as e:
-            # e.g. a lone UTF-16 surrogate ("\ud800") that JSON allows but UTF-8 cannot encode
-            raise OpenAIError(f"The input text cannot be tokenized (invalid Unicode?): {e}", 400,
-                              "prompt") from e
+            return self.input_processor.tokenize(text, add_special_tokens)
+        except ValueError as e:
+            raise self.input_error(e) from e
 
     def check_token_ids(self, ids: Sequence[int], param: str = "prompt") -> None:
-        vocab = int(getattr(self.engine, "vocab_size", 0) or 0)
-        for t in ids:
-            if not isinstance(t, int) or isinstance(t, bool) or t < 0 or (vocab and t >= vocab):
-                raise OpenAIError(f"Token id {t} is out of vocabulary (vocab size {vocab}).",
-                                  400, param)
+        try:
+            self.input_processor.check_token_ids(ids, field=param, param=param)
+        except ValueError as e:
+            raise self.input_error(e) from None
 
-    def validate_input(self, prompt_ids: list[int], max_tokens: Optional[int], *,
-                       prompt_param: str = "prompt", max_tokens_param: str = "max_tokens") -> None:
-        """max_tokens: what the request asked for (None = fill the context)."""
-        n = len(prompt_ids)
-        if n == 0:
-            raise OpenAIError("The prompt cannot be empty.", 400, prompt_param)
-        mml = self.max_model_len
-        if n >= mml:
-            raise OpenAIError(
-                f"This model's maximum context length is {mml} tokens. However, your request "
-                f"has {n} input tokens. Please reduce the length of the input messages.",
-                400, prompt_param)
-        if max_tokens is not None and n + max_tokens > mml:
-            raise OpenAIError(
-                f"This model's maximum context length is {mml} tokens. However, you requested "
-                f"{n + max_tokens} tokens ({n} in the messages, {max_tokens} in the completion). "
-                "Please reduce the length of the messages or completion.",
-                400, max_tokens_param)
+    def process_prompt(self, prompt: Any, *, truncate_prompt_tokens: Optional[int] = None,
+                       add_special_tokens: bool = True,
+                       rename: Optional[dict[str, str]] = None) -> ProcessedPrompt:
+        """``input_processor.process_prompt`` with the server's length rule (the prompt must
+        leave room for output). Raises OpenAIError 400."""
+        try:
+            return self.input_processor.process_prompt(prompt, truncate_prompt_tokens, add_special_tokens,
+                                                       strict_length=True)
+        except ValueError as e:
+            raise self.input_error(e, rename) from None
 
-    def check_logprobs(self, logprobs: Optional[int], prompt_logprobs: Optional[int],
-                       logprobs_param: str = "logprobs") -> None:
-        if logprobs is not None and logprobs > self.max_logprobs:
-            raise OpenAIError(f"Requested sample logprobs of {logprobs}, which is greater than "
-                              f"max allowed: {self.max_logprobs}", 400, logprobs_param)
-        if prompt_logprobs is not None and prompt_logprobs > self.max_logprobs:
-            raise OpenAIError(f"Requested prompt logprobs of {prompt_logprobs}, which is greater "
-                              f"than max allowed: {self.max_logprobs}", 400, "prompt_logprobs")
-
-    @staticmethod
-    def truncate(ids: list[int], keep: Optional[int]) -> list[int]:
-        if keep is None or len(ids) <= keep:
-            return ids
-        return ids[len(ids) - keep:] if keep > 0 else []
-
-    def engine_prompt(self, ids: list[int], text: Optional[str], cache_salt: Optional[str]) -> dict:
-        p: dict[str, Any] = {"prompt_token_ids": ids}
-        if text is not None:
-            p["prompt"] = text
-        if cache_salt is not None:
-            p["cache_salt"] = cache_salt
-        return p
+    def process_inputs(self, request_id: str, prompt: ProcessedPrompt, params: Any, *,
+                       cache_salt: Optional[str] = None,
+                       rename: Optional[dict[str, str]] = None) -> EngineCoreRequest:
+        """``input_processor.process_inputs`` (prompt + max_tokens must fit). Raises OpenAIError 400."""
+        try:
+            return self.input_processor.process_inputs(request_id, prompt, params, cache_salt=cache_salt,
+                                                       strict_length=True)
+        except ValueError as e:
+            raise self.input_error(e, rename) from None
 
     def log_request(self, request_id: str, prompt: Any, ids: list[int], params: Any) -> None:
         if not self.log_requests:
@@ -305,13 +301,13 @@ class OpenAIServing:
                     request_id, ptxt, params, len(ids))
 
     # ---- running -----------------------------------------------------------------------
-    async def start(self, prompts: list[dict], params: list[Any], request_ids: list[str],
-                    prime: bool = True) -> MergedGenerators:
+    async def start(self, requests: list[EngineCoreRequest], prime: bool = True) -> MergedGenerators:
         """Submit the requests. With ``prime`` (streaming), wait for each first output so a
         ValueError from the engine surfaces before the response starts; without it
         (non-streaming, FINAL_ONLY: the first output is the last) errors surface in
         ``collect``."""
-        gens = [self.engine.generate(p, sp, rid) for p, sp, rid in zip(prompts, params, request_ids)]
+        request_ids = [r.request_id for r in requests]
+        gens = [self.engine.generate(r, r.sampling_params, r.request_id) for r in requests]
         merged = MergedGenerators(gens)
         self.inflight.update(request_ids)
         self.inflight_streams.add(merged)
@@ -394,22 +390,6 @@ class OpenAIServing:
         for m in list(self.inflight_streams):
             m.stop()
         await self.abort_requests(list(self.inflight))
-
-
-def resolve_chat_template(chat_template: Optional[str]) -> Optional[str]:
-    """--chat-template: a path to a file holding a Jinja template, or the template itself."""
-    if chat_template is None:
-        return None
-    try:
-        if len(chat_template) < 4096 and os.path.isfile(chat_template):
-            with open(chat_template, encoding="utf-8") as f:
-                return f.read()
-    except OSError:
-        pass
-    if any(c in chat_template for c in "{}") or "\n" in chat_template:
-        return chat_template
-    raise ValueError(f"--chat-template {chat_template!r} is neither a readable file nor a "
-                     "Jinja template string.")
 
 
 def decoded_token(tokenizer: Any, token_id: int, logprob: Any, as_token_id: bool = False) -> str:

@@ -214,8 +214,8 @@ class AnthropicServingMessages:
         chat_req, setup, prompt_text, ids = self._prepare(request)
         if count_only:
             return JSONResponse({"input_tokens": len(ids)})
-        chat.validate_input(ids, request.max_tokens, prompt_param="messages",
-                            max_tokens_param="max_tokens")
+        rename = {"prompt": "messages"}
+        pp = chat.process_prompt({"prompt_token_ids": ids, "prompt": prompt_text}, rename=rename)
         try:
             sp = chat_req.to_sampling_params(chat.max_model_len - len(ids), chat.max_model_len,
                                              chat.default_sampling_params)
@@ -223,9 +223,9 @@ class AnthropicServingMessages:
             raise value_error_to_openai(e) from e
         chat.constrain_for_tools(sp, setup)
         msg_id = new_id("msg")
-        chat.log_request(msg_id, prompt_text, ids, sp)
-        merged = await chat.start([chat.engine_prompt(ids, prompt_text, None)], [sp], [msg_id],
-                                  prime=bool(request.stream))
+        engine_request = chat.process_inputs(msg_id, pp, sp, rename=rename)
+        chat.log_request(msg_id, prompt_text, ids, engine_request.sampling_params)
+        merged = await chat.start([engine_request], prime=bool(request.stream))
         run = _MessageRun(chat, request, msg_id, setup, len(ids))
         if request.stream:
             return SSEResponse(run.stream(merged))

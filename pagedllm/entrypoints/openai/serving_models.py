@@ -15,7 +15,7 @@ from pagedllm.entrypoints.openai.serving_engine import OpenAIServing
 class OpenAIServingModels(OpenAIServing):
 
     def show_available_models(self) -> ModelList:
-        root = str(getattr(self.engine, "model_name", self.served_model_names[0]))
+        root = str(self.engine.model_name)
         return ModelList(data=[
             ModelCard(id=name, root=root, max_model_len=self.max_model_len,
                       permission=[ModelPermission()])

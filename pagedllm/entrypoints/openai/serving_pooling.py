@@ -2,8 +2,8 @@
 
     app.include_router(build_pooling_router(engine, served_model_names))
 
-``engine`` is an ``AsyncLLM`` (or anything with ``runner``, ``tokenizer``, ``model_name`` and
-``async encode(prompt, pooling_params, request_id, task=..., add_special_tokens=...)``).
+``engine`` is an ``EngineClient`` (``pagedllm.engine.protocol``: ``AsyncLLM``, ``DPAsyncLLM``);
+``encode`` runs every input through the engine's input processor, as ``LLM.embed`` does.
 
 Routes:
     POST /v1/embeddings           OpenAI: input str | list[str] | list[int] | list[list[int]],
@@ -42,6 +42,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 from pydantic import Field
 
+from pagedllm.engine.protocol import EngineClient
 from pagedllm.entrypoints.openai.errors import OpenAIError, value_error_to_openai
 from pagedllm.entrypoints.openai.protocol import OpenAIBaseModel
 
@@ -114,12 +115,6 @@ class RerankRequest(_ActivationFields):
 
 
 # ---------------------------------------------------------------------------------------- helpers
-def engine_pooler(engine: Any) -> Any:
-    """The engine's Pooler (None for a generation model)."""
-    core = getattr(getattr(engine, "engine", None), "core", None)
-    return getattr(core, "pooler", None)
-
-
 def encode_base64(values: Any) -> str:
     """base64 of the little-endian float32 bytes of ``values`` (a tensor or nested list)."""
     import numpy as np
@@ -172,25 +167,24 @@ def _usage(n: int) -> dict:
 
 
 class _Handler:
-    def __init__(self, engine: Any, served_model_names: Optional[list[str]]) -> None:
+    def __init__(self, engine: EngineClient, served_model_names: Optional[list[str]]) -> None:
         self.engine = engine
-        names = served_model_names or [str(getattr(engine, "model_name", "model"))]
+        names = served_model_names or [str(engine.model_name)]
         self.served = [names] if isinstance(names, str) else list(names)
 
     # ---- checks
     def check(self, model: Optional[str], what: str) -> str:
         if model and model not in self.served:
             raise OpenAIError(f"The model `{model}` does not exist.", 404, "model")
-        if getattr(self.engine, "runner", "generate") != "pooling" or engine_pooler(self.engine) is None:
+        if self.engine.runner != "pooling" or self.engine.pooler is None:
             raise OpenAIError(
                 f"This model does not support the {what} API: it is a generation model (started with "
-                f"--runner {getattr(self.engine, 'runner', 'generate')}); serve a pooling model with "
-                "--runner pooling.", 400, "model")
+                f"--runner {self.engine.runner}); serve a pooling model with --runner pooling.", 400, "model")
         return model if model in self.served else self.served[0]
 
     @property
     def pooler(self) -> Any:
-        return engine_pooler(self.engine)
+        return self.engine.pooler
 
     # ---- engine calls
     async def run(self, prompts: list, params_fn, task: str, base: str, add_special_tokens: bool = True) -> list:
@@ -264,7 +258,7 @@ def _wrap(e: BaseException) -> OpenAIError:
 
 
 # ---------------------------------------------------------------------------------------- router
-def build_pooling_router(engine: Any, served_model_names: Optional[list[str]] = None) -> APIRouter:
+def build_pooling_router(engine: EngineClient, served_model_names: Optional[list[str]] = None) -> APIRouter:
     """FastAPI router with the pooling endpoints for ``engine`` (see the module docstring)."""
     from pagedllm.pooling_params import PoolingParams
 

@@ -238,9 +238,10 @@ class OpenAIServingResponses:
                                       tools=setup.tools or None)
         except ValueError as e:
             raise value_error_to_openai(e, "input") from e
-        ids = chat.encode(prompt_text, False)
-        chat.validate_input(ids, request.max_output_tokens, prompt_param="input",
-                            max_tokens_param="max_output_tokens")
+        # NOTE: the engine's field names as this endpoint calls them.
+        rename = {"prompt": "input", "max_tokens": "max_output_tokens", "logprobs": "top_logprobs"}
+        pp = chat.process_prompt(prompt_text, add_special_tokens=False, rename=rename)
+        ids = pp.prompt_token_ids
         try:
             sp = chat_req.to_sampling_params(chat.max_model_len - len(ids), chat.max_model_len,
                                              chat.default_sampling_params)
@@ -249,14 +250,14 @@ class OpenAIServingResponses:
         chat.constrain_for_tools(sp, setup)
         if not setup.choice.forced:
             self._apply_text_format(sp, request)
-        chat.log_request(response_id, prompt_text, ids, sp)
+        engine_request = chat.process_inputs(response_id, pp, sp, cache_salt=request.cache_salt, rename=rename)
+        chat.log_request(response_id, prompt_text, ids, engine_request.sampling_params)
         created = int(time.time())
         ctx = _Run(self, request, response_id, model_name, created, setup, ids, items)
-        prompt = chat.engine_prompt(ids, prompt_text, request.cache_salt)
         if request.background:
-            return await ctx.start_background(prompt, sp)
+            return await ctx.start_background(engine_request)
         try:
-            merged = await chat.start([prompt], [sp], [response_id], prime=bool(request.stream))
+            merged = await chat.start([engine_request], prime=bool(request.stream))
         except ValueError as e:
             raise value_error_to_openai(e) from e
         if request.stream:
@@ -355,7 +356,7 @@ class _Run:
                                       StoredResponse(resp, list(self.items), task))
 
     # ---- background --------------------------------------------------------------------
-    async def start_background(self, prompt: dict, sp: Any) -> Response:
+    async def start_background(self, engine_request: Any) -> Response:
         chat = self.serving.chat
         queued = self.response("queued", [])
         entry = StoredResponse(queued, list(self.items))
@@ -363,7 +364,7 @@ class _Run:
             raise OpenAIError("The response store is full of running background responses.",
                               503, "background")
         try:
-            merged = await chat.start([prompt], [sp], [self.response_id], prime=False)
+            merged = await chat.start([engine_request], prime=False)
         except ValueError as e:
             self.serving.store.delete(self.response_id)
             raise value_error_to_openai(e) from e

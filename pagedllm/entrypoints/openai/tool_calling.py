@@ -11,7 +11,6 @@ N's parameters schema). Without ``tool_choice``, requests with tools mean ``"aut
 from __future__ import annotations
 
 import copy
-import json
 from dataclasses import dataclass
 from typing import Any, Optional
 
@@ -214,45 +213,11 @@ def check_json_schema(schema: Any, where: str, param: str) -> None:
 
 
 def prepare_tool_history(conv: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Check the tool turns of a conversation (template-ready dicts) and parse assistant
-    ``tool_calls[].function.arguments`` JSON texts into objects (what chat templates expect,
-    as vLLM does).
+    """``pagedllm.engine.chat.prepare_tool_history`` (which ``render_chat`` applies for the server
+    and ``LLM.chat`` alike), its errors as OpenAIError 400 (param "messages")."""
+    from pagedllm.engine.chat import prepare_tool_history as prepare
 
-    Raises:
-        OpenAIError: 400 for a ``tool`` message without ``tool_call_id``, a malformed
-            ``tool_calls`` entry, or arguments that are not a JSON object.
-    """
-    for i, m in enumerate(conv):
-        role = m.get("role")
-        if role == "tool" and not m.get("tool_call_id"):
-            raise OpenAIError(f"messages[{i}]: a `tool` message must have a `tool_call_id` (the "
-                              "id of the assistant tool call it answers).", 400, "messages")
-        calls = m.get("tool_calls")
-        if not calls:
-            continue
-        if role != "assistant":
-            raise OpenAIError(f"messages[{i}]: only assistant messages may have `tool_calls`.",
-                              400, "messages")
-        fixed = []
-        for j, c in enumerate(calls):
-            where = f"messages[{i}].tool_calls[{j}]"
-            fn = c.get("function") if isinstance(c, dict) else None
-            if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
-                raise OpenAIError(f"{where} must be {{\"id\", \"type\": \"function\", "
-                                  "\"function\": {\"name\", \"arguments\"}}.", 400, "messages")
-            args = fn.get("arguments", {})
-            if isinstance(args, str):
-                try:
-                    args = json.loads(args) if args.strip() else {}
-                except json.JSONDecodeError as e:
-                    raise OpenAIError(f"{where}.function.arguments is not valid JSON: {e}", 400,
-                                      "messages") from None
-            if not isinstance(args, dict):
-                raise OpenAIError(f"{where}.function.arguments must be a JSON object.", 400,
-                                  "messages")
-            c = dict(c)
-            c["function"] = dict(fn, arguments=args)
-            c.setdefault("type", "function")
-            fixed.append(c)
-        m["tool_calls"] = fixed
-    return conv
+    try:
+        return prepare(conv)
+    except ValueError as e:
+        raise OpenAIError(str(e), 400, "messages") from None

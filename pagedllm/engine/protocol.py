@@ -1,0 +1,99 @@
+"""``EngineClient``: what the HTTP server needs from an engine (vLLM's name and role).
+
+``AsyncLLM`` (one engine), ``DPAsyncLLM`` (data-parallel replicas) and the test fakes implement
+it; the server is typed against it and never probes an engine for optional attributes. The
+server builds each request with ``input_processor.process_inputs`` (the one input path, shared
+with the offline ``LLM``) and hands the resulting ``EngineCoreRequest`` to ``generate`` /
+``encode``.
+"""
+from __future__ import annotations
+
+from typing import Any, AsyncIterator, Optional, Protocol, runtime_checkable
+
+from pagedllm.engine.input_processor import InputProcessor
+from pagedllm.outputs import PoolingRequestOutput, RequestOutput
+
+
+@runtime_checkable
+class EngineClient(Protocol):
+    """An engine the OpenAI server can serve.
+
+    Attributes:
+        tokenizer: the model's transformers tokenizer.
+        input_processor: prompt -> EngineCoreRequest, with every input check.
+        max_model_len: max prompt + output tokens.
+        vocab_size: model vocabulary size.
+        model_name: the model argument (the default served name).
+        runner: "generate" or "pooling".
+        pooler: the model's Pooler (``task``, ``label(i)``), None for a generation model.
+        default_sampling_params: sampling defaults from the model's generation config (dict of
+            SamplingParams field -> value).
+        kv_capacity_tokens: tokens the KV cache holds (all replicas together).
+        stat_loggers: objects with ``record(scheduler_stats, iteration_stats)``, called after
+            every engine step (the server appends its loggers).
+    """
+
+    tokenizer: Any
+    input_processor: InputProcessor
+    max_model_len: int
+    vocab_size: int
+    model_name: str
+    runner: str
+    pooler: Optional[Any]
+    default_sampling_params: dict
+    kv_capacity_tokens: int
+    stat_loggers: list
+
+    def generate(self, prompt: Any, sampling_params: Any, request_id: str,
+                 add_special_tokens: bool = True) -> AsyncIterator[RequestOutput]:
+        """Stream the RequestOutputs of one generation request (an async generator).
+
+        Raises:
+            ValueError: invalid input, before anything is yielded.
+        """
+        ...
+
+    async def encode(self, prompt: Any, pooling_params: Any, request_id: str, *, task: Optional[str] = None,
+                     add_special_tokens: bool = True) -> PoolingRequestOutput:
+        """Run one pooling request.
+
+        Raises:
+            ValueError: invalid input (nothing is run).
+        """
+        ...
+
+    async def abort(self, request_id: str) -> None:
+        """Abort a request (no-op when unknown or finished)."""
+        ...
+
+    async def reset_prefix_cache(self) -> bool:
+        """Drop the prefix cache; False when requests hold blocks."""
+        ...
+
+    def get_scheduler_stats(self) -> dict:
+        """Totals: num_running, num_waiting, kv_cache_usage, num_preemptions_total,
+        prefix_cache_queries, prefix_cache_hits (+ structured-output cache counters)."""
+        ...
+
+    def get_memory_stats(self) -> dict:
+        """Memory in bytes: resident_memory_bytes (+ the CPU allocator's counters)."""
+        ...
+
+    async def check_health(self) -> None:
+        """Raises when the engine is dead."""
+        ...
+
+    def make_prometheus_logger(self, model_name: str, max_model_len: int, prefix: str = "pagedllm") -> Any:
+        """The stat logger behind ``/metrics`` (``registry``, ``render()``, ``content_type``, ...)."""
+        ...
+
+    def shutdown(self) -> None:
+        """Stop the engine (idempotent)."""
+        ...
+
+
+def missing_members(engine: Any) -> list[str]:
+    """Names of ``EngineClient`` members ``engine`` lacks (empty for a conforming engine)."""
+    names = [n for n in EngineClient.__annotations__] + [
+        n for n, v in vars(EngineClient).items() if callable(v) and not n.startswith("_")]
+    return [n for n in names if not hasattr(engine, n)]

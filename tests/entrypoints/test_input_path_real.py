@@ -1,0 +1,104 @@
+"""One input path (issue 16 part 3) on the real SmolLM2: the offline ``LLM`` and the server (the
+real ``AsyncLLM`` behind ``build_app``) give the same prompt token ids, the same greedy tokens and
+the same error messages for the same inputs."""
+from __future__ import annotations
+
+import os
+import sys
+
+import pytest
+from fastapi.testclient import TestClient
+
+from pagedllm import LLM, SamplingParams
+from pagedllm.config import EngineArgs
+from pagedllm.engine.async_llm import AsyncLLM
+from pagedllm.entrypoints.openai.api_server import build_app
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from test_api_server_fake import make_args  # noqa: E402
+
+pytestmark = pytest.mark.slow
+
+MODEL = "SmolLM2-135M-Instruct"
+KW = dict(dtype="float32", num_threads=1, kv_cache_memory="64MiB", max_model_len=256)
+
+# ChatML like SmolLM2's, plus the tools and the assistant's tool calls (arguments through tojson).
+TEMPLATE = ("{% if tools %}<|im_start|>system\nTools: {{ tools | tojson }}<|im_end|>\n{% endif %}"
+            "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}"
+            "{% for c in m.tool_calls or [] %}<tool_call>{{ c.function.name }} {{ c.function.arguments | tojson }}"
+            "</tool_call>{% endfor %}<|im_end|>\n{% endfor %}"
+            "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "Weather of a city",
+                                            "parameters": {"type": "object", "properties": {
+                                                "city": {"type": "string"}}, "required": ["city"]}}}
+CONV = [
+    {"role": "developer", "content": "Answer in one word."},
+    {"role": "user", "content": "What is the weather in Paris?"},
+    {"role": "assistant", "content": "", "tool_calls": [{"id": "c1", "type": "function", "function": {
+        "name": "get_weather", "arguments": "{\"city\": \"Paris\"}"}}]},
+    {"role": "tool", "tool_call_id": "c1", "content": "sunny, 24 C"},
+]
+
+
+@pytest.fixture(scope="module")
+def offline():
+    return LLM(MODEL, **KW)
+
+
+@pytest.fixture(scope="module")
+def client():
+    engine = AsyncLLM.from_engine_args(EngineArgs(model=MODEL, **KW))
+    try:
+        with TestClient(build_app(engine, make_args())) as c:
+            yield c
+    finally:
+        engine.shutdown()
+
+
+def test_chat_same_ids_and_tokens(offline, client):
+    """A conversation with a developer message, tools and a tool-call turn: LLM.chat and
+    /v1/chat/completions render, tokenize and generate alike (offline passed the arguments as
+    JSON text before, the server as an object)."""
+    sp = SamplingParams(temperature=0, max_tokens=6)
+    (off,) = offline.chat(CONV, sp, use_tqdm=False, chat_template=TEMPLATE, tools=[WEATHER])
+    r = client.post("/v1/chat/completions", json={
+        "messages": CONV, "chat_template": TEMPLATE, "tools": [WEATHER], "tool_choice": "none",
+        "temperature": 0, "max_completion_tokens": 6, "return_token_ids": True})
+    assert r.status_code == 200, r.text
+    body = r.json()
+    assert body["prompt_token_ids"] == off.prompt_token_ids
+    assert body["usage"]["prompt_tokens"] == len(off.prompt_token_ids)
+    assert body["choices"][0]["token_ids"] == off.outputs[0].token_ids
+    assert '<tool_call>get_weather {"city": "Paris"}</tool_call>' in off.prompt
+    assert "<|im_start|>system\nAnswer in one word." in off.prompt  # developer -> system
+
+
+def test_same_errors(offline, client):
+    sp = SamplingParams(temperature=0, max_tokens=4)
+    cases = [
+        ({"prompt": [1, 10**6]}, {"prompt_token_ids": [1, 10**6]}, sp, "prompt"),
+        ({"prompt": "hi " * 400}, "hi " * 400, sp, "prompt"),
+        ({"prompt": "hi", "logprobs": 21}, "hi", SamplingParams(max_tokens=4, logprobs=21), "logprobs"),
+        ({"prompt": "hi", "truncate_prompt_tokens": 300}, "hi",
+         SamplingParams(max_tokens=4, truncate_prompt_tokens=300), "truncate_prompt_tokens"),
+    ]
+    for body, prompt, params, param in cases:
+        r = client.post("/v1/completions", json={"model": MODEL, "max_tokens": 4, **body})
+        assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
+        with pytest.raises(ValueError) as e:
+            offline.generate(prompt, params, use_tqdm=False)
+        assert str(e.value) == r.json()["error"]["message"] + " (prompt index 0)"
+    assert not offline.llm_engine.has_unfinished_requests()
+
+
+def test_truncated_prompt_same_text_and_tokens(offline, client):
+    text = "The quick brown fox jumps over the lazy dog, and then it runs far away into the forest"
+    (off,) = offline.generate(text, SamplingParams(temperature=0, max_tokens=5, truncate_prompt_tokens=6),
+                              use_tqdm=False)
+    assert len(off.prompt_token_ids) == 6 and off.prompt == offline.get_tokenizer().decode(off.prompt_token_ids)
+    r = client.post("/v1/completions", json={"prompt": text, "truncate_prompt_tokens": 6, "max_tokens": 5,
+                                             "temperature": 0, "echo": True, "return_token_ids": True})
+    assert r.status_code == 200, r.text
+    c = r.json()["choices"][0]
+    assert c["prompt_token_ids"] == off.prompt_token_ids and c["token_ids"] == off.outputs[0].token_ids
+    assert c["text"] == off.prompt + off.outputs[0].text
