@@ -154,6 +154,12 @@ class EngineArgs:
         distributed_executor_backend: "uni" (one process, no IPC), "mp" (one spawned process
             per rank, ``torch.distributed`` gloo on CPU / NCCL on CUDA) or "ray" (one Ray actor
             per rank, placement groups; multi-node). None = "uni" for one rank, else "mp".
+        batch_invariant: greedy outputs (and every logit and logprob) independent of what else
+            the engine runs: batch composition, chunked-prefill split points, prefix-cache hits,
+            preemption (vLLM's ``VLLM_BATCH_INVARIANT``; CPU, float32/bfloat16, unquantized,
+            one rank). Costs throughput (docs/performance.md); off by default, also turned on by
+            the environment variable ``PAGEDLLM_BATCH_INVARIANT=1`` or ``VLLM_BATCH_INVARIANT=1``
+            (see ``pagedllm.models.batch_invariant``).
     """
 
     model: str = "SmolLM2-135M-Instruct"
@@ -198,6 +204,7 @@ class EngineArgs:
     data_parallel_size: int = 1
     data_parallel_rank: int = 0
     distributed_executor_backend: Optional[str] = None
+    batch_invariant: bool = False
 
     @property
     def world_size(self) -> int:

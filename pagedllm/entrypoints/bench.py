@@ -104,6 +104,8 @@ def _engine_kwargs(args: argparse.Namespace) -> dict:
         kw["quantization"] = args.quantization
     if getattr(args, "kv_cache_dtype", None):
         kw["kv_cache_dtype"] = args.kv_cache_dtype
+    if getattr(args, "batch_invariant", False):
+        kw["batch_invariant"] = True
     for name in ("tensor_parallel_size", "pipeline_parallel_size", "distributed_executor_backend"):
         if getattr(args, name, None):
             kw[name] = getattr(args, name)
@@ -126,6 +128,8 @@ def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv-cache-memory", type=parse_bytes, default=None,
                    help="KV cache budget in bytes; accepts suffixes like 2GiB, 512MiB, 1.5G (as serve)")
     p.add_argument("--no-enable-prefix-caching", action="store_true")
+    p.add_argument("--batch-invariant", action="store_true",
+                   help="batch-invariant mode (outputs independent of batching, chunking and caching)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--tensor-parallel-size", "-tp", type=int, default=None)
     p.add_argument("--pipeline-parallel-size", "-pp", type=int, default=None)

@@ -128,6 +128,7 @@ class Worker:
         self.pooler: Any = None
         self.loaded: Any = None
         self.info: Optional[ModelInfo] = None
+        self.batch_invariant = False  # set by load_model (EngineArgs.batch_invariant or the environment)
 
     @property
     def is_output_rank(self) -> bool:
@@ -188,6 +189,10 @@ class Worker:
             from pagedllm.pooling.adapters import pooling_architectures
             archs = pooling_architectures(archs)
         model_cls = get_model_class(archs, args.model_impl if args.runner == "generate" else "pagedllm", hf_config)
+        from pagedllm.models.batch_invariant import batch_invariant_requested, check_batch_invariant_supported
+        self.batch_invariant = batch_invariant_requested(args)
+        if self.batch_invariant:
+            check_batch_invariant_supported(args, self.device, self.dtype, self.kv_cache_dtype)
         with torch.device(self.device):
             model = model_cls(hf_config, self.dtype)
         sharded = self.world_size > 1
@@ -226,7 +231,12 @@ class Worker:
             return sum(t.numel() * t.element_size() for t in (*model.parameters(), *model.buffers()))
 
         weight_bytes = resident_bytes()
-        if self.device.type == "cpu" and self.dtype == torch.bfloat16:
+        if self.batch_invariant:
+            from pagedllm.models.batch_invariant import enable_batch_invariant
+            # NOTE: instead of oneDNN prepacking: the invariant GEMM reads the dense weights.
+            enable_batch_invariant(model)
+            logger.info("pagedllm: batch-invariant mode: outputs do not depend on batching, chunking or caching")
+        elif self.device.type == "cpu" and self.dtype == torch.bfloat16:
             from pagedllm.models.layers import prepack_cpu_linears
             # NOTE: bf16 linears move to oneDNN's blocked layout and their dense copies are
             # dropped; a tied LM head gets a packed copy beside the dense embedding table.
@@ -333,7 +343,11 @@ class Worker:
         args = self.args
         set_rope_max_model_len(self.model, max_model_len)  # longrope: long factors iff max_model_len > original (vLLM)
         spec = self.get_kv_cache_spec()
-        attn_impl = get_attn_backend(self.device, args.attention_backend)
+        if self.batch_invariant:
+            from pagedllm.attention.batch_invariant import BatchInvariantAttention
+            attn_impl = BatchInvariantAttention()
+        else:
+            attn_impl = get_attn_backend(self.device, args.attention_backend)
         self.runner = ModelRunner(self.model, num_blocks, args.block_size,
                                   (spec.num_layers, spec.num_kv_heads, spec.head_dim), self.dtype,
                                   self.info.vocab_size, self.device, attn_impl=attn_impl, pooler=self.pooler,

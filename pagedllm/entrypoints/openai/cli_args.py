@@ -230,6 +230,11 @@ def add_serve_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                    help="torch intra-op threads for the engine (default: PAGEDLLM_NUM_THREADS or OMP_NUM_THREADS if set, else all cores; on a host shared with other CPU-busy processes use fewer: an OpenMP team that loses a core slows sharply).")
     g.add_argument("--enforce-eager", action="store_true",
                    help="Never use CUDA graphs.")
+    g.add_argument("--batch-invariant", action="store_true", default=None,
+                   help="Outputs (greedy tokens, logits, logprobs) independent of batch composition, "
+                        "chunked-prefill splits, prefix-cache hits and preemption, at a throughput cost "
+                        "(CPU, float32/bfloat16, unquantized; also PAGEDLLM_BATCH_INVARIANT=1 or "
+                        "VLLM_BATCH_INVARIANT=1).")
     return parser
 
 

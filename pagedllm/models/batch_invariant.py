@@ -1,0 +1,159 @@
+"""Batch-invariant mode for a loaded model: swap its M-dependent operators for fixed-order ones.
+
+``enable_batch_invariant(model)`` (called by the worker after loading, in place of oneDNN
+prepacking) changes, on this model instance only:
+
+* every ``Linear`` (``PackedLinear``, ``QKVLinear``, an untied ``lm_head``) to run
+  ``kernels.batch_invariant.bi_linear``: a row's result no longer depends on how many rows the
+  step has (oneDNN/MKL choose kernels by M: on AVX2 the one-row product differs in the last bits
+  from the same row of a 4-row product);
+* the tied LM head (``compute_logits``) likewise;
+* every ``GatedMLP``'s ``act(gate) * up`` to the row-wise C++ ``act_mul`` (torch's vectorized
+  SiLU/GELU body and its scalar tail round differently, and which elements fall in the tail
+  depends on the step's size and thread split);
+* every ``RMSNorm`` of a 3-D input (per-head q/k norms) to the row-wise C++ norm;
+* the fused C++ decode step (``models/fused_decode.py``) off: it uses oneDNN's linears.
+
+Attention is swapped by the worker (``attention.batch_invariant``). Norms of 2-D inputs, rope,
+the residual adds, embeddings and greedy sampling are row-wise already.
+
+Module classes are swapped for subclasses (``BatchInvariant<Name>``) that override only
+``forward``, so weight loaders and attributes stay where they were.
+"""
+from __future__ import annotations
+
+import types
+from typing import Optional
+
+import torch
+from torch import nn
+
+from pagedllm.kernels.batch_invariant import ACT_KINDS, batch_invariant_from_env, bi_linear, get_bi_ops
+from pagedllm.models.layers import ACTIVATIONS, GatedMLP, Linear, RMSNorm
+
+
+def batch_invariant_requested(args) -> bool:
+    """Whether ``EngineArgs.batch_invariant`` or the environment (``PAGEDLLM_BATCH_INVARIANT`` /
+    ``VLLM_BATCH_INVARIANT``) asks for batch-invariant mode."""
+    return bool(getattr(args, "batch_invariant", False)) or batch_invariant_from_env()
+
+
+def check_batch_invariant_supported(args, device: torch.device, dtype: torch.dtype,
+                                    kv_cache_dtype: torch.dtype) -> None:
+    """Refuse settings batch-invariant mode does not cover, naming the field.
+
+    Raises:
+        ValueError: a non-CPU device, a dtype other than float32/bfloat16, an fp8 KV cache,
+            quantization, or several ranks (tensor/pipeline parallel).
+    """
+    where = "batch_invariant (or PAGEDLLM_BATCH_INVARIANT / VLLM_BATCH_INVARIANT)"
+    if device.type != "cpu":
+        raise ValueError(f"{where}: only the CPU kernels are batch-invariant; device is {device}")
+    if dtype not in (torch.float32, torch.bfloat16):
+        raise ValueError(f"{where}: dtype must be float32 or bfloat16, got {str(dtype).replace('torch.', '')}")
+    if kv_cache_dtype != dtype:
+        raise ValueError(f"{where}: kv_cache_dtype must be 'auto' (the model dtype), got "
+                         f"{str(kv_cache_dtype).replace('torch.', '')}")
+    if getattr(args, "quantization", None):
+        raise ValueError(f"{where}: quantization {args.quantization!r} is not supported (unquantized weights only)")
+    if getattr(args, "tensor_parallel_size", 1) * getattr(args, "pipeline_parallel_size", 1) != 1:
+        raise ValueError(f"{where}: tensor_parallel_size and pipeline_parallel_size must be 1")
+
+
+class _LinearMixin:
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x ``[..., K]`` -> ``[..., N]`` via ``bi_linear`` (weight and bias in x's dtype)."""
+        return bi_linear(x, self.weight, self.bias)
+
+
+class _GatedMLPMixin:
+    _bi_act_kind: int = 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x ``[T, hidden]`` -> ``[T, hidden]``; ``act(gate) * up`` row-wise in float32."""
+        gu = self.gate_up_proj(x)
+        return self.down_proj(get_bi_ops().act_mul(gu, self._bi_act_kind))
+
+
+class _RMSNormMixin:
+    def forward(self, x: torch.Tensor, residual: Optional[torch.Tensor] = None):
+        """As ``RMSNorm.forward``; a 3-D input without residual (q/k norms ``[T, H, D]``) is
+        normalized as ``[T * H, D]`` rows by the row-wise 2-D path."""
+        if residual is None and x.dim() > 2:
+            return super().forward(x.reshape(-1, x.shape[-1]).contiguous()).view(x.shape)
+        return super().forward(x, residual)
+
+
+_SWAPPED: dict[tuple[type, type], type] = {}
+
+
+def _swap(module: nn.Module, mixin: type) -> None:
+    """Make ``module`` an instance of ``BatchInvariant<its class>`` (mixin first in the MRO)."""
+    cls = type(module)
+    if issubclass(cls, mixin):
+        return
+    new = _SWAPPED.get((cls, mixin))
+    if new is None:
+        new = _SWAPPED[(cls, mixin)] = type(f"BatchInvariant{cls.__name__}", (mixin, cls), {})
+    module.__class__ = new
+
+
+def _bi_compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+    """``CausalLM.compute_logits`` with the batch-invariant GEMM (bound onto the model instance)."""
+    if self.lm_head is not None:
+        logits = self.lm_head(hidden).float()
+    else:
+        logits = bi_linear(hidden, self.model.embed_tokens.weight).float()
+    cap = getattr(self.config, "final_logit_softcapping", None)
+    if cap:
+        logits = torch.tanh(logits / cap) * cap
+    return logits
+
+
+def enable_batch_invariant(model: nn.Module) -> int:
+    """Switch ``model`` (a loaded, unquantized, unpacked CPU ``CausalLM``) to batch-invariant
+    operators, in place (see the module docstring).
+
+    Returns:
+        how many modules were swapped.
+
+    Raises:
+        ValueError: a linear that is not a float ``Linear`` (quantized, oneDNN-packed), or weights
+            that are not float32/bfloat16 on the CPU.
+        RuntimeError: the batch-invariant kernels cannot be built.
+    """
+    get_bi_ops()  # NOTE: build (or fail) now, at start-up, not in the first step
+    kinds = {id(fn): ACT_KINDS[name] for name, fn in ACTIVATIONS.items() if name in ACT_KINDS}
+    swapped = 0
+    for name, m in model.named_modules():
+        if isinstance(m, Linear):
+            if m._packed is not None or m.weight.dtype not in (torch.float32, torch.bfloat16) \
+                    or m.weight.device.type != "cpu":
+                raise ValueError(f"batch_invariant: linear {name!r} is not a float32/bfloat16 CPU weight "
+                                 f"(packed or on another device)")
+            _swap(m, _LinearMixin)
+            swapped += 1
+        elif isinstance(m, GatedMLP):
+            kind = kinds.get(id(m.act))
+            if kind is None:
+                raise ValueError(f"batch_invariant: activation of {name!r} has no batch-invariant kernel "
+                                 f"(supported: {sorted(ACT_KINDS)})")
+            _swap(m, _GatedMLPMixin)
+            m._bi_act_kind = kind
+            swapped += 1
+        elif isinstance(m, RMSNorm):
+            _swap(m, _RMSNormMixin)
+            swapped += 1
+        elif type(m).__name__.endswith("Linear") and not isinstance(m, Linear) and any(
+                isinstance(p, nn.Parameter) for p in m.parameters(recurse=False)):
+            raise ValueError(f"batch_invariant: {name!r} ({type(m).__name__}) has no batch-invariant GEMM; "
+                             f"batch_invariant needs unquantized float weights")
+    inner = getattr(model, "model", None)
+    if inner is not None:
+        inner.disable_fused_decode = True  # NOTE: the fused decode step calls oneDNN's linears
+        if hasattr(inner, "_fused"):
+            inner._fused = (None, None)  # NOTE: rebuilt on the next forward, where the flag refuses it
+    if hasattr(model, "compute_logits") and inner is not None and hasattr(inner, "embed_tokens"):
+        model.compute_logits = types.MethodType(_bi_compute_logits, model)
+    model.batch_invariant = True
+    return swapped
