@@ -55,7 +55,7 @@ class EngineCore:
         self.kv_cache_dtype = resolve_kv_cache_dtype(args.kv_cache_dtype, self.dtype, self.device)
 
         loaded = load_model(args.model, dtype=self.dtype, tokenizer=args.tokenizer,
-                            ignore_patterns=args.ignore_patterns or None)
+                            ignore_patterns=args.ignore_patterns or None, quantization=args.quantization)
         self.loaded = loaded
         self.hf_config = loaded.hf_config
         self.tokenizer = loaded.tokenizer
@@ -75,6 +75,10 @@ class EngineCore:
             from pagedllm.pooling.adapters import drop_lm_head, split_head_weights
             drop_lm_head(model)
             weights = split_head_weights(weights, pool_head)
+        quant = loaded.quant_config
+        if quant is not None:
+            from pagedllm.quantization import attach_quantization
+            attach_quantization(model, quant, quantize_lm_head=args.runner == "generate")
         if loaded.source == "hf":
             from pagedllm.loader.hf_loader import check_checkpoint_files, safetensors_files
             check_checkpoint_files(model, loaded.model_path,
@@ -86,10 +90,10 @@ class EngineCore:
             from pagedllm.loader.hf_loader import annotate_load_error
             raise annotate_load_error(e, loaded, args.ignore_patterns or None, model_cls.__name__) from None
         model.eval()
-        if args.quantization:
-            from pagedllm.quantization import quantize_model
-            qstats = quantize_model(model, args.quantization, quantize_lm_head=args.runner == "generate")
-            logger.info("pagedllm: quantization %s: %d linear layers, %s -> %s", args.quantization,
+        if quant is not None:
+            from pagedllm.quantization import process_quantized_model
+            qstats = process_quantized_model(model, quant)
+            logger.info("pagedllm: quantization %s: %d linear layers, %s -> %s", quant.describe(),
                         qstats["num_linears"], _fmt_bytes(qstats["float_bytes"]), _fmt_bytes(qstats["quantized_bytes"]))
         self.model = model
         self.vocab_size = int(self.hf_config.vocab_size)

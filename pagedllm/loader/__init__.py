@@ -48,6 +48,9 @@ class LoadedModel:
     model_path: the resolved .gguf file or HF directory.
     source: "gguf" or "hf".
     generation_config: contents of generation_config.json (HF dirs), else {}.
+    quant_config: the `pagedllm.quantization` config the weights load with (`loader.quant_config`), or None
+        for float weights. With one, `weights()` yields what its methods take: GGUF blocks as
+        `GGUFRawTensor`s (GGUFConfig), HF tensors in their checkpoint dtype (no float cast).
     """
 
     hf_config: Any
@@ -56,6 +59,7 @@ class LoadedModel:
     model_path: str
     source: str
     generation_config: dict = field(default_factory=dict)
+    quant_config: Any = None
 
 
 def load_model(
@@ -63,6 +67,7 @@ def load_model(
     dtype: torch.dtype = torch.float32,
     tokenizer: str | None = None,
     ignore_patterns: list[str] | None = None,
+    quantization: str | None = None,
 ) -> LoadedModel:
     """Resolve `model` (known name, .gguf path or HF directory) and load its config and tokenizer; weights are
     read lazily when `LoadedModel.weights()` is iterated.
@@ -70,9 +75,11 @@ def load_model(
     dtype: floating dtype of the yielded weights (GGUF tensors are dequantized to float32 first).
     tokenizer: optional tokenizer source (HF directory / name or .gguf file) overriding the model's own.
     ignore_patterns: fnmatch patterns of safetensors file names to skip (HF directories only).
-    Raises ValueError for unknown names, unsupported GGUF architectures, or HF directories lacking config.json /
-    safetensors.
+    quantization: the `--quantization` value (None: the checkpoint's own format); see `loader.quant_config`.
+    Raises ValueError for unknown names, unsupported GGUF architectures, HF directories lacking config.json /
+    safetensors, or a quantization the checkpoint cannot load with.
     """
+    from .quant_config import resolve_quant_config
     from .tokenizer import load_tokenizer
 
     path = resolve_model_path(model)
@@ -81,14 +88,19 @@ def load_model(
 
         files = check_hf_dir(path, ignore_patterns)
         config = load_hf_config(path)
+        quant = resolve_quant_config("hf", config, quantization)
         tok = load_tokenizer(tokenizer or path)
+        # NOTE: a quantized checkpoint's tensors keep their dtype (fp16 scales, fp8 weights): the
+        # model's parameters cast the float ones, the methods convert the rest.
+        wdtype = dtype if quant is None or quant.on_the_fly else None
         return LoadedModel(
             hf_config=config,
-            weights=lambda: iter_safetensors_weights(files, dtype),
+            weights=lambda: iter_safetensors_weights(files, wdtype),
             tokenizer=tok,
             model_path=path,
             source="hf",
             generation_config=load_generation_config(path),
+            quant_config=quant,
         )
 
     from .gguf_file import GGUFFile
@@ -96,12 +108,15 @@ def load_model(
 
     gf = GGUFFile(path)
     config = gguf_config(gf)
+    quant = resolve_quant_config("gguf", config, quantization, gguf_file=gf)
+    native = quant is not None and not quant.on_the_fly
     tok = load_tokenizer(tokenizer or path)
     return LoadedModel(
         hf_config=config,
-        weights=lambda: iter_gguf_weights(gf, config, dtype),
+        weights=lambda: iter_gguf_weights(gf, config, dtype, keep_quantized=native),
         tokenizer=tok,
         model_path=path,
         source="gguf",
         generation_config={},
+        quant_config=quant,
     )

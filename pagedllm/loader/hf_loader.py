@@ -52,17 +52,17 @@ def load_generation_config(path: str) -> dict:
         return json.load(fh)
 
 
-def iter_safetensors_weights(files: list[str], dtype: torch.dtype = torch.float32) -> Iterator[tuple[str, torch.Tensor]]:
+def iter_safetensors_weights(files: list[str], dtype: torch.dtype | None = torch.float32) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield (name, tensor) for every tensor in `files`, one at a time, floating tensors converted to `dtype`
-    (integer / bool tensors, e.g. quantization metadata, are yielded unchanged). Names are the checkpoint's own
-    (HF names, e.g. "model.layers.0.self_attn.q_proj.weight")."""
+    (integer / bool tensors, e.g. quantization metadata, are yielded unchanged; with `dtype=None` nothing is
+    converted). Names are the checkpoint's own (HF names, e.g. "model.layers.0.self_attn.q_proj.weight")."""
     from safetensors import safe_open
 
     for fname in files:
         with safe_open(fname, framework="pt") as fh:
             for name in fh.keys():
                 t = fh.get_tensor(name)
-                if t.is_floating_point() and t.dtype != dtype:
+                if dtype is not None and t.is_floating_point() and t.dtype != dtype:
                     t = t.to(dtype)
                 yield name, t
 

@@ -6,6 +6,7 @@ import json
 import os
 from typing import Any, Optional
 
+from pagedllm.config import QUANTIZATION_CHOICES
 from pagedllm.config import parse_bytes as config_parse_bytes
 
 DEFAULT_MODEL = "SmolLM2-135M-Instruct"
@@ -91,11 +92,12 @@ def add_serve_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g.add_argument("--pooler-config", type=_json_dict, default=None,
                    help='Pooler settings as JSON, e.g. \'{"pooling_type": "MEAN", '
                         '"normalize": true}\'.')
-    g.add_argument("--quantization", "-q", default=None, choices=["int8", "int4", "w8a8"],
-                   help="Quantization of the linear layers and LM head (CPU): weight-only int8 "
-                        "per-channel or int4 group-wise (group 32), or w8a8 (int8 per-channel "
-                        "weights and dynamic per-token int8 activations, int8 GEMMs: faster at "
-                        "every batch size).")
+    g.add_argument("--quantization", "-q", default=None, choices=list(QUANTIZATION_CHOICES),
+                   help="Default: a quantized checkpoint (GGUF blocks, GPTQ, AWQ, compressed-tensors, "
+                        "FP8) runs in its own format. int8/int4/w8a8 re-quantize float weights after "
+                        "loading (CPU): weight-only int8 per-channel or int4 group-wise (group 32), or "
+                        "w8a8 (int8 per-channel weights and dynamic per-token int8 activations). "
+                        "'none' dequantizes a quantized checkpoint at load.")
     g.add_argument("--ignore-patterns", nargs="*", default=[],
                    help="fnmatch patterns of checkpoint files not to load.")
 
