@@ -139,7 +139,7 @@ class CausalLM(nn.Module):
                     loaded.add(name)
         if unexpected:
             raise ValueError(f"unexpected checkpoint tensors: {sorted(unexpected)}")
-        missing = sorted(set(params) - loaded)
+        missing = sorted(n for n in set(params) - loaded if not getattr(params[n], "optional", False))
         if missing:
             raise ValueError(f"parameters missing from the checkpoint: {missing}")
         return loaded

@@ -46,6 +46,10 @@ def attach_quantization(model: nn.Module, config: QuantizationConfig, quantize_l
         the number of layers given a method.
     """
     config.quantize_lm_head = quantize_lm_head
+    dev = next(model.parameters()).device
+    if config.on_the_fly and dev.type != "cpu":
+        raise ValueError(f"quantization {config.name!r}: only CPU weight-only kernels are implemented (model on {dev})")
+    model._quant_device = dev  # NOTE: checkpoint tensors are converted on CPU, then moved here
     n = 0
     for name, mod in list(model.named_modules()):
         if not _hookable(mod) or mod.quant_method is not None:
@@ -106,6 +110,10 @@ def process_quantized_model(model: nn.Module, config: QuantizationConfig) -> dic
         if head is not None:
             model.quantized_lm_head = head
             done.append(head)
+        dev = getattr(model, "_quant_device", None)
+        if dev is not None and dev.type != "cpu":
+            for mod in done:
+                mod.to(dev)
         if config.dequantize_after_load:
             for mod in done:
                 _to_float(mod, getattr(model, "dtype", torch.float32))
@@ -160,9 +168,6 @@ def quantize_model(model: nn.Module, method: str, group_size: int = 32, quantize
     """
     if method not in ON_THE_FLY_METHODS:
         raise ValueError(f"quantization: must be one of {list(ON_THE_FLY_METHODS)}, got {method!r}")
-    dev = next(model.parameters()).device
-    if dev.type != "cpu":
-        raise ValueError(f"quantization {method!r}: only CPU weight-only kernels are implemented (model on {dev})")
     cls = get_quantization_config_cls(method)
     config = cls(group_size) if method == "int4" else cls()
     attach_quantization(model, config, quantize_lm_head)

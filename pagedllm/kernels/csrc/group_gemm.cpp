@@ -17,7 +17,8 @@
 //       -> [M, N] in out_dtype (float32 or bfloat16)
 //
 // M <= large_m: each output row n is computed for all M rows of x from one pass over the row's
-// codes (dequantized 32 at a time into registers, float32 FMA against up to 4 rows of x at once):
+// codes (dequantized 32 at a time into registers, float32 FMA against up to 4 rows of x at once;
+// for M > 4 the row is dequantized once into an L1-resident buffer that every 4-row tile reads):
 // the weight is read from memory once per call, in its packed size. M > large_m (prefill): tiles
 // of rows are dequantized into a float buffer and multiplied by ATen's GEMM (at::mm).
 //
@@ -27,6 +28,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 #include <vector>
 
 #if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
@@ -112,7 +114,7 @@ inline void decode_chunk_avx2(const uint8_t* row, int64_t kind, int64_t c, __m25
 
 // acc[r] (r < MT) = sum over k of x[r, k] * w[n, k] for one weight row, x rows at xs[r] (float32).
 template <int MT>
-inline void row_dot_avx2(const uint8_t* row, const float* sc, const float* mn, int64_t kind, int64_t group,
+inline void row_dot_avx2(const uint8_t* row, const float* sc, const float* mn, int64_t kind, const int32_t* gidx,
                          int64_t K, const float* const* xs, float* out) {
   __m256 acc[MT][2];
   for (int r = 0; r < MT; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
@@ -122,11 +124,11 @@ inline void row_dot_avx2(const uint8_t* row, const float* sc, const float* mn, i
     __m256 v[4];
     decode_chunk_avx2(row, kind, c, v);
     const int64_t k0 = 32 * c;
-    const __m256 s0 = _mm256_set1_ps(sc[k0 / group] * fscale);
-    const __m256 s1 = _mm256_set1_ps(sc[(k0 + 16) / group] * fscale);
+    const __m256 s0 = _mm256_set1_ps(sc[gidx[2 * c]] * fscale);
+    const __m256 s1 = _mm256_set1_ps(sc[gidx[2 * c + 1]] * fscale);
     if (mn != nullptr) {
-      const __m256 m0 = _mm256_set1_ps(mn[k0 / group]);
-      const __m256 m1 = _mm256_set1_ps(mn[(k0 + 16) / group]);
+      const __m256 m0 = _mm256_set1_ps(mn[gidx[2 * c]]);
+      const __m256 m1 = _mm256_set1_ps(mn[gidx[2 * c + 1]]);
       v[0] = _mm256_fmadd_ps(v[0], s0, m0);
       v[1] = _mm256_fmadd_ps(v[1], s0, m0);
       v[2] = _mm256_fmadd_ps(v[2], s1, m1);
@@ -147,11 +149,51 @@ inline void row_dot_avx2(const uint8_t* row, const float* sc, const float* mn, i
   }
   for (int r = 0; r < MT; ++r) out[r] = hsum(_mm256_add_ps(acc[r][0], acc[r][1]));
 }
+
+// One weight row dequantized into w[0..K) (float32, scale applied, min added).
+inline void dequant_row_avx2(const uint8_t* row, const float* sc, const float* mn, int64_t kind, const int32_t* gidx,
+                             int64_t K, float* w) {
+  const float fscale = kind == kFp8 ? 256.f : 1.f;
+  for (int64_t c = 0; c < K / 32; ++c) {
+    __m256 v[4];
+    decode_chunk_avx2(row, kind, c, v);
+    const int64_t k0 = 32 * c;
+    const __m256 s0 = _mm256_set1_ps(sc[gidx[2 * c]] * fscale);
+    const __m256 s1 = _mm256_set1_ps(sc[gidx[2 * c + 1]] * fscale);
+    const __m256 m0 = _mm256_set1_ps(mn ? mn[gidx[2 * c]] : 0.f);
+    const __m256 m1 = _mm256_set1_ps(mn ? mn[gidx[2 * c + 1]] : 0.f);
+    _mm256_storeu_ps(w + k0, _mm256_fmadd_ps(v[0], s0, m0));
+    _mm256_storeu_ps(w + k0 + 8, _mm256_fmadd_ps(v[1], s0, m0));
+    _mm256_storeu_ps(w + k0 + 16, _mm256_fmadd_ps(v[2], s1, m1));
+    _mm256_storeu_ps(w + k0 + 24, _mm256_fmadd_ps(v[3], s1, m1));
+  }
+}
+
+// out[r] = dot(x rows xs[r], w) for 4 rows at once over a dequantized weight row.
+inline void dot4_avx2(const float* w, int64_t K, const float* const* xs, float* out) {
+  __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps(), a2 = _mm256_setzero_ps(), a3 = _mm256_setzero_ps();
+  __m256 b0 = _mm256_setzero_ps(), b1 = _mm256_setzero_ps(), b2 = _mm256_setzero_ps(), b3 = _mm256_setzero_ps();
+  for (int64_t k = 0; k < K; k += 16) {
+    const __m256 w0 = _mm256_loadu_ps(w + k), w1 = _mm256_loadu_ps(w + k + 8);
+    a0 = _mm256_fmadd_ps(_mm256_loadu_ps(xs[0] + k), w0, a0);
+    a1 = _mm256_fmadd_ps(_mm256_loadu_ps(xs[1] + k), w0, a1);
+    a2 = _mm256_fmadd_ps(_mm256_loadu_ps(xs[2] + k), w0, a2);
+    a3 = _mm256_fmadd_ps(_mm256_loadu_ps(xs[3] + k), w0, a3);
+    b0 = _mm256_fmadd_ps(_mm256_loadu_ps(xs[0] + k + 8), w1, b0);
+    b1 = _mm256_fmadd_ps(_mm256_loadu_ps(xs[1] + k + 8), w1, b1);
+    b2 = _mm256_fmadd_ps(_mm256_loadu_ps(xs[2] + k + 8), w1, b2);
+    b3 = _mm256_fmadd_ps(_mm256_loadu_ps(xs[3] + k + 8), w1, b3);
+  }
+  out[0] = hsum(_mm256_add_ps(a0, b0));
+  out[1] = hsum(_mm256_add_ps(a1, b1));
+  out[2] = hsum(_mm256_add_ps(a2, b2));
+  out[3] = hsum(_mm256_add_ps(a3, b3));
+}
 #endif
 
 // Portable version of row_dot_avx2.
 template <int MT>
-inline void row_dot_ref(const uint8_t* row, const float* sc, const float* mn, int64_t kind, int64_t group,
+inline void row_dot_ref(const uint8_t* row, const float* sc, const float* mn, int64_t kind, const int32_t* gidx,
                         int64_t K, const float* const* xs, float* out) {
   float acc[MT];
   for (int r = 0; r < MT; ++r) acc[r] = 0.f;
@@ -160,7 +202,7 @@ inline void row_dot_ref(const uint8_t* row, const float* sc, const float* mn, in
     decode_chunk(row, kind, c, w);
     const int64_t k0 = 32 * c;
     for (int j = 0; j < 32; ++j) {
-      const int64_t g = (k0 + j) / group;
+      const int64_t g = gidx[2 * c + j / 16];
       w[j] = mn != nullptr ? w[j] * sc[g] + mn[g] : w[j] * sc[g];
     }
     for (int r = 0; r < MT; ++r) {
@@ -174,12 +216,12 @@ inline void row_dot_ref(const uint8_t* row, const float* sc, const float* mn, in
 }
 
 template <int MT>
-inline void row_dot(const uint8_t* row, const float* sc, const float* mn, int64_t kind, int64_t group, int64_t K,
+inline void row_dot(const uint8_t* row, const float* sc, const float* mn, int64_t kind, const int32_t* gidx, int64_t K,
                     const float* const* xs, float* out) {
 #ifdef PAGEDLLM_GQ_AVX2
-  row_dot_avx2<MT>(row, sc, mn, kind, group, K, xs, out);
+  row_dot_avx2<MT>(row, sc, mn, kind, gidx, K, xs, out);
 #else
-  row_dot_ref<MT>(row, sc, mn, kind, group, K, xs, out);
+  row_dot_ref<MT>(row, sc, mn, kind, gidx, K, xs, out);
 #endif
 }
 
@@ -188,7 +230,15 @@ struct Operands {
   const float* scales;
   const float* mins;  // nullptr when none
   int64_t kind, group, K, G;
+  const int32_t* gidx;  // group of each run of 16 k (group_table)
 };
+
+// The group of each run of 16 k: one table lookup instead of an integer division per chunk.
+std::vector<int32_t> group_table(int64_t K, int64_t group) {
+  std::vector<int32_t> t(K / 16);
+  for (int64_t h = 0; h < K / 16; ++h) t[h] = static_cast<int32_t>(16 * h / group);
+  return t;
+}
 
 void check_operands(const at::Tensor& qweight, const at::Tensor& scales, const c10::optional<at::Tensor>& mins,
                     int64_t kind, int64_t group, int64_t K) {
@@ -211,19 +261,28 @@ template <typename T>
 void dequant_rows(const Operands& o, int64_t r0, int64_t r1, T* dst) {
   const int64_t rb = row_bytes(o.kind, o.K);
   at::parallel_for(r0, r1, std::max<int64_t>(1, 16384 / o.K), [&](int64_t a, int64_t b) {
-    float w[32];
+    std::vector<float> buf(o.K);
+    const int32_t* gidx = o.gidx;
     for (int64_t n = a; n < b; ++n) {
       const uint8_t* row = o.q + n * rb;
       const float* sc = o.scales + n * o.G;
       const float* mn = o.mins ? o.mins + n * o.G : nullptr;
       T* out = dst + (n - r0) * o.K;
+      float* w = std::is_same<T, float>::value ? reinterpret_cast<float*>(out) : buf.data();
+#ifdef PAGEDLLM_GQ_AVX2
+      dequant_row_avx2(row, sc, mn, o.kind, gidx, o.K, w);
+#else
       for (int64_t c = 0; c < o.K / 32; ++c) {
-        decode_chunk(row, o.kind, c, w);
+        decode_chunk(row, o.kind, c, w + 32 * c);
         for (int j = 0; j < 32; ++j) {
-          const int64_t g = (32 * c + j) / o.group;
-          const float v = w[j] * sc[g];
-          out[32 * c + j] = static_cast<T>(mn ? v + mn[g] : v);
+          const int64_t g = gidx[2 * c + j / 16];
+          const float v = w[32 * c + j] * sc[g];
+          w[32 * c + j] = mn ? v + mn[g] : v;
         }
+      }
+#endif
+      if (!std::is_same<T, float>::value) {
+        for (int64_t k = 0; k < o.K; ++k) out[k] = static_cast<T>(w[k]);
       }
     }
   });
@@ -236,8 +295,9 @@ at::Tensor group_dequantize(at::Tensor qweight, at::Tensor scales, c10::optional
   check_operands(qweight, scales, mins, kind, group, K);
   TORCH_CHECK(0 <= row0 && row0 <= row1 && row1 <= qweight.size(0), "bad row range");
   TORCH_CHECK(dtype == at::kFloat || dtype == at::kBFloat16, "dtype must be float32 or bfloat16");
+  const std::vector<int32_t> table = group_table(K, group);
   Operands o{static_cast<const uint8_t*>(qweight.data_ptr()), scales.data_ptr<float>(),
-             mins.has_value() ? mins->data_ptr<float>() : nullptr, kind, group, K, scales.size(1)};
+             mins.has_value() ? mins->data_ptr<float>() : nullptr, kind, group, K, scales.size(1), table.data()};
   at::Tensor out = at::empty({row1 - row0, K}, qweight.options().dtype(dtype));
   if (dtype == at::kFloat) {
     dequant_rows<float>(o, row0, row1, out.data_ptr<float>());
@@ -261,8 +321,10 @@ at::Tensor group_gemm(at::Tensor x, at::Tensor qweight, at::Tensor scales, c10::
     b = bias->to(at::kFloat).contiguous();
     TORCH_CHECK(b.numel() == N, "bias must be [N]");
   }
+  const std::vector<int32_t> table = group_table(K, group);
+  const int32_t* gidx = table.data();
   Operands o{static_cast<const uint8_t*>(qweight.data_ptr()), scales.data_ptr<float>(),
-             mins.has_value() ? mins->data_ptr<float>() : nullptr, kind, group, K, scales.size(1)};
+             mins.has_value() ? mins->data_ptr<float>() : nullptr, kind, group, K, scales.size(1), gidx};
   if (M == 0) return at::empty({0, N}, x.options().dtype(out_dtype));
 
   if (M > large_m) {
@@ -300,22 +362,34 @@ at::Tensor group_gemm(at::Tensor x, at::Tensor qweight, at::Tensor scales, c10::
   at::parallel_for(0, N, grain, [&](int64_t a, int64_t e) {
     const float* xs[4];
     float out[4];
+    std::vector<float> wbuf(M > 4 ? K : 0);
     for (int64_t n = a; n < e; ++n) {
       const uint8_t* row = o.q + n * rb;
       const float* sc = o.scales + n * o.G;
       const float* mn = o.mins ? o.mins + n * o.G : nullptr;
       const float bn = bp ? bp[n] : 0.f;
       int64_t m = 0;
+#ifdef PAGEDLLM_GQ_AVX2
+      if (M > 4) {
+        // NOTE: more than one 4-row tile: dequantize the row once (L1-resident) instead of per tile
+        dequant_row_avx2(row, sc, mn, kind, gidx, K, wbuf.data());
+        for (; m + 4 <= M; m += 4) {
+          for (int r = 0; r < 4; ++r) xs[r] = xp + (m + r) * K;
+          dot4_avx2(wbuf.data(), K, xs, out);
+          for (int r = 0; r < 4; ++r) yp[(m + r) * N + n] = out[r] + bn;
+        }
+      }
+#endif
       for (; m + 4 <= M; m += 4) {
         for (int r = 0; r < 4; ++r) xs[r] = xp + (m + r) * K;
-        row_dot<4>(row, sc, mn, kind, group, K, xs, out);
+        row_dot<4>(row, sc, mn, kind, gidx, K, xs, out);
         for (int r = 0; r < 4; ++r) yp[(m + r) * N + n] = out[r] + bn;
       }
       const int64_t rest = M - m;
       for (int r = 0; r < rest; ++r) xs[r] = xp + (m + r) * K;
-      if (rest == 3) row_dot<3>(row, sc, mn, kind, group, K, xs, out);
-      if (rest == 2) row_dot<2>(row, sc, mn, kind, group, K, xs, out);
-      if (rest == 1) row_dot<1>(row, sc, mn, kind, group, K, xs, out);
+      if (rest == 3) row_dot<3>(row, sc, mn, kind, gidx, K, xs, out);
+      if (rest == 2) row_dot<2>(row, sc, mn, kind, gidx, K, xs, out);
+      if (rest == 1) row_dot<1>(row, sc, mn, kind, gidx, K, xs, out);
       for (int r = 0; r < rest; ++r) yp[(m + r) * N + n] = out[r] + bn;
     }
   });
