@@ -50,7 +50,8 @@ class LoadedModel:
     generation_config: contents of generation_config.json (HF dirs), else {}.
     quant_config: the `pagedllm.quantization` config the weights load with (`loader.quant_config`), or None
         for float weights. With one, `weights()` yields what its methods take: GGUF blocks as
-        `GGUFRawTensor`s (GGUFConfig), HF tensors in their checkpoint dtype (no float cast).
+        `GGUFRawTensor`s (GGUFConfig), HF tensors in their checkpoint dtype (no float cast). Setting it to
+        None on a GGUF model before `weights()` is called dequantizes at load instead.
     """
 
     hf_config: Any
@@ -68,6 +69,7 @@ def load_model(
     tokenizer: str | None = None,
     ignore_patterns: list[str] | None = None,
     quantization: str | None = None,
+    load_tokenizer: bool = True,
 ) -> LoadedModel:
     """Resolve `model` (known name, .gguf path or HF directory) and load its config and tokenizer; weights are
     read lazily when `LoadedModel.weights()` is iterated.
@@ -76,9 +78,11 @@ def load_model(
     tokenizer: optional tokenizer source (HF directory / name or .gguf file) overriding the model's own.
     ignore_patterns: fnmatch patterns of safetensors file names to skip (HF directories only).
     quantization: the `--quantization` value (None: the checkpoint's own format); see `loader.quant_config`.
+    load_tokenizer: False leaves `tokenizer` None (a tensor/pipeline-parallel rank that never detokenizes).
     Raises ValueError for unknown names, unsupported GGUF architectures, HF directories lacking config.json /
     safetensors, or a quantization the checkpoint cannot load with.
     """
+    want_tokenizer = load_tokenizer  # NOTE: before the import below rebinds the name
     from .quant_config import resolve_quant_config
     from .tokenizer import load_tokenizer
 
@@ -89,7 +93,7 @@ def load_model(
         files = check_hf_dir(path, ignore_patterns)
         config = load_hf_config(path)
         quant = resolve_quant_config("hf", config, quantization)
-        tok = load_tokenizer(tokenizer or path)
+        tok = load_tokenizer(tokenizer or path) if want_tokenizer else None
         # NOTE: a quantized checkpoint's tensors keep their dtype (fp16 scales, fp8 weights): the
         # model's parameters cast the float ones, the methods convert the rest.
         wdtype = dtype if quant is None or quant.on_the_fly else None
@@ -109,14 +113,14 @@ def load_model(
     gf = GGUFFile(path)
     config = gguf_config(gf)
     quant = resolve_quant_config("gguf", config, quantization, gguf_file=gf)
-    native = quant is not None and not quant.on_the_fly
-    tok = load_tokenizer(tokenizer or path)
-    return LoadedModel(
-        hf_config=config,
-        weights=lambda: iter_gguf_weights(gf, config, dtype, keep_quantized=native),
-        tokenizer=tok,
-        model_path=path,
-        source="gguf",
-        generation_config={},
-        quant_config=quant,
-    )
+    tok = load_tokenizer(tokenizer or path) if want_tokenizer else None
+    lm = LoadedModel(hf_config=config, weights=lambda: iter(()), tokenizer=tok, model_path=path, source="gguf",
+                     generation_config={}, quant_config=quant)
+
+    def weights():
+        # NOTE: read at iteration time: a caller may drop quant_config to dequantize at load instead
+        q = lm.quant_config
+        return iter_gguf_weights(gf, config, dtype, keep_quantized=q is not None and not q.on_the_fly)
+
+    lm.weights = weights
+    return lm

@@ -103,6 +103,8 @@ class CausalLM(nn.Module):
                 checkpoint did not provide.
         """
         params = dict(self.named_parameters())
+        # NOTE: set by pipeline-parallel sharding: tensors of other stages' layers are skipped.
+        keep = getattr(self, "weight_name_filter", None)  # canonical name -> bool
         loaded: set[str] = set()
         shards: dict[str, set] = {}
         unexpected: list[str] = []
@@ -112,6 +114,8 @@ class CausalLM(nn.Module):
                 continue
             if name == "lm_head.weight" and self.lm_head is None:
                 continue  # NOTE: tied: the head is the embedding (HF state dicts list both)
+            if keep is not None and not keep(name):
+                continue
             shard = None
             for ckpt, (fused, sid) in self.packed_modules_mapping.items():
                 if f".{ckpt}." in name:
@@ -128,7 +132,8 @@ class CausalLM(nn.Module):
                     if shards[name] == set(param.shard_ids):
                         loaded.add(name)
                 elif getattr(param, "weight_loader", None) is not None:
-                    # NOTE: a quantization method's parameter: its loader checks and converts
+                    # NOTE: a quantization method's parameter (its loader checks and converts), or a
+                    # tensor-parallel slice
                     param.weight_loader(param, _cast(tensor, param))
                     loaded.add(name)
                 else:

@@ -110,6 +110,8 @@ class FusedDecode:
 
         layers = getattr(model, "layers", None)
         norm = getattr(model, "norm", None)
+        if getattr(model, "disable_fused_decode", False):  # NOTE: set by tensor/pipeline sharding
+            return None
         if not layers or not isinstance(norm, RMSNorm) or norm.gemma or getattr(norm, "quantize_output", False):
             return None
         # NOTE: the kind is read off the first projection before the C++ kernels are asked for:

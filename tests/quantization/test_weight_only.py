@@ -54,6 +54,9 @@ def test_kernel_and_dequantized_paths_agree(cls):
     q = cls(w)
     x = torch.randn(8, 128, generator=g).bfloat16()
     wd = q.quant_method.dequantize_bf16(q)
+    if wd is None and cls is WeightOnlyInt4Linear:
+        assert not q._int4_can_dequantize
+        pytest.skip("torch packs int4 in a layout this CPU's dequantizer does not read (kernel only)")
     assert wd is not None and wd.dtype == torch.bfloat16
     ref = x.float() @ wd.float().t()
     assert _rel(q.quant_method._kernel(q, x), ref) < 1e-2

@@ -23,6 +23,9 @@ from pagedllm.entrypoints.openai.errors import OpenAIError, error_response, inst
 from pagedllm.entrypoints.openai.protocol import (ChatCompletionRequest, CompletionRequest,
                                                   DetokenizeRequest, TokenizeChatRequest,
                                                   TokenizeCompletionRequest)
+from pagedllm.entrypoints.openai.protocol_anthropic import anthropic_error_body
+from pagedllm.entrypoints.openai.protocol_responses import ResponsesRequest
+from pagedllm.entrypoints.openai.serving_messages import AnthropicServingMessages
 from pagedllm.entrypoints.openai.serving_chat import OpenAIServingChat
 from pagedllm.entrypoints.openai.serving_completion import OpenAIServingCompletion
 from pagedllm.entrypoints.openai.serving_models import (OpenAIServingModels,
@@ -64,7 +67,7 @@ def build_app(engine: Any, args: Optional[argparse.Namespace] = None) -> FastAPI
 
     ``args`` (optional, a ``pagedllm serve`` namespace or anything with those attributes):
     served_model_name, api_key, max_logprobs, chat_template, disable_log_requests,
-    disable_log_stats.
+    disable_log_stats, enable_request_id_headers (default True), metrics_prefix ("pagedllm").
     """
     get = (lambda name, default=None: getattr(args, name, default) if args is not None else default)
     served = _served_names(engine, args)
@@ -74,13 +77,21 @@ def build_app(engine: Any, args: Optional[argparse.Namespace] = None) -> FastAPI
                   log_requests=not bool(get("disable_log_requests", False)))
 
     serving_completion = OpenAIServingCompletion(engine, served, **common)
-    serving_chat = OpenAIServingChat(engine, served, **common)
+    from pagedllm.entrypoints.openai.cli_args import resolve_parsers
+    enable_auto_tools, tool_parser_cls, reasoning_parser_cls = resolve_parsers(args)
+    serving_chat = OpenAIServingChat(engine, served, enable_auto_tools=enable_auto_tools,
+                                     tool_parser=tool_parser_cls,
+                                     reasoning_parser=reasoning_parser_cls, **common)
     serving_models = OpenAIServingModels(engine, served, **common)
     serving_tokenization = OpenAIServingTokenization(engine, served, **common)
     servings = (serving_completion, serving_chat)
 
     # Stat loggers: the engine calls record(scheduler_stats, iteration_stats) after each step.
-    prom = PrometheusStatLogger(model_name=served[0], max_model_len=int(engine.max_model_len))
+    metrics_prefix = get("metrics_prefix", "pagedllm") or "pagedllm"
+    make_prom = getattr(engine, "make_prometheus_logger", None)  # data parallel: a series per replica
+    prom = (make_prom(served[0], int(engine.max_model_len), metrics_prefix) if make_prom is not None
+            else PrometheusStatLogger(model_name=served[0], max_model_len=int(engine.max_model_len),
+                                      prefix=metrics_prefix))
     if getattr(engine, "stat_loggers", None) is None:
         try:
             engine.stat_loggers = []
@@ -99,7 +110,15 @@ def build_app(engine: Any, args: Optional[argparse.Namespace] = None) -> FastAPI
                                               memory_fn=getattr(engine, "get_memory_stats", None))
                 loggers_list.append(log_stats)
 
+    from pagedllm.entrypoints.openai.response_store import DEFAULT_MAX_ENTRIES, ResponseStore
+    from pagedllm.entrypoints.openai.serving_responses import OpenAIServingResponses
+    store_size = get("responses_store_size", DEFAULT_MAX_ENTRIES)
+    serving_responses = OpenAIServingResponses(serving_chat, ResponseStore(
+        DEFAULT_MAX_ENTRIES if store_size is None else int(store_size), registry=prom.registry,
+        model_name=served[0], prefix=getattr(prom, "prefix", "pagedllm")))
+
     async def abort_all() -> None:
+        await serving_responses.abort_all()
         for s in servings:
             await s.abort_all()
 
@@ -142,6 +161,9 @@ def build_app(engine: Any, args: Optional[argparse.Namespace] = None) -> FastAPI
                        allow_methods=list(get("allowed_methods", ["*"]) or ["*"]),
                        allow_headers=list(get("allowed_headers", ["*"]) or ["*"]),
                        allow_credentials=bool(get("allow_credentials", False)))
+    if get("enable_request_id_headers", True) is not False:
+        from pagedllm.entrypoints.openai.serving_engine import RequestIdHeaderMiddleware
+        app.add_middleware(RequestIdHeaderMiddleware)
     from pagedllm.entrypoints.openai.serving_pooling import build_pooling_router
     app.include_router(build_pooling_router(engine, served))
 
@@ -150,12 +172,16 @@ def build_app(engine: Any, args: Optional[argparse.Namespace] = None) -> FastAPI
 
         @app.middleware("http")
         async def authentication(request: Request, call_next):
-            # Only the OpenAI routes are protected (as vLLM does).
+            # Only the OpenAI routes are protected (as vLLM does). Anthropic clients send the
+            # key as `x-api-key`; either header is accepted.
             if request.method != "OPTIONS" and request.url.path.startswith("/v1"):
                 got = request.headers.get("Authorization", "").encode()
-                if not hmac.compare_digest(got, expected):
-                    return error_response("Unauthorized: missing or invalid API key.", 401,
-                                          None, "AuthenticationError")
+                got_x = ("Bearer " + request.headers.get("x-api-key", "")).encode()
+                if not (hmac.compare_digest(got, expected) or hmac.compare_digest(got_x, expected)):
+                    msg = "Unauthorized: missing or invalid API key."
+                    if request.url.path.startswith("/v1/messages"):
+                        return JSONResponse(anthropic_error_body(msg, 401), status_code=401)
+                    return error_response(msg, 401, None, "AuthenticationError")
             return await call_next(request)
 
     def _check_generate_runner() -> None:
@@ -172,6 +198,36 @@ def build_app(engine: Any, args: Optional[argparse.Namespace] = None) -> FastAPI
     async def create_chat_completion(request: ChatCompletionRequest, raw_request: Request):
         _check_generate_runner()
         return await serving_chat.create_chat_completion(request, raw_request)
+
+    @app.post("/v1/responses")
+    async def create_response(request: ResponsesRequest, raw_request: Request):
+        _check_generate_runner()
+        return await serving_responses.create_response(request, raw_request)
+
+    @app.get("/v1/responses/{response_id}")
+    async def retrieve_response(response_id: str):
+        return serving_responses.retrieve(response_id)
+
+    @app.delete("/v1/responses/{response_id}")
+    async def delete_response(response_id: str):
+        return serving_responses.delete(response_id)
+
+    @app.post("/v1/responses/{response_id}/cancel")
+    async def cancel_response(response_id: str):
+        return await serving_responses.cancel(response_id)
+
+    serving_messages = AnthropicServingMessages(serving_chat)
+
+    @app.post("/v1/messages")
+    async def create_message(raw_request: Request):
+        if getattr(engine, "runner", "generate") != "generate":
+            return JSONResponse(anthropic_error_body(
+                "This model does not support text generation.", 400), status_code=400)
+        return await serving_messages.handle(raw_request)
+
+    @app.post("/v1/messages/count_tokens")
+    async def count_message_tokens(raw_request: Request):
+        return await serving_messages.handle(raw_request, count_only=True)
 
     @app.get("/v1/models")
     async def show_available_models():
@@ -209,9 +265,9 @@ def build_app(engine: Any, args: Optional[argparse.Namespace] = None) -> FastAPI
         # Refresh the gauges from the scheduler now (the engine may be idle, not stepping).
         try:
             s = engine.get_scheduler_stats()
-            prom.gauge_running.set(s.get("num_running", 0))
-            prom.gauge_waiting.set(s.get("num_waiting", 0))
-            prom.gauge_kv_usage.set(s.get("kv_cache_usage", 0.0))
+            prom.set_scheduler_gauges(s.get("num_running", 0), s.get("num_waiting", 0),
+                                      s.get("kv_cache_usage", 0.0))
+            prom.gauge_so_entries.set(s.get("structured_output_cache_entries", 0))
         except Exception:
             logger.debug("get_scheduler_stats failed", exc_info=True)
         memory_fn = getattr(engine, "get_memory_stats", None)
@@ -240,7 +296,9 @@ def build_app(engine: Any, args: Optional[argparse.Namespace] = None) -> FastAPI
 def engine_args_from_namespace(args: argparse.Namespace):
     """EngineArgs from ``pagedllm serve`` flags (same names)."""
     from pagedllm.config import EngineArgs
+    from pagedllm.entrypoints.openai.cli_args import resolve_model_arg
 
+    resolve_model_arg(args)
     kwargs = {}
     for f in dataclasses.fields(EngineArgs):
         val = getattr(args, f.name, None)
@@ -264,12 +322,27 @@ def run_server(args: argparse.Namespace) -> int:
 
     from pagedllm.engine.async_llm import AsyncLLM
 
-    from pagedllm.entrypoints.openai.cli_args import normalize_args
+    from pagedllm.entrypoints.openai.cli_args import normalize_args, resolve_parsers
 
     _setup_logging()
     normalize_args(args)
+    try:
+        resolve_parsers(args)  # bad parser flags fail before the model loads
+    except ValueError as e:
+        print(f"pagedllm serve: error: {e}", file=sys.stderr, flush=True)
+        return 2
+    if getattr(args, "reasoning_parser", None):
+        # Structured outputs constrain the answer, not the reasoning (vLLM: the reasoning
+        # parser is part of the structured-outputs config).
+        cfg = dict(getattr(args, "structured_outputs_config", None) or {})
+        cfg.setdefault("reasoning_parser", args.reasoning_parser)
+        args.structured_outputs_config = cfg
     engine_args = engine_args_from_namespace(args)
-    engine = AsyncLLM.from_engine_args(engine_args)
+    if engine_args.data_parallel_size > 1:
+        from pagedllm.engine.dp_async_llm import DPAsyncLLM
+        engine = DPAsyncLLM.from_engine_args(engine_args)
+    else:
+        engine = AsyncLLM.from_engine_args(engine_args)
     app = build_app(engine, args)
     host = getattr(args, "host", "127.0.0.1") or "127.0.0.1"
     port = int(getattr(args, "port", 8000))

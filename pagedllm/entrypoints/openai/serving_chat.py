@@ -16,10 +16,16 @@ from pagedllm.entrypoints.openai.protocol import (ChatCompletionLogProb, ChatCom
                                                   ChatCompletionResponseStreamChoice,
                                                   ChatCompletionStreamResponse, ChatMessage,
                                                   ChatMessageParam, DeltaMessage,
-                                                  PromptTokenUsageInfo, UsageInfo, random_uuid)
+                                                  PromptTokenUsageInfo, UsageInfo)
 from pagedllm.entrypoints.openai.serving_engine import (SSE_DONE, ClientDisconnected,
-                                                        OpenAIServing, SSEResponse, decoded_token,
-                                                        lp_value, sse)
+                                                        OpenAIServing, SSEResponse, base_request_id,
+                                                        decoded_token, lp_value, record_request_id,
+                                                        sse)
+from pagedllm.entrypoints.openai.output_parser import OutputParser
+from pagedllm.entrypoints.openai.tool_calling import (AUTO_TOOL_CHOICE_FLAGS_MESSAGE, ToolChoice,
+                                                      constrain_to_json, forced_tool_schema,
+                                                      prepare_tool_history,
+                                                      resolve_tool_choice, validate_tools)
 
 logger = logging.getLogger("pagedllm.entrypoints.openai")
 
@@ -47,7 +53,7 @@ def render_chat(serving: OpenAIServing, messages: list[ChatMessageParam], *,
                 tools: Optional[list] = None, documents: Optional[list] = None) -> str:
     """Apply the chat template (request template > server --chat-template > tokenizer's)."""
     tok = serving.tokenizer
-    conv = messages_to_dicts(messages)
+    conv = prepare_tool_history(messages_to_dicts(messages))
     if continue_final_message and (not conv or conv[-1]["role"] != "assistant"):
         raise OpenAIError("continue_final_message is set but the final message is not an "
                           "assistant message.", 400, "messages")
@@ -59,6 +65,9 @@ def render_chat(serving: OpenAIServing, messages: list[ChatMessageParam], *,
     template = chat_template or serving.chat_template
     if template is not None:
         kwargs["chat_template"] = template
+    from pagedllm.engine.chat import map_developer_role
+    tmpl_src = template if template is not None else getattr(tok, "chat_template", None)
+    conv = map_developer_role(conv, tmpl_src if isinstance(tmpl_src, str) else None)
     if tools:
         kwargs["tools"] = tools
     if documents:
@@ -75,8 +84,60 @@ def render_chat(serving: OpenAIServing, messages: list[ChatMessageParam], *,
     return text
 
 
+class ChatToolSetup:
+    """A request's tools (checked), its resolved tool choice and the per-choice parser factory."""
+
+    def __init__(self, serving: "OpenAIServingChat", tools: list[dict[str, Any]],
+                 choice: ToolChoice, parallel: bool, include_reasoning: bool):
+        self.serving = serving
+        self.tools = tools
+        self.choice = choice
+        self.parallel = parallel
+        self.include_reasoning = include_reasoning
+
+    def new_parser(self) -> OutputParser:
+        s = self.serving
+        return OutputParser.for_request(
+            s.tokenizer, self.choice, self.tools,
+            s.tool_parser_cls if s.enable_auto_tools else None, s.reasoning_parser_cls,
+            parallel_tool_calls=self.parallel, include_reasoning=self.include_reasoning)
+
+
 class OpenAIServingChat(OpenAIServing):
+    """Chat completions; ``enable_auto_tools`` / ``tool_parser`` / ``reasoning_parser`` are the
+    ``--enable-auto-tool-choice`` / ``--tool-call-parser`` / ``--reasoning-parser`` settings
+    (parser classes from the tool-parser and reasoning-parser registries, or None)."""
+
     response_role = "assistant"
+
+    def __init__(self, *args: Any, enable_auto_tools: bool = False,
+                 tool_parser: Optional[type] = None, reasoning_parser: Optional[type] = None,
+                 **kwargs: Any):
+        super().__init__(*args, **kwargs)
+        self.enable_auto_tools = bool(enable_auto_tools)
+        self.tool_parser_cls = tool_parser
+        self.reasoning_parser_cls = reasoning_parser
+
+    def setup_tools(self, request: ChatCompletionRequest) -> ChatToolSetup:
+        """Check ``tools`` / ``tool_choice`` (OpenAIError 400 on bad input or "auto" without
+        a parser) and adapt the request to the parser (special tokens kept when its markers
+        are special tokens)."""
+        tools = validate_tools(request.tools) if request.tools else []
+        choice = resolve_tool_choice(request.tool_choice, tools,
+                                     "tool_choice" in request.model_fields_set)
+        if choice.mode == "auto" and not (self.enable_auto_tools and self.tool_parser_cls):
+            raise OpenAIError(AUTO_TOOL_CHOICE_FLAGS_MESSAGE, 400, "tool_choice")
+        if choice.mode == "auto":
+            self.tool_parser_cls(self.tokenizer).adjust_request(request)
+        parallel = request.parallel_tool_calls is not False
+        include_reasoning = getattr(request, "include_reasoning", True) is not False
+        return ChatToolSetup(self, tools, choice, parallel, include_reasoning)
+
+    def constrain_for_tools(self, sp: Any, setup: ChatToolSetup) -> None:
+        """A forced tool choice constrains the output to its JSON schema."""
+        schema = forced_tool_schema(setup.choice, setup.tools, setup.parallel)
+        if schema is not None:
+            constrain_to_json(sp, schema, "tool_choice")
 
     def get_role(self, request: ChatCompletionRequest) -> str:
         if request.add_generation_prompt:
@@ -112,16 +173,18 @@ class OpenAIServingChat(OpenAIServing):
     async def create_chat_completion(self, request: ChatCompletionRequest,
                                      raw_request: Optional[Request] = None) -> Response:
         self.check_model(request.model)
-        request_id = f"chatcmpl-{request.request_id or random_uuid()}"
+        request_id = f"chatcmpl-{base_request_id(raw_request, request.request_id)}"
+        record_request_id(raw_request, request_id)
         created = int(time.time())
         model_name = self.response_model_name(request.model)
+        setup = self.setup_tools(request)
         try:
             prompt_text = render_chat(
                 self, request.messages, add_generation_prompt=request.add_generation_prompt,
                 continue_final_message=request.continue_final_message,
                 chat_template=request.chat_template,
                 chat_template_kwargs=request.chat_template_kwargs,
-                tools=request.tools,
+                tools=setup.tools or None,
                 documents=request.documents)
         except ValueError as e:
             raise value_error_to_openai(e, "messages") from e
@@ -143,6 +206,7 @@ class OpenAIServingChat(OpenAIServing):
                                             self.default_sampling_params)
         except ValueError as e:
             raise value_error_to_openai(e) from e
+        self.constrain_for_tools(sp, setup)
         self.log_request(request_id, prompt_text, ids, sp)
         rids = [request_id]
         try:
@@ -152,14 +216,15 @@ class OpenAIServingChat(OpenAIServing):
             raise value_error_to_openai(e) from e
         if request.stream:
             return SSEResponse(self._stream(request, merged, rids, request_id, created, model_name,
-                                            ids))
+                                            ids, setup=setup))
         try:
             results = await self.collect(merged, raw_request, rids)
         except ClientDisconnected:
             return Response(status_code=499)
         except ValueError as e:
             raise value_error_to_openai(e) from e
-        resp = self._build_response(request, results[0], request_id, created, model_name, ids)
+        resp = self._build_response(request, results[0], request_id, created, model_name, ids,
+                                    setup=setup)
         return JSONResponse(resp.model_dump(mode="json"))
 
     def _echo_text(self, request: ChatCompletionRequest, role: str) -> Optional[str]:
@@ -168,7 +233,8 @@ class OpenAIServingChat(OpenAIServing):
         return None
 
     def _build_response(self, request: ChatCompletionRequest, outs: list[Any], request_id: str,
-                        created: int, model_name: str, prompt_ids: list[int]) -> ChatCompletionResponse:
+                        created: int, model_name: str, prompt_ids: list[int],
+                        setup: Optional[ChatToolSetup] = None) -> ChatCompletionResponse:
         role = self.get_role(request)
         final: dict[int, Any] = {}
         num_cached = 0
@@ -193,9 +259,22 @@ class OpenAIServingChat(OpenAIServing):
                                                 request.top_logprobs, as_tid)
             text = co.text if echo is None else echo + co.text
             num_generated += len(co.token_ids)
+            message = ChatMessage(role=role, content=text)
+            finish_reason = co.finish_reason or "stop"
+            parser = setup.new_parser() if setup is not None else None
+            if parser is not None and parser.active:
+                parsed = parser.parse(co.text)
+                content = parsed.content
+                if echo is not None:
+                    content = echo + (content or "")
+                message = ChatMessage(role=role, content=content,
+                                      reasoning_content=parsed.reasoning,
+                                      reasoning=parsed.reasoning,
+                                      tool_calls=[c.model_dump() for c in parsed.tool_calls])
+                finish_reason = parser.finish_reason(co.finish_reason)
             choices.append(ChatCompletionResponseChoice(
-                index=idx, message=ChatMessage(role=role, content=text), logprobs=logprobs,
-                finish_reason=co.finish_reason or "stop", stop_reason=co.stop_reason,
+                index=idx, message=message, logprobs=logprobs,
+                finish_reason=finish_reason, stop_reason=co.stop_reason,
                 token_ids=list(co.token_ids) if request.return_token_ids else None))
         pt = len(prompt_ids)
         usage = UsageInfo(prompt_tokens=pt, completion_tokens=num_generated,
@@ -212,13 +291,15 @@ class OpenAIServingChat(OpenAIServing):
 
     async def _stream(self, request: ChatCompletionRequest, merged, rids: list[str],
                       request_id: str, created: int, model_name: str,
-                      prompt_ids: list[int]) -> AsyncIterator[str]:
+                      prompt_ids: list[int], setup: Optional[ChatToolSetup] = None
+                      ) -> AsyncIterator[str]:
         n = request.n or 1
+        parsers = [setup.new_parser() if setup is not None else None for _ in range(n)]
         previous_num_tokens = [0] * n
         finish_sent = [False] * n
         so = request.stream_options
-        include_usage = bool(so and so.include_usage)
-        include_continuous = include_usage and bool(so and so.continuous_usage_stats)
+        include_usage = so is not None and so.wants_usage
+        include_continuous = so is not None and so.wants_continuous_usage
         num_prompt_tokens = len(prompt_ids)
         num_cached = 0
         role = self.get_role(request)
@@ -266,9 +347,34 @@ class OpenAIServingChat(OpenAIServing):
                     previous_num_tokens[i] += len(output.token_ids)
                     if output.finish_reason is not None:
                         finish_sent[i] = True
+                    delta = DeltaMessage(content=delta_text)
+                    finish_reason = output.finish_reason
+                    parser = parsers[i]
+                    if parser is not None and parser.active:
+                        pd = parser.feed(delta_text, final=output.finish_reason is not None)
+                        if not pd and output.finish_reason is None and logprobs is None:
+                            continue  # held back (a possible marker): nothing to send yet
+                        if finish_reason is not None:
+                            finish_reason = parser.finish_reason(finish_reason)
+                        # One chunk per tool-call fragment (a call's name, then its arguments,
+                        # as OpenAI streams them); text, logprobs and finish_reason ride on the
+                        # first / last of them.
+                        frags = [[c.to_dict()] for c in pd.tool_calls] or [[]]
+                        for k, frag in enumerate(frags):
+                            last = k == len(frags) - 1
+                            delta = DeltaMessage(
+                                content=(pd.content or None) if k == 0 else None,
+                                reasoning_content=(pd.reasoning or None) if k == 0 else None,
+                                reasoning=(pd.reasoning or None) if k == 0 else None,
+                                tool_calls=frag)
+                            if last:
+                                break
+                            yield sse(chunk_json(ChatCompletionResponseStreamChoice(
+                                index=i, delta=delta, logprobs=None, finish_reason=None),
+                                previous_num_tokens[i]))
                     choice = ChatCompletionResponseStreamChoice(
-                        index=i, delta=DeltaMessage(content=delta_text), logprobs=logprobs,
-                        finish_reason=output.finish_reason,
+                        index=i, delta=delta, logprobs=logprobs,
+                        finish_reason=finish_reason,
                         stop_reason=output.stop_reason if output.finish_reason else None,
                         token_ids=list(output.token_ids) if request.return_token_ids else None)
                     yield sse(chunk_json(choice, previous_num_tokens[i]))

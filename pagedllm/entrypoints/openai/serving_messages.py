@@ -1,0 +1,372 @@
+"""The Anthropic Messages API: ``POST /v1/messages`` and ``POST /v1/messages/count_tokens``.
+
+A request becomes a chat conversation (``system`` first; ``text`` blocks as text, ``tool_use``
+blocks as assistant tool calls, ``tool_result`` blocks as ``tool`` messages), runs through the
+chat path (template, tools, tool choice: ``auto`` / ``any`` = required / ``tool`` = named /
+``none``), and its output becomes ``thinking`` / ``text`` / ``tool_use`` content blocks with
+Anthropic's ``stop_reason`` (end_turn, max_tokens, stop_sequence, tool_use) and usage
+(``input_tokens``, ``output_tokens``, ``cache_read_input_tokens``). Streaming sends
+message_start, content_block_start / content_block_delta (text_delta, input_json_delta,
+thinking_delta) / content_block_stop per block, message_delta and message_stop. Every error
+has Anthropic's body ``{"type": "error", "error": {"type", "message"}}``.
+"""
+from __future__ import annotations
+
+import json
+import logging
+from typing import Any, AsyncIterator, Optional
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, Response
+from pydantic import ValidationError
+
+from pagedllm.entrypoints.openai.errors import OpenAIError, value_error_to_openai
+from pagedllm.entrypoints.openai.output_parser import OutputDelta
+from pagedllm.entrypoints.openai.protocol import ChatCompletionRequest
+from pagedllm.entrypoints.openai.protocol_anthropic import (AnthropicMessagesRequest,
+                                                            anthropic_error_body)
+from pagedllm.entrypoints.openai.protocol_responses import new_id
+from pagedllm.entrypoints.openai.serving_chat import (ChatToolSetup, OpenAIServingChat,
+                                                      render_chat)
+from pagedllm.entrypoints.openai.serving_engine import ClientDisconnected, SSEResponse
+
+logger = logging.getLogger("pagedllm.entrypoints.openai")
+
+
+def _err(message: str, status: int = 400) -> OpenAIError:
+    return OpenAIError(message, status)
+
+
+def _block_text(content: Any, where: str) -> str:
+    """Text of a string or a list of ``text`` blocks."""
+    if isinstance(content, str):
+        return content
+    if not isinstance(content, list):
+        raise _err(f"{where}: expected a string or a list of content blocks")
+    out = []
+    for k, b in enumerate(content):
+        if not isinstance(b, dict) or b.get("type") != "text" or not isinstance(b.get("text"),
+                                                                                 str):
+            btype = b.get("type") if isinstance(b, dict) else type(b).__name__
+            raise _err(f"{where}.{k}: unsupported content block {btype!r} here (text only)")
+        out.append(b["text"])
+    return "\n".join(out)
+
+
+def messages_to_chat(system: Any, messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Anthropic ``system`` + ``messages`` as chat messages.
+
+    Raises:
+        OpenAIError: 400 naming the message/block for a malformed or unsupported block.
+    """
+    out: list[dict[str, Any]] = []
+    if system:
+        out.append({"role": "system", "content": _block_text(system, "system")})
+    for i, m in enumerate(messages):
+        where = f"messages.{i}"
+        role = m.get("role") if isinstance(m, dict) else None
+        if role not in ("user", "assistant"):
+            raise _err(f"{where}.role: must be 'user' or 'assistant', got {role!r}")
+        content = m.get("content")
+        if isinstance(content, str):
+            out.append({"role": role, "content": content})
+            continue
+        if not isinstance(content, list):
+            raise _err(f"{where}.content: expected a string or a list of content blocks")
+        texts: list[str] = []
+        calls: list[dict[str, Any]] = []
+        for k, b in enumerate(content):
+            bw = f"{where}.content.{k}"
+            btype = b.get("type") if isinstance(b, dict) else None
+            if btype == "text" and isinstance(b.get("text"), str):
+                texts.append(b["text"])
+            elif btype == "tool_use" and role == "assistant":
+                if not isinstance(b.get("id"), str) or not isinstance(b.get("name"), str):
+                    raise _err(f"{bw}: a tool_use block needs string `id` and `name`")
+                if not isinstance(b.get("input", {}), dict):
+                    raise _err(f"{bw}.input: must be an object")
+                calls.append({"id": b["id"], "type": "function", "function": {
+                    "name": b["name"], "arguments": json.dumps(b.get("input", {}),
+                                                               ensure_ascii=False)}})
+            elif btype == "tool_result" and role == "user":
+                if not isinstance(b.get("tool_use_id"), str) or not b["tool_use_id"]:
+                    raise _err(f"{bw}: a tool_result block needs a string `tool_use_id`")
+                result = _block_text(b.get("content", ""), f"{bw}.content")
+                out.append({"role": "tool", "tool_call_id": b["tool_use_id"], "content": result})
+            elif btype in ("thinking", "redacted_thinking") and role == "assistant":
+                continue  # earlier reasoning is not replayed to the template
+            else:
+                raise _err(f"{bw}: unsupported content block {btype!r} in a {role} message "
+                           "(supported: text, tool_use in assistant, tool_result in user)")
+        if role == "assistant":
+            msg: dict[str, Any] = {"role": "assistant", "content": "".join(texts) or None}
+            if calls:
+                msg["tool_calls"] = calls
+            out.append(msg)
+        elif texts:
+            out.append({"role": "user", "content": "\n".join(texts)})
+    return out
+
+
+def _chat_tools(tools: Optional[list[dict[str, Any]]]) -> list[dict[str, Any]]:
+    out = []
+    for i, t in enumerate(tools or []):
+        if not isinstance(t, dict) or t.get("type") not in (None, "custom") or "name" not in t:
+            raise _err(f"tools.{i}: only client tools ({{name, description, input_schema}}) "
+                       "are supported")
+        if not isinstance(t.get("input_schema"), dict):
+            raise _err(f"tools.{i}.input_schema: Field required (a JSON schema object)")
+        fn = {"name": t["name"], "parameters": t["input_schema"]}
+        if t.get("description"):
+            fn["description"] = t["description"]
+        out.append({"type": "function", "function": fn})
+    return out
+
+
+def _chat_tool_choice(tc: Optional[dict[str, Any]]) -> tuple[Any, bool]:
+    """(chat tool_choice, parallel calls allowed)."""
+    if tc is None:
+        return "auto", True
+    ttype = tc.get("type") if isinstance(tc, dict) else None
+    parallel = not bool(tc.get("disable_parallel_tool_use")) if isinstance(tc, dict) else True
+    if ttype == "auto":
+        return "auto", parallel
+    if ttype == "any":
+        return "required", parallel
+    if ttype == "none":
+        return "none", parallel
+    if ttype == "tool":
+        if not isinstance(tc.get("name"), str) or not tc["name"]:
+            raise _err("tool_choice.name: Field required for type 'tool'")
+        return {"type": "function", "function": {"name": tc["name"]}}, parallel
+    raise _err(f"tool_choice.type: must be auto, any, tool or none, got {ttype!r}")
+
+
+class AnthropicServingMessages:
+    """The Messages endpoints, running on the chat path of ``chat``."""
+
+    def __init__(self, chat: OpenAIServingChat):
+        self.chat = chat
+
+    async def handle(self, raw_request: Request, count_only: bool = False) -> Response:
+        """Parse and run a request; every error is an Anthropic error body."""
+        try:
+            try:
+                body = await raw_request.json()
+            except (json.JSONDecodeError, UnicodeDecodeError) as e:
+                raise _err(f"Invalid JSON in request body: {e}") from None
+            if not isinstance(body, dict):
+                raise _err("The request body must be a JSON object")
+            if count_only:
+                body.setdefault("max_tokens", 1)
+            try:
+                request = AnthropicMessagesRequest.model_validate(body)
+            except ValidationError as e:
+                msg = "; ".join(".".join(str(x) for x in err.get("loc", ())) + ": "
+                                + str(err.get("msg", "")).removeprefix("Value error, ")
+                                for err in e.errors())
+                raise _err(msg) from None
+            return await self._run(request, raw_request, count_only)
+        except OpenAIError as e:
+            return JSONResponse(anthropic_error_body(e.message, e.status_code),
+                                status_code=e.status_code)
+        except ValueError as e:
+            return JSONResponse(anthropic_error_body(str(e), 400), status_code=400)
+
+    def _prepare(self, request: AnthropicMessagesRequest
+                 ) -> tuple[ChatCompletionRequest, ChatToolSetup, str, list[int]]:
+        chat = self.chat
+        messages = messages_to_chat(request.system, request.messages)
+        body: dict[str, Any] = {
+            "model": request.model, "messages": messages,
+            "max_completion_tokens": request.max_tokens, "temperature": request.temperature,
+            "top_p": request.top_p, "top_k": request.top_k, "stream": bool(request.stream),
+            "stop": request.stop_sequences,
+        }
+        if request.thinking is not None:
+            body["chat_template_kwargs"] = {
+                "enable_thinking": request.thinking.get("type") == "enabled"}
+        if request.tools:
+            tc, parallel = _chat_tool_choice(request.tool_choice)
+            body.update(tools=_chat_tools(request.tools), tool_choice=tc,
+                        parallel_tool_calls=parallel)
+        try:
+            chat_req = ChatCompletionRequest(**{k: v for k, v in body.items() if v is not None})
+        except ValidationError as e:
+            raise _err("; ".join(str(x.get("msg", "")).removeprefix("Value error, ")
+                                 for x in e.errors())) from None
+        setup = chat.setup_tools(chat_req)
+        try:
+            prompt_text = render_chat(chat, chat_req.messages, add_generation_prompt=True,
+                                      continue_final_message=False, chat_template=None,
+                                      chat_template_kwargs=chat_req.chat_template_kwargs,
+                                      tools=setup.tools or None)
+        except ValueError as e:
+            raise value_error_to_openai(e, "messages") from e
+        return chat_req, setup, prompt_text, chat.encode(prompt_text, False)
+
+    async def _run(self, request: AnthropicMessagesRequest, raw_request: Request,
+                   count_only: bool) -> Response:
+        chat = self.chat
+        if request.model not in chat.served_model_names:
+            raise _err(f"model: {request.model!r} not found (served: "
+                       f"{', '.join(chat.served_model_names)})", 404)
+        chat_req, setup, prompt_text, ids = self._prepare(request)
+        if count_only:
+            return JSONResponse({"input_tokens": len(ids)})
+        chat.validate_input(ids, request.max_tokens, prompt_param="messages",
+                            max_tokens_param="max_tokens")
+        try:
+            sp = chat_req.to_sampling_params(chat.max_model_len - len(ids), chat.max_model_len,
+                                             chat.default_sampling_params)
+        except ValueError as e:
+            raise value_error_to_openai(e) from e
+        chat.constrain_for_tools(sp, setup)
+        msg_id = new_id("msg")
+        chat.log_request(msg_id, prompt_text, ids, sp)
+        merged = await chat.start([chat.engine_prompt(ids, prompt_text, None)], [sp], [msg_id],
+                                  prime=bool(request.stream))
+        run = _MessageRun(chat, request, msg_id, setup, len(ids))
+        if request.stream:
+            return SSEResponse(run.stream(merged))
+        try:
+            results = await chat.collect(merged, raw_request, [msg_id])
+        except ClientDisconnected:
+            return Response(status_code=499)
+        return JSONResponse(run.build(results[0]))
+
+
+class _MessageRun:
+    def __init__(self, chat: OpenAIServingChat, request: AnthropicMessagesRequest, msg_id: str,
+                 setup: ChatToolSetup, input_tokens: int):
+        self.chat, self.request, self.msg_id = chat, request, msg_id
+        self.setup, self.input_tokens = setup, input_tokens
+
+    def _stop(self, co: Any, called: bool) -> tuple[str, Optional[str]]:
+        if called:
+            return "tool_use", None
+        if co.finish_reason == "length":
+            return "max_tokens", None
+        if isinstance(co.stop_reason, str):
+            return "stop_sequence", co.stop_reason
+        return "end_turn", None
+
+    def _message(self, content: list, stop: Optional[str], stop_seq: Optional[str],
+                 output_tokens: int, cached: int) -> dict[str, Any]:
+        return {"id": self.msg_id, "type": "message", "role": "assistant",
+                "model": self.request.model, "content": content, "stop_reason": stop,
+                "stop_sequence": stop_seq,
+                "usage": {"input_tokens": self.input_tokens, "output_tokens": output_tokens,
+                          "cache_creation_input_tokens": 0, "cache_read_input_tokens": cached}}
+
+    def build(self, outs: list[Any]) -> dict[str, Any]:
+        co = outs[-1].outputs[0]
+        cached = int(getattr(outs[-1], "num_cached_tokens", 0) or 0)
+        parser = self.setup.new_parser()
+        content: list[dict[str, Any]] = []
+        if parser.active:
+            parsed = parser.parse(co.text)
+            if parsed.reasoning:
+                content.append({"type": "thinking", "thinking": parsed.reasoning,
+                                "signature": ""})
+            if parsed.content:
+                content.append({"type": "text", "text": parsed.content})
+            for c in parsed.tool_calls:
+                content.append({"type": "tool_use", "id": c.id, "name": c.function.name,
+                                "input": json.loads(c.function.arguments or "{}")})
+            called = bool(parsed.tool_calls)
+        else:
+            content.append({"type": "text", "text": co.text})
+            called = False
+        stop, seq = self._stop(co, called)
+        return self._message(content, stop, seq, len(co.token_ids), cached)
+
+    async def stream(self, merged: Any) -> AsyncIterator[str]:
+        chat = self.chat
+        parser = self.setup.new_parser()
+        blocks: list[str] = []  # the type of each block opened so far
+        open_idx: Optional[int] = None
+        call_blocks: dict[int, int] = {}
+        num_tokens, cached, last = 0, 0, None
+        completed = False
+
+        def ev(etype: str, **fields: Any) -> str:
+            data = json.dumps({"type": etype, **fields}, ensure_ascii=False,
+                              separators=(",", ":"))
+            return f"event: {etype}\ndata: {data}\n\n"
+
+        def close() -> list[str]:
+            nonlocal open_idx
+            if open_idx is None:
+                return []
+            evs = []
+            if blocks[open_idx] == "thinking":
+                evs.append(ev("content_block_delta", index=open_idx,
+                              delta={"type": "signature_delta", "signature": ""}))
+            evs.append(ev("content_block_stop", index=open_idx))
+            open_idx = None
+            return evs
+
+        def open_(block: dict[str, Any]) -> list[str]:
+            nonlocal open_idx
+            evs = close()
+            blocks.append(block["type"])
+            open_idx = len(blocks) - 1
+            evs.append(ev("content_block_start", index=open_idx, content_block=block))
+            return evs
+
+        def on_delta(d: OutputDelta) -> list[str]:
+            evs: list[str] = []
+            if d.reasoning:
+                if open_idx is None or blocks[open_idx] != "thinking":
+                    evs += open_({"type": "thinking", "thinking": "", "signature": ""})
+                evs.append(ev("content_block_delta", index=open_idx,
+                              delta={"type": "thinking_delta", "thinking": d.reasoning}))
+            if d.content:
+                if open_idx is None or blocks[open_idx] != "text":
+                    evs += open_({"type": "text", "text": ""})
+                evs.append(ev("content_block_delta", index=open_idx,
+                              delta={"type": "text_delta", "text": d.content}))
+            for tc in d.tool_calls:
+                if tc.id is not None:
+                    evs += open_({"type": "tool_use", "id": tc.id, "name": tc.function.name,
+                                  "input": {}})
+                    call_blocks[tc.index] = open_idx
+                frag = tc.function.arguments if tc.function is not None else None
+                if frag and tc.index in call_blocks:
+                    evs.append(ev("content_block_delta", index=call_blocks[tc.index],
+                                  delta={"type": "input_json_delta", "partial_json": frag}))
+            return evs
+
+        try:
+            yield ev("message_start", message=self._message([], None, None, 0, 0))
+            yield ev("ping")
+            async for _, res in merged:
+                cached = int(getattr(res, "num_cached_tokens", 0) or 0)
+                for co in res.outputs:
+                    num_tokens += len(co.token_ids)
+                    final = co.finish_reason is not None
+                    if final:
+                        last = co
+                    d = parser.feed(co.text, final) if parser.active else OutputDelta(
+                        content=co.text)
+                    for e in on_delta(d):
+                        yield e
+            for e in close():
+                yield e
+            if last is None:  # cut short (server shutdown)
+                stop, seq = "end_turn", None
+            else:
+                stop, seq = self._stop(last, parser.tools_called)
+            yield ev("message_delta", delta={"stop_reason": stop, "stop_sequence": seq},
+                     usage={"output_tokens": num_tokens, "input_tokens": self.input_tokens,
+                            "cache_read_input_tokens": cached})
+            yield ev("message_stop")
+            completed = True
+        except Exception as e:
+            logger.exception("error in messages stream %s", self.msg_id)
+            completed = True
+            msg = e.message if isinstance(e, OpenAIError) else f"{type(e).__name__}: {e}"
+            yield ev("error", error={"type": "api_error", "message": msg})
+        finally:
+            await chat.finish(merged, [self.msg_id], completed)

@@ -1,0 +1,521 @@
+"""The OpenAI Responses API: ``POST /v1/responses``, ``GET`` / ``DELETE /v1/responses/{id}``,
+``POST /v1/responses/{id}/cancel``.
+
+A request becomes a chat conversation (``instructions`` as the system message, ``input`` items:
+messages, ``function_call`` and ``function_call_output`` items; with ``previous_response_id``
+the stored conversation comes first), runs through the chat path (template, tools, tool
+choice, structured ``text.format``) and its output (reasoning, text, tool calls, split by the
+server's parsers) becomes ``reasoning`` / ``message`` / ``function_call`` output items.
+Streaming sends the typed events (``event: <type>`` + ``data: <json>``, numbered by
+``sequence_number``): response.created, response.in_progress, then per item
+output_item.added, its deltas and done events, output_item.done, and finally
+response.completed (response.incomplete at ``max_output_tokens``, response.failed on error).
+``background: true`` returns at once ("queued"); poll with GET, stop with cancel.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+from typing import Any, AsyncIterator, Optional
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, Response
+from pydantic import ValidationError
+
+from pagedllm.entrypoints.openai.errors import OpenAIError, value_error_to_openai
+from pagedllm.entrypoints.openai.output_parser import OutputDelta
+from pagedllm.entrypoints.openai.protocol import ChatCompletionRequest
+from pagedllm.entrypoints.openai.protocol_responses import (
+    ResponsesRequest, function_call_item, message_item, new_id, output_text_part, reasoning_item,
+    response_dict, usage_dict)
+from pagedllm.entrypoints.openai.response_store import ResponseStore, StoredResponse
+from pagedllm.entrypoints.openai.serving_chat import (ChatToolSetup, OpenAIServingChat,
+                                                      render_chat)
+from pagedllm.entrypoints.openai.serving_engine import ClientDisconnected, SSEResponse
+from pagedllm.entrypoints.openai.tool_calling import check_json_schema, constrain_to_json
+
+logger = logging.getLogger("pagedllm.entrypoints.openai")
+
+_TEXT_PART_TYPES = ("input_text", "output_text", "text")
+
+
+def _event(etype: str, seq: int, **fields: Any) -> str:
+    data = json.dumps({"type": etype, "sequence_number": seq, **fields}, ensure_ascii=False,
+                      separators=(",", ":"))
+    return f"event: {etype}\ndata: {data}\n\n"
+
+
+def _text_of(content: Any, where: str) -> str:
+    """The text of a message's ``content`` (a string or a list of text parts)."""
+    if isinstance(content, str):
+        return content
+    if not isinstance(content, list):
+        raise OpenAIError(f"`{where}.content` must be a string or a list of content parts.",
+                          400, "input")
+    texts = []
+    for k, part in enumerate(content):
+        ptype = part.get("type") if isinstance(part, dict) else None
+        if ptype in _TEXT_PART_TYPES and isinstance(part.get("text"), str):
+            texts.append(part["text"])
+        elif ptype == "refusal":
+            texts.append(str(part.get("refusal", "")))
+        else:
+            raise OpenAIError(f"`{where}.content[{k}]`: unsupported content part {ptype!r} "
+                              "(this server accepts text only).", 400, "input")
+    return "\n".join(texts)
+
+
+def items_to_messages(items: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Responses input items as chat messages (``function_call`` items join the assistant
+    turn they follow; ``function_call_output`` items become ``tool`` messages; ``reasoning``
+    items are not replayed to the template).
+
+    Raises:
+        OpenAIError: 400 naming the item for a malformed or unsupported item.
+    """
+    msgs: list[dict[str, Any]] = []
+    for i, item in enumerate(items):
+        where = f"input[{i}]"
+        if not isinstance(item, dict):
+            raise OpenAIError(f"`{where}` must be an object.", 400, "input")
+        itype = item.get("type", "message")
+        if itype == "message":
+            role = item.get("role")
+            if role not in ("user", "assistant", "system", "developer"):
+                raise OpenAIError(f"`{where}.role` must be user, assistant, system or developer, "
+                                  f"got {role!r}.", 400, "input")
+            if "content" not in item:
+                raise OpenAIError(f"`{where}` has no `content`.", 400, "input")
+            msgs.append({"role": role, "content": _text_of(item["content"], where)})
+        elif itype == "function_call":
+            for key in ("call_id", "name", "arguments"):
+                if not isinstance(item.get(key), str) or (key != "arguments" and not item[key]):
+                    raise OpenAIError(f"`{where}` (function_call) needs a string `{key}`.", 400,
+                                      "input")
+            call = {"id": item["call_id"], "type": "function",
+                    "function": {"name": item["name"], "arguments": item["arguments"]}}
+            last = msgs[-1] if msgs else None
+            if last is not None and last["role"] == "assistant" and last.get("_calls_turn"):
+                last["tool_calls"].append(call)
+            else:
+                msgs.append({"role": "assistant", "content": None, "tool_calls": [call],
+                             "_calls_turn": True})
+        elif itype == "function_call_output":
+            if not isinstance(item.get("call_id"), str) or not item["call_id"]:
+                raise OpenAIError(f"`{where}` (function_call_output) needs a string `call_id`.",
+                                  400, "input")
+            if "output" not in item:
+                raise OpenAIError(f"`{where}` (function_call_output) needs an `output`.", 400,
+                                  "input")
+            out = item["output"]
+            msgs.append({"role": "tool", "tool_call_id": item["call_id"],
+                         "content": out if isinstance(out, str) else _text_of(out, where)})
+        elif itype == "reasoning":
+            continue
+        else:
+            raise OpenAIError(f"`{where}`: unsupported item type {itype!r} (supported: message, "
+                              "function_call, function_call_output, reasoning).", 400, "input")
+    for m in msgs:
+        m.pop("_calls_turn", None)
+    return msgs
+
+
+def responses_tools_to_chat(tools: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Responses function tools (flat) as Chat Completions tools."""
+    out = []
+    for i, t in enumerate(tools):
+        if not isinstance(t, dict) or t.get("type") != "function":
+            raise OpenAIError(f"`tools[{i}]`: only function tools are supported, got "
+                              f"{t.get('type') if isinstance(t, dict) else t!r}.", 400, "tools")
+        fn = {k: t[k] for k in ("name", "description", "parameters") if t.get(k) is not None}
+        out.append({"type": "function", "function": fn})
+    return out
+
+
+def responses_tool_choice_to_chat(tc: Any) -> Any:
+    if isinstance(tc, str):
+        return tc
+    if isinstance(tc, dict) and tc.get("type") == "function":
+        if not isinstance(tc.get("name"), str):
+            raise OpenAIError('Invalid `tool_choice`: a function choice is {"type": "function", '
+                              '"name": "my_function"}.', 400, "tool_choice")
+        return {"type": "function", "function": {"name": tc["name"]}}
+    raise OpenAIError(f"`tool_choice` {tc!r} is not supported (none, auto, required or a "
+                      "function).", 400, "tool_choice")
+
+
+class OpenAIServingResponses:
+    """The Responses endpoints, running on the chat path of ``chat``."""
+
+    def __init__(self, chat: OpenAIServingChat, store: ResponseStore):
+        self.chat = chat
+        self.store = store
+
+    # ---- request -> chat -------------------------------------------------------------------
+    def _conversation(self, request: ResponsesRequest) -> list[dict[str, Any]]:
+        items: list[dict[str, Any]] = []
+        if request.previous_response_id:
+            prev = self.store.get(request.previous_response_id)
+            if prev is None:
+                raise OpenAIError(f"Previous response with id '{request.previous_response_id}' "
+                                  "not found.", 404, "previous_response_id")
+            if prev.running:
+                raise OpenAIError("The previous response is still in progress.", 400,
+                                  "previous_response_id")
+            items = list(prev.input_items) + list(prev.response.get("output") or [])
+        new = ([{"type": "message", "role": "user", "content": request.input}]
+               if isinstance(request.input, str) else list(request.input))
+        return items + new
+
+    def _chat_request(self, request: ResponsesRequest, messages: list[dict[str, Any]]
+                      ) -> ChatCompletionRequest:
+        body: dict[str, Any] = {
+            "model": request.model, "messages": messages,
+            "max_completion_tokens": request.max_output_tokens,
+            "temperature": request.temperature, "top_p": request.top_p,
+            "stream": bool(request.stream), "parallel_tool_calls": request.parallel_tool_calls,
+            "seed": request.seed, "top_k": request.top_k, "min_p": request.min_p,
+            "repetition_penalty": request.repetition_penalty, "stop": request.stop,
+            "cache_salt": request.cache_salt,
+        }
+        if request.top_logprobs:
+            body.update(logprobs=True, top_logprobs=request.top_logprobs)
+        kwargs = dict(request.chat_template_kwargs or {})
+        effort = (request.reasoning or {}).get("effort")
+        if effort is not None:
+            kwargs.setdefault("reasoning_effort", effort)
+        if kwargs:
+            body["chat_template_kwargs"] = kwargs
+        if request.tools:
+            body["tools"] = responses_tools_to_chat(request.tools)
+            body["tool_choice"] = responses_tool_choice_to_chat(request.tool_choice)
+        try:
+            return ChatCompletionRequest(**{k: v for k, v in body.items() if v is not None})
+        except ValidationError as e:
+            msg = "; ".join(str(err.get("msg", "")).removeprefix("Value error, ")
+                            for err in e.errors())
+            raise OpenAIError(msg or "invalid request", 400, None) from None
+
+    def _apply_text_format(self, sp: Any, request: ResponsesRequest) -> None:
+        fmt = (request.text or {}).get("format") or {"type": "text"}
+        ftype = fmt.get("type") if isinstance(fmt, dict) else None
+        if ftype == "text":
+            return
+        if ftype == "json_schema":
+            schema = fmt.get("schema")
+            check_json_schema(schema, "text.format.schema", "text")
+            constrain_to_json(sp, schema, "text")
+        elif ftype == "json_object":
+            constrain_to_json(sp, None, "text", json_object=True)
+        else:
+            raise OpenAIError(f"`text.format.type` {ftype!r} is not supported (text, json_schema, "
+                              "json_object).", 400, "text")
+
+    # ---- POST /v1/responses ----------------------------------------------------------------
+    async def create_response(self, request: ResponsesRequest,
+                              raw_request: Optional[Request] = None) -> Response:
+        chat = self.chat
+        chat.check_model(request.model)
+        if request.background and not self.store.enabled:
+            raise OpenAIError("`background` needs the response store, which is off "
+                              "(--responses-store-size 0).", 400, "background")
+        response_id = f"resp_{request.request_id or new_id('x')[2:]}"
+        model_name = chat.response_model_name(request.model)
+        items = self._conversation(request)
+        messages = items_to_messages(items)
+        if request.instructions:
+            messages.insert(0, {"role": "system", "content": request.instructions})
+        if not messages:
+            raise OpenAIError("`input` must not be empty.", 400, "input")
+        chat_req = self._chat_request(request, messages)
+        setup = chat.setup_tools(chat_req)
+        try:
+            prompt_text = render_chat(chat, chat_req.messages, add_generation_prompt=True,
+                                      continue_final_message=False, chat_template=None,
+                                      chat_template_kwargs=chat_req.chat_template_kwargs,
+                                      tools=setup.tools or None)
+        except ValueError as e:
+            raise value_error_to_openai(e, "input") from e
+        ids = chat.encode(prompt_text, False)
+        chat.validate_input(ids, request.max_output_tokens, prompt_param="input",
+                            max_tokens_param="max_output_tokens")
+        try:
+            sp = chat_req.to_sampling_params(chat.max_model_len - len(ids), chat.max_model_len,
+                                             chat.default_sampling_params)
+        except ValueError as e:
+            raise value_error_to_openai(e) from e
+        chat.constrain_for_tools(sp, setup)
+        if not setup.choice.forced:
+            self._apply_text_format(sp, request)
+        chat.log_request(response_id, prompt_text, ids, sp)
+        created = int(time.time())
+        ctx = _Run(self, request, response_id, model_name, created, setup, ids, items)
+        prompt = chat.engine_prompt(ids, prompt_text, request.cache_salt)
+        if request.background:
+            return await ctx.start_background(prompt, sp)
+        try:
+            merged = await chat.start([prompt], [sp], [response_id], prime=bool(request.stream))
+        except ValueError as e:
+            raise value_error_to_openai(e) from e
+        if request.stream:
+            return SSEResponse(ctx.stream(merged))
+        try:
+            results = await chat.collect(merged, raw_request, [response_id])
+        except ClientDisconnected:
+            return Response(status_code=499)
+        except ValueError as e:
+            raise value_error_to_openai(e) from e
+        resp = ctx.build(results[0])
+        ctx.save(resp)
+        return JSONResponse(resp)
+
+    # ---- GET / DELETE / cancel -------------------------------------------------------------
+    def _get(self, response_id: str) -> StoredResponse:
+        entry = self.store.get(response_id)
+        if entry is None:
+            raise OpenAIError(f"Response with id '{response_id}' not found.", 404, "response_id")
+        return entry
+
+    def retrieve(self, response_id: str) -> Response:
+        return JSONResponse(self._get(response_id).response)
+
+    def delete(self, response_id: str) -> Response:
+        entry = self._get(response_id)
+        if entry.running and entry.task is not None:
+            entry.task.cancel()
+        self.store.delete(response_id)
+        return JSONResponse({"id": response_id, "object": "response.deleted", "deleted": True})
+
+    async def cancel(self, response_id: str) -> Response:
+        entry = self._get(response_id)
+        if not entry.response.get("background"):
+            raise OpenAIError("Only background responses can be cancelled.", 400, "response_id")
+        if entry.running and entry.task is not None:
+            entry.task.cancel()
+            await asyncio.gather(entry.task, return_exceptions=True)
+        elif entry.response.get("status") != "cancelled":
+            raise OpenAIError(f"Cannot cancel a response with status "
+                              f"'{entry.response.get('status')}'.", 400, "response_id")
+        return JSONResponse(entry.response)
+
+    async def abort_all(self) -> None:
+        for entry in self.store.running():
+            if entry.task is not None:
+                entry.task.cancel()
+
+
+class _Run:
+    """One Responses request being answered: output items, events, storing."""
+
+    def __init__(self, serving: OpenAIServingResponses, request: ResponsesRequest,
+                 response_id: str, model: str, created: int, setup: ChatToolSetup,
+                 prompt_ids: list[int], items: list[dict[str, Any]]):
+        self.serving, self.request, self.response_id = serving, request, response_id
+        self.model, self.created, self.setup = model, created, setup
+        self.prompt_ids, self.items = prompt_ids, items
+
+    def _usage(self, output_tokens: int, cached: int, reasoning: Optional[str]) -> dict:
+        rt = len(self.serving.chat.encode(reasoning, False)) if reasoning else 0
+        return usage_dict(len(self.prompt_ids), output_tokens, cached, min(rt, output_tokens))
+
+    def response(self, status: str, output: list, usage: Optional[dict] = None,
+                 incomplete: Optional[str] = None, error: Optional[dict] = None) -> dict:
+        return response_dict(self.request, self.response_id, self.model, self.created, status,
+                             output, usage, incomplete, error)
+
+    def build(self, outs: list[Any]) -> dict[str, Any]:
+        """The finished response from the engine's final outputs."""
+        co = outs[-1].outputs[0]
+        cached = int(getattr(outs[-1], "num_cached_tokens", 0) or 0)
+        parser = self.setup.new_parser()
+        parsed = parser.parse(co.text) if parser.active else None
+        reasoning = parsed.reasoning if parsed else None
+        content = parsed.content if parsed else co.text
+        output: list[dict[str, Any]] = []
+        if reasoning:
+            output.append(reasoning_item(new_id("rs"), reasoning))
+        truncated = co.finish_reason == "length"
+        if content or not (parsed and parsed.tool_calls):
+            output.append(message_item(new_id("msg"), content or "",
+                                       "incomplete" if truncated else "completed"))
+        for c in (parsed.tool_calls if parsed else []):
+            output.append(function_call_item(new_id("fc"), c.id, c.function.name,
+                                             c.function.arguments))
+        usage = self._usage(len(co.token_ids), cached, reasoning)
+        if truncated:
+            return self.response("incomplete", output, usage, "max_output_tokens")
+        return self.response("completed", output, usage)
+
+    def save(self, resp: dict[str, Any], task: Any = None) -> bool:
+        if self.request.store is False:
+            return False
+        return self.serving.store.put(self.response_id,
+                                      StoredResponse(resp, list(self.items), task))
+
+    # ---- background --------------------------------------------------------------------
+    async def start_background(self, prompt: dict, sp: Any) -> Response:
+        chat = self.serving.chat
+        queued = self.response("queued", [])
+        entry = StoredResponse(queued, list(self.items))
+        if not self.serving.store.put(self.response_id, entry):
+            raise OpenAIError("The response store is full of running background responses.",
+                              503, "background")
+        try:
+            merged = await chat.start([prompt], [sp], [self.response_id], prime=False)
+        except ValueError as e:
+            self.serving.store.delete(self.response_id)
+            raise value_error_to_openai(e) from e
+
+        async def run() -> None:
+            entry.response = self.response("in_progress", [])
+            try:
+                results = await chat.collect(merged, None, [self.response_id])
+                entry.response = self.build(results[0])
+            except asyncio.CancelledError:
+                entry.response = self.response("cancelled", [])
+            except OpenAIError as e:
+                entry.response = self.response("failed", [], error={
+                    "code": "server_error", "message": e.message})
+            except Exception as e:  # never lose the record of a failed background response
+                logger.exception("background response %s failed", self.response_id)
+                entry.response = self.response("failed", [], error={
+                    "code": "server_error", "message": f"{type(e).__name__}: {e}"})
+            finally:
+                entry.task = None
+
+        entry.task = asyncio.ensure_future(run())
+        return JSONResponse(queued)
+
+    # ---- streaming ---------------------------------------------------------------------
+    async def stream(self, merged: Any) -> AsyncIterator[str]:
+        chat = self.serving.chat
+        seq = 0
+        parser = self.setup.new_parser()
+        output: list[dict[str, Any]] = []
+        open_item: Optional[dict[str, Any]] = None  # the item receiving deltas
+        call_items: dict[int, dict[str, Any]] = {}
+        reasoning_text = ""
+        num_tokens, cached, finish = 0, 0, None
+        completed = False
+
+        def ev(etype: str, **fields: Any) -> str:
+            nonlocal seq
+            seq += 1
+            return _event(etype, seq - 1, **fields)
+
+        def close() -> list[str]:
+            nonlocal open_item
+            item, open_item = open_item, None
+            if item is None:
+                return []
+            idx = output.index(item)
+            evs = []
+            if item["type"] == "reasoning":
+                text = item["content"][0]["text"]
+                evs.append(ev("response.reasoning_text.done", item_id=item["id"],
+                              output_index=idx, content_index=0, text=text))
+            elif item["type"] == "message":
+                part = item["content"][0]
+                evs.append(ev("response.output_text.done", item_id=item["id"], output_index=idx,
+                              content_index=0, text=part["text"], logprobs=[]))
+                evs.append(ev("response.content_part.done", item_id=item["id"],
+                              output_index=idx, content_index=0, part=part))
+            else:
+                evs.append(ev("response.function_call_arguments.done", item_id=item["id"],
+                              output_index=idx, arguments=item["arguments"], name=item["name"]))
+            item["status"] = "incomplete" if finish == "length" and item["type"] == "message" \
+                else "completed"
+            evs.append(ev("response.output_item.done", output_index=idx, item=item))
+            return evs
+
+        def open_(item: dict[str, Any]) -> list[str]:
+            nonlocal open_item
+            evs = close()
+            output.append(item)
+            open_item = item
+            idx = len(output) - 1
+            added = dict(item, status="in_progress")
+            if item["type"] == "message":
+                added["content"] = []
+            elif item["type"] == "reasoning":
+                added["content"] = []
+            evs.append(ev("response.output_item.added", output_index=idx, item=added))
+            if item["type"] == "message":
+                evs.append(ev("response.content_part.added", item_id=item["id"], output_index=idx,
+                              content_index=0, part=output_text_part("")))
+            return evs
+
+        def on_delta(d: Any) -> list[str]:
+            nonlocal reasoning_text
+            evs: list[str] = []
+            if d.reasoning:
+                if open_item is None or open_item["type"] != "reasoning":
+                    evs += open_(reasoning_item(new_id("rs"), ""))
+                open_item["content"][0]["text"] += d.reasoning
+                reasoning_text += d.reasoning
+                evs.append(ev("response.reasoning_text.delta", item_id=open_item["id"],
+                              output_index=len(output) - 1, content_index=0, delta=d.reasoning))
+            if d.content:
+                if open_item is None or open_item["type"] != "message":
+                    evs += open_(message_item(new_id("msg"), ""))
+                    open_item["content"] = [output_text_part("")]
+                open_item["content"][0]["text"] += d.content
+                evs.append(ev("response.output_text.delta", item_id=open_item["id"],
+                              output_index=len(output) - 1, content_index=0, delta=d.content,
+                              logprobs=[]))
+            for tc in d.tool_calls:
+                if tc.id is not None:
+                    item = function_call_item(new_id("fc"), tc.id, tc.function.name, "")
+                    call_items[tc.index] = item
+                    evs += open_(item)
+                frag = tc.function.arguments if tc.function is not None else None
+                item = call_items.get(tc.index)
+                if frag and item is not None:
+                    item["arguments"] += frag
+                    evs.append(ev("response.function_call_arguments.delta", item_id=item["id"],
+                                  output_index=output.index(item), delta=frag))
+            return evs
+
+        try:
+            start = self.response("in_progress", [])
+            yield ev("response.created", response=start)
+            yield ev("response.in_progress", response=start)
+            async for _, res in merged:
+                cached = int(getattr(res, "num_cached_tokens", 0) or 0)
+                for co in res.outputs:
+                    num_tokens += len(co.token_ids)
+                    final = co.finish_reason is not None
+                    if final:
+                        finish = co.finish_reason
+                    d = (parser.feed(co.text, final) if parser.active
+                         else OutputDelta(content=co.text))
+                    for e in on_delta(d):
+                        yield e
+            if not output:  # an empty answer is still one (empty) message
+                for e in open_(message_item(new_id("msg"), "")):
+                    yield e
+                open_item["content"] = [output_text_part("")]
+            for e in close():
+                yield e
+            usage = self._usage(num_tokens, cached, reasoning_text or None)
+            if merged._stopping or finish is None:
+                resp = self.response("incomplete", output, usage, "cancelled")
+                yield ev("response.incomplete", response=resp)
+            elif finish == "length":
+                resp = self.response("incomplete", output, usage, "max_output_tokens")
+                yield ev("response.incomplete", response=resp)
+            else:
+                resp = self.response("completed", output, usage)
+                yield ev("response.completed", response=resp)
+            completed = True
+            self.save(resp)
+        except Exception as e:
+            logger.exception("error in responses stream %s", self.response_id)
+            completed = True
+            msg = e.message if isinstance(e, OpenAIError) else f"{type(e).__name__}: {e}"
+            yield ev("response.failed", response=self.response(
+                "failed", output, error={"code": "server_error", "message": msg}))
+        finally:
+            await chat.finish(merged, [self.response_id], completed)
