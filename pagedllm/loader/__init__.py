@@ -68,7 +68,7 @@ def load_model(
     dtype: torch.dtype = torch.float32,
     tokenizer: str | None = None,
     ignore_patterns: list[str] | None = None,
-    quantization: str | None = None,
+    quantization: str | None = "none",
     load_tokenizer: bool = True,
 ) -> LoadedModel:
     """Resolve `model` (known name, .gguf path or HF directory) and load its config and tokenizer; weights are
@@ -77,7 +77,10 @@ def load_model(
     dtype: floating dtype of the yielded weights (GGUF tensors are dequantized to float32 first).
     tokenizer: optional tokenizer source (HF directory / name or .gguf file) overriding the model's own.
     ignore_patterns: fnmatch patterns of safetensors file names to skip (HF directories only).
-    quantization: the `--quantization` value (None: the checkpoint's own format); see `loader.quant_config`.
+    quantization: the `--quantization` value, see `loader.quant_config`: None = the checkpoint's own format (what
+        the engine passes when the flag is unset: GGUF blocks kept quantized, GPTQ, ...); the default "none" gives
+        float weights (GGUF dequantized by `weights()`; an HF quantized checkpoint's config with
+        `dequantize_after_load`).
     load_tokenizer: False leaves `tokenizer` None (a tensor/pipeline-parallel rank that never detokenizes).
     Raises ValueError for unknown names, unsupported GGUF architectures, HF directories lacking config.json /
     safetensors, or a quantization the checkpoint cannot load with.
