@@ -182,3 +182,29 @@ def test_native_blocks_same_greedy_tokens_and_memory(which, smollm2_path, gemma3
     assert ref_llm.llm_engine.core.loaded.quant_config is None
     want = _greedy(ref_llm, prompts, 16)
     assert got == want
+
+
+def test_block_type_without_kernel_is_dequantized_with_a_log_line(caplog):
+    """IQ4_NL has no mapping: the layer loads as float32 (gguf-py's values) and the log names it."""
+    import logging
+
+    from pagedllm.models.layers import Linear
+    from pagedllm.quantization.gguf import GGUFConfig
+
+    rows, k = 8, 64
+    qt = GGMLQuantizationType.IQ4_NL
+    block, size = GGML_QUANT_SIZES[qt]
+    rng = np.random.default_rng(0)
+    b = rng.integers(0, 256, size=(rows * k // block, size), dtype=np.uint8)
+    b[:, :2] = (rng.standard_normal(b.shape[0]) * 0.01).astype(np.float16).view(np.uint8).reshape(-1, 2)
+    raw = GGUFRawTensor(b.reshape(rows, -1), qt, (rows, k), "blk.0.ffn_down.weight")
+    lin = Linear(k, rows, bias=False)
+    method = GGUFConfig({}).get_quant_method(lin, "model.layers.0.mlp.down_proj")
+    lin.quant_method = method
+    method.create_weights(lin, prefix="model.layers.0.mlp.down_proj", params_dtype=torch.float32)
+    lin.weight.weight_loader(lin.weight, raw)
+    with caplog.at_level(logging.WARNING, logger="pagedllm"):
+        method.process_weights_after_loading(lin)
+    assert lin.quant_method is None and lin.weight.dtype == torch.float32
+    assert torch.equal(lin.weight, torch.from_numpy(gguf_dequantize(raw.data, qt)).reshape(rows, k))
+    assert "blk.0.ffn_down.weight" in caplog.text and "IQ4_NL" in caplog.text
