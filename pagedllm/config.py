@@ -10,6 +10,11 @@ from typing import Any, Optional
 # we take an explicit byte budget (--kv-cache-memory) and default to 2 GiB.
 DEFAULT_CPU_KV_CACHE_BYTES = 2 * 1024**3
 
+#: ``--quantization`` values: re-quantize float weights at load (int8, int4, w8a8), a checkpoint
+#: format (gguf, gptq, awq, compressed-tensors, fp8: the default is the checkpoint's own), or
+#: "none" (dequantize a quantized checkpoint at load). ``pagedllm.quantization`` registers them.
+QUANTIZATION_CHOICES = ("int8", "int4", "w8a8", "gguf", "gptq", "awq", "compressed-tensors", "fp8", "none")
+
 _SIZE_UNITS = {
     "": 1, "b": 1,
     "k": 1000, "kb": 1000, "m": 1000**2, "mb": 1000**2, "g": 1000**3, "gb": 1000**3,
@@ -123,10 +128,12 @@ class EngineArgs:
         hf_overrides: a dict (or JSON object string) merged into the model's HF config after
             loading, before the model is built (vLLM ``--hf-overrides``; e.g.
             ``{"is_matryoshka": true}``), or a callable taking and returning the config.
-        quantization: quantization of the linear layers and LM head after loading: None,
-            "int8" (weight-only, per-channel symmetric), "int4" (weight-only, group-wise, group
-            32) or "w8a8" (int8 per-channel weights and dynamic per-token int8 activations);
-            CPU only (see pagedllm.quantization and docs/performance.md "Low-bit weights").
+        quantization: None (default): a quantized checkpoint runs in its own format (GGUF
+            blocks, GPTQ, AWQ, compressed-tensors, FP8; README "Quantization"), a float one in
+            ``dtype``; "int8" (weight-only, per-channel symmetric), "int4" (weight-only, group-wise,
+            group 32) or "w8a8" (int8 per-channel weights and dynamic per-token int8 activations)
+            re-quantize float weights after loading (CPU only); "none" dequantizes a quantized
+            checkpoint at load; a format name must match the checkpoint's (``QUANTIZATION_CHOICES``).
         revision: Hugging Face Hub revision (branch, tag or commit) of a Hub model id.
         tokenizer_revision: Hub revision of ``tokenizer`` when it is a Hub id.
         download_dir: HF cache directory for Hub downloads (default: HF_HUB_CACHE / HF_HOME).

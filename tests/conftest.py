@@ -48,10 +48,12 @@ def hf_gemma3(gemma3_path):
 
 @pytest.fixture(scope="session")
 def smollm2_llm():
-    """A float32 SmolLM2 LLM shared by the real-model engine tests."""
+    """A float32 SmolLM2 LLM shared by the real-model engine tests: the Q4_1 file dequantized at load
+    (``quantization="none"``), the same float32 weights transformers uses (the default, native
+    blocks, is covered by tests/quantization/test_gguf_blocks.py)."""
     from pagedllm import LLM
     return LLM("SmolLM2-135M-Instruct", dtype="float32", kv_cache_memory=256 * 1024**2,
-               max_num_batched_tokens=512, seed=0)
+               max_num_batched_tokens=512, seed=0, quantization="none")
 
 
 def make_tiny_llama(tie: bool, dtype: torch.dtype = torch.float32, std: float = 0.02):

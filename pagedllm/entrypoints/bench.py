@@ -11,6 +11,8 @@ import statistics
 import time
 from typing import Any, Optional
 
+from pagedllm.config import QUANTIZATION_CHOICES
+
 # A fixed bank of plain English sentences; prompts are drawn from it with a seeded RNG.
 _SENTENCES = [
     "The history of the printing press begins in the fifteenth century, when movable type changed how books were made.",
@@ -117,7 +119,7 @@ def _common(p: argparse.ArgumentParser) -> None:
 
     p.add_argument("model", nargs="?", default="SmolLM2-135M-Instruct")
     p.add_argument("--dtype", default="auto")
-    p.add_argument("--quantization", default=None, choices=["int8", "int4", "w8a8"],
+    p.add_argument("--quantization", default=None, choices=list(QUANTIZATION_CHOICES),
                    help="int8/int4: weight-only; w8a8: int8 weights and dynamic per-token int8 activations")
     p.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8", "fp8_e4m3", "fp8_e5m2"],
                    help="KV cache storage (fp8: 8-bit floats, CPU only)")

@@ -5,6 +5,8 @@ import argparse
 import sys
 from typing import Optional
 
+from pagedllm.config import QUANTIZATION_CHOICES
+
 
 def _add_bench_parsers(sub: argparse._SubParsersAction) -> None:
     from pagedllm.entrypoints import bench
@@ -36,7 +38,7 @@ def build_parser() -> argparse.ArgumentParser:
     cp.add_argument("--temperature", type=float, default=0.0)
     cp.add_argument("--chat", action="store_true", help="wrap the prompt as a user chat message")
     cp.add_argument("--dtype", default="auto")
-    cp.add_argument("--quantization", "-q", default=None, choices=["int8", "int4", "w8a8"])
+    cp.add_argument("--quantization", "-q", default=None, choices=list(QUANTIZATION_CHOICES))
     cp.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8", "fp8_e4m3", "fp8_e5m2"])
     cp.add_argument("--num-threads", type=int, default=None)
     _add_bench_parsers(sub)

@@ -60,18 +60,19 @@ def _cache_dir() -> str:
     return os.path.join(base, "kernels")
 
 
-def _module_name() -> str:
+def _module_name(srcs: Optional[list[str]] = None, prefix: str = "pagedllm_cpu_ops") -> str:
     import torch
 
     h = hashlib.sha256()
-    for src in _SRCS + [os.path.join(os.path.dirname(_SRCS[0]), "cpu_utils.h")]:
+    srcs = _SRCS if srcs is None else srcs
+    for src in srcs + [os.path.join(os.path.dirname(srcs[0]), "cpu_utils.h")]:
         with open(src, "rb") as f:
             h.update(f.read())
     h.update(torch.__version__.encode())
     h.update(" ".join(_CFLAGS).encode())
     h.update(sys.version.encode())
     h.update(_cpu_model().encode())  # -march=native code is only valid on this CPU model
-    return f"pagedllm_cpu_ops_{h.hexdigest()[:16]}"
+    return f"{prefix}_{h.hexdigest()[:16]}"
 
 
 def _cpu_model() -> str:
@@ -94,13 +95,13 @@ def _import_so(name: str, path: str) -> Any:
     return mod
 
 
-def _build(name: str, so_path: str) -> Any:
+def _build(name: str, so_path: str, srcs: Optional[list[str]] = None) -> Any:
     from torch.utils.cpp_extension import load
 
     logger.info("pagedllm: compiling the C++ CPU kernels (first run only, about a minute)")
     t0 = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="pagedllm-build-") as tmp:
-        mod = load(name=name, sources=_SRCS, build_directory=tmp, extra_cflags=_CFLAGS,
+        mod = load(name=name, sources=_SRCS if srcs is None else srcs, build_directory=tmp, extra_cflags=_CFLAGS,
                    extra_ldflags=["-fopenmp"], verbose=False)
         os.makedirs(os.path.dirname(so_path), exist_ok=True)
         staged = f"{so_path}.{os.getpid()}.tmp"
@@ -202,3 +203,44 @@ def get_ops() -> Optional[Any]:
             logger.warning("pagedllm: C++ CPU kernels unavailable (%s); using the torch path", e)
             _ops = None
         return _ops
+
+
+# ----------------------------------------------------------------------------- quantized-weight GEMMs
+# A second, small extension module (``csrc/group_gemm.cpp``): the GEMM on group-quantized weights
+# kept in their checkpoint's precision (GGUF blocks, GPTQ/AWQ, compressed-tensors, FP8; see
+# ``pagedllm.quantization.group_quant``). NOTE: its own module so that it builds in seconds and
+# changing it does not rebuild the kernels above.
+_QUANT_SRCS = [os.path.join(os.path.dirname(__file__), "csrc", "group_gemm.cpp")]
+_quant_ops: Any = None
+_quant_tried = False
+
+
+def get_quant_ops() -> Optional[Any]:
+    """The compiled ``group_gemm`` extension (``group_gemm``, ``group_dequantize``,
+    ``group_gemm_avx2``), or None when disabled (``PAGEDLLM_CPU_KERNELS=0``) or it failed to build
+    (callers then use the torch path)."""
+    global _quant_ops, _quant_tried
+    if _quant_tried:
+        return _quant_ops
+    with _lock:
+        if _quant_tried:
+            return _quant_ops
+        _quant_tried = True
+        if os.environ.get("PAGEDLLM_CPU_KERNELS", "1") == "0":
+            return None
+        try:
+            import torch  # noqa: F401
+
+            name = _module_name(_QUANT_SRCS, "pagedllm_quant_ops")
+            so_path = os.path.join(_cache_dir(), name + ".so")
+            if os.path.exists(so_path):
+                try:
+                    _quant_ops = _import_so(name, so_path)
+                    return _quant_ops
+                except ImportError as e:
+                    logger.warning("pagedllm: cached kernel %s unusable (%s); rebuilding", so_path, e)
+            _quant_ops = _build(name, so_path, _QUANT_SRCS)
+        except Exception as e:
+            logger.warning("pagedllm: quantized-weight C++ kernels unavailable (%s); using the torch path", e)
+            _quant_ops = None
+        return _quant_ops

@@ -51,6 +51,10 @@ class LoadedModel:
     load_format: the weights' format: "safetensors", "pt", "gguf" or "dummy" (no weights: the engine fills
         the parameters with small random values, vLLM's dummy format).
     repo_id: the Hugging Face Hub repo the model came from, or None.
+    quant_config: the `pagedllm.quantization` config the weights load with (`loader.quant_config`), or None
+        for float weights. With one, `weights()` yields what its methods take: GGUF blocks as
+        `GGUFRawTensor`s (GGUFConfig), HF tensors in their checkpoint dtype (no float cast). Setting it to
+        None on a GGUF model before `weights()` is called dequantizes at load instead.
     """
 
     hf_config: Any
@@ -61,6 +65,7 @@ class LoadedModel:
     generation_config: dict = field(default_factory=dict)
     load_format: str = "safetensors"
     repo_id: str | None = None
+    quant_config: Any = None
 
 
 def _no_weights() -> Iterator[tuple[str, torch.Tensor]]:
@@ -81,6 +86,7 @@ def load_model(
     dtype: torch.dtype = torch.float32,
     tokenizer: str | None = None,
     ignore_patterns: list[str] | None = None,
+    quantization: str | None = "none",
     load_tokenizer: bool = True,
     *,
     revision: str | None = None,
@@ -104,14 +110,20 @@ def load_model(
         applied to the checkpoint's full config (for a multimodal one, before its text config is taken).
     hf_config_path: an HF config directory or Hub id to use instead of the model's own config (e.g. for a GGUF
         file, whose metadata otherwise gives the config).
+    quantization: the `--quantization` value, see `loader.quant_config`: None = the checkpoint's own format (what
+        the engine passes when the flag is unset: GGUF blocks kept quantized, GPTQ, ...); the default "none" gives
+        float weights (GGUF dequantized by `weights()`; an HF quantized checkpoint's config with
+        `dequantize_after_load`).
     Raises ValueError for unknown names or Hub ids, missing files, unsupported GGUF architectures, a
-    `load_format` the files do not match, or a config that needs custom code.
+    `load_format` the files do not match, a config that needs custom code, or a quantization the checkpoint
+    cannot load with.
     """
     want_tokenizer = load_tokenizer  # NOTE: before the import below rebinds the name
     from pagedllm.config import apply_hf_overrides
 
     from .hf_loader import load_hf_config
     from .hub import LOAD_FORMATS, parse_model_ref, resolve_hub_model
+    from .quant_config import resolve_quant_config
     from .tokenizer import load_tokenizer
 
     if load_format not in LOAD_FORMATS:
@@ -135,17 +147,22 @@ def load_model(
             raise ValueError(f"load_format='gguf' needs a .gguf file; {path!r} is a directory")
         fmt, files = hf_weight_files(path, ignore_patterns, load_format)
         config = load_hf_config(cfg_src or path, hf_overrides)
+        quant = resolve_quant_config("hf", config, quantization)
         tok = load_tokenizer(tok_src or path) if want_tokenizer else None
         reader = {"safetensors": iter_safetensors_weights, "pt": iter_pt_weights}.get(fmt)
+        # NOTE: a quantized checkpoint's tensors keep their dtype (fp16 scales, fp8 weights): the
+        # model's parameters cast the float ones, the methods convert the rest.
+        wdtype = dtype if quant is None or quant.on_the_fly else None
         return LoadedModel(
             hf_config=config,
-            weights=(lambda: reader(files, dtype)) if reader else _no_weights,
+            weights=(lambda: reader(files, wdtype)) if reader else _no_weights,
             tokenizer=tok,
             model_path=path,
             source="hf",
             generation_config=load_generation_config(path),
             load_format=fmt,
             repo_id=repo_id,
+            quant_config=quant,
         )
 
     from .gguf_file import GGUFFile
@@ -155,15 +172,18 @@ def load_model(
         raise ValueError(f"load_format={load_format!r} needs an HF model directory; {path!r} is a GGUF file")
     gf = GGUFFile(path)
     config = load_hf_config(cfg_src, hf_overrides) if cfg_src else apply_hf_overrides(gguf_config(gf), hf_overrides)
-    tok = load_tokenizer(tok_src or path) if want_tokenizer else None
     dummy = load_format == "dummy"
-    return LoadedModel(
-        hf_config=config,
-        weights=_no_weights if dummy else (lambda: iter_gguf_weights(gf, config, dtype)),
-        tokenizer=tok,
-        model_path=path,
-        source="gguf",
-        generation_config={},
-        load_format="dummy" if dummy else "gguf",
-        repo_id=repo_id,
-    )
+    quant = None if dummy else resolve_quant_config("gguf", config, quantization, gguf_file=gf)
+    tok = load_tokenizer(tok_src or path) if want_tokenizer else None
+    lm = LoadedModel(hf_config=config, weights=_no_weights, tokenizer=tok, model_path=path, source="gguf",
+                     generation_config={}, load_format="dummy" if dummy else "gguf", repo_id=repo_id,
+                     quant_config=quant)
+
+    def weights():
+        # NOTE: read at iteration time: a caller may drop quant_config to dequantize at load instead
+        q = lm.quant_config
+        return iter_gguf_weights(gf, config, dtype, keep_quantized=q is not None and not q.on_the_fly)
+
+    if not dummy:
+        lm.weights = weights
+    return lm

@@ -139,6 +139,15 @@ class GGUFFile:
         rows = info.n_elements // info.shape[-1] if info.shape else 1
         return arr.reshape(rows, info.nbytes // rows)
 
+    def drop_pages(self) -> None:
+        """Drop the file's pages from this process's resident set (`madvise(MADV_DONTNEED)`; the mapping
+        stays valid and reads fault them back in from the page cache). Called once the weights are loaded:
+        they live in the model's own tensors then."""
+        try:
+            self._mm.madvise(mmap.MADV_DONTNEED)
+        except (AttributeError, OSError, ValueError):  # no madvise on this platform, or closed
+            pass
+
     def close(self) -> None:
         # NOTE: numpy views may still reference the mmap; closing then raises BufferError, so leave it to GC.
         try:

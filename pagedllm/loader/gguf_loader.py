@@ -327,17 +327,25 @@ def gguf_config(f: GGUFFile) -> TextConfig:
     return cfg
 
 
-def iter_gguf_weights(f: GGUFFile, config, dtype: torch.dtype = torch.float32) -> Iterator[tuple[str, torch.Tensor]]:
+def iter_gguf_weights(f: GGUFFile, config, dtype: torch.dtype = torch.float32,
+                      keep_quantized: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield (HF name, tensor) for every GGUF tensor that has an HF counterpart, in file order, one at a time.
 
     Each tensor is dequantized (`dequantize_tensor`; float32 when a fix-up follows), fixed up per architecture (llama
     Q/K un-permute, gemma3 norm - 1), then converted to `dtype`; shape is the HF shape (`[out, in]` for linear
     weights, `[vocab, hidden]` for embeddings, `[n]` for norms). `lm_head.weight` is yielded only if the file has
     `output.weight` (otherwise embeddings are tied). Raises NotImplementedError for a quant type gguf-py cannot
-    dequantize."""
+    dequantize.
+
+    keep_quantized: yield every block-quantized tensor as a `pagedllm.quantization.gguf.GGUFRawTensor` (its
+    blocks, rows un-permuted for llama q/k: a block never spans rows) for `GGUFConfig`'s methods to repack.
+    When the iteration ends the file's pages are dropped from this process (`GGUFFile.drop_pages`), so the
+    mapped file does not stay resident beside the model."""
     arch = f.architecture
     n_head = config.num_attention_heads
     n_kv = config.num_key_value_heads
+    if keep_quantized:
+        from pagedllm.quantization.gguf import GGUFRawTensor, is_block_type
     for name in f.tensors:
         experts = _EXPERTS.match(name)
         if experts:  # stacked [E, out, in] -> one HF tensor per expert
@@ -351,8 +359,15 @@ def iter_gguf_weights(f: GGUFFile, config, dtype: torch.dtype = torch.float32) -
             if name not in _IGNORED:
                 logger.warning("GGUF tensor %s has no HF name for arch %s; skipped", name, arch)
             continue
-        fix = (arch in _PERMUTED_QK and (".attn_q." in name or ".attn_k." in name)) or (
-            arch in _NORM_PLUS_ONE and name.endswith("norm.weight"))
+        permute = arch in _PERMUTED_QK and (".attn_q." in name or ".attn_k." in name)
+        info = f.tensors[name]
+        if keep_quantized and is_block_type(info.ggml_type):
+            raw = f.raw(name)
+            if permute:
+                raw = _unpermute(torch.from_numpy(raw.copy()), n_head if ".attn_q." in name else n_kv).numpy()
+            yield target, GGUFRawTensor(raw, info.ggml_type, info.shape, name)
+            continue
+        fix = permute or (arch in _NORM_PLUS_ONE and name.endswith("norm.weight"))
         # NOTE: fix-ups run in float32 before the cast, as transformers does (norm - 1 in bf16 would round).
         t = dequantize_tensor(f, name, torch.float32 if fix else dtype)
         if fix:
@@ -364,3 +379,4 @@ def iter_gguf_weights(f: GGUFFile, config, dtype: torch.dtype = torch.float32) -
         if name.endswith("ffn_gate_inp_shexp.weight") and t.dim() == 1:
             t = t.unsqueeze(0)  # llama.cpp stores the [1, H] shared-expert gate as [H]
         yield target, t
+    f.drop_pages()

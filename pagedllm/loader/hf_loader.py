@@ -53,15 +53,15 @@ def pt_files(path: str, ignore_patterns: list[str] | None = None) -> list[str]:
     return [f for f in files if not any(fnmatch.fnmatch(os.path.basename(f), p) for p in pats)]
 
 
-def iter_pt_weights(files: list[str], dtype: torch.dtype = torch.float32) -> Iterator[tuple[str, torch.Tensor]]:
+def iter_pt_weights(files: list[str], dtype: torch.dtype | None = torch.float32) -> Iterator[tuple[str, torch.Tensor]]:
     """Like `iter_safetensors_weights` for PyTorch checkpoints (`torch.load(weights_only=True, mmap=True)`:
-    no pickled code runs)."""
+    no pickled code runs); `dtype=None` converts nothing."""
     from tqdm import tqdm
 
     for fname in tqdm(files, desc="Loading pt checkpoint shards", unit="shard", disable=not files):
         state = torch.load(fname, map_location="cpu", weights_only=True, mmap=True)
         for name, t in state.items():
-            if t.is_floating_point() and t.dtype != dtype:
+            if dtype is not None and t.is_floating_point() and t.dtype != dtype:
                 t = t.to(dtype)
             yield name, t
 
@@ -160,10 +160,10 @@ def load_generation_config(path: str) -> dict:
         return json.load(fh)
 
 
-def iter_safetensors_weights(files: list[str], dtype: torch.dtype = torch.float32) -> Iterator[tuple[str, torch.Tensor]]:
+def iter_safetensors_weights(files: list[str], dtype: torch.dtype | None = torch.float32) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield (name, tensor) for every tensor in `files`, one at a time, floating tensors converted to `dtype`
-    (integer / bool tensors, e.g. quantization metadata, are yielded unchanged). Names are the checkpoint's own
-    (HF names, e.g. "model.layers.0.self_attn.q_proj.weight")."""
+    (integer / bool tensors, e.g. quantization metadata, are yielded unchanged; with `dtype=None` nothing is
+    converted). Names are the checkpoint's own (HF names, e.g. "model.layers.0.self_attn.q_proj.weight")."""
     from safetensors import safe_open
     from tqdm import tqdm
 
@@ -171,7 +171,7 @@ def iter_safetensors_weights(files: list[str], dtype: torch.dtype = torch.float3
         with safe_open(fname, framework="pt") as fh:
             for name in fh.keys():
                 t = fh.get_tensor(name)
-                if t.is_floating_point() and t.dtype != dtype:
+                if dtype is not None and t.is_floating_point() and t.dtype != dtype:
                     t = t.to(dtype)
                 yield name, t
 

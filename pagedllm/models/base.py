@@ -59,9 +59,15 @@ class CausalLM(nn.Module):
         return self.model(input_ids, positions)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """hidden ``[N, hidden]`` -> float32 logits ``[N, vocab]`` (final soft-cap if configured)."""
+        """hidden ``[N, hidden]`` -> float32 logits ``[N, vocab]`` (final soft-cap if configured).
+
+        A ``quantized_lm_head`` (a ``Linear`` with a quantization method, set by
+        ``pagedllm.quantization`` for tied embeddings) takes precedence over the float table."""
         packed = getattr(self, "_packed_head", None)  # tied head packed by prepack_cpu_linears
-        if packed is not None and hidden.dtype == torch.bfloat16 and hidden.device.type == "cpu":
+        qhead = getattr(self, "quantized_lm_head", None)
+        if qhead is not None:
+            logits = qhead(hidden).float()
+        elif packed is not None and hidden.dtype == torch.bfloat16 and hidden.device.type == "cpu":
             logits = torch.ops.mkldnn._linear_pointwise(hidden, packed, None, "none", [None], "").float()
         elif self.lm_head is not None:
             logits = self.lm_head(hidden).float()
@@ -136,7 +142,7 @@ class CausalLM(nn.Module):
                 continue
             with torch.no_grad():
                 if shard is not None:
-                    param.weight_loader(param, tensor.to(param.dtype), shard)
+                    param.weight_loader(param, _cast(tensor, param), shard)
                     shards.setdefault(name, set()).add(shard)
                     if set(param.shard_ids) <= shards[name]:
                         loaded.add(name)
@@ -144,7 +150,9 @@ class CausalLM(nn.Module):
                     param.whole_loader(param, tensor.to(param.dtype))
                     loaded.add(name)
                 elif getattr(param, "weight_loader", None) is not None:
-                    param.weight_loader(param, tensor.to(param.dtype))  # e.g. a tensor-parallel slice
+                    # NOTE: a quantization method's parameter (its loader checks and converts), or a
+                    # tensor-parallel slice
+                    param.weight_loader(param, _cast(tensor, param))
                     loaded.add(name)
                 else:
                     if tensor.shape != param.shape:
@@ -154,7 +162,15 @@ class CausalLM(nn.Module):
                     loaded.add(name)
         if unexpected:
             raise ValueError(f"unexpected checkpoint tensors: {sorted(unexpected)}")
-        missing = sorted(set(params) - loaded)
+        missing = sorted(n for n in set(params) - loaded if not getattr(params[n], "optional", False))
         if missing:
             raise ValueError(f"parameters missing from the checkpoint: {missing}")
         return loaded
+
+
+def _cast(tensor, param: torch.Tensor):
+    """A floating checkpoint tensor in ``param``'s dtype; anything else (integer codes, a
+    quantization method's raw blocks) unchanged."""
+    if isinstance(tensor, torch.Tensor) and tensor.is_floating_point() and param.is_floating_point():
+        return tensor.to(param.dtype)
+    return tensor

@@ -8,8 +8,8 @@ one C++ loop, calling the same kernels and operators in the same order on the sa
 the module path, so the output is bit-identical (``tests/kernels/test_fused_decode.py``); the GIL
 stays released for the whole forward.
 
-Two kinds of models qualify: W8A8 (every projection a packed ``W8A8Linear``, the norms feeding
-them quantizing, ``int8_gemm_packed``) and float ones (every projection a plain ``Linear``: bf16
+Two kinds of models qualify: W8A8 (every projection a ``Linear`` whose ``W8A8LinearMethod`` holds
+packed weights, the norms feeding them quantizing, ``int8_gemm_packed``) and float ones (every projection a plain ``Linear`` with no quantization method: bf16
 with oneDNN-packed weights as ``prepack_cpu_linears`` leaves them, or float32). Also required:
 CPU, float32 or bfloat16 activations, SiLU MLP, Llama-style norms (no q/k norm, no soft cap), a
 decode-only step (one query token per request; W8A8: at most ``PACKED_GEMM_MAX_M`` requests), and
@@ -37,10 +37,12 @@ def fused_decode_enabled() -> bool:
 
 
 def _linear_tensors(lin, with_bias: bool) -> Optional[list[torch.Tensor]]:
-    """A packed ``W8A8Linear``'s operands (packed weights, comp, scales[, bias or empty]), or None."""
-    from pagedllm.quantization.w8a8 import W8A8Linear
+    """A packed W8A8 layer's operands (packed weights, comp, scales[, bias or empty]), or None."""
+    from pagedllm.quantization.w8a8 import W8A8LinearMethod
 
-    if not isinstance(lin, W8A8Linear) or lin.weight_packed is None or lin.out_dtype is not None:
+    qm = getattr(lin, "quant_method", None)
+    if (not isinstance(qm, W8A8LinearMethod) or qm.out_dtype is not None or qm.static
+            or getattr(lin, "weight_packed", None) is None):
         return None
     out = [lin.weight_packed, lin.weight_comp, lin.w_scales]
     if with_bias:
@@ -54,7 +56,7 @@ def _dense_tensors(lin, dtype: torch.dtype) -> Optional[tuple[list[torch.Tensor]
     """A plain ``Linear``'s ``([weight, bias or empty], packed)`` in ``dtype``, or None."""
     from pagedllm.models.layers import Linear
 
-    if not isinstance(lin, Linear) or type(lin).forward is not Linear.forward:
+    if not isinstance(lin, Linear) or type(lin).forward is not Linear.forward or lin.quant_method is not None:
         return None
     packed = lin._packed is not None
     w = lin._packed if packed else lin.weight
@@ -110,12 +112,13 @@ class FusedDecode:
         norm = getattr(model, "norm", None)
         if getattr(model, "disable_fused_decode", False):  # NOTE: set by tensor/pipeline sharding
             return None
-        if not layers or not isinstance(norm, RMSNorm) or norm.gemma or norm.quantize_output:
+        if not layers or not isinstance(norm, RMSNorm) or norm.gemma or getattr(norm, "quantize_output", False):
             return None
         # NOTE: the kind is read off the first projection before the C++ kernels are asked for:
         # a model they cannot run (CUDA, weight-only int8/int4) must not trigger their build.
         qkv0 = getattr(getattr(layers[0], "self_attn", None), "qkv_proj", None)
-        w0 = (qkv0._packed if qkv0._packed is not None else qkv0.weight) if isinstance(qkv0, Linear) else None
+        w0 = ((qkv0._packed if qkv0._packed is not None else qkv0.weight)
+              if isinstance(qkv0, Linear) and qkv0.quant_method is None else None)
         if _linear_tensors(qkv0, True) is not None:
             kind, dtype = "w8a8", None
         elif (w0 is not None and qkv0.weight.device.type == "cpu"
@@ -138,7 +141,8 @@ class FusedDecode:
             if attn is None or mlp is None or not isinstance(n1, RMSNorm) or not isinstance(n2, RMSNorm):
                 return None
             quantized = kind == "w8a8"  # the norms feeding W8A8 projections emit int8 rows
-            if (n1.gemma or n2.gemma or n1.quantize_output != quantized or n2.quantize_output != quantized
+            q1, q2 = getattr(n1, "quantize_output", False), getattr(n2, "quantize_output", False)
+            if (n1.gemma or n2.gemma or q1 != quantized or q2 != quantized
                     or n1.eps != eps or n2.eps != eps or type(layer).forward is not _llama_layer_forward()):
                 return None
             if (attn.q_norm is not None or attn.rotary[0] is not rotary or attn.attn.logits_soft_cap is not None

@@ -29,14 +29,26 @@ class Linear(nn.Linear):
     After ``prepack_cpu_linears`` a bf16 CPU layer holds its weight only in oneDNN's blocked
     layout (``_packed``) and runs ``mkldnn._linear_pointwise``: bit-identical to ``F.linear`` and
     20-40% faster at decode batch sizes on this CPU (docs/performance.md).
+
+    ``quant_method``: the quantization hook. None (the default) runs the float ``weight``; a
+    ``pagedllm.quantization`` linear method, attached from outside the model, owns the layer's
+    weight parameters and runs ``quant_method.apply(self, x, self.bias)`` instead.
     """
 
     _packed: Optional[torch.Tensor] = None
+    quant_method = None
 
     def reset_parameters(self) -> None:  # NOTE: skipping init saves seconds on big models
         pass
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        qm = self.quant_method
+        if qm is not None:
+            return qm.apply(self, x, self.bias)
+        return self.forward_unquantized(x)
+
+    def forward_unquantized(self, x: torch.Tensor) -> torch.Tensor:
+        """``x [..., K] -> [..., N]`` with the float weight (oneDNN-packed when prepacked)."""
         p = self._packed
         if p is not None and x.dtype == torch.bfloat16 and x.device.type == "cpu":
             return torch.ops.mkldnn._linear_pointwise(x, p, self.bias, "none", [None], "")
@@ -66,7 +78,7 @@ def prepack_cpu_linears(model: nn.Module, pack_head: bool = True) -> int:
     """
     extra = 0
     for m in model.modules():
-        if isinstance(m, Linear) and m._packed is None:
+        if isinstance(m, Linear) and m._packed is None and m.quant_method is None:
             packed = pack_bf16_weight(m.weight)
             if packed is None:
                 continue
@@ -84,10 +96,22 @@ def prepack_cpu_linears(model: nn.Module, pack_head: bool = True) -> int:
 
 
 class Embedding(nn.Embedding):
-    """``nn.Embedding`` without random init."""
+    """``nn.Embedding`` without random init.
+
+    ``quant_method``: None (a float table) or a ``pagedllm.quantization`` embedding method that
+    keeps the table quantized and dequantizes the looked-up rows (``quant_method.embedding``).
+    """
+
+    quant_method = None
 
     def reset_parameters(self) -> None:
         pass
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        qm = self.quant_method
+        if qm is not None:
+            return qm.embedding(self, ids)
+        return F.embedding(ids, self.weight)
 
 
 class PackedLinear(Linear):
@@ -133,16 +157,12 @@ class RMSNorm(nn.Module):
 
     ``gemma=False`` (Llama/Qwen): ``w * normed.to(x.dtype)``; weight starts at 1.
     ``gemma=True``: ``(normed * (1 + w.float())).to(x.dtype)``; weight starts at 0.
-
-    ``quantize_output`` (set by W8A8 quantization when this norm feeds a ``W8A8Linear``): the
-    output is a ``QuantizedActivation`` computed in one fused pass (``rms_norm_quant``).
     """
 
     def __init__(self, dim: int, eps: float = 1e-6, gemma: bool = False) -> None:
         super().__init__()
         self.eps, self.gemma = eps, gemma
         self.weight = nn.Parameter(torch.zeros(dim) if gemma else torch.ones(dim))
-        self.quantize_output = False
         self._eff_weight: Optional[torch.Tensor] = None
         self._weight_key: Optional[tuple] = None
 
@@ -159,16 +179,10 @@ class RMSNorm(nn.Module):
         normalized and ``(out, x + residual)`` is returned (vLLM's fused add + norm).
 
         On CPU with the C++ kernels (2-D contiguous float32/bfloat16 input) this is one pass and
-        the residual tensor is updated in place; with ``quantize_output`` ``out`` is a W8A8
-        ``QuantizedActivation``.
+        the residual tensor is updated in place.
         """
         if x.dim() == 2 and x.device.type == "cpu" and x.dtype in (torch.float32, torch.bfloat16):
             if residual is None or (residual.dtype == x.dtype and residual.is_contiguous()):
-                if self.quantize_output:
-                    from pagedllm.quantization.w8a8 import rms_norm_quant
-
-                    out = rms_norm_quant(x.contiguous(), residual, self._effective_weight(), self.eps)
-                    return out if residual is None else (out, residual)
                 ops = get_ops()
                 if ops is not None and hasattr(ops, "rms_norm"):
                     out = ops.rms_norm(x.contiguous(), residual, self._effective_weight(), self.eps)
@@ -333,10 +347,13 @@ class GatedMLP(nn.Module):
         self.act = ACTIVATIONS[act]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """x ``[T, hidden]`` (or a W8A8 ``QuantizedActivation``) -> ``[T, hidden]``."""
-        fused = getattr(self.gate_up_proj, "forward_silu_mul_quant", None)
-        if fused is not None and self.act is F.silu and self.gate_up_proj.bias is None:
-            return self.down_proj(fused(x))  # W8A8: silu(gate) * up quantized in one pass
+        """x ``[T, hidden]`` (or what the gate/up projection's quantization method takes) -> ``[T, hidden]``."""
+        qm = self.gate_up_proj.quant_method
+        if qm is not None:
+            # NOTE: a method may compute act(gate) * up in its own form (W8A8: int8 rows for down_proj)
+            h = qm.apply_act_and_mul(self.gate_up_proj, x, self.act)
+            if h is not None:
+                return self.down_proj(h)
         gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
         return self.down_proj(self.act(gate) * up)
 

@@ -86,9 +86,10 @@ class LlamaModel(nn.Module):
         """The ``FusedDecode`` plan of this model, or None; rebuilt when quantization or
         prepacking has swapped the projections' weights since it was last built."""
         qkv = self.layers[0].self_attn.qkv_proj if len(self.layers) else None
-        key = (qkv, getattr(qkv, "_packed", None))  # NOTE: prepacking swaps a Linear's weight in place
+        # NOTE: prepacking swaps a Linear's weight in place, quantization sets its method
+        key = (qkv, getattr(qkv, "_packed", None), getattr(qkv, "quant_method", None))
         old = self._fused[0]
-        if old is None or old[0] is not key[0] or old[1] is not key[1]:
+        if old is None or any(a is not b for a, b in zip(old, key)):
             from pagedllm.models.fused_decode import FusedDecode
 
             self._fused = (key, FusedDecode.build(self))

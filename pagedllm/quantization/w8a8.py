@@ -1,6 +1,7 @@
 """W8A8 int8 quantization: int8 weights and int8 activations with a dynamic scale per token (CPU).
 
-``--quantization w8a8`` swaps every linear projection (and the LM head) for a ``W8A8Linear``:
+``--quantization w8a8`` gives every linear projection (and the LM head) a ``W8A8LinearMethod``
+(compressed-tensors ``int-quantized`` checkpoints load their int8 weights into the same method):
 
 * weights: symmetric per output channel, ``w ~= q_w[N, K] * s_w[N]`` (quantized once at load);
 * activations: symmetric per row (token), ``x ~= q_x[M, K] * s_x[M]``, computed every call from
@@ -20,10 +21,11 @@ the bytes (docs/performance.md "W8A8").
 Fusions, when the C++ kernels are available (``pagedllm.kernels.cpu_ops``; each has the torch
 reference below, which is also the fallback):
 
-* ``RMSNorm`` before a W8A8 projection quantizes its output directly (``rms_norm_quant``), with
-  the residual add folded in where the model allows it;
+* an ``RMSNorm`` whose output feeds a W8A8 projection (a decoder layer's ``norm_feeds``) is
+  given a quantizing subclass from outside (``W8A8Config.process_model``) that quantizes its
+  output directly (``rms_norm_quant``), with the residual add folded in;
 * a SiLU-gated MLP turns the gate/up accumulators into the quantized input of ``down_proj`` in
-  one pass (``dequant_silu_mul_quant``).
+  one pass (``dequant_silu_mul_quant``, ``W8A8LinearMethod.apply_act_and_mul``).
 """
 from __future__ import annotations
 
@@ -35,7 +37,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from pagedllm.kernels.cpu_ops import get_ops
-from pagedllm.quantization.weight_only import quantize_int8
+from pagedllm.quantization.base import LinearMethodBase, QuantizationConfig, register_quantization_config
+from pagedllm.quantization.weight_only import _param, _standalone, quantize_int8
 
 
 #: Largest number of rows run by the packed VNNI kernel; larger GEMMs run ``torch._int_mm``. The
@@ -171,95 +174,200 @@ def rms_norm_quant(x: torch.Tensor, residual: Optional[torch.Tensor], weight: to
     return QuantizedActivation(q, s, x.dtype)
 
 
-class W8A8Linear(nn.Module):
-    """A linear layer with int8 per-channel weights and dynamic per-token int8 activations.
+def quantize_rows_static(x: torch.Tensor, scale: torch.Tensor) -> QuantizedActivation:
+    """``x [M, K]`` quantized with one fixed scale (a checkpoint's static per-tensor
+    ``input_scale``): ``q = clamp(round(x / scale), -127, 127)``, every row's scale = ``scale``."""
+    s = scale.float().reshape(())
+    q = torch.round(x.float() / s).clamp_(-127, 127).to(torch.int8)
+    return QuantizedActivation(q, s.expand(x.shape[0]).contiguous(), x.dtype)
 
-    ``forward(x)``: ``x`` is a float ``[..., K]`` tensor (quantized here) or a
+
+def int8_weight(layer: nn.Module) -> torch.Tensor:
+    """A W8A8 layer's int8 weight ``[N, K]`` (unpacked into a new tensor when stored packed)."""
+    if layer.weight_int8 is not None:
+        return layer.weight_int8
+    return unpack_int8_weight(layer.weight_packed, layer.out_features, layer.in_features)
+
+
+def install_int8_weight(layer: nn.Module, q: torch.Tensor, scales: torch.Tensor) -> None:
+    """Give ``layer`` W8A8 operands from int8 ``q [N, K]`` and float32 per-channel ``scales [N]``.
+
+    One copy of the weights: in the VNNI kernel's layout when it is built (GEMMs of more than
+    PACKED_GEMM_MAX_M rows unpack it for torch._int_mm, ~1% of such a GEMM's time), else as
+    ``weight_int8 [N, K]`` for torch._int_mm. The float ``weight`` becomes an empty tensor."""
+    layer.w_scales = _param(scales.float().contiguous())
+    ops = _ops()
+    if (PACKED_GEMM_MAX_M > 0 and ops is not None and hasattr(ops, "int8_gemm_supported")
+            and ops.int8_gemm_supported() and q.device.type == "cpu"):
+        packed, comp = pack_int8_weight(q)
+        layer.weight_int8 = None
+        layer.weight_packed = _param(packed)
+        layer.weight_comp = _param(comp)
+    else:
+        layer.weight_int8 = _param(q)
+        layer.weight_packed = layer.weight_comp = None
+    w = layer.weight
+    layer.weight = _param(torch.empty(0, dtype=w.dtype if w.is_floating_point() else torch.float32,
+                                      device=w.device))
+
+
+class W8A8LinearMethod(LinearMethodBase):
+    """int8 per-channel weights and int8 activations: dynamic per-token scales (default) or one
+    static per-tensor ``input_scale`` (set on the layer by a checkpoint).
+
+    ``apply(layer, x)``: ``x`` is a float ``[..., K]`` tensor (quantized here) or a
     ``QuantizedActivation`` (already quantized by a fused producer); returns ``[..., N]`` in
     ``out_dtype``, or the activation's float dtype when that is None.
 
-    Attributes:
-        weight_packed, weight_comp: the int8 weights packed for ``int8_gemm_packed``
-            (``pack_int8_weight``) when the VNNI kernel is built, else None;
-        weight_int8: int8 ``[N, K]`` when not packed, else None (``int8_weight()`` gives it
-            either way); w_scales: float32 ``[N]``; bias: ``[N]`` or None;
+    Layer attributes after processing (``install_int8_weight``): ``weight_packed``,
+    ``weight_comp`` (the packed VNNI operands, or None), ``weight_int8`` (int8 ``[N, K]`` when not
+    packed, else None), ``w_scales`` float32 ``[N]``; ``input_scale`` float32 scalar (static only).
+
+    Args:
         out_dtype: fixed output dtype (float32 for the LM head) or None.
+        static: activations use the layer's ``input_scale`` instead of per-token scales.
     """
 
-    def __init__(self, weight: torch.Tensor, bias: Optional[torch.Tensor] = None,
-                 out_dtype: Optional[torch.dtype] = None) -> None:
-        super().__init__()
-        self.out_dtype = out_dtype
-        n, k = weight.shape
-        self.in_features, self.out_features = k, n
-        q, s = quantize_int8(weight)  # per output channel, the same weights as weight-only int8
-        self.w_scales = nn.Parameter(s, requires_grad=False)
-        self.bias = None if bias is None else nn.Parameter(bias.detach().clone(), requires_grad=False)
-        # One copy of the weights: in the VNNI kernel's layout when it is built (GEMMs of more
-        # than PACKED_GEMM_MAX_M rows unpack it for torch._int_mm, ~1% of such a GEMM's time),
-        # else as [N, K] for torch._int_mm.
-        ops = _ops()
-        if (PACKED_GEMM_MAX_M > 0 and ops is not None and hasattr(ops, "int8_gemm_supported")
-                and ops.int8_gemm_supported() and q.device.type == "cpu"):
-            packed, comp = pack_int8_weight(q)
-            self.weight_int8 = None
-            self.weight_packed = nn.Parameter(packed, requires_grad=False)
-            self.weight_comp = nn.Parameter(comp, requires_grad=False)
-        else:
-            self.weight_int8 = nn.Parameter(q, requires_grad=False)
-            self.weight_packed = self.weight_comp = None
+    def __init__(self, out_dtype: Optional[torch.dtype] = None, static: bool = False) -> None:
+        self.out_dtype, self.static = out_dtype, static
 
-    def int8_weight(self) -> torch.Tensor:
-        """The int8 weight ``[N, K]`` (unpacked into a new tensor when stored packed)."""
-        if self.weight_int8 is not None:
-            return self.weight_int8
-        return unpack_int8_weight(self.weight_packed, self.out_features, self.in_features)
+    def process_weights_after_loading(self, layer):
+        """Quantize the float ``weight`` (``--quantization w8a8``)."""
+        q, s = quantize_int8(layer.weight)  # per output channel, the same weights as weight-only int8
+        install_int8_weight(layer, q, s)
 
-    def matmul_int32(self, qa: QuantizedActivation) -> torch.Tensor:
+    def dequantize(self, layer):
+        return int8_weight(layer).float() * layer.w_scales[:, None]
+
+    def _quantize_input(self, layer, x2: torch.Tensor) -> QuantizedActivation:
+        if self.static:
+            return quantize_rows_static(x2, layer.input_scale)
+        return quantize_rows(x2)
+
+    def matmul_int32(self, layer, qa: QuantizedActivation) -> torch.Tensor:
         """int32 accumulators ``[M, N]`` of ``qa.q @ weight.T`` (exact integer arithmetic)."""
         ops = _ops()
-        if self.weight_packed is not None and ops is not None and qa.q.shape[0] <= PACKED_GEMM_MAX_M:
-            return ops.int8_gemm_packed(qa.q.contiguous(), self.weight_packed, self.weight_comp,
-                                        self.out_features)
+        if layer.weight_packed is not None and ops is not None and qa.q.shape[0] <= PACKED_GEMM_MAX_M:
+            return ops.int8_gemm_packed(qa.q.contiguous(), layer.weight_packed, layer.weight_comp,
+                                        layer.out_features)
         # NOTE: the transposed view of the [N, K] weight is what oneDNN runs fastest at small M.
-        return torch._int_mm(qa.q, self.int8_weight().t())
+        return torch._int_mm(qa.q, int8_weight(layer).t())
 
-    def forward(self, x) -> torch.Tensor:
+    def apply(self, layer, x, bias=None):
         if isinstance(x, QuantizedActivation):
             qa, lead = x, None
         else:
             lead = x.shape[:-1]
-            qa = quantize_rows(x.reshape(-1, self.in_features))
+            qa = self._quantize_input(layer, x.reshape(-1, layer.in_features))
         ops = _ops()
         dtype = self.out_dtype or qa.dtype
-        if (ops is not None and self.weight_packed is not None and qa.q.shape[0] <= PACKED_GEMM_MAX_M
+        if (ops is not None and layer.weight_packed is not None and qa.q.shape[0] <= PACKED_GEMM_MAX_M
                 and dtype in (torch.float32, torch.bfloat16)):
             # the packed GEMM with the dequantization as its epilogue (bit-identical to the
             # two-step path below, without the int32 [M, N] round trip)
-            y = ops.int8_gemm_packed_dequant(qa.q.contiguous(), self.weight_packed, self.weight_comp,
-                                             self.out_features, qa.scale, self.w_scales, self.bias, dtype)
-            return y if lead is None else y.reshape(*lead, self.out_features)
-        acc = self.matmul_int32(qa)
+            y = ops.int8_gemm_packed_dequant(qa.q.contiguous(), layer.weight_packed, layer.weight_comp,
+                                             layer.out_features, qa.scale, layer.w_scales, bias, dtype)
+            return y if lead is None else y.reshape(*lead, layer.out_features)
+        acc = self.matmul_int32(layer, qa)
         if ops is not None and dtype in (torch.float32, torch.bfloat16):
-            y = ops.dequant_int32(acc, qa.scale, self.w_scales, self.bias, dtype)
+            y = ops.dequant_int32(acc, qa.scale, layer.w_scales, bias, dtype)
         else:
-            y = dequant_ref(acc, qa.scale, self.w_scales, self.bias, dtype)
-        return y if lead is None else y.reshape(*lead, self.out_features)
+            y = dequant_ref(acc, qa.scale, layer.w_scales, bias, dtype)
+        return y if lead is None else y.reshape(*lead, layer.out_features)
 
-    def forward_silu_mul_quant(self, x) -> QuantizedActivation:
-        """For a fused gate/up projection: quantized ``silu(gate) * up`` ready for ``down_proj``.
+    def apply_act_and_mul(self, layer, x, act):
+        """For a fused gate/up projection with SiLU and no bias: quantized ``silu(gate) * up``
+        ready for ``down_proj`` (one pass); None otherwise (the caller runs ``apply``)."""
+        if act is not F.silu or layer.bias is not None or self.static:
+            return None
+        return self.forward_silu_mul_quant(layer, x)
+
+    def forward_silu_mul_quant(self, layer, x) -> QuantizedActivation:
+        """Quantized ``silu(gate) * up`` (``[M, I]`` int8 rows) from the fused gate/up layer.
 
         Raises:
-            ValueError: if this layer has a bias (the fused kernel has none).
+            ValueError: if the layer has a bias (the fused kernel has none).
         """
-        if self.bias is not None:
+        if layer.bias is not None:
             raise ValueError("forward_silu_mul_quant: biased gate/up projections are not fused")
-        qa = x if isinstance(x, QuantizedActivation) else quantize_rows(x.reshape(-1, self.in_features))
-        acc = self.matmul_int32(qa)
+        qa = x if isinstance(x, QuantizedActivation) else self._quantize_input(layer, x.reshape(-1, layer.in_features))
+        acc = self.matmul_int32(layer, qa)
         ops = _ops()
-        q, s = ops.dequant_silu_mul_quant(acc, qa.scale, self.w_scales) if ops is not None \
-            else dequant_silu_mul_quant_ref(acc, qa.scale, self.w_scales)
+        q, s = ops.dequant_silu_mul_quant(acc, qa.scale, layer.w_scales) if ops is not None \
+            else dequant_silu_mul_quant_ref(acc, qa.scale, layer.w_scales)
         return QuantizedActivation(q, s, qa.dtype)
 
-    def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
+
+_QUANTIZING_NORMS: dict[type, type] = {}
+
+
+def quantizing_norm_class(norm_cls: type) -> type:
+    """A subclass of the RMSNorm class ``norm_cls`` whose 2-D CPU output is a
+    ``QuantizedActivation`` computed in one fused pass (``rms_norm_quant``), with the residual
+    add folded in; other inputs take the float path. ``quantize_output`` is True on it (read by
+    ``models.fused_decode``)."""
+    cls = _QUANTIZING_NORMS.get(norm_cls)
+    if cls is None:
+        def forward(self, x, residual=None):
+            if (x.dim() == 2 and x.device.type == "cpu" and x.dtype in (torch.float32, torch.bfloat16)
+                    and (residual is None or (residual.dtype == x.dtype and residual.is_contiguous()))):
+                out = rms_norm_quant(x.contiguous(), residual, self._effective_weight(), self.eps)
+                return out if residual is None else (out, residual)
+            return norm_cls.forward(self, x, residual)
+
+        cls = type(f"Quantizing{norm_cls.__name__}", (norm_cls,),
+                   {"forward": forward, "quantize_output": True, "__module__": __name__,
+                    "__doc__": f"{norm_cls.__name__} emitting W8A8-quantized rows (quantizing_norm_class)."})
+        _QUANTIZING_NORMS[norm_cls] = cls
+    return cls
+
+
+def fuse_norms(model: nn.Module) -> int:
+    """W8A8: let each norm that directly feeds a dynamic W8A8 projection emit quantized rows.
+
+    Decoder layers declare ``norm_feeds = {norm name: projection path}`` (structure only); the
+    norm's class is switched in place to ``quantizing_norm_class`` (same parameters). Returns how
+    many norms were switched."""
+    n = 0
+    for layer in model.modules():
+        for norm_name, proj_path in getattr(type(layer), "norm_feeds", {}).items():
+            norm = getattr(layer, norm_name, None)
+            proj = layer.get_submodule(proj_path)
+            qm = getattr(proj, "quant_method", None)
+            if (norm is not None and hasattr(norm, "_effective_weight") and isinstance(qm, W8A8LinearMethod)
+                    and not qm.static and not getattr(norm, "quantize_output", False)):
+                norm.__class__ = quantizing_norm_class(type(norm))
+                n += 1
+    return n
+
+
+@register_quantization_config("w8a8")
+class W8A8Config(QuantizationConfig):
+    """``--quantization w8a8``: int8 per-channel weights, dynamic per-token int8 activations,
+    every linear and the LM head (float32 logits)."""
+
+    on_the_fly = True
+
+    @classmethod
+    def from_config(cls, config):
+        raise ValueError("'w8a8' quantizes float weights at load (--quantization w8a8); it is not a checkpoint "
+                         "format (W8A8 checkpoints are 'compressed-tensors')")
+
+    def get_quant_method(self, layer, prefix):
+        if not isinstance(layer, nn.Linear):
+            return None
+        if prefix == "lm_head":
+            return W8A8LinearMethod(out_dtype=torch.float32) if self.quantize_lm_head else None
+        return W8A8LinearMethod()
+
+    def tied_lm_head_method(self, model):
+        return W8A8LinearMethod(out_dtype=torch.float32) if self.quantize_lm_head else None
+
+    def process_model(self, model):
+        return {"fused_norms": fuse_norms(model)}
+
+
+def W8A8Linear(weight: torch.Tensor, bias: Optional[torch.Tensor] = None,
+               out_dtype: Optional[torch.dtype] = None) -> nn.Module:
+    """A ``Linear`` with ``weight [N, K]`` quantized by ``W8A8LinearMethod(out_dtype)``."""
+    return _standalone(weight, bias, W8A8LinearMethod(out_dtype))

@@ -1,10 +1,10 @@
-"""Weight-only int8 / int4 (and the W8A8 entry point) quantization of a built model's linear layers (gpt-fast style, CPU).
+"""Weight-only int8 / int4 quantization of a loaded model's float weights (``--quantization int8|int4``, CPU).
 
-``quantize_model(model, "int8" | "int4")`` walks the model after ``load_weights`` and swaps every
-``nn.Linear`` (``Linear``, ``PackedLinear``, ``QKVLinear``, an untied ``lm_head``) for a
-``WeightOnlyInt8Linear`` / ``WeightOnlyInt4Linear`` with the same ``forward(x [..., K]) -> [..., N]``.
-The LM head is quantized too; for tied embeddings a separate quantized head is added and the
-embedding table stays in the model dtype for lookups.
+``Int8Config`` / ``Int4Config`` hand every ``Linear`` (``PackedLinear``, ``QKVLinear``, an untied
+``lm_head``) an ``Int8LinearMethod`` / ``Int4LinearMethod``: the checkpoint's float weight loads as
+usual and ``process_weights_after_loading`` quantizes it, replacing ``weight`` by the packed
+tensors below. The LM head is quantized too; for tied embeddings a separate quantized head
+(``model.quantized_lm_head``) is added and the embedding table stays in the model dtype for lookups.
 
 Kernels (torch CPU, see FACTS.md §5 and docs/performance.md "Low-bit weights"):
 
@@ -21,16 +21,16 @@ copy of the weight).
 from __future__ import annotations
 
 import logging
-import types
 from typing import Optional
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pagedllm.quantization.base import LinearMethodBase, QuantizationConfig, register_quantization_config
+
 logger = logging.getLogger("pagedllm")
 
-QUANTIZATION_METHODS = ("int8", "int4", "w8a8")
 DEFAULT_INT4_GROUP_SIZE = 32
 # Above this many rows the packed kernels lose to dequantize + bf16 matmul (measured, see docs):
 # int8 dequantizes cheaply (one pass), int4 unpacking costs ~5x more, so its crossover is higher.
@@ -77,189 +77,170 @@ def _unpack_int4_cpu(packed: torch.Tensor, n: int, k: int) -> Optional[torch.Ten
     return q.transpose(1, 2).reshape(n, k)
 
 
-class _WeightOnlyLinear(nn.Module):
-    """Common forward: bf16 kernel for ``M <= large_m`` rows, dequantize + bf16 matmul above."""
+def _empty_weight(layer: nn.Module) -> None:
+    """Drop the float weight (an empty tensor keeps ``layer.weight.dtype`` / ``.device`` readable)."""
+    w = layer.weight
+    layer.weight = _param(torch.empty(0, dtype=w.dtype, device=w.device))
+
+
+class _WeightOnlyMethod(LinearMethodBase):
+    """Common ``apply``: bf16 kernel for ``M <= large_m`` rows, dequantize + bf16 matmul above."""
 
     large_m: int = DEFAULT_LARGE_M
 
-    def __init__(self, in_features: int, out_features: int, bias: Optional[torch.Tensor]) -> None:
-        super().__init__()
-        self.in_features, self.out_features = in_features, out_features
-        self.bias = None if bias is None else _param(bias.detach().clone())
-
-    def _kernel(self, x: torch.Tensor) -> torch.Tensor:  # pragma: no cover - abstract
+    def _kernel(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:  # pragma: no cover - abstract
         raise NotImplementedError
 
-    def dequantize(self) -> Optional[torch.Tensor]:  # pragma: no cover - abstract
+    def dequantize_bf16(self, layer: nn.Module) -> Optional[torch.Tensor]:  # pragma: no cover - abstract
         raise NotImplementedError
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def dequantize(self, layer: nn.Module) -> Optional[torch.Tensor]:
+        w = self.dequantize_bf16(layer)
+        return None if w is None else w.float()
+
+    def apply(self, layer, x, bias=None):
         shape = x.shape
-        x2 = x.reshape(-1, self.in_features)
+        x2 = x.reshape(-1, layer.in_features)
         xc = x2 if x2.dtype == _CT else x2.to(_CT)
-        w = self.dequantize() if x2.shape[0] > self.large_m else None
-        y = F.linear(xc, w) if w is not None else self._kernel(xc.contiguous())
+        w = self.dequantize_bf16(layer) if x2.shape[0] > self.large_m else None
+        y = F.linear(xc, w) if w is not None else self._kernel(layer, xc.contiguous())
         if y.dtype != x.dtype:
             y = y.to(x.dtype)
-        if self.bias is not None:
-            y = y.add_(self.bias)  # NOTE: in place keeps the activation dtype
-        return y.reshape(*shape[:-1], self.out_features)
-
-    def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
+        if bias is not None:
+            y = y.add_(bias)  # NOTE: in place keeps the activation dtype
+        return y.reshape(*shape[:-1], layer.out_features)
 
 
-class WeightOnlyInt8Linear(_WeightOnlyLinear):
-    """Per-output-channel symmetric int8 weights; ``weight_int8 [N, K]``, ``scales [N]`` (bf16)."""
+class Int8LinearMethod(_WeightOnlyMethod):
+    """Per-output-channel symmetric int8 weights: the layer gets ``weight_int8 [N, K]`` int8 and
+    ``scales [N]`` bf16 (``aten._weight_int8pack_mm``)."""
 
-    def __init__(self, weight: torch.Tensor, bias: Optional[torch.Tensor] = None) -> None:
-        n, k = weight.shape
-        super().__init__(k, n, bias)
-        q, s = quantize_int8(weight)
-        self.weight_int8 = _param(q)
-        self.scales = _param(s.to(_CT))
+    def process_weights_after_loading(self, layer):
+        q, s = quantize_int8(layer.weight)
+        layer.weight_int8 = _param(q)
+        layer.scales = _param(s.to(_CT))
+        _empty_weight(layer)
 
-    def _kernel(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.ops.aten._weight_int8pack_mm(x, self.weight_int8, self.scales)
+    def _kernel(self, layer, x):
+        return torch.ops.aten._weight_int8pack_mm(x, layer.weight_int8, layer.scales)
 
-    def dequantize(self) -> torch.Tensor:
+    def dequantize_bf16(self, layer) -> torch.Tensor:
         """bf16 ``[N, K]``."""
-        return self.weight_int8 * self.scales[:, None]
+        return layer.weight_int8 * layer.scales[:, None]
 
 
-class WeightOnlyInt4Linear(_WeightOnlyLinear):
+class Int4LinearMethod(_WeightOnlyMethod):
     """Group-wise asymmetric int4 weights packed for ``_weight_int4pack_mm_for_cpu``.
 
-    ``weight_int4pack [N, K/2] uint8`` (torch's CPU layout), ``scales_and_zeros [K/gs, N, 2]`` bf16.
-    Dequantize + bf16 matmul only above ``INT4_LARGE_M`` rows (unpacking is costly).
+    The layer gets ``weight_int4pack [N, K/2] uint8`` (torch's CPU layout) and
+    ``scales_and_zeros [K/gs, N, 2]`` bf16. Dequantize + bf16 matmul only above ``INT4_LARGE_M``
+    rows (unpacking is costly).
 
     Raises:
-        ValueError: K not divisible by ``group_size`` or N not divisible by 16 (kernel limits).
+        ValueError: (when processing) K not divisible by ``group_size`` or N not divisible by 16
+            (kernel limits).
     """
 
-    def __init__(self, weight: torch.Tensor, bias: Optional[torch.Tensor] = None,
-                 group_size: int = DEFAULT_INT4_GROUP_SIZE) -> None:
-        n, k = weight.shape
-        if k % group_size or n % 16:
-            raise ValueError(f"int4: weight [{n}, {k}] needs K % group_size ({group_size}) == 0 and N % 16 == 0")
-        super().__init__(k, n, bias)
-        self.large_m = INT4_LARGE_M
+    large_m = INT4_LARGE_M
+
+    def __init__(self, group_size: int = DEFAULT_INT4_GROUP_SIZE) -> None:
         self.group_size = group_size
-        q, scales, zeros = quantize_int4(weight, group_size)
+
+    def process_weights_after_loading(self, layer):
+        n, k = layer.weight.shape
+        gs = self.group_size
+        if k % gs or n % 16:
+            raise ValueError(f"int4: weight [{n}, {k}] needs K % group_size ({gs}) == 0 and N % 16 == 0")
+        q, scales, zeros = quantize_int4(layer.weight, gs)
         packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 1)
-        self.weight_int4pack = _param(packed)
-        self.scales_and_zeros = _param(torch.stack((scales.t(), zeros.t()), dim=-1).to(_CT).contiguous())
+        layer.weight_int4pack = _param(packed)
+        layer.scales_and_zeros = _param(torch.stack((scales.t(), zeros.t()), dim=-1).to(_CT).contiguous())
         unpacked = _unpack_int4_cpu(packed, n, k)
         # NOTE: the dequantize path is enabled only if our unpacking reproduces q exactly.
-        self._can_dequantize = unpacked is not None and bool(torch.equal(unpacked.to(torch.int32), q))
+        layer._int4_can_dequantize = unpacked is not None and bool(torch.equal(unpacked.to(torch.int32), q))
+        _empty_weight(layer)
 
-    def _kernel(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.ops.aten._weight_int4pack_mm_for_cpu(x, self.weight_int4pack, self.group_size,
-                                                         self.scales_and_zeros)
+    def _kernel(self, layer, x):
+        return torch.ops.aten._weight_int4pack_mm_for_cpu(x, layer.weight_int4pack, self.group_size,
+                                                         layer.scales_and_zeros)
 
-    def dequantize(self) -> Optional[torch.Tensor]:
+    def dequantize_bf16(self, layer) -> Optional[torch.Tensor]:
         """bf16 ``[N, K]`` (None if this packing layout is not understood: kernel only)."""
-        if not self._can_dequantize:
+        if not layer._int4_can_dequantize:
             return None
-        n, k, gs = self.out_features, self.in_features, self.group_size
-        q = _unpack_int4_cpu(self.weight_int4pack, n, k).reshape(n, k // gs, gs)
-        sz = self.scales_and_zeros.transpose(0, 1)  # [N, K/gs, 2]
+        n, k, gs = layer.out_features, layer.in_features, self.group_size
+        q = _unpack_int4_cpu(layer.weight_int4pack, n, k).reshape(n, k // gs, gs)
+        sz = layer.scales_and_zeros.transpose(0, 1)  # [N, K/gs, 2]
         w = (q.to(_CT) - 8) * sz[..., :1] + sz[..., 1:]
         return w.reshape(n, k)
 
 
-def _make(method: str, weight: torch.Tensor, bias: Optional[torch.Tensor], group_size: int,
-          head: bool = False) -> nn.Module:
-    if method == "int8":
-        return WeightOnlyInt8Linear(weight, bias)
-    if method == "w8a8":
-        from pagedllm.quantization.w8a8 import W8A8Linear
+class _OnTheFlyConfig(QuantizationConfig):
+    """Float checkpoints quantized after loading: every linear (and the LM head) gets one method."""
 
-        return W8A8Linear(weight, bias, out_dtype=torch.float32 if head else None)
-    return WeightOnlyInt4Linear(weight, bias, group_size)
+    on_the_fly = True
 
+    @classmethod
+    def from_config(cls, config: dict) -> "QuantizationConfig":
+        raise ValueError(f"{cls.name!r} quantizes float weights at load (--quantization {cls.name}); "
+                         f"it is not a checkpoint format")
 
-def _fuse_norms(model: nn.Module) -> int:
-    """W8A8: let each norm that directly feeds a ``W8A8Linear`` emit quantized rows (one pass).
+    def make_method(self, head: bool) -> LinearMethodBase:  # pragma: no cover - abstract
+        raise NotImplementedError
 
-    Decoder layers declare ``norm_feeds = {norm name: projection path}``; returns how many norms
-    were switched.
-    """
-    from pagedllm.quantization.w8a8 import W8A8Linear
+    def get_quant_method(self, layer, prefix):
+        if not isinstance(layer, nn.Linear):
+            return None  # embeddings stay float (lookups)
+        head = prefix == "lm_head"
+        if head and not self.quantize_lm_head:
+            return None
+        return self.make_method(head)
 
-    n = 0
-    for layer in model.modules():
-        for norm_name, proj_path in getattr(type(layer), "norm_feeds", {}).items():
-            norm = getattr(layer, norm_name, None)
-            proj = layer.get_submodule(proj_path)
-            if norm is not None and hasattr(norm, "quantize_output") and isinstance(proj, W8A8Linear):
-                norm.quantize_output = True
-                n += 1
-    return n
+    def tied_lm_head_method(self, model):
+        return self.make_method(True) if self.quantize_lm_head else None
 
 
-def _quantized_compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-    """``CausalLM.compute_logits`` with the quantized head (bound onto the model instance)."""
-    logits = self.quantized_lm_head(hidden).float()
-    cap = getattr(self.config, "final_logit_softcapping", None)
-    if cap:
-        logits = torch.tanh(logits / cap) * cap
-    return logits
+@register_quantization_config("int8")
+class Int8Config(_OnTheFlyConfig):
+    """``--quantization int8``: weight-only int8, per output channel."""
+
+    def make_method(self, head):
+        return Int8LinearMethod()
 
 
-def quantize_model(model: nn.Module, method: str, group_size: int = DEFAULT_INT4_GROUP_SIZE,
-                   quantize_lm_head: bool = True) -> dict:
-    """Swap every ``nn.Linear`` under ``model`` for a weight-only quantized module, in place.
+@register_quantization_config("int4")
+class Int4Config(_OnTheFlyConfig):
+    """``--quantization int4``: weight-only int4, groups of ``group_size`` (32) along K."""
 
-    Args:
-        model: a loaded ``CausalLM`` (on CPU).
-        method: "int8" or "int4".
-        group_size: int4 group size along K (must divide every K; 32 or 64 for SmolLM2).
-        quantize_lm_head: also quantize the LM head (``compute_logits`` is rebound on the
-            instance to use ``model.quantized_lm_head``; a tied embedding stays as is for lookups).
+    def __init__(self, group_size: int = DEFAULT_INT4_GROUP_SIZE) -> None:
+        super().__init__()
+        self.group_size = group_size
 
-    Returns:
-        ``{"method", "num_linears", "float_bytes", "quantized_bytes"}`` of the swapped layers.
+    def make_method(self, head):
+        return Int4LinearMethod(self.group_size)
 
-    Raises:
-        ValueError: unknown method, a non-CPU model, or a shape the int4 kernel cannot take.
-    """
-    if method not in QUANTIZATION_METHODS:
-        raise ValueError(f"quantization: must be one of {list(QUANTIZATION_METHODS)}, got {method!r}")
-    dev = next(model.parameters()).device
-    if dev.type != "cpu":
-        raise ValueError(f"quantization {method!r}: only CPU weight-only kernels are implemented (model on {dev})")
-    stats = {"method": method, "num_linears": 0, "float_bytes": 0, "quantized_bytes": 0}
 
-    def nbytes(m: nn.Module) -> int:
-        return sum(p.numel() * p.element_size() for p in m.parameters())
+def _standalone(weight: torch.Tensor, bias: Optional[torch.Tensor], method: LinearMethodBase) -> nn.Module:
+    """A ``Linear`` holding ``weight [N, K]`` (and ``bias``) processed by ``method`` (tests, tools)."""
+    from pagedllm.models.layers import Linear
 
-    targets = [(name, mod) for name, mod in model.named_modules() if isinstance(mod, nn.Linear)]
-    head = getattr(model, "lm_head", None)
+    n, k = weight.shape
+    lin = Linear(k, n, bias=bias is not None, device="meta")
+    lin.weight = _param(weight.detach())
+    if bias is not None:
+        lin.bias = _param(bias.detach().clone())
+    lin.quant_method = method
     with torch.no_grad():
-        for name, mod in targets:
-            if mod is head:
-                continue
-            qmod = _make(method, mod.weight, mod.bias, group_size)
-            parent_name, _, attr = name.rpartition(".")
-            parent = model.get_submodule(parent_name) if parent_name else model
-            stats["float_bytes"] += nbytes(mod)
-            stats["quantized_bytes"] += nbytes(qmod)
-            setattr(parent, attr, qmod)
-            stats["num_linears"] += 1
-        if quantize_lm_head and hasattr(model, "compute_logits") and hasattr(model, "model"):
-            if head is not None:
-                w, b = head.weight, head.bias
-            else:
-                w, b = model.model.embed_tokens.weight, None
-            qhead = _make(method, w, b, group_size, head=True)
-            stats["float_bytes"] += w.numel() * w.element_size()
-            stats["quantized_bytes"] += nbytes(qhead)
-            model.quantized_lm_head = qhead
-            if head is not None:
-                model.lm_head = None  # NOTE: frees the float head; compute_logits below no longer reads it
-            model.compute_logits = types.MethodType(_quantized_compute_logits, model)
-            stats["num_linears"] += 1
-        if method == "w8a8":
-            stats["fused_norms"] = _fuse_norms(model)
-    return stats
+        method.process_weights_after_loading(lin)
+    return lin
+
+
+def WeightOnlyInt8Linear(weight: torch.Tensor, bias: Optional[torch.Tensor] = None) -> nn.Module:
+    """A ``Linear`` with ``weight [N, K]`` quantized by ``Int8LinearMethod``."""
+    return _standalone(weight, bias, Int8LinearMethod())
+
+
+def WeightOnlyInt4Linear(weight: torch.Tensor, bias: Optional[torch.Tensor] = None,
+                         group_size: int = DEFAULT_INT4_GROUP_SIZE) -> nn.Module:
+    """A ``Linear`` with ``weight [N, K]`` quantized by ``Int4LinearMethod(group_size)``."""
+    return _standalone(weight, bias, Int4LinearMethod(group_size))

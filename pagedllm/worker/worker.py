@@ -92,7 +92,8 @@ def load_model_info(args: EngineArgs):
 
     dtype = resolve_dtype(args.dtype, resolve_device(args.device))
     loaded = load_model(args.model, dtype=dtype, tokenizer=args.tokenizer,
-                        ignore_patterns=args.ignore_patterns or None, **_hub_kwargs(args))
+                        ignore_patterns=args.ignore_patterns or None, quantization=args.quantization,
+                        **_hub_kwargs(args))
     if args.hf_overrides is not None:
         loaded.hf_config = apply_hf_overrides(loaded.hf_config, args.hf_overrides)
     return loaded
@@ -176,7 +177,8 @@ class Worker:
         args = self.args
         loaded = load_model(args.model, dtype=self.dtype, tokenizer=args.tokenizer,
                             ignore_patterns=args.ignore_patterns or None,
-                            load_tokenizer=self.load_tokenizer, **_hub_kwargs(args))
+                            load_tokenizer=self.load_tokenizer, quantization=args.quantization,
+                            **_hub_kwargs(args))
         self.loaded = loaded
         if args.hf_overrides is not None:
             loaded.hf_config = apply_hf_overrides(loaded.hf_config, args.hf_overrides)
@@ -196,6 +198,15 @@ class Worker:
         with torch.device(self.device):
             model = model_cls(hf_config, self.dtype)
         sharded = self.world_size > 1
+        quant = loaded.quant_config
+        if quant is not None and not quant.on_the_fly and self.tp_size > 1:
+            # NOTE: the tensor-parallel weight loaders slice float tensors; quantized ones have no split yet
+            if loaded.source != "gguf":
+                raise ValueError(f"tensor_parallel_size: {self.tp_size} ranks cannot split a {quant.name} checkpoint "
+                                 f"kept quantized yet (dequantizing it needs the full tensors on every rank)")
+            logger.warning("pagedllm: tensor_parallel_size %d: the GGUF blocks are dequantized to %s at load "
+                           "(quantized shards are not split yet)", self.tp_size, str(self.dtype).replace("torch.", ""))
+            loaded.quant_config = quant = None
         if sharded:
             from pagedllm.distributed.sharding import shard_model
             # NOTE: before loading: the weight loaders then copy only this rank's slices.
@@ -206,6 +217,11 @@ class Worker:
             from pagedllm.pooling.adapters import drop_lm_head, split_head_weights
             drop_lm_head(model)
             weights = split_head_weights(weights, pool_head)
+        if quant is not None:
+            from pagedllm.quantization import attach_quantization
+            # NOTE: after sharding (a method quantizes this rank's slice) and before loading
+            # (checkpoint formats create the parameters their tensors load into)
+            attach_quantization(model, quant, quantize_lm_head=args.runner == "generate")
         if loaded.load_format == "dummy":
             from pagedllm.loader.dummy import initialize_dummy_weights
             initialize_dummy_weights(model, args.seed)
@@ -221,10 +237,10 @@ class Worker:
             from pagedllm.loader.hf_loader import annotate_load_error
             raise annotate_load_error(e, loaded, args.ignore_patterns or None, model_cls.__name__) from None
         model.eval()
-        if args.quantization:
-            from pagedllm.quantization import quantize_model
-            qstats = quantize_model(model, args.quantization, quantize_lm_head=args.runner == "generate")
-            logger.info("pagedllm: quantization %s: %d linear layers, %s -> %s", args.quantization,
+        if quant is not None:
+            from pagedllm.quantization import process_quantized_model
+            qstats = process_quantized_model(model, quant)
+            logger.info("pagedllm: quantization %s: %d linear layers, %s -> %s", quant.describe(),
                         qstats["num_linears"], fmt_bytes(qstats["float_bytes"]), fmt_bytes(qstats["quantized_bytes"]))
 
         def resident_bytes() -> int:  # parameters and buffers

@@ -113,7 +113,7 @@ def test_bare_gemma3_text_model_dir(gemma3_path, bare_gemma_dir):
 
     kw = dict(runner="pooling", dtype="float32", kv_cache_memory=64 * 1024**2,
               pooler_config=PoolerConfig(pooling_type="MEAN", use_activation=False))
-    full = LLM(gemma3_path, **kw)
+    full = LLM(gemma3_path, quantization="none", **kw)  # NOTE: the float weights the exported directory holds
     ids = [full.get_tokenizer().encode(t) for t in TEXTS[:3]]
     prompts = [{"prompt_token_ids": i} for i in ids]
     ref = [o.outputs.data for o in full.embed(prompts, use_tqdm=False)]

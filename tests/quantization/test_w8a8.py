@@ -24,7 +24,7 @@ import pagedllm.kernels.cpu_ops as cpu_ops
 import pagedllm.quantization.w8a8 as w8a8
 from pagedllm.models.layers import RMSNorm
 from pagedllm.quantization import quantize_model
-from pagedllm.quantization.w8a8 import QuantizedActivation, W8A8Linear, quantize_rows, quantize_rows_ref
+from pagedllm.quantization.w8a8 import QuantizedActivation, W8A8Linear, W8A8LinearMethod, quantize_rows, quantize_rows_ref
 
 torch.set_num_threads(1)
 
@@ -55,8 +55,8 @@ def test_linear_close_to_float(shape, m, dtype):
     b = torch.randn(n, generator=g) * 0.01
     x = torch.randn(m, k, generator=g)
     lin = W8A8Linear(w, b)
-    assert lin.int8_weight().dtype == torch.int8 and lin.w_scales.dtype == torch.float32
-    assert torch.equal(lin.int8_weight(), w8a8.quantize_int8(w)[0])  # packed or not, the same weights
+    assert w8a8.int8_weight(lin).dtype == torch.int8 and lin.w_scales.dtype == torch.float32
+    assert torch.equal(w8a8.int8_weight(lin), w8a8.quantize_int8(w)[0])  # packed or not, the same weights
     y = lin(x.to(dtype))
     assert y.dtype == dtype and y.shape == (m, n)
     assert _rel(y, F.linear(x, w, b)) < 0.03
@@ -79,7 +79,8 @@ def test_linear_takes_a_quantized_activation():
     assert isinstance(qa, QuantizedActivation) and qa.dtype == torch.bfloat16
     assert torch.equal(lin(qa), lin(x))
     with pytest.raises(ValueError, match="bias"):
-        lin.forward_silu_mul_quant(x)
+        lin.quant_method.forward_silu_mul_quant(lin, x)
+    assert lin.quant_method.apply_act_and_mul(lin, x, F.silu) is None  # biased: the caller runs apply
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -102,8 +103,8 @@ def test_batch_invariance(dtype):
         assert torch.equal(out[zero], lin.bias.detach().to(dtype))  # a zero row gives just the bias
     # and the fused gate/up path too
     lin_nb = W8A8Linear(w)
-    a = lin_nb.forward_silu_mul_quant(rows[:1])
-    b = lin_nb.forward_silu_mul_quant(torch.cat([rows[:1], rows[1:] * 300]))
+    a = lin_nb.quant_method.forward_silu_mul_quant(lin_nb, rows[:1])
+    b = lin_nb.quant_method.forward_silu_mul_quant(lin_nb, torch.cat([rows[:1], rows[1:] * 300]))
     assert torch.equal(a.q, b.q[:1]) and torch.equal(a.scale, b.scale[:1])
 
 
@@ -113,7 +114,7 @@ def test_silu_mul_quant_matches_float():
     w = torch.randn(2 * inter, k, generator=g) * 0.05
     lin = W8A8Linear(w)
     x = torch.randn(7, k, generator=g)
-    qa = lin.forward_silu_mul_quant(x)
+    qa = lin.quant_method.forward_silu_mul_quant(lin, x)
     assert qa.q.shape == (7, inter) and qa.dtype == torch.float32
     gate, up = F.linear(x, w).chunk(2, dim=-1)
     want = F.silu(gate) * up
@@ -213,10 +214,10 @@ def test_packed_and_onednn_paths_identical(dtype, monkeypatch):
         x = torch.randn(m, 96, generator=g).to(dtype)
         monkeypatch.setattr(w8a8, "PACKED_GEMM_MAX_M", 1000)
         packed = lin(x)
-        gate_up = gate_up_lin.forward_silu_mul_quant(x)
+        gate_up = gate_up_lin.quant_method.forward_silu_mul_quant(gate_up_lin, x)
         monkeypatch.setattr(w8a8, "PACKED_GEMM_MAX_M", 0)
         onednn = lin(x)
-        gate_up_ref = gate_up_lin.forward_silu_mul_quant(x)
+        gate_up_ref = gate_up_lin.quant_method.forward_silu_mul_quant(gate_up_lin, x)
         assert torch.equal(packed, onednn), m
         assert torch.equal(gate_up.q, gate_up_ref.q) and torch.equal(gate_up.scale, gate_up_ref.scale)
 
@@ -247,12 +248,15 @@ def test_tiny_model_logits_close(tie, monkeypatch, tiny_llama):
     assert stats["method"] == "w8a8" and stats["num_linears"] == 4 * n_layers + 1
     assert stats["fused_norms"] == 2 * n_layers
     assert stats["quantized_bytes"] < stats["float_bytes"] / 3
-    assert not any(isinstance(m, nn.Linear) for m in qm.modules())
-    assert isinstance(qm.quantized_lm_head, W8A8Linear) and qm.quantized_lm_head.out_dtype == torch.float32
+    assert all(isinstance(m.quant_method, W8A8LinearMethod) for m in qm.modules() if isinstance(m, nn.Linear))
+    head = qm.quantized_lm_head if tie else qm.lm_head
+    assert isinstance(head.quant_method, W8A8LinearMethod) and head.quant_method.out_dtype == torch.float32
     for layer in qm.model.layers:
         assert layer.input_layernorm.quantize_output and layer.post_attention_layernorm.quantize_output
-        assert isinstance(layer.self_attn.qkv_proj, W8A8Linear) and isinstance(layer.mlp.gate_up_proj, W8A8Linear)
-    assert not qm.model.norm.quantize_output  # feeds the head through compute_logits: stays float
+        assert isinstance(layer.input_layernorm, RMSNorm)  # same parameters, a quantizing subclass
+        assert isinstance(layer.self_attn.qkv_proj.quant_method, W8A8LinearMethod)
+        assert isinstance(layer.mlp.gate_up_proj.quant_method, W8A8LinearMethod)
+    assert not getattr(qm.model.norm, "quantize_output", False)  # feeds the head through compute_logits: stays float
     assert qm.model.embed_tokens.weight.dtype == torch.float32
 
     def check(got):
@@ -314,7 +318,7 @@ def test_quantized_norm_output_matches_quantized_forward(gemma, dtype, cpp, monk
     want = _norm_ref(x, norm.weight.detach(), eps, gemma)
     torch.testing.assert_close(plain, want, rtol=1e-2 if dtype == torch.bfloat16 else 1e-5, atol=1e-5)
 
-    norm.quantize_output = True
+    norm.__class__ = w8a8.quantizing_norm_class(RMSNorm)  # what W8A8Config.process_model does
     qa = norm(x)
     assert isinstance(qa, QuantizedActivation) and qa.dtype == dtype
     assert qa.q.dtype == torch.int8 and qa.q.shape == x.shape

@@ -7,6 +7,7 @@ import logging
 import os
 from typing import Any, Optional
 
+from pagedllm.config import QUANTIZATION_CHOICES
 from pagedllm.config import parse_bytes as config_parse_bytes
 
 logger = logging.getLogger("pagedllm.entrypoints.openai")
@@ -142,11 +143,12 @@ def add_serve_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                         '"use_activation": false}\' (use_activation: the output activation of every '
                         'pooling task, i.e. the L2 normalisation of embeddings and the softmax of '
                         'classifiers; "normalize", "softmax" and "activation" are deprecated aliases).')
-    g.add_argument("--quantization", "-q", default=None, choices=["int8", "int4", "w8a8"],
-                   help="Quantization of the linear layers and LM head (CPU): weight-only int8 "
-                        "per-channel or int4 group-wise (group 32), or w8a8 (int8 per-channel "
-                        "weights and dynamic per-token int8 activations, int8 GEMMs: faster at "
-                        "every batch size).")
+    g.add_argument("--quantization", "-q", default=None, choices=list(QUANTIZATION_CHOICES),
+                   help="Default: a quantized checkpoint (GGUF blocks, GPTQ, AWQ, compressed-tensors, "
+                        "FP8) runs in its own format. int8/int4/w8a8 re-quantize float weights after "
+                        "loading (CPU): weight-only int8 per-channel or int4 group-wise (group 32), or "
+                        "w8a8 (int8 per-channel weights and dynamic per-token int8 activations). "
+                        "'none' dequantizes a quantized checkpoint at load.")
     g.add_argument("--ignore-patterns", nargs="*", default=[],
                    help="fnmatch patterns of checkpoint files not to load.")
     g.add_argument("--revision", default=None,

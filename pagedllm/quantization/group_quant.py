@@ -1,0 +1,248 @@
+"""The engine's own low-bit weight layout: codes with one scale (and optional min) per group of K.
+
+    w[n, k] = scales[n, k // group] * code[n, k]  (+ mins[n, k // group])
+
+Every format kept quantized maps onto it exactly (no re-quantization): GGUF Q8_0 / Q5_0 / Q6_K
+(int8 codes), Q4_0 / Q4_1 / Q4_K / Q3_K (int4 codes), Q5_1 / Q5_K (int8 codes with mins); GPTQ /
+AWQ / compressed-tensors int4 and int8 (zero points folded into ``mins = -scale * zero``); FP8
+(e4m3 codes, per-tensor / per-channel / block scales). Float32 holds every ``scale * code`` and
+``+ min`` of those formats' own dequantization, so ``dequantize`` reproduces their reference
+dequantizers bit for bit (tests/quantization/test_gguf_blocks.py).
+
+Storage (``install``): ``qweight`` — int4: uint8 ``[N, K/2]``, each 32-k chunk ``c`` of a row in
+16 bytes, byte ``16 c + j`` = ``code[32 c + j] | code[32 c + 16 + j] << 4`` (llama.cpp's nibble
+order); int8: int8 ``[N, K]``; fp8: uint8 ``[N, K]`` float8_e4m3fn codes. ``scales`` / ``mins``:
+float32 ``[N, ceil(K / group)]``.
+
+Kernel: ``group_gemm`` (``kernels/csrc/group_gemm.cpp``): dequantization in registers and float32
+FMA for decode-sized M (the weight read once, in its packed size), dequantized tiles + ATen GEMM
+above ``LARGE_M`` rows. Without the C++ kernels, on CUDA, or for shapes it does not take (K not a
+multiple of 32, group not a multiple of 16) the torch path dequantizes and calls ``F.linear``.
+"""
+from __future__ import annotations
+
+import os
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from pagedllm.quantization.base import EmbeddingMethodBase, LinearMethodBase
+
+KIND_INT4, KIND_INT8, KIND_FP8 = 0, 1, 2
+KIND_NAMES = {KIND_INT4: "int4", KIND_INT8: "int8", KIND_FP8: "fp8"}
+#: rows above which the C++ kernel dequantizes tiles for ATen's GEMM instead of its register path
+LARGE_M = int(os.environ.get("PAGEDLLM_GROUP_GEMM_LARGE_M", "16"))
+#: rows of weight dequantized at a time on the torch path (bounds its temporary)
+_TORCH_TILE_ELEMS = 1 << 22
+
+
+def _param(t: torch.Tensor) -> nn.Parameter:
+    return nn.Parameter(t, requires_grad=False)
+
+
+def pack_int4(codes: torch.Tensor) -> torch.Tensor:
+    """uint8 codes ``[N, K]`` in 0..15 (K a multiple of 32) -> packed uint8 ``[N, K/2]`` (layout above)."""
+    n, k = codes.shape
+    if k % 32:
+        raise ValueError(f"pack_int4: K={k} is not a multiple of 32")
+    c = codes.to(torch.uint8).reshape(n, k // 32, 2, 16)
+    return (c[:, :, 0] | (c[:, :, 1] << 4)).reshape(n, k // 2).contiguous()
+
+
+def unpack_int4(packed: torch.Tensor) -> torch.Tensor:
+    """Inverse of ``pack_int4``: uint8 ``[N, K/2]`` -> uint8 codes ``[N, K]``."""
+    n, half = packed.shape
+    p = packed.reshape(n, half // 16, 1, 16)
+    return torch.cat((p & 0x0F, p >> 4), dim=2).reshape(n, half * 2)
+
+
+def codes_as_float(qweight: torch.Tensor, kind: int) -> torch.Tensor:
+    """The codes of a stored ``qweight`` as float32 ``[N, K]`` (int4 unpacked, fp8 decoded)."""
+    if kind == KIND_INT4:
+        return unpack_int4(qweight).float()
+    if kind == KIND_FP8:
+        return qweight.view(torch.float8_e4m3fn).float()
+    return qweight.float()
+
+
+def expand_groups(t: torch.Tensor, group: int, k: int) -> torch.Tensor:
+    """Per-group values ``[N, G]`` -> per-element ``[N, K]``."""
+    return t.repeat_interleave(group, dim=1)[:, :k]
+
+
+def dequantize(qweight: torch.Tensor, scales: torch.Tensor, mins: Optional[torch.Tensor], kind: int, group: int,
+               k: int) -> torch.Tensor:
+    """float32 ``[N, K]``: ``scale * code`` then ``+ min`` (two float32 roundings, as the reference
+    dequantizers of GGUF / GPTQ / AWQ compute it)."""
+    w = codes_as_float(qweight, kind) * expand_groups(scales, group, k)
+    if mins is not None:
+        w = w + expand_groups(mins, group, k)
+    return w
+
+
+class GroupWeight:
+    """One shard's weight in the group layout before packing (what converters return).
+
+    Attributes:
+        codes: ``[rows, K]`` — int8 for kinds int8 (-128..127) and int4 (0..15), uint8 fp8 codes.
+        scales: float32 ``[rows, G]``; mins: float32 ``[rows, G]`` or None.
+        kind: KIND_INT4 / KIND_INT8 / KIND_FP8; group: elements per scale along K.
+    """
+
+    __slots__ = ("codes", "scales", "mins", "kind", "group")
+
+    def __init__(self, codes: torch.Tensor, scales: torch.Tensor, mins: Optional[torch.Tensor], kind: int,
+                 group: int) -> None:
+        self.codes, self.scales, self.mins, self.kind, self.group = codes, scales, mins, kind, group
+
+    @property
+    def k(self) -> int:
+        return self.codes.shape[1]
+
+    def dequantize(self) -> torch.Tensor:
+        """float32 ``[rows, K]``."""
+        w = (self.codes.view(torch.float8_e4m3fn).float() if self.kind == KIND_FP8 else self.codes.float())
+        w = w * expand_groups(self.scales, self.group, self.k)
+        if self.mins is not None:
+            w = w + expand_groups(self.mins, self.group, self.k)
+        return w
+
+    def regroup(self, kind: int, group: int, with_mins: bool) -> "GroupWeight":
+        """The same values in a wider layout: int4 codes as int8, groups split into ``group``-sized
+        ones (``self.group`` a multiple of it), zero mins added. Exact."""
+        if kind != self.kind and not (self.kind == KIND_INT4 and kind == KIND_INT8):
+            raise ValueError(f"cannot express {KIND_NAMES[self.kind]} codes as {KIND_NAMES[kind]}")
+        if self.group % group:
+            raise ValueError(f"group {self.group} is not a multiple of {group}")
+        r = self.group // group
+        g_new = -(-self.k // group)
+        scales = self.scales.repeat_interleave(r, dim=1)[:, :g_new].contiguous()
+        mins = None
+        if with_mins:
+            mins = (self.mins.repeat_interleave(r, dim=1)[:, :g_new].contiguous() if self.mins is not None
+                    else torch.zeros_like(scales))
+        codes = self.codes.to(torch.int8) if kind == KIND_INT8 else self.codes
+        return GroupWeight(codes, scales, mins, kind, group)
+
+
+def merge(parts: list[GroupWeight]) -> GroupWeight:
+    """Stack shards along N in one common layout (the widest kind, the smallest group, mins if
+    any has them). Raises ValueError when they cannot share one (fp8 beside integer codes, or
+    groups that do not divide each other)."""
+    if len(parts) == 1:
+        return parts[0]
+    kinds = {p.kind for p in parts}
+    if KIND_FP8 in kinds and len(kinds) > 1:
+        raise ValueError("fp8 and integer shards cannot share one layout")
+    kind = KIND_INT8 if KIND_INT8 in kinds else kinds.pop()
+    group = min(p.group for p in parts)
+    with_mins = any(p.mins is not None for p in parts)
+    same = all(p.kind == kind and p.group == group and (p.mins is not None) == with_mins for p in parts)
+    parts = parts if same else [p.regroup(kind, group, with_mins) for p in parts]
+    return GroupWeight(torch.cat([p.codes.to(torch.int8) if kind == KIND_INT8 else p.codes for p in parts]), torch.cat([p.scales for p in parts]),
+                       torch.cat([p.mins for p in parts]) if with_mins else None, kind, group)
+
+
+def install(layer: nn.Module, gw: GroupWeight) -> None:
+    """Store ``gw`` on ``layer`` as ``qweight`` / ``scales`` / ``mins`` parameters (packing int4)
+    and record ``gq_kind``, ``gq_group``; the float ``weight`` becomes an empty tensor."""
+    if gw.kind == KIND_INT4 and gw.k % 32 == 0:
+        q = pack_int4(gw.codes.to(torch.uint8))
+        kind = KIND_INT4
+    elif gw.kind == KIND_INT4:  # NOTE: int4 packing needs whole 32-k chunks; int8 codes hold the same values
+        q, kind = gw.codes.to(torch.int8).contiguous(), KIND_INT8
+    else:
+        q, kind = gw.codes.contiguous(), gw.kind
+    layer.qweight = _param(q)
+    layer.scales = _param(gw.scales.float().contiguous())
+    layer.mins = None if gw.mins is None else _param(gw.mins.float().contiguous())
+    layer.gq_kind, layer.gq_group = kind, gw.group
+    w = getattr(layer, "weight", None)
+    dtype = w.dtype if isinstance(w, torch.Tensor) and w.is_floating_point() else torch.float32
+    layer.weight = _param(torch.empty(0, dtype=dtype))
+
+
+def layer_dequantize(layer: nn.Module) -> torch.Tensor:
+    """float32 ``[N, K]`` of a layer holding the group layout."""
+    return dequantize(layer.qweight, layer.scales, layer.mins, layer.gq_kind, layer.gq_group, _in_features(layer))
+
+
+def _in_features(layer: nn.Module) -> int:
+    return layer.in_features if isinstance(layer, nn.Linear) else layer.embedding_dim
+
+
+def _kernel_ok(x: torch.Tensor, layer: nn.Module, k: int) -> bool:
+    return (x.device.type == "cpu" and x.dtype in (torch.float32, torch.bfloat16) and k % 32 == 0
+            and layer.gq_group % 16 == 0)
+
+
+def group_linear(layer: nn.Module, x: torch.Tensor, bias: Optional[torch.Tensor],
+                 out_dtype: Optional[torch.dtype] = None) -> torch.Tensor:
+    """``x [..., K] @ dequant(w).T (+ bias)`` -> ``[..., N]`` in ``out_dtype`` (default x's dtype)."""
+    from pagedllm.kernels.cpu_ops import get_quant_ops
+
+    k, n = layer.in_features, layer.out_features
+    lead = x.shape[:-1]
+    x2 = x.reshape(-1, k)
+    dtype = out_dtype or x.dtype
+    ops = get_quant_ops() if _kernel_ok(x2, layer, k) else None
+    if ops is not None and dtype in (torch.float32, torch.bfloat16):
+        y = ops.group_gemm(x2.contiguous(), layer.qweight, layer.scales, layer.mins, bias, layer.gq_kind,
+                           layer.gq_group, LARGE_M, dtype)
+    else:
+        y = _torch_group_linear(layer, x2, bias, dtype)
+    return y.reshape(*lead, n)
+
+
+def _torch_group_linear(layer: nn.Module, x2: torch.Tensor, bias: Optional[torch.Tensor],
+                        dtype: torch.dtype) -> torch.Tensor:
+    """Reference path: dequantize tiles of rows (float32 math) and ``F.linear``."""
+    k, n = layer.in_features, layer.out_features
+    rows = max(1, _TORCH_TILE_ELEMS // k)
+    xf = x2.float()
+    out = torch.empty(x2.shape[0], n, dtype=torch.float32, device=x2.device)
+    for r0 in range(0, n, rows):
+        r1 = min(n, r0 + rows)
+        mins = None if layer.mins is None else layer.mins[r0:r1]
+        w = dequantize(layer.qweight[r0:r1], layer.scales[r0:r1], mins, layer.gq_kind, layer.gq_group, k)
+        out[:, r0:r1] = F.linear(xf, w.to(xf.device))
+    if bias is not None:
+        out += bias.float()
+    return out.to(dtype)
+
+
+class GroupQuantLinearMethod(LinearMethodBase):
+    """``apply`` / ``dequantize`` of a layer holding the group layout (``install``). Format
+    methods (GGUF, GPTQ, ...) subclass it and implement loading and processing.
+
+    Args:
+        out_dtype: fixed output dtype (float32 for an LM head) or None (the activation's).
+    """
+
+    def __init__(self, out_dtype: Optional[torch.dtype] = None) -> None:
+        self.out_dtype = out_dtype
+
+    def apply(self, layer, x, bias=None):
+        return group_linear(layer, x, bias, self.out_dtype)
+
+    def dequantize(self, layer):
+        return layer_dequantize(layer)
+
+
+class GroupQuantEmbeddingMethod(EmbeddingMethodBase):
+    """Lookups in a table held in the group layout: the selected rows are dequantized (float32,
+    bit-identical to the dequantized table) and cast to ``dtype``."""
+
+    def __init__(self, dtype: torch.dtype) -> None:
+        self.dtype = dtype
+
+    def embedding(self, layer, ids):
+        ids = ids.reshape(-1)
+        mins = None if layer.mins is None else layer.mins[ids]
+        w = dequantize(layer.qweight[ids], layer.scales[ids], mins, layer.gq_kind, layer.gq_group, layer.embedding_dim)
+        return w.to(self.dtype)
+
+    def dequantize(self, layer):
+        return layer_dequantize(layer)
