@@ -83,6 +83,9 @@ class EngineArgs:
             "int8" (weight-only, per-channel symmetric), "int4" (weight-only, group-wise, group
             32) or "w8a8" (int8 per-channel weights and dynamic per-token int8 activations);
             CPU only (see pagedllm.quantization and docs/performance.md "Low-bit weights").
+        speculative_config: speculative decoding, vLLM's ``speculative_config`` (a dict, a JSON
+            string or a ``pagedllm.spec_decode.config.SpeculativeConfig``): ``{"method": "ngram",
+            "num_speculative_tokens": 4, ...}``; None = off.
     """
 
     model: str = "SmolLM2-135M-Instruct"
@@ -112,6 +115,7 @@ class EngineArgs:
     gpu_memory_utilization: float = 0.9
     attention_backend: Optional[str] = None
     quantization: Optional[str] = None
+    speculative_config: Optional[Any] = None
 
     @classmethod
     def field_names(cls) -> set[str]:

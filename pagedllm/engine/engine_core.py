@@ -53,6 +53,10 @@ class EngineCore:
         if args.max_num_batched_tokens < 1:
             raise ValueError(f"max_num_batched_tokens: must be >= 1, got {args.max_num_batched_tokens}")
         self.kv_cache_dtype = resolve_kv_cache_dtype(args.kv_cache_dtype, self.dtype, self.device)
+        from pagedllm.spec_decode.config import SpeculativeConfig
+        self.spec_config = SpeculativeConfig.from_any(args.speculative_config)
+        if self.spec_config is not None and args.runner != "generate":
+            raise ValueError("speculative_config: only for runner='generate'")
 
         loaded = load_model(args.model, dtype=self.dtype, tokenizer=args.tokenizer,
                             ignore_patterns=args.ignore_patterns or None)
@@ -156,9 +160,15 @@ class EngineCore:
             num_blocks=num_blocks, block_size=args.block_size,
             enable_caching=args.enable_prefix_caching,
             hash_algo=args.prefix_caching_hash_algo, max_model_len=max_model_len)
+        spec_decoder = None
+        if self.spec_config is not None:
+            from pagedllm.worker.spec_decoder import SpecDecoder, build_proposer
+            spec_decoder = SpecDecoder(self.spec_config, build_proposer(self.spec_config))
         self.scheduler = Scheduler(
             max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-            max_model_len=max_model_len, kv_cache_manager=self.kv_cache_manager)
+            max_model_len=max_model_len, kv_cache_manager=self.kv_cache_manager,
+            num_spec_tokens=self.spec_config.num_speculative_tokens if self.spec_config else 0,
+            num_lookahead_tokens=spec_decoder.proposer.num_lookahead_tokens if spec_decoder else 0)
         pooler = None
         if args.runner == "pooling":
             from pagedllm.pooling.pooler import build_pooler
@@ -169,7 +179,8 @@ class EngineCore:
         self.runner = ModelRunner(model, num_blocks, args.block_size,
                                   (num_layers, num_kv_heads, head_dim), self.dtype,
                                   self.vocab_size, self.device, attn_impl=attn_impl, pooler=pooler,
-                                  eos_token_id=self.eos_token_id, kv_cache_dtype=self.kv_cache_dtype)
+                                  eos_token_id=self.eos_token_id, kv_cache_dtype=self.kv_cache_dtype,
+                                  spec_decoder=spec_decoder, max_model_len=max_model_len)
         if self.device.type != "cpu":
             from pagedllm.models.layers import reserve_rope_tables
             # NOTE: full-size rope tables now: no per-step position check (a device sync) and a

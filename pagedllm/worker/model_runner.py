@@ -38,13 +38,17 @@ class ModelRunner:
         device: torch device.
         attn_impl: an ``AttentionImpl`` (defaults to the CPU torch backend).
         pooler: optional pooler for the pooling runner (``pagedllm.pooling``).
+        spec_decoder: a ``pagedllm.worker.spec_decoder.SpecDecoder`` (speculative decoding:
+            verifies scheduled drafts, proposes the next ones), or None.
+        max_model_len: the engine's limit (caps draft lengths), or None.
     """
 
     def __init__(self, model: torch.nn.Module, num_blocks: int, block_size: int,
                  kv_spec: tuple[int, int, int], dtype: torch.dtype, vocab_size: int,
                  device: torch.device = torch.device("cpu"), attn_impl: Any = None,
                  pooler: Any = None, eos_token_id: Optional[int] = None,
-                 kv_cache_dtype: Optional[torch.dtype] = None) -> None:
+                 kv_cache_dtype: Optional[torch.dtype] = None, spec_decoder: Any = None,
+                 max_model_len: Optional[int] = None) -> None:
         from pagedllm.sample.sampler import Sampler
 
         self.model = model
@@ -71,6 +75,8 @@ class ModelRunner:
         # Per-request state kept across steps (block tables, sampling parameters).
         self.input_batch = InputBatch(vocab_size)
         self.cuda_graphs = None
+        self.spec_decoder = spec_decoder
+        self.max_model_len = max_model_len
 
     def capture_cuda_graphs(self, max_num_seqs: int, max_model_len: int) -> float:
         """Capture decode-only CUDA graphs (CUDA + Triton backend only); returns seconds spent."""
@@ -125,6 +131,8 @@ class ModelRunner:
             for r in reqs:
                 s = r.start_pos
                 flat.extend(r.token_ids[s:s + r.num_tokens])
+                if r.spec_token_ids:  # draft tokens follow the committed ones
+                    flat.extend(r.spec_token_ids)
             ids = np.array(flat, dtype=np.int64)
             qsl = np.zeros(B + 1, dtype=np.int64)
             np.cumsum(query_lens, out=qsl[1:])
@@ -165,13 +173,18 @@ class ModelRunner:
             requests.
         """
         batch = self.input_batch
+        sd = self.spec_decoder
         for rid in so.finished_req_ids:
             self.generators.pop(rid, None)
             self.pool_state.pop(rid, None)
             batch.remove(rid)
+            if sd is not None:
+                sd.remove(rid, finished=True)
         for rid in so.preempted_req_ids:
             self.pool_state.pop(rid, None)
             batch.remove(rid)
+            if sd is not None:
+                sd.remove(rid, finished=False)
         out = ModelRunnerOutput()
         if not so.scheduled:
             return out
@@ -191,7 +204,13 @@ class ModelRunner:
                 hidden = self.model(input_ids.to(self.device), positions.to(self.device))
 
         gen_rows = [i for i, r in enumerate(reqs) if r.sampling_params is not None and r.is_last_chunk]
-        if gen_rows:
+        if sd is not None:
+            # Requests with drafts: verified (rejection sampler); the rest sample below.
+            rest = sd.verify(self, reqs, gen_rows, rows, hidden, qsl, out) if gen_rows else []
+            if rest:
+                self._sample(reqs, rest, rows, hidden, qsl, out)
+            sd.propose(reqs, hidden, qsl, out, self.max_model_len)
+        elif gen_rows:
             self._sample(reqs, gen_rows, rows, hidden, qsl, out)
         if batch.wants_prompt_logprobs[rows].any():
             for i, r in enumerate(reqs):
