@@ -1,11 +1,13 @@
 """Rank candidate actions for a state with a Gemma 3 encoder served by pagedllm.
 
-The recipe (a fine-tuned Gemma 3 270M used as a joint encoder):
+The recipe (a fine-tuned Gemma 3 270M used as a joint encoder, "GemmaDecision"):
 
 1. each whole "state + question + candidate" text is ONE input;
-2. the engine returns the raw last-token hidden state (LAST pooling, no activation), float32;
-3. the vector is L2-normalized and passed through a small trained head, applied outside the
-   engine: LayerNorm -> Linear -> GELU -> Linear -> one scalar per candidate;
+2. the engine returns the raw last-token hidden state: LAST pooling and ``use_activation=False``
+   (vLLM's one switch for a pooler's output activation, which for an embedding model is the L2
+   normalisation: without it the vector is the final-normed hidden state itself);
+3. the client converts the vector to float32, L2-normalizes it and passes it through a small
+   trained head: LayerNorm -> Linear -> GELU -> Linear -> one scalar per candidate;
 4. candidates are ranked by that scalar (highest first).
 
 The head lives in a safetensors file with the tensors ``norm.weight``, ``norm.bias``
@@ -15,9 +17,12 @@ loading the encoder with ``ignore_patterns=["head.safetensors"]`` (``--ignore-pa
 
 Offline:
     python examples/rank_with_gemma_encoder.py --model gemma-3-270m.gguf --head head.safetensors
-HTTP (server started with
-    pagedllm serve MODEL --runner pooling --convert embed \
-        --pooler-config '{"pooling_type": "LAST", "normalize": false}'):
+HTTP, against the encoder directory ``export_gemma_encoder.py`` writes, served exactly as the
+recipe serves it on vLLM:
+    python examples/export_gemma_encoder.py enc/
+    pagedllm serve enc/ --runner pooling --convert embed --dtype bfloat16 \
+        --pooler-config '{"pooling_type":"LAST","use_activation":false}' --max-model-len 3072 \
+        --gpu-memory-utilization 0.20
     python examples/rank_with_gemma_encoder.py --url http://localhost:8000 --head head.safetensors
 Add --write-random-head to create a random head file first (for trying the pipeline).
 """
@@ -85,7 +90,7 @@ def make_encoder(model: str, **kwargs):
 
     kwargs.setdefault("dtype", "float32")
     return LLM(model, runner="pooling", convert="embed",
-               pooler_config=PoolerConfig(pooling_type="LAST", normalize=False), **kwargs)
+               pooler_config=PoolerConfig(pooling_type="LAST", use_activation=False), **kwargs)
 
 
 def rank_offline(llm, head: RankingHead, state: str, question: str, candidates: Sequence[str]):
@@ -96,21 +101,31 @@ def rank_offline(llm, head: RankingHead, state: str, question: str, candidates: 
     return scores, torch.argsort(scores, descending=True).tolist()
 
 
-def rank_http(url: str, head: RankingHead, state: str, question: str, candidates: Sequence[str],
-              model: Optional[str] = None):
-    """The same over HTTP (``POST /v1/embeddings``, base64 float32 vectors)."""
+def embed_http(url: str, inputs: Sequence, model: Optional[str] = None, timeout: float = 600.0) -> torch.Tensor:
+    """Vectors of ``inputs`` (texts, or token-id lists used exactly as given) from a server's
+    ``POST /v1/embeddings`` as float32 ``[N, hidden]``, in input order.
+
+    Asks for ``encoding_format: "base64"`` (little-endian float32: no float->text->float round
+    trip). The activation is the server's: started with ``"use_activation": false`` in
+    ``--pooler-config`` the vectors are raw.
+    """
     import numpy as np
 
-    body = {"input": [build_input(state, question, c) for c in candidates], "encoding_format": "base64",
-            "normalize": False}
+    body: dict = {"input": list(inputs), "encoding_format": "base64"}
     if model:
         body["model"] = model
     req = urllib.request.Request(url.rstrip("/") + "/v1/embeddings", data=json.dumps(body).encode(),
                                  headers={"Content-Type": "application/json"})
-    with urllib.request.urlopen(req) as r:
+    with urllib.request.urlopen(req, timeout=timeout) as r:
         data = json.load(r)["data"]
-    vecs = torch.stack([torch.from_numpy(np.frombuffer(base64.b64decode(d["embedding"]), dtype="<f4").copy())
+    return torch.stack([torch.from_numpy(np.frombuffer(base64.b64decode(d["embedding"]), dtype="<f4").copy())
                         for d in sorted(data, key=lambda d: d["index"])])
+
+
+def rank_http(url: str, head: RankingHead, state: str, question: str, candidates: Sequence[str],
+              model: Optional[str] = None):
+    """The same over HTTP (``POST /v1/embeddings``, base64 float32 vectors)."""
+    vecs = embed_http(url, [build_input(state, question, c) for c in candidates], model)
     scores = head_scores(vecs, head)
     return scores, torch.argsort(scores, descending=True).tolist()
 

@@ -7,7 +7,8 @@ from __future__ import annotations
 __version__ = "0.1.0"
 
 __all__ = ["LLM", "SamplingParams", "PoolingParams", "RequestOutput", "CompletionOutput",
-           "PoolingRequestOutput", "EngineArgs", "RequestOutputKind", "PoolerConfig", "__version__"]
+           "PoolingRequestOutput", "EngineArgs", "RequestOutputKind", "PoolerConfig", "StructuredOutputsParams",
+           "TextPrompt", "TokensPrompt", "PromptType", "__version__"]
 
 
 def __getattr__(name: str):
@@ -15,7 +16,7 @@ def __getattr__(name: str):
     if name == "LLM":
         from pagedllm.entrypoints.llm import LLM
         return LLM
-    if name in ("SamplingParams", "RequestOutputKind"):
+    if name in ("SamplingParams", "RequestOutputKind", "StructuredOutputsParams"):
         from pagedllm import sampling_params
         return getattr(sampling_params, name)
     if name == "PoolingParams":
@@ -27,6 +28,9 @@ def __getattr__(name: str):
     if name in ("RequestOutput", "CompletionOutput", "PoolingRequestOutput"):
         from pagedllm import outputs
         return getattr(outputs, name)
+    if name in ("TextPrompt", "TokensPrompt", "PromptType"):
+        from pagedllm import inputs
+        return getattr(inputs, name)
     if name == "EngineArgs":
         from pagedllm.config import EngineArgs
         return EngineArgs

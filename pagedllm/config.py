@@ -40,6 +40,47 @@ def parse_bytes(value: str | int) -> int:
     return n
 
 
+def apply_hf_overrides(hf_config: Any, overrides: Any) -> Any:
+    """Merge ``overrides`` into ``hf_config`` in place (vLLM ``--hf-overrides`` /
+    ``LLM(hf_overrides=...)``) and return the config.
+
+    Args:
+        hf_config: a transformers config or pagedllm's GGUF ``TextConfig`` (attributes).
+        overrides: None; a dict, or a JSON object string, of attribute -> value (a dict value
+            merges key by key into an attribute that is itself a dict or a sub-config); or a
+            callable ``config -> config``.
+
+    Raises:
+        ValueError: invalid JSON, or not a dict / callable.
+    """
+    import json
+
+    if overrides is None:
+        return hf_config
+    if callable(overrides):
+        return overrides(hf_config)
+    if isinstance(overrides, str):
+        try:
+            overrides = json.loads(overrides)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"hf_overrides: invalid JSON: {e}") from None
+    if not isinstance(overrides, dict):
+        raise ValueError(f"hf_overrides: expected a dict, got {type(overrides).__name__}")
+
+    def merge(target: Any, updates: dict) -> None:
+        for key, value in updates.items():
+            cur = target.get(key) if isinstance(target, dict) else getattr(target, key, None)
+            if isinstance(value, dict) and cur is not None and (isinstance(cur, dict) or hasattr(cur, "__dict__")):
+                merge(cur, value)
+            elif isinstance(target, dict):
+                target[key] = value
+            else:
+                setattr(target, key, value)
+
+    merge(hf_config, overrides)
+    return hf_config
+
+
 @dataclass
 class EngineArgs:
     """Every engine setting (offline ``LLM(...)`` keywords and ``pagedllm serve`` flags).
@@ -79,10 +120,26 @@ class EngineArgs:
             (CUDA only; used when kv_cache_memory is not given).
         attention_backend: "torch" | "triton" | "flashinfer" | None (CPU: torch, CUDA: triton;
             also PAGEDLLM_ATTENTION_BACKEND).
+        hf_overrides: a dict (or JSON object string) merged into the model's HF config after
+            loading, before the model is built (vLLM ``--hf-overrides``; e.g.
+            ``{"is_matryoshka": true}``), or a callable taking and returning the config.
         quantization: quantization of the linear layers and LM head after loading: None,
             "int8" (weight-only, per-channel symmetric), "int4" (weight-only, group-wise, group
             32) or "w8a8" (int8 per-channel weights and dynamic per-token int8 activations);
             CPU only (see pagedllm.quantization and docs/performance.md "Low-bit weights").
+        structured_outputs_config: dict of structured-output settings (vLLM's
+            ``--structured-outputs-config``): ``backend`` ("auto" | "xgrammar" | "guidance"),
+            ``disable_fallback``, ``disable_any_whitespace``, ``disable_additional_properties``,
+            ``grammar_cache_size`` (compiled grammars kept, default 256), ``compile_threads``
+            (default 2); see ``pagedllm.structured_output.config``.
+        tensor_parallel_size: ranks each layer is split across (attention heads, MLP, vocab).
+        pipeline_parallel_size: stages the layers are split across (contiguous ranges).
+        data_parallel_size: independent engine replicas behind one server (each with
+            ``tensor_parallel_size x pipeline_parallel_size`` ranks).
+        data_parallel_rank: this replica's index (set by the data-parallel front end).
+        distributed_executor_backend: "uni" (one process, no IPC), "mp" (one spawned process
+            per rank, ``torch.distributed`` gloo on CPU / NCCL on CUDA) or "ray" (one Ray actor
+            per rank, placement groups; multi-node). None = "uni" for one rank, else "mp".
         speculative_config: speculative decoding, vLLM's ``speculative_config`` (a dict, a JSON
             string or a ``pagedllm.spec_decode.config.SpeculativeConfig``): ``{"method": "ngram",
             "num_speculative_tokens": 4, ...}``; None = off.
@@ -115,6 +172,18 @@ class EngineArgs:
     gpu_memory_utilization: float = 0.9
     attention_backend: Optional[str] = None
     quantization: Optional[str] = None
+    structured_outputs_config: Optional[dict] = None
+    hf_overrides: Optional[Any] = None
+    tensor_parallel_size: int = 1
+    pipeline_parallel_size: int = 1
+    data_parallel_size: int = 1
+    data_parallel_rank: int = 0
+    distributed_executor_backend: Optional[str] = None
+
+    @property
+    def world_size(self) -> int:
+        """Ranks of one engine replica: ``tensor_parallel_size * pipeline_parallel_size``."""
+        return self.tensor_parallel_size * self.pipeline_parallel_size
     speculative_config: Optional[Any] = None
 
     @classmethod

@@ -15,6 +15,8 @@ import logging
 from dataclasses import dataclass, field, fields
 from typing import Any, Optional
 
+from pagedllm.structured_output.params import StructuredOutputsParams  # noqa: F401 (re-exported)
+
 logger = logging.getLogger(__name__)
 
 # Temperatures below this are greedy (argmax) sampling (vLLM ``_SAMPLING_EPS``).
@@ -105,6 +107,8 @@ class SamplingParams:
         logit_bias: {token_id: bias} added to the logits; str keys (JSON) become int and
             values are clamped to [-100, 100].
         allowed_token_ids: if set (non-empty), only these tokens can be sampled.
+        structured_outputs: a StructuredOutputsParams (or its dict): the output is constrained
+            to a JSON schema, regex, choice or grammar (see ``pagedllm.structured_output``).
         extra_args: free-form dict for extensions, not interpreted.
     """
 
@@ -134,6 +138,7 @@ class SamplingParams:
     logit_bias: Optional[dict[int, float]] = None
     allowed_token_ids: Optional[list[int]] = None
     extra_args: Optional[dict[str, Any]] = None
+    structured_outputs: Optional[StructuredOutputsParams] = None
 
     # Derived state (not constructor arguments).
     output_text_buffer_length: int = field(default=0, init=False, repr=False)
@@ -211,6 +216,9 @@ class SamplingParams:
                 self.allowed_token_ids = list(self.allowed_token_ids)
             except TypeError:
                 raise ValueError("allowed_token_ids must be a list of token ids.") from None
+
+        if isinstance(self.structured_outputs, dict):
+            self.structured_outputs = StructuredOutputsParams.from_dict(self.structured_outputs)
 
         # Characters held back from streaming so a stop string is never half-shown.
         if self.stop and not self.include_stop_str_in_output:
@@ -307,6 +315,9 @@ class SamplingParams:
                 f"output_kind must be a RequestOutputKind, got {self.output_kind!r}.")
         if self.extra_args is not None and not isinstance(self.extra_args, dict):
             raise ValueError("extra_args must be a dict or None.")
+        if self.structured_outputs is not None and not isinstance(self.structured_outputs,
+                                                                  StructuredOutputsParams):
+            raise ValueError("structured_outputs must be a StructuredOutputsParams, a dict or None.")
 
     def _apply_greedy(self) -> None:
         if self.temperature < _SAMPLING_EPS:
@@ -480,7 +491,8 @@ class SamplingParams:
             f"output_kind={self.output_kind.name}, "
             f"logit_bias={self.logit_bias}, "
             f"allowed_token_ids={self.allowed_token_ids}, "
-            f"extra_args={self.extra_args})")
+            f"extra_args={self.extra_args}, "
+            f"structured_outputs={self.structured_outputs})")
 
 
 # Record which constructor arguments were passed explicitly, so that

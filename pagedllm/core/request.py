@@ -14,6 +14,9 @@ from typing import Any, Optional
 class RequestStatus(enum.IntEnum):
     """Life cycle of a request inside the engine core."""
 
+    # Waiting for its grammar to compile (structured outputs; vLLM's WAITING_FOR_FSM).
+    # NOTE: below WAITING so that "finished" stays "above PREEMPTED".
+    WAITING_FOR_FSM = -1
     WAITING = 0
     RUNNING = 1
     PREEMPTED = 2
@@ -59,6 +62,10 @@ class Request:
         stop_reason: the token id that stopped the request (int), or None.
         arrival_time: ``time.time()`` seconds when the request reached the core.
         priority: lower value is served first (FCFS within the same value).
+        structured_output_request: the request's grammar state (structured outputs) or None.
+            The scheduler calls only ``is_ready()`` (compiled, or failed), ``error()`` (the
+            compile error or None), ``accept_tokens(list[int]) -> bool`` and ``is_terminated()``
+            (see ``pagedllm.structured_output.request``); the engine core sets it.
         max_tokens / min_tokens / stop_token_ids / ignore_eos: the stop settings the scheduler
             checks every token, read once from ``sampling_params`` here (``stop_token_ids``
             as a frozenset, or None when empty); ``max_tokens`` 0 and the rest off for pooling.
@@ -93,6 +100,7 @@ class Request:
         self.spec_token_ids: list[int] = []
         self.stop_reason: Optional[int | str] = None
         self.first_scheduled_time: Optional[float] = None
+        self.structured_output_request: Any = None
         if sampling_params is not None:
             self.max_tokens = sampling_params.max_tokens
         else:

@@ -49,12 +49,19 @@ class SchedulerOutput:
         total_num_scheduled_tokens: sum of ``num_tokens`` over ``scheduled`` (<= token budget).
         finished_req_ids: ids finished or aborted since the last step (runner frees their state).
         preempted_req_ids: ids preempted in this step (their blocks were freed).
+        structured_output_request_ids: req_id -> row of ``grammar_bitmask``, for the requests
+            with a grammar that sample a token this step (``is_last_chunk``).
+        grammar_bitmask: int32 ``[len(structured_output_request_ids), ceil(vocab / 32)]`` (a
+            torch tensor on the CPU; bit j of word w set = token 32w+j allowed), filled by the
+            engine core after ``schedule()``; None when no row is constrained.
     """
 
     scheduled: list[ScheduledRequest] = field(default_factory=list)
     total_num_scheduled_tokens: int = 0
     finished_req_ids: set[str] = field(default_factory=set)
     preempted_req_ids: set[str] = field(default_factory=set)
+    structured_output_request_ids: dict[str, int] = field(default_factory=dict)
+    grammar_bitmask: Any = None
 
     @property
     def is_empty(self) -> bool:

@@ -17,9 +17,15 @@ token budget counts them; drafts that do not fit the budget (or ``max_model_len`
 ``max_tokens``) are dropped. ``update_from_output`` rolls ``num_computed_tokens`` back over the
 rejected drafts (their KV slots are rewritten by the next step; block tables only grow and the
 prefix cache only hashes blocks of verified tokens, ``Request.all_token_ids``).
+
+Structured outputs: a request with a grammar (``Request.structured_output_request``) waits
+as WAITING_FOR_FSM, skipped by admission (others go ahead), until its grammar has compiled;
+one whose grammar failed is finished ("abort"). Each sampled token advances its matcher, and
+a grammar that has ended finishes the request ("stop").
 """
 from __future__ import annotations
 
+import logging
 import os
 import time
 from collections import deque
@@ -30,6 +36,8 @@ from pagedllm.core.request import Request, RequestStatus
 from pagedllm.core.sched_output import (EngineCoreOutput, ModelRunnerOutput, ScheduledRequest,
                                         SchedulerOutput)
 from pagedllm.core.spec_decode_stats import SpecDecodingStats
+
+logger = logging.getLogger("pagedllm")
 
 
 class Scheduler:
@@ -78,6 +86,9 @@ class Scheduler:
         self.num_lookahead_tokens = num_lookahead_tokens
         self.spec_stats: Optional[SpecDecodingStats] = (
             SpecDecodingStats(num_spec_tokens) if num_spec_tokens > 0 else None)
+        # Outputs of requests finished inside schedule() (a grammar that failed to compile),
+        # returned by the next update_from_output().
+        self._pending_outputs: list[EngineCoreOutput] = []
 
     # ---- bookkeeping ---------------------------------------------------------------
 
@@ -106,6 +117,10 @@ class Scheduler:
     def has_unfinished_requests(self) -> bool:
         return bool(self.running or self.waiting)
 
+    def num_waiting_for_fsm(self) -> int:
+        """Waiting requests whose grammar is still compiling."""
+        return sum(1 for r in self.waiting if r.status == RequestStatus.WAITING_FOR_FSM)
+
     def has_finished_requests(self) -> bool:
         """True when finished ids still have to reach the runner through a schedule()."""
         return bool(self.finished_req_ids)
@@ -117,10 +132,12 @@ class Scheduler:
         return self.kv_cache_manager.reset_prefix_cache()
 
     def add_request(self, request: Request) -> None:
-        """Queue a new request (status WAITING). Raises ValueError on a duplicate id."""
+        """Queue a new request (status WAITING, or WAITING_FOR_FSM with a grammar). Raises
+        ValueError on a duplicate id."""
         if request.request_id in self.requests:
             raise ValueError(f"duplicate request id {request.request_id!r}")
-        request.status = RequestStatus.WAITING
+        request.status = (RequestStatus.WAITING if request.structured_output_request is None
+                          else RequestStatus.WAITING_FOR_FSM)
         self.requests[request.request_id] = request
         self.waiting.append(request)
 
@@ -184,7 +201,12 @@ class Scheduler:
             req = running[i]
             computed = req.num_computed_tokens
             if req.spec_token_ids:
-                self._trim_drafts(req)
+                # NOTE: a grammar's bitmask covers one position per step; drafts would need one
+                # per draft (matcher advance + rollback), so constrained requests do not speculate.
+                if req.structured_output_request is not None:
+                    req.spec_token_ids = []
+                else:
+                    self._trim_drafts(req)
             # min(_cap(num_tokens_with_spec - computed), budget, max_model_len - computed)
             num_new = len(req.all_token_ids) + len(req.spec_token_ids) - computed
             if 0 < threshold < num_new:
@@ -217,8 +239,20 @@ class Scheduler:
 
         # 2. Waiting requests, FCFS (not in a step that had to preempt: no thrashing).
         if not preempted:
+            skipped: list[Request] = []  # grammars still compiling: they keep their place
             while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
                 req = self.waiting[0]
+                if req.status == RequestStatus.WAITING_FOR_FSM:
+                    sor = req.structured_output_request
+                    if not sor.is_ready():
+                        skipped.append(self.waiting.popleft())
+                        continue
+                    err = sor.error()
+                    if err is not None:
+                        self.waiting.popleft()
+                        self._fail_request(req, err)
+                        continue
+                    req.status = RequestStatus.WAITING
                 hit_blocks, num_hit = mgr.get_computed_blocks(req)
                 req.num_computed_tokens = 0
                 num_new = min(self._cap(req.num_tokens - num_hit), budget)
@@ -234,6 +268,8 @@ class Scheduler:
                 self.running.append(req)
                 order.append((req, num_new, True))
                 budget -= num_new
+            if skipped:
+                self.waiting.extendleft(reversed(skipped))
 
         # 3. Emit and advance num_computed_tokens.
         out = SchedulerOutput(
@@ -243,6 +279,7 @@ class Scheduler:
         self.finished_req_ids = set()
         block_ids = mgr.req_to_block_ids
         scheduled_reqs = out.scheduled
+        grammar_rows = out.structured_output_request_ids
         total = 0
         for req, n, is_new in order:
             start = req.num_computed_tokens
@@ -256,6 +293,8 @@ class Scheduler:
                     spec = req.spec_token_ids
                 else:
                     req.spec_token_ids = []
+            if req.structured_output_request is not None and start + n >= len(tokens):
+                grammar_rows[req.request_id] = len(grammar_rows)
             scheduled_reqs.append(ScheduledRequest(
                 req_id=req.request_id,
                 token_ids=tokens,
@@ -287,7 +326,8 @@ class Scheduler:
             assert 0 <= req.num_computed_tokens <= req.num_tokens_with_spec, req
             assert len(mgr.req_to_blocks[req.request_id]) * mgr.block_size >= req.num_computed_tokens, req
         for req in self.waiting:
-            assert req.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED), req
+            assert req.status in (RequestStatus.WAITING, RequestStatus.WAITING_FOR_FSM,
+                                  RequestStatus.PREEMPTED), req
             assert req.num_computed_tokens == 0, req
         assert len(self.requests) == len(self.running) + len(self.waiting)
         if out is not None:
@@ -307,7 +347,8 @@ class Scheduler:
         logprobs, or finished. Requests finished via ``finish_requests`` while in
         flight are skipped.
         """
-        outputs: list[EngineCoreOutput] = []
+        outputs: list[EngineCoreOutput] = self._pending_outputs
+        self._pending_outputs = []
         any_finished = False
         requests = self.requests
         sampled = runner_output.sampled_token_ids
@@ -347,6 +388,9 @@ class Scheduler:
                     appended.append(tok)
                     if self._check_stop(req):
                         break
+                sor = req.structured_output_request
+                if sor is not None:
+                    self._advance_grammar(req, sor, appended)
             elif not prompt_lps:
                 continue
             lps = all_logprobs.get(req_id) if all_logprobs else None
@@ -383,6 +427,24 @@ class Scheduler:
             room = req.max_tokens - len(req.output_token_ids) - 1
             if room < len(req.spec_token_ids):
                 del req.spec_token_ids[max(room, 0):]
+
+    def _advance_grammar(self, req: Request, sor: Any, new_ids: list[int]) -> None:
+        """Advance the request's matcher over its new tokens; a token the grammar refuses (a
+        bug: the bitmask allowed it) aborts the request, an ended grammar stops it."""
+        if not sor.accept_tokens(new_ids):
+            logger.error("request %s: sampled token(s) %s are not allowed by its grammar; aborting it",
+                         req.request_id, new_ids)
+            req.status = RequestStatus.FINISHED_ABORTED
+        elif req.status == RequestStatus.RUNNING and sor.is_terminated():
+            req.status = RequestStatus.FINISHED_STOPPED
+
+    def _fail_request(self, req: Request, error: str) -> None:
+        """Finish a waiting request whose grammar could not be compiled ("abort")."""
+        logger.error("request %s: structured output grammar failed to compile: %s", req.request_id, error)
+        req.status = RequestStatus.FINISHED_ABORTED
+        self._free_request(req)
+        self._pending_outputs.append(EngineCoreOutput(
+            req_id=req.request_id, new_token_ids=[], finish_reason="abort"))
 
     def _check_stop(self, req: Request) -> bool:
         """Stop checks after appending one token, in order: stop_token_ids, EOS (both

@@ -124,6 +124,8 @@ class AsyncLLM:
         self.runner = args.runner
         self.default_sampling_params = dict(self.engine.default_sampling_params)
         self.kv_capacity_tokens = self.engine.core.kv_capacity_tokens
+        if self.engine.core.structured_output_manager is not None:
+            self.engine.core.structured_output_manager.prewarm()
         self.stat_loggers: list[Any] = []
         self._last_stats: dict = self.engine.core.get_scheduler_stats()
 
@@ -231,6 +233,8 @@ class AsyncLLM:
             for rid in ids:
                 self._queues[rid].put_nowait(e)
             self._queues.clear()
+            if getattr(eng.core.executor, "is_failed", False):
+                self._dead = e  # NOTE: a rank died, hung or failed: no step can run any more
             try:
                 eng.abort_request(ids)
             except Exception:
@@ -270,10 +274,19 @@ class AsyncLLM:
         """
         self._check_can_add(request_id)
         pp, params = self.engine.validate(prompt, sampling_params, strict_length=True,
-                                          add_special_tokens=add_special_tokens)
+                                          add_special_tokens=add_special_tokens, wait_for_grammar=False)
+        grammar = self.engine.grammar_future(params)
         q = self._add(request_id, pp, params)
         finished = False
         try:
+            if grammar is not None:
+                # NOTE: the request is already queued (it waits in the scheduler while its grammar
+                # compiles on the manager's threads); a compile error is raised here as the
+                # request's ValueError (HTTP 400) and the finally clause aborts it.
+                try:
+                    await asyncio.wrap_future(grammar)
+                except ValueError as e:
+                    raise params.structured_outputs.rename_error(e) from None
             while True:
                 item = await q.get()
                 if isinstance(item, BaseException):
@@ -341,9 +354,16 @@ class AsyncLLM:
         return self.engine.core.get_memory_stats()
 
     async def check_health(self) -> None:
+        """Raises ``EngineDeadError`` when the engine loop has died or a worker rank has died or
+        hangs (the message names the rank)."""
         if self._dead is not None or (self._thread is not None and not self._thread.is_alive()
                                       and not self._stop.is_set()):
             raise EngineDeadError(f"engine loop is dead: {self._dead!r}")
+        executor = self.engine.core.executor
+        try:
+            executor.check_health()
+        except Exception as e:
+            raise EngineDeadError(f"engine is dead: {e}") from None
 
     def shutdown(self) -> None:
         """Abort every request and stop the engine thread."""
@@ -355,3 +375,6 @@ class AsyncLLM:
         self._loop_known.set()
         if self._thread is not None and self._thread is not threading.current_thread():
             self._thread.join(timeout=10)
+        engine = getattr(self, "engine", None)
+        if engine is not None:
+            engine.shutdown()  # NOTE: stops worker processes / Ray actors

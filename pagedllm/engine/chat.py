@@ -34,6 +34,28 @@ def normalize_messages(messages: list[dict]) -> list[dict]:
     return out
 
 
+def map_developer_role(messages: list[dict], template: Optional[str]) -> list[dict]:
+    """OpenAI's ``developer`` role (what newer OpenAI models call the ``system`` message) as
+    ``system`` when the chat template does not mention it.
+
+    A template that does not know the role renders such a message as an unknown turn and, as
+    it then sees no system message, adds its default system prompt too (SmolLM2: 41 prompt
+    tokens for a developer message vs 19 for the same system message). Templates that name
+    ``developer`` (e.g. gpt-oss / harmony ones) get the messages unchanged.
+
+    Args:
+        messages: chat messages (dicts with a ``role``); not modified.
+        template: the Jinja source that will render them (None = unknown: no mapping).
+
+    Returns:
+        the messages, with ``developer`` roles replaced by ``system`` where needed.
+    """
+    if not template or "developer" in template:
+        return messages
+    return [dict(m, role="system") if isinstance(m, dict) and m.get("role") == "developer" else m
+            for m in messages]
+
+
 def apply_chat_template(tokenizer: Any, messages: list[dict], chat_template: Optional[str] = None,
                         add_generation_prompt: bool = True, continue_final_message: bool = False,
                         chat_template_kwargs: Optional[dict] = None) -> str:
@@ -54,6 +76,7 @@ def apply_chat_template(tokenizer: Any, messages: list[dict], chat_template: Opt
             "(or --chat-template) to use chat")
     if continue_final_message and add_generation_prompt:
         raise ValueError("continue_final_message: cannot be combined with add_generation_prompt=True")
+    messages = map_developer_role(messages, template)
     kwargs = dict(chat_template_kwargs or {})
     return tokenizer.apply_chat_template(
         messages, chat_template=template, tokenize=False, add_generation_prompt=add_generation_prompt,

@@ -1,26 +1,26 @@
-"""The engine core: load the model, size the KV cache, and run the step loop.
+"""The engine core: the scheduler, the KV block tables and the step loop, over an executor.
 
-``step()`` = ``scheduler.schedule()`` -> ``runner.execute()`` -> ``scheduler.update_from_output()``.
+``step()`` = ``scheduler.schedule()`` -> ``executor.execute_model()`` -> ``scheduler.update_from_output()``.
+The executor (``pagedllm.executor``) owns the workers that load the model and hold the KV cache;
+this module never touches a model, a loader or a kernel.
 """
 from __future__ import annotations
 
 import logging
 import time
-from typing import Optional
+from collections import deque
+from typing import Any, Optional
 
-import torch
-
-from pagedllm.config import DEFAULT_CPU_KV_CACHE_BYTES, EngineArgs, parse_bytes
+from pagedllm.config import EngineArgs
 from pagedllm.core.request import Request, RequestStatus
-from pagedllm.core.sched_output import EngineCoreOutput
+from pagedllm.core.sched_output import EngineCoreOutput, SchedulerOutput
 from pagedllm.metrics.memory import format_bytes as _fmt_bytes
-from pagedllm.platforms import default_num_threads, resolve_device, resolve_dtype, resolve_kv_cache_dtype
 
 logger = logging.getLogger("pagedllm")
 
 
 class EngineCore:
-    """Owns the model, KV cache, scheduler and runner.
+    """Owns the scheduler and KV cache manager, and the executor that runs the model.
 
     Args:
         args: EngineArgs.
@@ -33,99 +33,78 @@ class EngineCore:
     def __init__(self, args: EngineArgs) -> None:
         from pagedllm.core.kv_cache_manager import KVCacheManager
         from pagedllm.core.scheduler import Scheduler
-        from pagedllm.loader import load_model
-        from pagedllm.models.registry import get_model_class
-        from pagedllm.worker.model_runner import ModelRunner
+        from pagedllm.executor import Executor
 
         t0 = time.perf_counter()
         self.args = args
-        torch.set_num_threads(args.num_threads or default_num_threads())
-        torch.manual_seed(args.seed)
-        self.device = resolve_device(args.device)
-        self.dtype = resolve_dtype(args.dtype, self.device)
-        if self.device.type == "cpu":
-            from pagedllm.kernels.cpu_ops import install_cpu_allocator
-            install_cpu_allocator()  # before the weights and KV cache are allocated
         if args.block_size < 1:
             raise ValueError(f"block_size: must be >= 1, got {args.block_size}")
         if args.max_num_seqs < 1:
             raise ValueError(f"max_num_seqs: must be >= 1, got {args.max_num_seqs}")
         if args.max_num_batched_tokens < 1:
             raise ValueError(f"max_num_batched_tokens: must be >= 1, got {args.max_num_batched_tokens}")
-        self.kv_cache_dtype = resolve_kv_cache_dtype(args.kv_cache_dtype, self.dtype, self.device)
+        for name in ("tensor_parallel_size", "pipeline_parallel_size", "data_parallel_size"):
+            if int(getattr(args, name)) < 1:
+                raise ValueError(f"{name}: must be >= 1, got {getattr(args, name)}")
         from pagedllm.spec_decode.config import SpeculativeConfig
         self.spec_config = SpeculativeConfig.from_any(args.speculative_config)
-        if self.spec_config is not None and args.runner != "generate":
-            raise ValueError("speculative_config: only for runner='generate'")
-
-        loaded = load_model(args.model, dtype=self.dtype, tokenizer=args.tokenizer,
-                            ignore_patterns=args.ignore_patterns or None)
-        self.loaded = loaded
-        self.hf_config = loaded.hf_config
-        self.tokenizer = loaded.tokenizer
-        if args.runner not in ("generate", "pooling"):
-            raise ValueError(f"runner: must be 'generate' or 'pooling', got {args.runner!r}")
-        archs = list(getattr(self.hf_config, "architectures", None) or [])
-        if args.runner == "pooling":
-            # *ForSequenceClassification / bare *Model checkpoints load into the causal-LM body.
-            from pagedllm.pooling.adapters import pooling_architectures
-            archs = pooling_architectures(archs)
-        model_cls = get_model_class(archs)
-        with torch.device(self.device):
-            model = model_cls(self.hf_config, self.dtype)
-        weights = loaded.weights()
-        pool_head: dict = {}
-        if args.runner == "pooling":
-            from pagedllm.pooling.adapters import drop_lm_head, split_head_weights
-            drop_lm_head(model)
-            weights = split_head_weights(weights, pool_head)
-        if loaded.source == "hf":
-            from pagedllm.loader.hf_loader import check_checkpoint_files, safetensors_files
-            check_checkpoint_files(model, loaded.model_path,
-                                   safetensors_files(loaded.model_path, args.ignore_patterns or None),
-                                   skip_names=("score.weight", "score.bias") if args.runner == "pooling" else ())
+        if self.spec_config is not None:
+            if args.runner != "generate":
+                raise ValueError("speculative_config: only for runner='generate'")
+            if args.pipeline_parallel_size > 1:
+                # NOTE: a step's drafts come from the previous step's output, which pipelined
+                # steps in flight do not have yet.
+                raise ValueError("speculative_config: not supported with pipeline_parallel_size > 1")
+        executor_cls = Executor.get_class(args)
+        self.executor = executor_cls(args)
         try:
-            model.load_weights(weights)
-        except ValueError as e:
-            from pagedllm.loader.hf_loader import annotate_load_error
-            raise annotate_load_error(e, loaded, args.ignore_patterns or None, model_cls.__name__) from None
-        model.eval()
-        if args.quantization:
-            from pagedllm.quantization import quantize_model
-            qstats = quantize_model(model, args.quantization, quantize_lm_head=args.runner == "generate")
-            logger.info("pagedllm: quantization %s: %d linear layers, %s -> %s", args.quantization,
-                        qstats["num_linears"], _fmt_bytes(qstats["float_bytes"]), _fmt_bytes(qstats["quantized_bytes"]))
-        self.model = model
-        self.vocab_size = int(self.hf_config.vocab_size)
-        def resident_bytes() -> int:  # parameters and buffers
-            return sum(t.numel() * t.element_size() for t in (*model.parameters(), *model.buffers()))
+            self._init_cache(args, t0)
+        except BaseException:
+            self.executor.shutdown()
+            raise
+        self.kv_cache_manager = KVCacheManager(
+            num_blocks=self.num_blocks, block_size=args.block_size,
+            enable_caching=args.enable_prefix_caching,
+            hash_algo=args.prefix_caching_hash_algo, max_model_len=self.max_model_len)
+        sc = self.spec_config
+        self.scheduler = Scheduler(
+            max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+            max_model_len=self.max_model_len, kv_cache_manager=self.kv_cache_manager,
+            num_spec_tokens=sc.num_speculative_tokens if sc else 0,
+            num_lookahead_tokens=sc.num_lookahead_tokens if sc else 0)
+        self.structured_output_manager = None
+        if args.runner == "generate":
+            from pagedllm.structured_output.manager import StructuredOutputManager
+            # NOTE: cheap; a backend (tokenizer scan) is built on first use, off this thread.
+            self.structured_output_manager = StructuredOutputManager(
+                self.tokenizer, self.vocab_size, self.eos_token_id, args.structured_outputs_config)
+        # Steps in flight (pipeline parallelism): (SchedulerOutput, Future of its output).
+        self.batch_queue_size = self.executor.max_concurrent_batches
+        self._batch_queue: deque = deque()
 
-        weight_bytes = resident_bytes()
-        if self.device.type == "cpu" and self.dtype == torch.bfloat16:
-            from pagedllm.models.layers import prepack_cpu_linears
-            # NOTE: bf16 linears move to oneDNN's blocked layout and their dense copies are
-            # dropped; a tied LM head gets a packed copy beside the dense embedding table.
-            packed = prepack_cpu_linears(model, pack_head=args.runner == "generate")
-            weight_bytes = resident_bytes() + packed
-
-        # KV cache sizing from an explicit byte budget.
-        num_layers, num_kv_heads, head_dim = model.get_kv_cache_spec()
-        elem = torch.empty((), dtype=self.kv_cache_dtype).element_size()
-        bytes_per_token = 2 * num_layers * num_kv_heads * head_dim * elem
-        if args.kv_cache_memory is not None:
-            try:
-                kv_bytes = parse_bytes(args.kv_cache_memory)
-            except ValueError as e:
-                raise ValueError(f"kv_cache_memory: {e}") from None
-        elif self.device.type == "cuda":
-            kv_bytes = self._profile_gpu_kv_bytes(model, args)
-        else:
-            kv_bytes = DEFAULT_CPU_KV_CACHE_BYTES
-        num_blocks = int(kv_bytes // (bytes_per_token * args.block_size))
+    def _init_cache(self, args: EngineArgs, t0: float) -> None:
+        """Size the KV cache from every rank's budget and shape (the smallest fit wins), then
+        have the workers allocate it."""
+        info = self.executor.model_info
+        self.loaded = info.loaded
+        self.hf_config = info.loaded.hf_config
+        self.tokenizer = info.loaded.tokenizer
+        self.dtype, self.kv_cache_dtype, self.device = info.dtype, info.kv_cache_dtype, info.device
+        self.vocab_size = info.vocab_size
+        self.eos_token_id = info.eos_token_id
+        self.weight_bytes = info.weight_bytes
+        self.pooler = self.executor.get_pooler()
+        budgets = self.executor.determine_available_memory()
+        specs = self.executor.get_kv_cache_specs()
+        fits = [int(b // (s.bytes_per_token * args.block_size)) for b, s in zip(budgets, specs)]
+        num_blocks = min(fits)
+        rank = fits.index(num_blocks)
+        kv_bytes, bytes_per_token = budgets[rank], specs[rank].bytes_per_token
+        where = f" on rank {rank}" if len(fits) > 1 else ""
         if num_blocks < 2:
             raise ValueError(
                 f"kv_cache_memory: {kv_bytes} bytes hold {num_blocks} block(s) of {args.block_size} tokens "
-                f"({bytes_per_token * args.block_size} bytes each); need at least 2")
+                f"({bytes_per_token * args.block_size} bytes each){where}; need at least 2")
         # Block 0 is reserved by the block pool as a null block.
         capacity_tokens = (num_blocks - 1) * args.block_size
         model_ctx = int(getattr(self.hf_config, "max_position_embeddings", 0) or 0) or capacity_tokens
@@ -140,7 +119,7 @@ class EngineCore:
                     f"max_model_len: {max_model_len} exceeds the model's context length {model_ctx}")
             if max_model_len > capacity_tokens:
                 raise ValueError(
-                    f"max_model_len: {max_model_len} tokens do not fit in the KV cache "
+                    f"max_model_len: {max_model_len} tokens do not fit in the KV cache{where} "
                     f"({_fmt_bytes(kv_bytes)} holds {capacity_tokens} tokens at {bytes_per_token} bytes/token); "
                     f"use max_model_len <= {capacity_tokens} or kv_cache_memory >= "
                     f"{(-(-max_model_len // args.block_size) + 1) * args.block_size * bytes_per_token} bytes")
@@ -148,83 +127,38 @@ class EngineCore:
         self.num_blocks = num_blocks
         self.block_size = args.block_size
         self.kv_capacity_tokens = capacity_tokens
-
-        eos = getattr(self.tokenizer, "eos_token_id", None)
-        if eos is None:
-            eos = getattr(self.hf_config, "eos_token_id", None)
-        if isinstance(eos, (list, tuple)):
-            eos = eos[0] if eos else None
-        self.eos_token_id = eos
-
-        self.kv_cache_manager = KVCacheManager(
-            num_blocks=num_blocks, block_size=args.block_size,
-            enable_caching=args.enable_prefix_caching,
-            hash_algo=args.prefix_caching_hash_algo, max_model_len=max_model_len)
-        spec_decoder = None
-        if self.spec_config is not None:
-            from pagedllm.worker.spec_decoder import SpecDecoder, build_proposer
-            spec_decoder = SpecDecoder(self.spec_config, build_proposer(self.spec_config))
-        self.scheduler = Scheduler(
-            max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-            max_model_len=max_model_len, kv_cache_manager=self.kv_cache_manager,
-            num_spec_tokens=self.spec_config.num_speculative_tokens if self.spec_config else 0,
-            num_lookahead_tokens=spec_decoder.proposer.num_lookahead_tokens if spec_decoder else 0)
-        pooler = None
-        if args.runner == "pooling":
-            from pagedllm.pooling.pooler import build_pooler
-            pooler = build_pooler(args, self.hf_config, model, pool_head.get("weight"), pool_head.get("bias"))
-        self.pooler = pooler
-        from pagedllm.attention.selector import get_attn_backend
-        attn_impl = get_attn_backend(self.device, args.attention_backend)
-        self.runner = ModelRunner(model, num_blocks, args.block_size,
-                                  (num_layers, num_kv_heads, head_dim), self.dtype,
-                                  self.vocab_size, self.device, attn_impl=attn_impl, pooler=pooler,
-                                  eos_token_id=self.eos_token_id, kv_cache_dtype=self.kv_cache_dtype,
-                                  spec_decoder=spec_decoder, max_model_len=max_model_len)
-        if self.device.type != "cpu":
-            from pagedllm.models.layers import reserve_rope_tables
-            # NOTE: full-size rope tables now: no per-step position check (a device sync) and a
-            # fixed table address for the CUDA graphs.
-            reserve_rope_tables(model, max_model_len, self.device)
-        if self.device.type == "cuda" and not args.enforce_eager:
-            secs = self.runner.capture_cuda_graphs(args.max_num_seqs, max_model_len)
-            logger.info("pagedllm: captured decode CUDA graphs in %.2f s", secs)
+        self.executor.initialize(num_blocks, max_model_len)
         self.startup_seconds = time.perf_counter() - t0
+        ranks = f" x {len(fits)} ranks" if len(fits) > 1 else ""
         logger.info(
-            "pagedllm: model %s (%s, %s) loaded in %.2f s; weights %s; KV cache %s %s = %d blocks x %d tokens "
+            "pagedllm: model %s (%s, %s) loaded in %.2f s; weights %s%s; KV cache %s %s = %d blocks x %d tokens "
             "= %d tokens (%d bytes/token); max_model_len %d",
             args.model, self.hf_config.architectures[0], str(self.dtype).replace("torch.", ""),
-            self.startup_seconds, _fmt_bytes(weight_bytes), str(self.kv_cache_dtype).replace("torch.", ""),
+            self.startup_seconds, _fmt_bytes(self.weight_bytes), ranks,
+            str(self.kv_cache_dtype).replace("torch.", ""),
             _fmt_bytes(num_blocks * args.block_size * bytes_per_token),
             num_blocks, args.block_size, capacity_tokens, bytes_per_token, max_model_len)
-        self.weight_bytes = weight_bytes
 
-    def _profile_gpu_kv_bytes(self, model, args: EngineArgs) -> int:
-        """KV bytes on CUDA: ``gpu_memory_utilization`` x total memory minus weights and the peak
-        activations of a dummy forward over ``max_num_batched_tokens`` tokens (vLLM's method)."""
-        from pagedllm.attention.backend import ForwardContext, set_forward_context
-        from pagedllm.attention.torch_paged import TorchPagedAttention
+    # ------------------------------------------------------------------ in-process worker
+    @property
+    def model(self) -> Any:
+        """The model of the in-process worker (``distributed_executor_backend="uni"`` only)."""
+        return self._driver_worker().model
 
-        torch.cuda.empty_cache()
-        torch.cuda.reset_peak_memory_stats(self.device)
-        n = args.max_num_batched_tokens
-        ids = torch.zeros(n, dtype=torch.long, device=self.device)
-        pos = torch.arange(n, device=self.device)
-        with torch.inference_mode(), set_forward_context(
-                ForwardContext(None, [], TorchPagedAttention(use_cpu_kernel=False))):
-            hidden = model(ids, pos)
-            model.compute_logits(hidden[-min(n, args.max_num_seqs):])
-        torch.cuda.synchronize(self.device)
-        peak = torch.cuda.max_memory_allocated(self.device)
-        total = torch.cuda.get_device_properties(self.device).total_memory
-        kv = int(total * args.gpu_memory_utilization - peak)
-        logger.info("pagedllm: GPU memory %s total x %.2f; peak with weights + activations %s; KV cache %s",
-                    _fmt_bytes(total), args.gpu_memory_utilization, _fmt_bytes(peak), _fmt_bytes(max(kv, 0)))
-        if kv <= 0:
-            raise ValueError(
-                f"gpu_memory_utilization: {args.gpu_memory_utilization} leaves no memory for the KV cache "
-                f"(weights + activations peak at {_fmt_bytes(peak)} of {_fmt_bytes(total)})")
-        return kv
+    @property
+    def runner(self) -> Any:
+        """The model runner of the in-process worker ("uni" only)."""
+        return self._driver_worker().runner
+
+    def _driver_worker(self) -> Any:
+        w = getattr(self.executor, "driver_worker", None)
+        if w is None:
+            raise AttributeError(f"{type(self.executor).__name__} runs its workers in other processes")
+        return w
+
+    def shutdown(self) -> None:
+        """Stop the executor's workers (processes / actors); idempotent."""
+        self.executor.shutdown()
 
     # ------------------------------------------------------------------ requests
     def add_request(self, request: Request) -> None:
@@ -240,11 +174,45 @@ class EngineCore:
 
     def step(self) -> list[EngineCoreOutput]:
         """Schedule, run the model and update request states once."""
-        so = self.scheduler.schedule()
-        runner_out = self.runner.execute(so)
+        if self.batch_queue_size > 1:
+            return self._step_with_batch_queue()
+        so = self._schedule()
+        runner_out = self.executor.execute_model(so)
         if so.is_empty:
+            if self.scheduler.num_waiting_for_fsm():
+                # NOTE: only grammars still compiling: yield the CPU to the compile threads
+                # instead of spinning through empty steps.
+                time.sleep(0.002)
             return []
         return self.scheduler.update_from_output(so, runner_out)
+
+    def _schedule(self) -> SchedulerOutput:
+        """``scheduler.schedule()`` plus the step's grammar bitmask for constrained rows."""
+        so = self.scheduler.schedule()
+        if so.structured_output_request_ids:
+            reqs = self.scheduler.requests
+            so.grammar_bitmask = self.structured_output_manager.grammar_bitmask(
+                [reqs[rid].structured_output_request for rid in so.structured_output_request_ids])
+        return so
+
+    def _step_with_batch_queue(self) -> list[EngineCoreOutput]:
+        """Pipeline parallelism: keep up to ``batch_queue_size`` steps in flight so the stages
+        overlap. A new batch is scheduled while earlier ones run (the scheduler skips requests
+        whose tokens are all in flight); the oldest step's output is applied when the queue is
+        full or nothing new could be scheduled."""
+        q = self._batch_queue
+        scheduled = False
+        if len(q) < self.batch_queue_size:
+            so = self._schedule()
+            if not so.is_empty:
+                q.append((so, self.executor.execute_model(so, non_block=True)))
+                scheduled = True
+            elif so.finished_req_ids or so.preempted_req_ids:
+                self.executor.execute_model(so)  # NOTE: the workers drop finished requests' state
+        if not q or (scheduled and len(q) < self.batch_queue_size):
+            return []
+        so, fut = q.popleft()
+        return self.scheduler.update_from_output(so, fut.result())
 
     def reset_prefix_cache(self) -> bool:
         return self.kv_cache_manager.reset_prefix_cache()
@@ -258,19 +226,20 @@ class EngineCore:
             "num_preemptions_total": s.num_preemptions_total,
             "prefix_cache_queries": s.prefix_cache_queries,
             "prefix_cache_hits": s.prefix_cache_hits,
+            **(self.structured_output_manager.stats() if self.structured_output_manager else {}),
         }
 
     def get_memory_stats(self) -> dict:
-        """Process memory now, in bytes: ``resident_memory_bytes`` (RSS) and, on CPU with the
-        caching allocator installed, ``cpu_allocator_cached_bytes`` (free blocks kept for reuse,
-        bounded by its cap), ``cpu_allocator_live_bytes`` (blocks held by tensors) and
-        ``cpu_allocator_cache_limit_bytes`` (the cap)."""
-        from pagedllm.kernels.cpu_ops import cpu_allocator_stats
+        """Memory now, in bytes: ``resident_memory_bytes`` (RSS of this process plus that of the
+        executor's worker processes on this machine) and, where the workers run in this process,
+        the caching CPU allocator's ``cpu_allocator_cached_bytes`` (free blocks kept for reuse,
+        at most ``cpu_allocator_cache_limit_bytes``) and ``cpu_allocator_live_bytes``.
+
+        Reads ``/proc`` only (no call to the workers), so any thread may call it."""
         from pagedllm.metrics.memory import resident_memory_bytes
 
         out = {"resident_memory_bytes": resident_memory_bytes()}
-        a = cpu_allocator_stats() if self.device.type == "cpu" else {}
-        if a:
-            out.update(cpu_allocator_cached_bytes=a["cached_bytes"], cpu_allocator_live_bytes=a["live_bytes"],
-                       cpu_allocator_cache_limit_bytes=a["max_cached_bytes"])
+        extra = self.executor.get_memory_stats()
+        out["resident_memory_bytes"] += extra.pop("resident_memory_bytes", 0)
+        out.update(extra)
         return out

@@ -41,11 +41,13 @@ class InputProcessor:
 
     def process_prompt(self, prompt: Any, truncate_prompt_tokens: Optional[int] = None,
                        add_special_tokens: bool = True) -> ProcessedPrompt:
-        """Accept a string, ``{"prompt": str}`` or ``{"prompt_token_ids": [...]}``.
+        """Accept a string, a ``TextPrompt`` (``{"prompt": str}``) or a ``TokensPrompt``
+        (``{"prompt_token_ids": [...]}``), see ``pagedllm.inputs``.
 
         Raises:
-            ValueError: wrong type, empty prompt, token id outside ``[0, vocab_size)``, or a
-                prompt longer than ``max_model_len`` (the message gives both lengths).
+            ValueError: wrong type, a dict key pagedllm does not take (e.g. ``multi_modal_data``),
+                empty prompt, token id outside ``[0, vocab_size)``, or a prompt longer than
+                ``max_model_len`` (the message gives both lengths).
         """
         cache_salt = None
         text: Optional[str] = None
@@ -53,6 +55,11 @@ class InputProcessor:
             text = prompt
             ids = self.tokenize(prompt, add_special_tokens) if prompt else []
         elif isinstance(prompt, dict):
+            from pagedllm.inputs import PROMPT_KEYS
+            unknown = sorted(str(k) for k in prompt if k not in PROMPT_KEYS)
+            if unknown:
+                raise ValueError(f"prompt: unsupported key(s) {unknown} in a dict prompt; a TextPrompt / "
+                                 f"TokensPrompt takes {sorted(PROMPT_KEYS)}")
             cache_salt = prompt.get("cache_salt")
             if "prompt_token_ids" in prompt:
                 ids = prompt["prompt_token_ids"]

@@ -84,8 +84,13 @@ class LLMEngine:
         return str(next(self._ids))
 
     def validate(self, prompt: Any, params: Any, strict_length: bool = False,
-                 add_special_tokens: bool = True):
+                 add_special_tokens: bool = True, wait_for_grammar: bool = True):
         """Tokenize and validate one request without adding it.
+
+        A request with ``structured_outputs``: with ``wait_for_grammar`` its grammar is compiled
+        (on the manager's threads, or a cache hit) before this returns, so a constraint no backend
+        can compile raises here; without it, only the backend name is checked (the async front
+        end then starts and awaits ``grammar_future`` itself).
 
         Returns:
             (ProcessedPrompt, SamplingParams with max_tokens filled).
@@ -99,7 +104,30 @@ class LLMEngine:
         pp = self.input_processor.process_prompt(
             prompt, getattr(params, "truncate_prompt_tokens", None), add_special_tokens)
         params = self.input_processor.process_sampling_params(params, len(pp.prompt_token_ids), strict_length)
+        if params.structured_outputs is not None:
+            if wait_for_grammar:
+                try:
+                    self.grammar_future(params).result()
+                except ValueError as e:
+                    raise params.structured_outputs.rename_error(e) from None
+            elif self.core.structured_output_manager is not None:
+                self.core.structured_output_manager.resolve_backend(params.structured_outputs)
         return pp, params
+
+    def grammar_future(self, params: Any):
+        """The compile of ``params.structured_outputs`` (a ``concurrent.futures.Future`` whose
+        exception is a ValueError naming the field), or None without structured outputs.
+
+        Raises:
+            ValueError: an unknown backend name, or an engine that cannot constrain (pooling).
+        """
+        so = getattr(params, "structured_outputs", None)
+        if so is None:
+            return None
+        mgr = self.core.structured_output_manager
+        if mgr is None:
+            raise ValueError("structured_outputs: needs a generation model (runner='generate')")
+        return mgr.grammar_future(so)
 
     def add_processed_request(self, request_id: str, pp: Any, params: Any,
                               queue: Any = None, arrival_time: Optional[float] = None) -> None:
@@ -242,6 +270,10 @@ class LLMEngine:
     def has_unfinished_requests(self) -> bool:
         return self.core.has_unfinished_requests()
 
+    def shutdown(self) -> None:
+        """Stop the executor's worker processes / actors (idempotent)."""
+        self.core.shutdown()
+
     def _observe_finished(self, core_ids: list[str], reason: str) -> None:
         now = time.time()
         for rid in core_ids:
@@ -260,14 +292,22 @@ class LLMEngine:
         and ``pagedllm bench`` use it to show that nothing is kept per finished request.
         """
         core = self.core
-        sched, kv, runner = core.scheduler, core.kv_cache_manager, core.runner
-        return {
+        sched, kv = core.scheduler, core.kv_cache_manager
+        out = {
             "scheduler.requests": len(sched.requests),
             "scheduler.finished_req_ids": len(sched.finished_req_ids),
             "kv_cache_manager.req_to_blocks": len(kv.req_to_blocks),
-            "runner.generators": len(runner.generators),
-            "runner.pool_state": len(runner.pool_state),
-            "runner.input_batch": len(runner.input_batch.row_of),
+        }
+        try:
+            runner = core.runner
+        except AttributeError:  # workers in other processes: their state is theirs to count
+            runner = None
+        if runner is not None:
+            out.update({"runner.generators": len(runner.generators),
+                        "runner.pool_state": len(runner.pool_state),
+                        "runner.input_batch": len(runner.input_batch.row_of)})
+        return {
+            **out,
             "output_processor.request_states": len(self.output_processor.request_states),
             "output_processor.parent_requests": len(self.output_processor.parent_requests),
             "engine.req_stats": len(self._req_stats),
@@ -281,6 +321,9 @@ class LLMEngine:
         total = self.core.scheduler.num_preemptions_total
         it.num_preempted = total - self._preemptions_seen
         self._preemptions_seen = total
+        mgr = self.core.structured_output_manager
+        if mgr is not None:
+            it.grammar_compile_seconds = mgr.pop_compile_seconds()
         self._iter_stats = IterationStats()
         return it
 

@@ -104,10 +104,15 @@ def _engine_kwargs(args: argparse.Namespace) -> dict:
         kw["quantization"] = args.quantization
     if getattr(args, "kv_cache_dtype", None):
         kw["kv_cache_dtype"] = args.kv_cache_dtype
+    for name in ("tensor_parallel_size", "pipeline_parallel_size", "distributed_executor_backend"):
+        if getattr(args, name, None):
+            kw[name] = getattr(args, name)
     return kw
 
 
 def _common(p: argparse.ArgumentParser) -> None:
+    from pagedllm.entrypoints.openai.cli_args import parse_bytes
+
     p.add_argument("model", nargs="?", default="SmolLM2-135M-Instruct")
     p.add_argument("--dtype", default="auto")
     p.add_argument("--quantization", default=None, choices=["int8", "int4", "w8a8"],
@@ -118,9 +123,13 @@ def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-num-seqs", type=int, default=128)
     p.add_argument("--max-num-batched-tokens", type=int, default=2048)
     p.add_argument("--max-model-len", type=int, default=None)
-    p.add_argument("--kv-cache-memory", type=float, default=None, help="bytes")
+    p.add_argument("--kv-cache-memory", type=parse_bytes, default=None,
+                   help="KV cache budget in bytes; accepts suffixes like 2GiB, 512MiB, 1.5G (as serve)")
     p.add_argument("--no-enable-prefix-caching", action="store_true")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--tensor-parallel-size", "-tp", type=int, default=None)
+    p.add_argument("--pipeline-parallel-size", "-pp", type=int, default=None)
+    p.add_argument("--distributed-executor-backend", default=None, choices=["uni", "mp", "ray"])
     p.add_argument("--json", action="store_true", help="print results as JSON")
     p.add_argument("--output-json", default=None, help="also write results to this file")
 
@@ -355,7 +364,7 @@ def run_embed(args: argparse.Namespace) -> dict:
     kw = _engine_kwargs(args)
     kw.pop("enable_prefix_caching", None)
     llm = LLM(args.model, runner="pooling", convert="embed",
-              pooler_config={"pooling_type": args.pooling_type, "normalize": True}, **kw)
+              pooler_config={"pooling_type": args.pooling_type, "use_activation": True}, **kw)
     prompts = builtin_workload(llm.get_tokenizer(), args.num_prompts, args.input_len_min, args.input_len_max,
                                args.seed)
     inputs = [{"prompt_token_ids": p} for p in prompts]

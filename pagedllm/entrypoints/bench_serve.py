@@ -2,6 +2,8 @@
 
 Sends a workload of streamed /v1/completions requests to a running server and reports
 request/token throughput and TTFT / TPOT / ITL statistics in ms, printed like vLLM's.
+``--json-schema`` puts a JSON schema (structured outputs) on a share of the requests
+(``--structured-output-ratio``) and counts how many outputs parse and validate.
 """
 from __future__ import annotations
 
@@ -46,6 +48,36 @@ def random_prompts(num: int, input_len: int, seed: int) -> list[str]:
     return [" ".join(rng.choice(_WORDS) for _ in range(max(1, input_len))) for _ in range(num)]
 
 
+# ``--json-schema builtin``: 20 properties (the size the compile-time target is stated for).
+# NOTE: no string maxLength: xgrammar compiles each bounded string for ~1 s (measured), which is
+# a grammar-library cost, not a serving one.
+BUILTIN_SCHEMA: dict[str, Any] = {
+    "type": "object",
+    "properties": {
+        **{f"name_{i}": {"type": "string"} for i in range(5)},
+        **{f"count_{i}": {"type": "integer", "minimum": 0} for i in range(5)},
+        **{f"flag_{i}": {"type": "boolean"} for i in range(5)},
+        **{f"kind_{i}": {"enum": ["alpha", "beta", "gamma", "delta"]} for i in range(4)},
+        "tags": {"type": "array", "items": {"type": "string"}, "maxItems": 4},
+    },
+}
+BUILTIN_SCHEMA["required"] = list(BUILTIN_SCHEMA["properties"])
+
+
+def load_json_schema(value: Optional[str]) -> Optional[dict[str, Any]]:
+    """``--json-schema``: None, ``builtin``, a path to a JSON file, or inline JSON."""
+    if value is None:
+        return None
+    if value == "builtin":
+        return BUILTIN_SCHEMA
+    import os
+    text = open(value, encoding="utf-8").read() if os.path.isfile(value) else value
+    schema = json.loads(text)
+    if not isinstance(schema, dict):
+        raise ValueError(f"--json-schema: expected a JSON object, got {type(schema).__name__}")
+    return schema
+
+
 @dataclass
 class RequestResult:
     success: bool = False
@@ -56,6 +88,8 @@ class RequestResult:
     itl: list[float] = field(default_factory=list)
     generated_text: str = ""
     error: str = ""
+    finish_reason: Optional[str] = None
+    constrained: bool = False
 
 
 async def _one_request(client, url: str, payload: dict, headers: dict,
@@ -88,6 +122,7 @@ async def _one_request(client, url: str, payload: dict, headers: dict,
                 if obj.get("choices"):
                     c0 = obj["choices"][0]
                     text = c0.get("text") or (c0.get("delta") or {}).get("content") or ""
+                    res.finish_reason = c0.get("finish_reason") or res.finish_reason
                     if chunks == 0:
                         res.ttft = now - st
                     else:
@@ -240,7 +275,26 @@ def compute_metrics(results: list[RequestResult], duration: float) -> dict[str, 
     m["ttfts"] = [r.ttft for r in results]
     m["itls"] = [r.itl for r in results]
     m["errors"] = [r.error for r in results]
+    constrained = [r for r in ok if r.constrained]
+    if constrained:
+        m["structured_outputs"] = len(constrained)
+        m["structured_outputs_stopped"] = sum(r.finish_reason == "stop" for r in constrained)
     return m
+
+
+def count_valid_json(results: list[RequestResult], schema: dict[str, Any]) -> int:
+    """Constrained outputs that finished ("stop") and validate against ``schema``."""
+    import jsonschema
+
+    n = 0
+    for r in results:
+        if r.success and r.constrained and r.finish_reason == "stop":
+            try:
+                jsonschema.validate(json.loads(r.generated_text), schema)
+            except (ValueError, jsonschema.ValidationError):
+                continue
+            n += 1
+    return n
 
 
 def format_results(m: dict[str, Any], max_concurrency: Optional[int], request_rate: float) -> str:
@@ -260,6 +314,11 @@ def format_results(m: dict[str, Any], max_concurrency: Optional[int], request_ra
     rowf("Request throughput (req/s):", m["request_throughput"])
     rowf("Output token throughput (tok/s):", m["output_throughput"])
     rowf("Total Token throughput (tok/s):", m["total_token_throughput"])
+    if "structured_outputs" in m:
+        row("Structured-output requests:", m["structured_outputs"])
+        row("  finished by the grammar (stop):", m["structured_outputs_stopped"])
+        if "structured_outputs_valid" in m:
+            row("  of those valid (jsonschema):", m["structured_outputs_valid"])
     for key, title, header in (("ttft", "TTFT", "Time to First Token"),
                                ("tpot", "TPOT", "Time per Output Token (excl. 1st token)"),
                                ("itl", "ITL", "Inter-token Latency")):
@@ -317,6 +376,11 @@ def add_bench_serve_args(parser: argparse.ArgumentParser) -> argparse.ArgumentPa
                         help="Print the result as JSON instead of the table.")
     parser.add_argument("--result-file", default=None,
                         help="Also write the full result (incl. per-request data) as JSON here.")
+    parser.add_argument("--json-schema", default=None,
+                        help="Constrain requests to this JSON schema (structured outputs): 'builtin' "
+                             "(20 properties), a path to a JSON file, or inline JSON.")
+    parser.add_argument("--structured-output-ratio", type=float, default=1.0,
+                        help="With --json-schema: the share of requests that carry it (default: 1).")
     parser.add_argument("--disable-tqdm", action="store_true", help="(accepted for vLLM compat)")
     return parser
 
@@ -347,22 +411,33 @@ async def benchmark(args: argparse.Namespace) -> dict[str, Any]:
         sem = asyncio.Semaphore(args.max_concurrency) if args.max_concurrency else None
         rng = random.Random(args.seed)
 
-        async def run(item: tuple[str, dict, bool]) -> RequestResult:
+        schema = load_json_schema(getattr(args, "json_schema", None))
+        ratio = getattr(args, "structured_output_ratio", 1.0)
+        # Which requests carry the schema: evenly spread, ratio of them.
+        constrained = [schema is not None and int((i + 1) * ratio) > int(i * ratio)
+                       for i in range(len(work))]
+
+        async def run(item: tuple[str, dict, bool], constrain: bool) -> RequestResult:
             endpoint, body, abort_first = item
             payload = dict(body, model=model)
             if payload.get("stream"):
                 payload["stream_options"] = {"include_usage": True}
             if args.ignore_eos:
                 payload["ignore_eos"] = True
+            if constrain:
+                payload["structured_outputs"] = {"json": schema}
             if sem is None:
-                return await _one_request(client, base + endpoint, payload, headers, abort_first)
-            async with sem:
-                return await _one_request(client, base + endpoint, payload, headers, abort_first)
+                res = await _one_request(client, base + endpoint, payload, headers, abort_first)
+            else:
+                async with sem:
+                    res = await _one_request(client, base + endpoint, payload, headers, abort_first)
+            res.constrained = constrain
+            return res
 
-        async def send(items: list) -> list[RequestResult]:
+        async def send(lo: int, hi: int) -> list[RequestResult]:
             tasks = []
-            for item in items:
-                tasks.append(asyncio.ensure_future(run(item)))
+            for i in range(lo, hi):
+                tasks.append(asyncio.ensure_future(run(work[i], constrained[i])))
                 if args.request_rate != float("inf") and args.request_rate > 0:
                     theta = 1.0 / (args.request_rate * args.burstiness)
                     await asyncio.sleep(rng.gammavariate(args.burstiness, theta))
@@ -381,7 +456,7 @@ async def benchmark(args: argparse.Namespace) -> dict[str, Any]:
         memory: list[tuple[int, Optional[int]]] = []
         prev = 0
         for cut in cuts + ([len(work)] if not cuts or cuts[-1] != len(work) else []):
-            results += await send(work[prev:cut])
+            results += await send(prev, cut)
             prev = cut
             if n_samples and cut >= warm:
                 memory.append((cut, await _resident_memory(client, base, headers)))
@@ -394,6 +469,11 @@ async def benchmark(args: argparse.Namespace) -> dict[str, Any]:
             m["resident_memory_after_warmup_bytes"] = first
             m["resident_memory_end_bytes"] = last
             m["resident_memory_growth_ratio"] = last / first - 1.0
+    if schema is not None and m.get("structured_outputs"):
+        try:
+            m["structured_outputs_valid"] = count_valid_json(list(results), schema)
+        except ImportError:  # jsonschema is a dev dependency
+            pass
     rate = args.request_rate if math.isfinite(args.request_rate) else "inf"
     m.update(model_id=model, num_prompts=args.num_prompts, request_rate=rate,
              max_concurrency=args.max_concurrency, burstiness=args.burstiness,

@@ -5,9 +5,8 @@ import dataclasses
 from typing import Any, Optional, Sequence, Union
 
 from pagedllm.config import EngineArgs
+from pagedllm.inputs import PromptType
 from pagedllm.outputs import RequestOutput
-
-PromptType = Union[str, dict]
 
 
 class LLM:
@@ -35,7 +34,17 @@ class LLM:
         if "pooler_config" in kwargs and dataclasses.is_dataclass(kwargs["pooler_config"]):
             kwargs["pooler_config"] = dataclasses.asdict(kwargs["pooler_config"])
         self.engine_args = EngineArgs(model=model, **kwargs)
+        if self.engine_args.data_parallel_size != 1:
+            raise ValueError(
+                f"data_parallel_size: {self.engine_args.data_parallel_size} replicas are served by "
+                f"`pagedllm serve --data-parallel-size N` (one endpoint, least-loaded routing); offline, "
+                f"run one LLM per replica (as vLLM's offline data-parallel example does)")
         self.llm_engine = LLMEngine(self.engine_args)
+
+    def shutdown(self) -> None:
+        """Stop the worker processes / Ray actors of a multi-rank engine (idempotent; also done
+        when the process exits)."""
+        self.llm_engine.shutdown()
 
     def get_tokenizer(self):
         return self.llm_engine.tokenizer
@@ -49,7 +58,8 @@ class LLM:
         """Generate completions for ``prompts``, all submitted together (continuous batching).
 
         Args:
-            prompts: a string, a ``{"prompt_token_ids": [...]}`` dict, or a list of those.
+            prompts: a string, a ``TextPrompt`` / ``TokensPrompt`` (``pagedllm.inputs``; plain dicts
+                with the same keys), or a list of those.
             sampling_params: one SamplingParams for all prompts, or a list (one per prompt);
                 None = the model's defaults.
             use_tqdm: show a progress bar.
@@ -100,14 +110,15 @@ class LLM:
         """Pooled outputs of a pooling model (``runner="pooling"``), in input order.
 
         Args:
-            prompts: a string, a ``{"prompt_token_ids": [...]}`` dict (used exactly as given), or
-                a list of those.
+            prompts: a string, a ``TextPrompt``, a ``TokensPrompt`` (ids used exactly as given), or
+                a list of those (``pagedllm.inputs``).
             pooling_params: one PoolingParams for all prompts, or a list (one per prompt).
             truncate_prompt_tokens: keep only the last k tokens (-1 = max_model_len); None = an
                 input over max_model_len is an error.
             use_tqdm: show a progress bar.
             pooling_task: "encode" (default: the raw pooled hidden state, or a classifier's raw
-                logits), "embed", "classify" or "score".
+                logits), "embed", "classify", "score", "token_embed" (every token's hidden state,
+                ``[T, hidden]``) or "token_classify" (every token's class probabilities).
 
         Returns:
             one PoolingRequestOutput per prompt (``outputs.data``: float32 tensor).
@@ -121,7 +132,8 @@ class LLM:
     def embed(self, prompts: Union[PromptType, Sequence[PromptType]], pooling_params: Any = None,
               *, truncate_prompt_tokens: Optional[int] = None, use_tqdm: bool = True) -> list:
         """Embeddings (``outputs.embedding``: list of floats; L2-normalized unless
-        ``normalize=False``; Matryoshka ``dimensions``), in input order. See ``encode``."""
+        ``use_activation=False`` in the PoolingParams or the PoolerConfig; Matryoshka
+        ``dimensions``), in input order. See ``encode``."""
         return self._pool(prompts, pooling_params, "embed", truncate_prompt_tokens, use_tqdm)
 
     def classify(self, prompts: Union[PromptType, Sequence[PromptType]], pooling_params: Any = None,
@@ -162,8 +174,6 @@ class LLM:
             raise ValueError(f"score: text_1 has {len(q)} inputs and text_2 {len(d)}; give one text_1, "
                              "or as many as text_2")
         if pooler.task == "embed":
-            if pooling_params is not None and getattr(pooling_params, "use_activation", None) is not None:
-                raise ValueError("score: use_activation applies to cross-encoder (classify) models only")
             uniq: list = []
             index: dict = {}
             for x in q + d:
@@ -188,6 +198,10 @@ class LLM:
         if isinstance(a, str) and isinstance(b, str):
             ids = list(self.llm_engine.tokenizer(a, b)["input_ids"])
             return {"prompt_token_ids": ids, "prompt": None}
+        a = a["prompt"] if isinstance(a, dict) and "prompt_token_ids" not in a and "prompt" in a else a
+        b = b["prompt"] if isinstance(b, dict) and "prompt_token_ids" not in b and "prompt" in b else b
+        if isinstance(a, str) and isinstance(b, str):  # TextPrompts: the same pair encoding
+            return self._pair_prompt(a, b, truncate_prompt_tokens)
         ids = []
         for x in (a, b):
             if isinstance(x, dict) and "prompt_token_ids" in x:
@@ -195,7 +209,7 @@ class LLM:
             elif isinstance(x, str):
                 ids.extend(self.llm_engine.tokenizer.encode(x, add_special_tokens=False))
             else:
-                raise ValueError(f"score: inputs must be strings or {{'prompt_token_ids': [...]}}, got {x!r}")
+                raise ValueError(f"score: inputs must be strings, TextPrompts or TokensPrompts, got {x!r}")
         return {"prompt_token_ids": ids}
 
     def _pool(self, prompts: Any, pooling_params: Any, task: str, truncate_prompt_tokens: Optional[int],

@@ -63,6 +63,7 @@ def load_model(
     dtype: torch.dtype = torch.float32,
     tokenizer: str | None = None,
     ignore_patterns: list[str] | None = None,
+    load_tokenizer: bool = True,
 ) -> LoadedModel:
     """Resolve `model` (known name, .gguf path or HF directory) and load its config and tokenizer; weights are
     read lazily when `LoadedModel.weights()` is iterated.
@@ -70,9 +71,11 @@ def load_model(
     dtype: floating dtype of the yielded weights (GGUF tensors are dequantized to float32 first).
     tokenizer: optional tokenizer source (HF directory / name or .gguf file) overriding the model's own.
     ignore_patterns: fnmatch patterns of safetensors file names to skip (HF directories only).
+    load_tokenizer: False leaves `tokenizer` None (a tensor/pipeline-parallel rank that never detokenizes).
     Raises ValueError for unknown names, unsupported GGUF architectures, or HF directories lacking config.json /
     safetensors.
     """
+    want_tokenizer = load_tokenizer  # NOTE: before the import below rebinds the name
     from .tokenizer import load_tokenizer
 
     path = resolve_model_path(model)
@@ -81,7 +84,7 @@ def load_model(
 
         files = check_hf_dir(path, ignore_patterns)
         config = load_hf_config(path)
-        tok = load_tokenizer(tokenizer or path)
+        tok = load_tokenizer(tokenizer or path) if want_tokenizer else None
         return LoadedModel(
             hf_config=config,
             weights=lambda: iter_safetensors_weights(files, dtype),
@@ -96,7 +99,7 @@ def load_model(
 
     gf = GGUFFile(path)
     config = gguf_config(gf)
-    tok = load_tokenizer(tokenizer or path)
+    tok = load_tokenizer(tokenizer or path) if want_tokenizer else None
     return LoadedModel(
         hf_config=config,
         weights=lambda: iter_gguf_weights(gf, config, dtype),

@@ -1,18 +1,29 @@
-"""Prometheus metrics with vLLM's names (``vllm:`` -> ``pagedllm:``).
+"""Prometheus metrics with vLLM's names, under the prefix ``pagedllm:`` (default) or ``vllm:``
+(``pagedllm serve --metrics-prefix vllm``: existing vLLM dashboards work unchanged).
 
 Each ``PrometheusStatLogger`` owns its own ``CollectorRegistry`` so several servers/engines in
-one process never collide. Exposed names (Prometheus adds ``_total`` to counters):
+one process never collide. Exposed names (Prometheus adds ``_total`` to counters), ``P`` being
+the prefix:
 
-gauges     pagedllm:num_requests_running, pagedllm:num_requests_waiting,
-           pagedllm:kv_cache_usage_perc, pagedllm:cpu_allocator_cached_bytes,
-           pagedllm:cpu_allocator_live_bytes, pagedllm:cpu_allocator_cache_limit_bytes
-           (and prometheus_client's process_* metrics: process_resident_memory_bytes, ...)
-counters   pagedllm:prompt_tokens_total, pagedllm:generation_tokens_total,
-           pagedllm:request_success_total{finished_reason}, pagedllm:num_preemptions_total,
-           pagedllm:prefix_cache_queries_total, pagedllm:prefix_cache_hits_total
-histograms pagedllm:time_to_first_token_seconds, pagedllm:inter_token_latency_seconds,
-           pagedllm:e2e_request_latency_seconds, pagedllm:request_queue_time_seconds,
-           pagedllm:request_prompt_tokens, pagedllm:request_generation_tokens
+gauges     P:num_requests_running, P:num_requests_waiting, P:kv_cache_usage_perc,
+           P:cpu_allocator_cached_bytes, P:cpu_allocator_live_bytes,
+           P:cpu_allocator_cache_limit_bytes (and prometheus_client's process_* metrics:
+           process_resident_memory_bytes, ...), P:structured_output_cache_entries (compiled
+           grammars held; at most P:structured_output_cache_capacity)
+counters   P:prompt_tokens_total, P:generation_tokens_total,
+           P:request_success_total{finished_reason}, P:num_preemptions_total,
+           P:prefix_cache_queries_total, P:prefix_cache_hits_total,
+           P:structured_output_cache_queries_total, P:structured_output_cache_hits_total,
+           P:structured_output_compile_failures_total
+histograms P:time_to_first_token_seconds, P:inter_token_latency_seconds,
+           P:e2e_request_latency_seconds, P:request_queue_time_seconds,
+           P:request_prefill_time_seconds, P:request_decode_time_seconds,
+           P:request_inference_time_seconds, P:request_prompt_tokens,
+           P:request_generation_tokens, P:request_max_num_generation_tokens,
+           P:structured_output_compile_seconds (one observation per grammar compiled)
+With the ``vllm`` prefix, also vLLM's deprecated names that its example Grafana dashboard
+(examples/online_serving/prometheus_grafana/grafana.json) still reads: vllm:gpu_cache_usage_perc
+(= kv_cache_usage_perc) and vllm:time_per_output_token_seconds (= inter_token_latency_seconds).
 All carry the label ``model_name``.
 """
 from __future__ import annotations
@@ -32,6 +43,9 @@ ITL_BUCKETS = [0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.
 REQUEST_LATENCY_BUCKETS = [0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0,
                            50.0, 60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0]
 FINISH_REASONS = ("stop", "length", "abort")
+GRAMMAR_COMPILE_BUCKETS = [0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0,
+                           10.0, 30.0]
+METRICS_PREFIXES = ("pagedllm", "vllm")
 
 
 def _token_buckets(max_model_len: int) -> list[float]:
@@ -53,12 +67,24 @@ class PrometheusStatLogger:
     PREFIX = "pagedllm:"
 
     def __init__(self, model_name: str = "", max_model_len: int = 2048,
-                 registry: Optional[CollectorRegistry] = None):
+                 registry: Optional[CollectorRegistry] = None, prefix: str = "pagedllm"):
+        """Args:
+            model_name: the ``model_name`` label value.
+            max_model_len: upper end of the token-count histograms' buckets.
+            registry: the registry to use (default: a private one).
+            prefix: "pagedllm" or "vllm" (the metric names' prefix, without the colon).
+
+        Raises:
+            ValueError: an unknown prefix.
+        """
+        if prefix not in METRICS_PREFIXES:
+            raise ValueError(f"metrics prefix: must be one of {METRICS_PREFIXES}, got {prefix!r}")
         self.registry = registry if registry is not None else CollectorRegistry(auto_describe=True)
         self.model_name = model_name
         self._lock = threading.Lock()
         self._adapt = SchedulerStatsAdapter()
-        p = self.PREFIX
+        self.prefix = prefix
+        p = prefix + ":"
         labels = ["model_name"]
         reg = self.registry
         self.gauge_running = Gauge(p + "num_requests_running",
@@ -123,6 +149,59 @@ class PrometheusStatLogger:
         self.hist_req_gen = Histogram(p + "request_generation_tokens",
                                       "Number of generation tokens processed.", labels,
                                       buckets=tok_buckets, registry=reg).labels(model_name)
+        self.hist_max_gen = Histogram(p + "request_max_num_generation_tokens",
+                                      "Histogram of maximum number of requested generation tokens.",
+                                      labels, buckets=tok_buckets, registry=reg).labels(model_name)
+        self.hist_prefill = Histogram(p + "request_prefill_time_seconds",
+                                      "Histogram of time spent in PREFILL phase for request.",
+                                      labels, buckets=REQUEST_LATENCY_BUCKETS, registry=reg).labels(model_name)
+        self.hist_decode = Histogram(p + "request_decode_time_seconds",
+                                     "Histogram of time spent in DECODE phase for request.",
+                                     labels, buckets=REQUEST_LATENCY_BUCKETS, registry=reg).labels(model_name)
+        self.hist_inference = Histogram(p + "request_inference_time_seconds",
+                                        "Histogram of time spent in RUNNING phase for request.",
+                                        labels, buckets=REQUEST_LATENCY_BUCKETS, registry=reg).labels(model_name)
+        # vLLM's deprecated names, still read by its example Grafana dashboard.
+        self.gauge_gpu_cache = self.hist_tpot = None
+        if prefix == "vllm":
+            self.gauge_gpu_cache = Gauge(p + "gpu_cache_usage_perc",
+                                         "GPU KV-cache usage. 1 means 100 percent usage (deprecated: "
+                                         "use vllm:kv_cache_usage_perc).",
+                                         labels, registry=reg).labels(model_name)
+            self.hist_tpot = Histogram(p + "time_per_output_token_seconds",
+                                       "Histogram of time per output token in seconds (deprecated: "
+                                       "use vllm:inter_token_latency_seconds).",
+                                       labels, buckets=ITL_BUCKETS, registry=reg).labels(model_name)
+        self.counter_so_queries = Counter(
+            p + "structured_output_cache_queries",
+            "Compiled-grammar cache lookups by structured-output requests.",
+            labels, registry=reg).labels(model_name)
+        self.counter_so_hits = Counter(
+            p + "structured_output_cache_hits",
+            "Structured-output requests whose grammar was already compiled (cache hits).",
+            labels, registry=reg).labels(model_name)
+        self.counter_so_failures = Counter(
+            p + "structured_output_compile_failures",
+            "Structured-output constraints no grammar backend could compile.",
+            labels, registry=reg).labels(model_name)
+        self.gauge_so_entries = Gauge(p + "structured_output_cache_entries",
+                                      "Compiled grammars held in the cache.",
+                                      labels, registry=reg).labels(model_name)
+        self.gauge_so_capacity = Gauge(p + "structured_output_cache_capacity",
+                                       "Most compiled grammars the cache holds (LRU bound).",
+                                       labels, registry=reg).labels(model_name)
+        self.hist_grammar_compile = Histogram(
+            p + "structured_output_compile_seconds",
+            "Histogram of structured-output grammar compile time in seconds.",
+            labels, buckets=GRAMMAR_COMPILE_BUCKETS, registry=reg).labels(model_name)
+
+    def set_scheduler_gauges(self, num_running: int, num_waiting: int, kv_cache_usage: float) -> None:
+        """Set the request-count and KV-cache-usage gauges (and their deprecated aliases)."""
+        self.gauge_running.set(num_running)
+        self.gauge_waiting.set(num_waiting)
+        self.gauge_kv_usage.set(kv_cache_usage)
+        if self.gauge_gpu_cache is not None:
+            self.gauge_gpu_cache.set(kv_cache_usage)
 
     def record(self, scheduler_stats: Optional[SchedulerStats],
                iteration_stats: Optional[IterationStats]) -> None:
@@ -134,13 +213,13 @@ class PrometheusStatLogger:
             if iteration_stats is None and preempt:
                 self.counter_preemptions.inc(preempt)
             if scheduler_stats is not None:
-                self.gauge_running.set(scheduler_stats.num_running_reqs)
-                self.gauge_waiting.set(scheduler_stats.num_waiting_reqs)
-                self.gauge_kv_usage.set(scheduler_stats.kv_cache_usage)
+                self.set_scheduler_gauges(scheduler_stats.num_running_reqs, scheduler_stats.num_waiting_reqs,
+                                          scheduler_stats.kv_cache_usage)
                 if scheduler_stats.prefix_cache_queries > 0:
                     self.counter_prefix_queries.inc(scheduler_stats.prefix_cache_queries)
                 if scheduler_stats.prefix_cache_hits > 0:
                     self.counter_prefix_hits.inc(scheduler_stats.prefix_cache_hits)
+                self._record_structured_output(scheduler_stats)
             if iteration_stats is None:
                 return
             if iteration_stats.num_preempted > 0:
@@ -149,10 +228,14 @@ class PrometheusStatLogger:
                 self.counter_prompt_tokens.inc(iteration_stats.num_prompt_tokens)
             if iteration_stats.num_generation_tokens > 0:
                 self.counter_generation_tokens.inc(iteration_stats.num_generation_tokens)
+            for t in iteration_stats.grammar_compile_seconds:
+                self.hist_grammar_compile.observe(t)
             for t in iteration_stats.time_to_first_tokens_iter:
                 self.hist_ttft.observe(t)
             for t in iteration_stats.inter_token_latencies_iter:
                 self.hist_itl.observe(t)
+                if self.hist_tpot is not None:
+                    self.hist_tpot.observe(t)
             for fr in iteration_stats.finished_requests:
                 c = self.counter_success.get(fr.finish_reason)
                 if c is None:
@@ -163,6 +246,12 @@ class PrometheusStatLogger:
                 self.hist_queue.observe(fr.queue_time)
                 self.hist_req_prompt.observe(fr.num_prompt_tokens)
                 self.hist_req_gen.observe(fr.num_generation_tokens)
+                # NOTE: one finished request per sample (n > 1 fans out), so the "max over the
+                # request's samples" that vLLM records is each sample's own count here.
+                self.hist_max_gen.observe(fr.num_generation_tokens)
+                self.hist_prefill.observe(fr.prefill_time)
+                self.hist_decode.observe(fr.decode_time)
+                self.hist_inference.observe(fr.inference_time)
 
     def record_memory(self, stats: dict) -> None:
         """Set the memory gauges from ``get_memory_stats()`` (keys absent = allocator not
@@ -170,6 +259,16 @@ class PrometheusStatLogger:
         for key, g in self.gauge_memory.items():
             if key in stats:
                 g.set(stats[key])
+
+    def _record_structured_output(self, st: SchedulerStats) -> None:
+        if st.structured_output_cache_queries > 0:
+            self.counter_so_queries.inc(st.structured_output_cache_queries)
+        if st.structured_output_cache_hits > 0:
+            self.counter_so_hits.inc(st.structured_output_cache_hits)
+        if st.structured_output_compile_failures > 0:
+            self.counter_so_failures.inc(st.structured_output_compile_failures)
+        self.gauge_so_entries.set(st.structured_output_cache_entries)
+        self.gauge_so_capacity.set(st.structured_output_cache_capacity)
 
     def log(self) -> None:  # stat-logger interface; Prometheus is pull-based
         pass

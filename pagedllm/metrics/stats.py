@@ -26,6 +26,11 @@ class SchedulerStats:
         prefix_cache_queries: prompt tokens looked up in the prefix cache during this step
             (a delta, not a running total).
         prefix_cache_hits: of those, tokens found in the cache (delta).
+        structured_output_cache_queries / structured_output_cache_hits: grammar-cache lookups
+            by constrained requests, and of those the hits (deltas).
+        structured_output_compile_failures: constraints no backend could compile (delta).
+        structured_output_cache_entries: compiled grammars held (snapshot; bounded by
+            ``structured_output_cache_capacity``).
     """
 
     num_running_reqs: int = 0
@@ -33,6 +38,11 @@ class SchedulerStats:
     kv_cache_usage: float = 0.0
     prefix_cache_queries: int = 0
     prefix_cache_hits: int = 0
+    structured_output_cache_queries: int = 0
+    structured_output_cache_hits: int = 0
+    structured_output_compile_failures: int = 0
+    structured_output_cache_entries: int = 0
+    structured_output_cache_capacity: int = 0
 
     @classmethod
     def from_totals(cls, stats: dict, prev: Optional[dict] = None) -> "SchedulerStats":
@@ -44,6 +54,11 @@ class SchedulerStats:
             kv_cache_usage=float(stats.get("kv_cache_usage", 0.0)),
             prefix_cache_queries=_delta(stats, prev, "prefix_cache_queries"),
             prefix_cache_hits=_delta(stats, prev, "prefix_cache_hits"),
+            structured_output_cache_queries=_delta(stats, prev, "structured_output_cache_queries"),
+            structured_output_cache_hits=_delta(stats, prev, "structured_output_cache_hits"),
+            structured_output_compile_failures=_delta(stats, prev, "structured_output_compile_failures"),
+            structured_output_cache_entries=int(stats.get("structured_output_cache_entries", 0)),
+            structured_output_cache_capacity=int(stats.get("structured_output_cache_capacity", 0)),
         )
 
 
@@ -84,6 +99,9 @@ class FinishedRequestStats:
         e2e_latency: seconds from arrival to finish.
         queue_time: seconds from arrival to first being scheduled.
         num_prompt_tokens / num_generation_tokens: token counts of the request (all samples).
+        prefill_time: seconds from first being scheduled to the first output token.
+        decode_time: seconds from the first output token to finish.
+        inference_time: seconds from first being scheduled to finish (prefill + decode).
     """
 
     finish_reason: str
@@ -91,6 +109,9 @@ class FinishedRequestStats:
     queue_time: float = 0.0
     num_prompt_tokens: int = 0
     num_generation_tokens: int = 0
+    prefill_time: float = 0.0
+    decode_time: float = 0.0
+    inference_time: float = 0.0
 
 
 @dataclass
@@ -106,6 +127,8 @@ class IterationStats:
             non-first token this step.
         finished_requests: requests that finished in this step.
         num_preempted: requests preempted in this step.
+        grammar_compile_seconds: durations of the structured-output grammar compiles that
+            finished since the previous step.
     """
 
     iteration_timestamp: float = field(default_factory=time.time)
@@ -115,6 +138,7 @@ class IterationStats:
     inter_token_latencies_iter: list[float] = field(default_factory=list)
     finished_requests: list[FinishedRequestStats] = field(default_factory=list)
     num_preempted: int = 0
+    grammar_compile_seconds: list[float] = field(default_factory=list)
 
 
 @dataclass
@@ -171,10 +195,14 @@ class RequestStateStats:
         if finished_reason is not None:
             self.finished = True
             sched = first_scheduled_time if first_scheduled_time is not None else now
+            first = self.first_token_time if self.first_token_time is not None else now
             iteration_stats.finished_requests.append(FinishedRequestStats(
                 finish_reason=str(finished_reason),
                 e2e_latency=max(0.0, now - arrival_time),
                 queue_time=max(0.0, sched - arrival_time),
                 num_prompt_tokens=self.num_prompt_tokens,
                 num_generation_tokens=self.num_generation_tokens,
+                prefill_time=max(0.0, first - sched),
+                decode_time=max(0.0, now - first),
+                inference_time=max(0.0, now - sched),
             ))

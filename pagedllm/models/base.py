@@ -97,6 +97,8 @@ class CausalLM(nn.Module):
                 checkpoint did not provide.
         """
         params = dict(self.named_parameters())
+        # NOTE: set by pipeline-parallel sharding: tensors of other stages' layers are skipped.
+        keep = getattr(self, "weight_name_filter", None)  # canonical name -> bool
         loaded: set[str] = set()
         shards: dict[str, set] = {}
         unexpected: list[str] = []
@@ -106,6 +108,8 @@ class CausalLM(nn.Module):
                 continue
             if name == "lm_head.weight" and self.lm_head is None:
                 continue  # NOTE: tied: the head is the embedding (HF state dicts list both)
+            if keep is not None and not keep(name):
+                continue
             shard = None
             for ckpt, (fused, sid) in self.packed_modules_mapping.items():
                 if f".{ckpt}." in name:
@@ -121,6 +125,9 @@ class CausalLM(nn.Module):
                     shards.setdefault(name, set()).add(shard)
                     if shards[name] == set(param.shard_ids):
                         loaded.add(name)
+                elif getattr(param, "weight_loader", None) is not None:
+                    param.weight_loader(param, tensor.to(param.dtype))  # e.g. a tensor-parallel slice
+                    loaded.add(name)
                 else:
                     if tensor.shape != param.shape:
                         raise ValueError(f"{orig}: checkpoint shape {tuple(tensor.shape)} != "

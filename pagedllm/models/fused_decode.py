@@ -108,6 +108,8 @@ class FusedDecode:
 
         layers = getattr(model, "layers", None)
         norm = getattr(model, "norm", None)
+        if getattr(model, "disable_fused_decode", False):  # NOTE: set by tensor/pipeline sharding
+            return None
         if not layers or not isinstance(norm, RMSNorm) or norm.gemma or norm.quantize_output:
             return None
         # NOTE: the kind is read off the first projection before the C++ kernels are asked for:

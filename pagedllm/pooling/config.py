@@ -14,13 +14,15 @@ class PoolerConfig:
     Attributes:
         pooling_type: "LAST" (final token), "MEAN" (average over every token), "CLS" (first token)
             or "ALL" (every token's hidden state). None = the task's default (LAST for causal LMs).
-        normalize: L2-normalize embeddings (default True for embed).
-        use_activation: apply the classifier's activation (softmax, or sigmoid for one label)
-            for classify/score (default True).
+        use_activation: the output activation of every task (vLLM's one switch): L2
+            normalisation for embed / token_embed, softmax (sigmoid for one label) for classify /
+            score / token_classify. None = True. A request's own ``use_activation`` wins.
         dimensions: default Matryoshka truncation for embeddings.
+        normalize, softmax, activation: deprecated aliases of ``use_activation`` (folded into it
+            with a warning, then reset to None).
 
     Raises:
-        ValueError: unknown pooling_type.
+        ValueError: unknown pooling_type, a bad dimensions, or contradicting aliases.
     """
 
     pooling_type: Optional[str] = None
@@ -36,11 +38,14 @@ class PoolerConfig:
             if self.pooling_type not in POOLING_TYPES:
                 raise ValueError(f"pooler_config.pooling_type: must be one of {POOLING_TYPES}, "
                                  f"got {self.pooling_type!r}")
-        if self.use_activation is None:
-            # vLLM's older names for the same switch.
-            for alias in (self.activation, self.softmax):
-                if alias is not None:
-                    self.use_activation = alias
+        from pagedllm.pooling_params import resolve_use_activation
+
+        if self.use_activation is not None and not isinstance(self.use_activation, bool):
+            raise ValueError(f"pooler_config.use_activation: must be a bool, got {self.use_activation!r}")
+        self.use_activation = resolve_use_activation(
+            self.use_activation, "pooler_config.", normalize=self.normalize, softmax=self.softmax,
+            activation=self.activation)
+        self.normalize = self.softmax = self.activation = None
         if self.dimensions is not None and self.dimensions < 1:
             raise ValueError(f"pooler_config.dimensions: must be >= 1, got {self.dimensions}")
 

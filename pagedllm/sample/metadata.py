@@ -52,6 +52,9 @@ class SamplingMetadata:
             set to -inf this step, or None.
         logit_bias: (rows, cols, values) tensors to add to the logits, or None.
         vocab_size: the model's vocabulary size.
+        grammar_bitmask: ``(rows int64 [M], bitmask int32 [M, ceil(vocab_size / 32)])``: row
+            ``rows[i]`` may only sample the tokens set in ``bitmask[i]`` (structured outputs;
+            see ``pagedllm.sample.bitmask``), or None.
     """
 
     temperature: torch.Tensor
@@ -75,6 +78,7 @@ class SamplingMetadata:
     min_tokens_mask: Optional[tuple[torch.Tensor, torch.Tensor]] = None
     logit_bias: Optional[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = None
     vocab_size: int = 0
+    grammar_bitmask: Optional[tuple[torch.Tensor, torch.Tensor]] = None
 
     @property
     def num_rows(self) -> int:

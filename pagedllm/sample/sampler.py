@@ -5,7 +5,10 @@ Per step, on float32 logits ``[N, V]`` (row i = request i of the SamplingMetadat
 1. Logprobs (if any row asked) are taken from the RAW model distribution,
    ``log_softmax(logits)`` before any of the steps below (vLLM's default
    ``logprobs_mode="raw_logprobs"``).
-2. ``allowed_token_ids``: every other token is set to -inf.
+2. Grammar bitmask (structured outputs): tokens the row's grammar does not allow next are
+   set to -inf (before everything below, so penalties, temperature and top-k/p renormalize
+   over the allowed tokens only: sampling stays exact).
+   ``allowed_token_ids``: every other token is set to -inf.
 3. ``bad_words``: the last token of a bad-word sequence is set to -inf when the
    preceding tokens of that sequence match the tail of the output.
 4. ``min_tokens``: EOS and stop tokens are set to -inf while the output is shorter.
@@ -28,6 +31,7 @@ from typing import Optional
 
 import torch
 
+from pagedllm.sample.bitmask import apply_token_bitmask
 from pagedllm.sample.logprobs import compute_prompt_logprobs, gather_logprobs
 from pagedllm.sample.metadata import SamplingMetadata, _pad_2d
 from pagedllm.sampling_params import _SAMPLING_EPS
@@ -85,7 +89,8 @@ class Sampler:
         # batch with no logits processing only reads the logits: no copy.)
         mutates = (not meta.all_greedy or meta.allowed_token_ids_mask is not None
                    or bool(meta.bad_words_token_ids) or meta.min_tokens_mask is not None
-                   or meta.logit_bias is not None or not meta.no_penalties)
+                   or meta.logit_bias is not None or not meta.no_penalties
+                   or meta.grammar_bitmask is not None)
         logits = logits.to(torch.float32, copy=mutates)
 
         logits = self.apply_logits_processors(logits, meta)
@@ -101,6 +106,8 @@ class Sampler:
     def apply_logits_processors(self, logits: torch.Tensor,
                                 meta: SamplingMetadata) -> torch.Tensor:
         """Steps 2-6 (in place on ``logits``, which is returned)."""
+        if meta.grammar_bitmask is not None:
+            apply_token_bitmask(logits, *meta.grammar_bitmask)
         if meta.allowed_token_ids_mask is not None:
             logits.masked_fill_(meta.allowed_token_ids_mask, _NEG_INF)
         if meta.bad_words_token_ids:

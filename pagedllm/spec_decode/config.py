@@ -114,6 +114,12 @@ class SpeculativeConfig:
     def uses_model(self) -> bool:
         return self.method in MODEL_METHODS
 
+    @property
+    def num_lookahead_tokens(self) -> int:
+        """KV slots past a decoding request's scheduled tokens that the proposer writes (a draft
+        model's own drafts: ``k``); 0 for token-only proposers."""
+        return self.num_speculative_tokens if self.method in ("draft_model", "eagle", "eagle3") else 0
+
     @classmethod
     def from_any(cls, value: Any) -> Optional["SpeculativeConfig"]:
         """A SpeculativeConfig from a dict, a JSON string (``--speculative-config``), an

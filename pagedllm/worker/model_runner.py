@@ -204,14 +204,15 @@ class ModelRunner:
                 hidden = self.model(input_ids.to(self.device), positions.to(self.device))
 
         gen_rows = [i for i, r in enumerate(reqs) if r.sampling_params is not None and r.is_last_chunk]
+        grammar = (so.structured_output_request_ids, so.grammar_bitmask)
         if sd is not None:
             # Requests with drafts: verified (rejection sampler); the rest sample below.
             rest = sd.verify(self, reqs, gen_rows, rows, hidden, qsl, out) if gen_rows else []
             if rest:
-                self._sample(reqs, rest, rows, hidden, qsl, out)
+                self._sample(reqs, rest, rows, hidden, qsl, out, grammar=grammar)
             sd.propose(reqs, hidden, qsl, out, self.max_model_len)
         elif gen_rows:
-            self._sample(reqs, gen_rows, rows, hidden, qsl, out)
+            self._sample(reqs, gen_rows, rows, hidden, qsl, out, grammar=grammar)
         if batch.wants_prompt_logprobs[rows].any():
             for i, r in enumerate(reqs):
                 sp = r.sampling_params
@@ -227,7 +228,8 @@ class ModelRunner:
         return out
 
     def _sample(self, reqs: list[ScheduledRequest], sel_idx: list[int], rows: np.ndarray,
-                hidden: torch.Tensor, qsl: np.ndarray, out: ModelRunnerOutput) -> None:
+                hidden: torch.Tensor, qsl: np.ndarray, out: ModelRunnerOutput,
+                grammar: Optional[tuple[dict[str, int], Any]] = None) -> None:
         """Sample one token for each ``reqs[i]``, ``i`` in ``sel_idx``, into ``out``.
 
         Args:
@@ -236,13 +238,17 @@ class ModelRunner:
             rows: int64 ``[B]`` input-batch row of every request.
             hidden: ``[T, hidden]`` hidden states of the step's tokens.
             qsl: int64 ``[B + 1]`` query start offsets (token ``qsl[i + 1] - 1`` is request i's last).
+            grammar: ``(SchedulerOutput.structured_output_request_ids, .grammar_bitmask)``.
         """
         if len(sel_idx) == hidden.shape[0] and hidden.is_contiguous():
             # Every token is the last of a sampling request (decode-only step): no gather.
             h = hidden
         else:
             h = hidden[torch.from_numpy(qsl[1:][sel_idx] - 1)]
-        logits = self.model.compute_logits(h).float()
+        logits = self.model.compute_logits(h)
+        if logits is None:  # NOTE: a tensor/pipeline-parallel rank that does not sample
+            return
+        logits = logits.float()
         sel = [reqs[i] for i in sel_idx]
         meta = self.input_batch.sampling_metadata(rows[sel_idx], self.device)
         if meta is None:
@@ -255,6 +261,8 @@ class ModelRunner:
                 eos_token_ids=[self.eos_token_id] * len(sel),
                 device=self.device,
             )
+        if grammar is not None and grammar[1] is not None:
+            meta.grammar_bitmask = _grammar_rows(sel, grammar[0], grammar[1], self.device)
         so = self.sampler(logits, meta)
         sampled = so.sampled_token_ids.tolist()
         out.sampled_token_ids.update(zip([r.req_id for r in sel], [[t] for t in sampled]))
@@ -279,7 +287,10 @@ class ModelRunner:
         n_rows = min(e, P - 1) - s
         entries: list[Any] = [None] if s == 0 else []
         if n_rows > 0:
-            logits = self.model.compute_logits(h[:n_rows]).float()
+            logits = self.model.compute_logits(h[:n_rows])
+            if logits is None:  # a rank that does not sample
+                return
+            logits = logits.float()
             targets = torch.as_tensor(r.token_ids[s + 1:s + 1 + n_rows], dtype=torch.int64)
             k = r.sampling_params.prompt_logprobs
             ids, lps, ranks = compute_prompt_logprobs(logits, targets, k)
@@ -300,6 +311,26 @@ def _decodes_first(scheduled: list[ScheduledRequest]) -> list[ScheduledRequest]:
         elif seen_prefill:
             return sorted(scheduled, key=lambda r: r.num_tokens != 1)
     return scheduled
+
+
+def _grammar_rows(sel: list[ScheduledRequest], row_of: dict[str, int], bitmask: torch.Tensor,
+                  device: torch.device) -> Optional[tuple[torch.Tensor, torch.Tensor]]:
+    """``SamplingMetadata.grammar_bitmask`` for the sampled requests ``sel`` (logits row j =
+    ``sel[j]``) from the step's bitmask (row ``row_of[req_id]``), or None when none is
+    constrained."""
+    logit_rows: list[int] = []
+    mask_rows: list[int] = []
+    for j, r in enumerate(sel):
+        k = row_of.get(r.req_id)
+        if k is not None:
+            logit_rows.append(j)
+            mask_rows.append(k)
+    if not logit_rows:
+        return None
+    if mask_rows != list(range(bitmask.shape[0])):
+        bitmask = bitmask[torch.tensor(mask_rows, dtype=torch.int64)]
+    return (torch.tensor(logit_rows, dtype=torch.int64, device=device),
+            bitmask.to(device, non_blocking=True))
 
 
 def _prompt_if_needed(r: ScheduledRequest) -> list[int]:

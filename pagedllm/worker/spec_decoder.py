@@ -151,9 +151,10 @@ class SpecDecoder:
         if speculate:
             for r in reqs:
                 new = out.sampled_token_ids.get(r.req_id)
-                if not new or r.sampling_params is None:
-                    continue
                 sp = r.sampling_params
+                # NOTE: grammar-constrained requests do not speculate (see the scheduler).
+                if not new or sp is None or getattr(sp, "structured_outputs", None) is not None:
+                    continue
                 cap = self.k
                 if sp.max_tokens is not None:
                     cap = min(cap, sp.max_tokens - (len(r.token_ids) - r.prompt_len + len(new)) - 1)

@@ -74,6 +74,17 @@ def test_smollm2_chat_is_coherent(smollm2_llm):
     assert out[0].outputs[0].finish_reason == "stop"
 
 
+def test_smollm2_chat_developer_role_is_system(smollm2_llm):
+    """SmolLM2's template has no ``developer`` role: LLM.chat renders it as ``system`` (else the
+    template adds its default system prompt and an unknown turn: 40 prompt tokens, not 18)."""
+    def chat(role):
+        msgs = [{"role": role, "content": "Be brief."}, {"role": "user", "content": "Hi"}]
+        return smollm2_llm.chat(msgs, SamplingParams(temperature=0, max_tokens=8), use_tqdm=False)[0]
+    dev, sys_ = chat("developer"), chat("system")
+    assert dev.prompt_token_ids == sys_.prompt_token_ids and len(dev.prompt_token_ids) == 18
+    assert dev.outputs[0].token_ids == sys_.outputs[0].token_ids
+
+
 def test_bad_input_then_engine_still_serves(smollm2_llm, smollm2_refs):
     llm = smollm2_llm
     sp = SamplingParams(temperature=0, max_tokens=N_OUT)

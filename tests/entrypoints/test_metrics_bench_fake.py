@@ -142,3 +142,23 @@ def test_mixed_workload_is_deterministic_and_covers_every_kind():
     assert any(not body["stream"] for _, body, _ in a)
     assert any(len(body.get("prompt", "")) > 4000 for _, body, _ in a)
     assert any("seed" in body for _, body, _ in a) and any(body.get("logprobs") == 5 for _, body, _ in a)
+
+
+def test_bench_serve_json_schema_on_a_share_of_requests():
+    from pagedllm.entrypoints.bench_serve import BUILTIN_SCHEMA
+    engine = FakeAsyncLLM(max_model_len=256)
+    app = build_app(engine, argparse.Namespace(disable_log_requests=True, disable_log_stats=True))
+    args = add_bench_serve_args(argparse.ArgumentParser()).parse_args(
+        ["--num-prompts", "6", "--max-tokens", "4", "--input-len", "8", "--max-concurrency", "3",
+         "--json-schema", "builtin", "--structured-output-ratio", "0.5"])
+    args.transport = httpx.ASGITransport(app=app)
+    args.base_url = "http://testserver"
+    m = asyncio.run(benchmark(args))
+    assert m["completed"] == 6 and m["structured_outputs"] == 3
+    sos = [sp.structured_outputs for _, sp, _ in engine.received]
+    assert sum(so is not None for so in sos) == 3
+    assert all(so.json == BUILTIN_SCHEMA for so in sos if so is not None)
+    assert len(BUILTIN_SCHEMA["properties"]) == 20
+    # The fake engine ignores the constraint: its text is no JSON, so none counts as valid.
+    assert m["structured_outputs_valid"] == 0
+    assert "Structured-output requests:" in format_results(m, 3, float("inf"))

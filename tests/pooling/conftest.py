@@ -1,4 +1,5 @@
-"""Tiny random checkpoints written by the tests (HF format, SmolLM2's tokenizer)."""
+"""Tiny random checkpoints written by the tests (HF format, SmolLM2's tokenizer), and the
+GemmaDecision encoder directory written by ``examples/export_gemma_encoder.py``."""
 from __future__ import annotations
 
 import os
@@ -63,3 +64,15 @@ def tiny_qwen2_cls1(tiny_root, smollm2_tokenizer) -> str:
 @pytest.fixture(scope="session")
 def tiny_llama_causal(tiny_root, smollm2_tokenizer) -> str:
     return write_tiny(tiny_root, "llama_causal", "LlamaForCausalLM", smollm2_tokenizer, 0, seed=3)
+
+
+@pytest.fixture(scope="session")
+def gemma_encoder_dir(gemma3_path, tmp_path_factory) -> str:
+    """The bare Gemma3TextModel encoder directory (float32) exported from the Gemma 3 GGUF by the
+    user-facing example program (about 1 GB; a minute or two on a busy machine)."""
+    import sys
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from example_loader import load_example
+
+    ex = load_example("export_gemma_encoder")
+    return ex.export_encoder(str(tmp_path_factory.mktemp("gemma_encoder")), gemma3_path)

@@ -6,7 +6,6 @@ hidden state, fp32) with ``|ours - ref| <= 1e-4 * max|ref| + 1e-4 * |ref|`` elem
 """
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 
@@ -32,7 +31,7 @@ def _set_pooling_type(llm, pooling_type: str) -> None:
     from pagedllm.pooling.pooler import Pooler
 
     core = llm.llm_engine.core
-    p = Pooler(PoolerConfig(pooling_type=pooling_type, normalize=False), "embed",
+    p = Pooler(PoolerConfig(pooling_type=pooling_type, use_activation=False), "embed",
                hidden_size=int(core.hf_config.hidden_size))
     core.pooler = p
     core.runner.pooler = p
@@ -58,7 +57,7 @@ def _check_model(path, hf_model, budget_chunked):
     for budget in (2048, budget_chunked):
         llm = LLM(path, runner="pooling", dtype="float32", kv_cache_memory=64 * 1024**2,
                   max_num_batched_tokens=budget, enable_prefix_caching=True,
-                  pooler_config=PoolerConfig(pooling_type="LAST", normalize=False))
+                  pooler_config=PoolerConfig(pooling_type="LAST", use_activation=False))
         tok = llm.get_tokenizer()
         if ids_list is None:
             ids_list = [tok.encode(t) for t in TEXTS]
@@ -73,9 +72,9 @@ def _check_model(path, hf_model, budget_chunked):
             assert [o.prompt_token_ids for o in outs] == ids_list
             for o, r in zip(outs, ref):
                 _close(o.outputs.data, r[pt])
-        # normalize=True (the embed default) is the L2-normalized vector.
+        # use_activation=True (the embed default) is the L2-normalized vector.
         _set_pooling_type(llm, "LAST")
-        llm.llm_engine.core.pooler.config.normalize = None
+        llm.llm_engine.core.pooler.config.use_activation = None
         outs = llm.embed(prompts[:2], use_tqdm=False)
         for o, r in zip(outs, ref):
             _close(o.outputs.data, F.normalize(r["LAST"], dim=-1))
@@ -92,27 +91,19 @@ def test_smollm2_pooled_vectors_match_transformers(smollm2_path, hf_smollm2):
 
 
 @pytest.fixture(scope="module")
-def bare_gemma_dir(gemma3_path, tmp_path_factory):
-    """A bare Gemma3TextModel HF directory (names without ``model.``, no LM head) from the GGUF weights."""
-    from safetensors.torch import save_file
+def bare_gemma_dir(gemma_encoder_dir):
+    """A bare Gemma3TextModel HF directory (names without ``model.``, no LM head) from the GGUF
+    weights, as ``examples/export_gemma_encoder.py`` writes it."""
+    from safetensors import safe_open
 
-    from pagedllm.loader import load_model
-
-    d = str(tmp_path_factory.mktemp("bare_gemma3"))
-    lm = load_model(gemma3_path)
-    sd = {}
-    for name, t in lm.weights():
-        assert not name.startswith("lm_head")
-        sd[name[len("model."):] if name.startswith("model.") else name] = t.contiguous()
-    save_file(sd, os.path.join(d, "model.safetensors"))
-    del sd
-    cfg = lm.hf_config.to_dict()
-    cfg["architectures"] = ["Gemma3ForCausalLM"]
-    assert cfg["model_type"] == "gemma3_text" and cfg.get("tie_word_embeddings", True)
-    with open(os.path.join(d, "config.json"), "w") as f:
-        json.dump(cfg, f)
-    lm.tokenizer.save_pretrained(d)
-    return d
+    with safe_open(os.path.join(gemma_encoder_dir, "model.safetensors"), "pt") as f:
+        names = list(f.keys())
+    assert "embed_tokens.weight" in names and "norm.weight" in names
+    assert not any(n.startswith(("model.", "lm_head")) for n in names)
+    cfg = json.load(open(os.path.join(gemma_encoder_dir, "config.json")))
+    assert cfg["architectures"] == ["Gemma3ForCausalLM"] and cfg["model_type"] == "gemma3_text"
+    assert not os.path.exists(os.path.join(gemma_encoder_dir, "joint_head.safetensors"))
+    return gemma_encoder_dir
 
 
 def test_bare_gemma3_text_model_dir(gemma3_path, bare_gemma_dir):
@@ -121,22 +112,26 @@ def test_bare_gemma3_text_model_dir(gemma3_path, bare_gemma_dir):
     from pagedllm import LLM, PoolerConfig
 
     kw = dict(runner="pooling", dtype="float32", kv_cache_memory=64 * 1024**2,
-              pooler_config=PoolerConfig(pooling_type="MEAN", normalize=False))
+              pooler_config=PoolerConfig(pooling_type="MEAN", use_activation=False))
     full = LLM(gemma3_path, **kw)
     ids = [full.get_tokenizer().encode(t) for t in TEXTS[:3]]
     prompts = [{"prompt_token_ids": i} for i in ids]
     ref = [o.outputs.data for o in full.embed(prompts, use_tqdm=False)]
     del full
-    for archs in (["Gemma3ForCausalLM"], ["Gemma3TextModel"]):
-        cfg_path = os.path.join(bare_gemma_dir, "config.json")
-        cfg = json.load(open(cfg_path))
-        cfg["architectures"] = archs
-        json.dump(cfg, open(cfg_path, "w"))
-        bare = LLM(bare_gemma_dir, **kw)
-        got = [o.outputs.data for o in bare.embed(prompts, use_tqdm=False)]
-        for a, b in zip(got, ref):
-            torch.testing.assert_close(a, b, rtol=0, atol=0)
-        del bare
+    cfg_path = os.path.join(bare_gemma_dir, "config.json")
+    original = open(cfg_path).read()
+    try:
+        for archs in (["Gemma3ForCausalLM"], ["Gemma3TextModel"]):
+            cfg = json.loads(original)
+            cfg["architectures"] = archs
+            json.dump(cfg, open(cfg_path, "w"))
+            bare = LLM(bare_gemma_dir, **kw)
+            got = [o.outputs.data for o in bare.embed(prompts, use_tqdm=False)]
+            for a, b in zip(got, ref):
+                torch.testing.assert_close(a, b, rtol=0, atol=0)
+            del bare
+    finally:  # the directory is shared by the session's tests
+        open(cfg_path, "w").write(original)
     # A file holding tensors the model does not have: an error naming the file and the tensors ...
     save_file({"norm.weight": torch.ones(640), "fc1.weight": torch.zeros(4, 640)},
               os.path.join(bare_gemma_dir, "head.safetensors"))
@@ -156,12 +151,10 @@ def test_bare_gemma3_text_model_dir(gemma3_path, bare_gemma_dir):
 
 
 def _load_example():
-    here = os.path.dirname(os.path.abspath(__file__))
-    path = os.path.join(here, "..", "..", "examples", "rank_with_gemma_encoder.py")
-    spec = importlib.util.spec_from_file_location("rank_with_gemma_encoder", path)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    import sys
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from example_loader import load_example
+    return load_example("rank_with_gemma_encoder")
 
 
 def test_ranking_recipe_matches_transformers(gemma3_path, hf_gemma3, tmp_path):

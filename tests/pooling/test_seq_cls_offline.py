@@ -59,7 +59,8 @@ def test_score_cross_encoder_matches_transformers(tiny_qwen2_cls1, smollm2_token
 
 
 def test_score_embed_model_is_cosine(tiny_llama_causal):
-    llm = LLM(tiny_llama_causal, convert="embed", **KW)
+    # dimensions (below) needs a Matryoshka model (vLLM): declared through hf_overrides
+    llm = LLM(tiny_llama_causal, convert="embed", hf_overrides={"is_matryoshka": True}, **KW)
     a, b = "red apples", ["green pears", "red apples"]
     embs = llm.embed([a] + b, use_tqdm=False)
     got = llm.score(a, b, use_tqdm=False)

@@ -54,7 +54,9 @@ def test_embeddings_openai_client_and_errors(tiny_llama_causal):
     want = [o.outputs.data for o in offline.embed(texts, use_tqdm=False)]
     want_ids = [o.prompt_token_ids for o in offline.embed(texts, use_tqdm=False)]
     del offline
-    engine = AsyncLLM.from_engine_args(EngineArgs(model=tiny_llama_causal, runner="pooling", convert="embed", **KW))
+    # dimensions needs a Matryoshka model (vLLM): declared here through --hf-overrides
+    engine = AsyncLLM.from_engine_args(EngineArgs(model=tiny_llama_causal, runner="pooling", convert="embed",
+                                                  hf_overrides={"is_matryoshka": True}, **KW))
 
     async def body(client):
         oc = openai.AsyncOpenAI(base_url="http://test/v1", api_key="x", http_client=client)

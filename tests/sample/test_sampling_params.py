@@ -201,7 +201,11 @@ def test_pooling_params_invalid(kwargs, field):
 def test_pooling_params_verify_errors():
     with pytest.raises(ValueError, match="dimensions"):
         PoolingParams(dimensions=32).verify("embed", hidden_size=16)
-    with pytest.raises(ValueError, match="use_activation"):
-        PoolingParams(use_activation=True).verify("embed")
+    with pytest.raises(ValueError, match="use_activation"):  # encode is raw: nothing to switch
+        PoolingParams(use_activation=True).verify("encode")
+    with pytest.raises(ValueError, match="matryoshka"):
+        PoolingParams(dimensions=4).verify("embed", is_matryoshka=False)
+    with pytest.raises(ValueError, match=r"only supports \[8, 16\]"):
+        PoolingParams(dimensions=4).verify("embed", is_matryoshka=True, matryoshka_dimensions=[8, 16])
     with pytest.raises(ValueError, match="dimensions"):
         PoolingParams(dimensions=4).verify("classify")

@@ -64,7 +64,7 @@ def build_app(engine: Any, args: Optional[argparse.Namespace] = None) -> FastAPI
 
     ``args`` (optional, a ``pagedllm serve`` namespace or anything with those attributes):
     served_model_name, api_key, max_logprobs, chat_template, disable_log_requests,
-    disable_log_stats.
+    disable_log_stats, enable_request_id_headers (default True), metrics_prefix ("pagedllm").
     """
     get = (lambda name, default=None: getattr(args, name, default) if args is not None else default)
     served = _served_names(engine, args)
@@ -80,7 +80,11 @@ def build_app(engine: Any, args: Optional[argparse.Namespace] = None) -> FastAPI
     servings = (serving_completion, serving_chat)
 
     # Stat loggers: the engine calls record(scheduler_stats, iteration_stats) after each step.
-    prom = PrometheusStatLogger(model_name=served[0], max_model_len=int(engine.max_model_len))
+    metrics_prefix = get("metrics_prefix", "pagedllm") or "pagedllm"
+    make_prom = getattr(engine, "make_prometheus_logger", None)  # data parallel: a series per replica
+    prom = (make_prom(served[0], int(engine.max_model_len), metrics_prefix) if make_prom is not None
+            else PrometheusStatLogger(model_name=served[0], max_model_len=int(engine.max_model_len),
+                                      prefix=metrics_prefix))
     if getattr(engine, "stat_loggers", None) is None:
         try:
             engine.stat_loggers = []
@@ -142,6 +146,9 @@ def build_app(engine: Any, args: Optional[argparse.Namespace] = None) -> FastAPI
                        allow_methods=list(get("allowed_methods", ["*"]) or ["*"]),
                        allow_headers=list(get("allowed_headers", ["*"]) or ["*"]),
                        allow_credentials=bool(get("allow_credentials", False)))
+    if get("enable_request_id_headers", True) is not False:
+        from pagedllm.entrypoints.openai.serving_engine import RequestIdHeaderMiddleware
+        app.add_middleware(RequestIdHeaderMiddleware)
     from pagedllm.entrypoints.openai.serving_pooling import build_pooling_router
     app.include_router(build_pooling_router(engine, served))
 
@@ -209,9 +216,9 @@ def build_app(engine: Any, args: Optional[argparse.Namespace] = None) -> FastAPI
         # Refresh the gauges from the scheduler now (the engine may be idle, not stepping).
         try:
             s = engine.get_scheduler_stats()
-            prom.gauge_running.set(s.get("num_running", 0))
-            prom.gauge_waiting.set(s.get("num_waiting", 0))
-            prom.gauge_kv_usage.set(s.get("kv_cache_usage", 0.0))
+            prom.set_scheduler_gauges(s.get("num_running", 0), s.get("num_waiting", 0),
+                                      s.get("kv_cache_usage", 0.0))
+            prom.gauge_so_entries.set(s.get("structured_output_cache_entries", 0))
         except Exception:
             logger.debug("get_scheduler_stats failed", exc_info=True)
         memory_fn = getattr(engine, "get_memory_stats", None)
@@ -240,7 +247,9 @@ def build_app(engine: Any, args: Optional[argparse.Namespace] = None) -> FastAPI
 def engine_args_from_namespace(args: argparse.Namespace):
     """EngineArgs from ``pagedllm serve`` flags (same names)."""
     from pagedllm.config import EngineArgs
+    from pagedllm.entrypoints.openai.cli_args import resolve_model_arg
 
+    resolve_model_arg(args)
     kwargs = {}
     for f in dataclasses.fields(EngineArgs):
         val = getattr(args, f.name, None)
@@ -269,7 +278,11 @@ def run_server(args: argparse.Namespace) -> int:
     _setup_logging()
     normalize_args(args)
     engine_args = engine_args_from_namespace(args)
-    engine = AsyncLLM.from_engine_args(engine_args)
+    if engine_args.data_parallel_size > 1:
+        from pagedllm.engine.dp_async_llm import DPAsyncLLM
+        engine = DPAsyncLLM.from_engine_args(engine_args)
+    else:
+        engine = AsyncLLM.from_engine_args(engine_args)
     app = build_app(engine, args)
     host = getattr(args, "host", "127.0.0.1") or "127.0.0.1"
     port = int(getattr(args, "port", 8000))

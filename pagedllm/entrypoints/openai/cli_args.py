@@ -3,12 +3,21 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import os
 from typing import Any, Optional
 
 from pagedllm.config import parse_bytes as config_parse_bytes
 
+logger = logging.getLogger("pagedllm.entrypoints.openai")
+
 DEFAULT_MODEL = "SmolLM2-135M-Instruct"
+
+
+class _DefaultModel(str):
+    """The positional model's default: a str equal to DEFAULT_MODEL that tells "not given"
+    apart from an explicit ``pagedllm serve SmolLM2-135M-Instruct`` (see ``resolve_model_arg``)."""
+
 
 def parse_bytes(value: str) -> int:
     """'2GiB' / '512MiB' / '1.5G' / '1073741824' -> bytes, for argparse (``config.parse_bytes``)."""
@@ -41,9 +50,13 @@ def _json_dict(value: str) -> dict[str, Any]:
 def add_serve_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """Add every ``pagedllm serve`` flag to ``parser`` and return it."""
     parser.add_argument(
-        "model", nargs="?", default=DEFAULT_MODEL,
+        "model", nargs="?", default=_DefaultModel(DEFAULT_MODEL),
         help="Model to serve: a GGUF file, a Hugging Face checkpoint directory, or a known name "
-             f"(default: {DEFAULT_MODEL}).")
+             f"(default: {DEFAULT_MODEL}). May also be given as --model (vLLM accepts both).")
+    parser.add_argument(
+        "--model", dest="model_option", default=None, metavar="MODEL",
+        help="The model, as an option (vLLM's EngineArgs flag); the positional argument wins when "
+             "both are given.")
 
     g = parser.add_argument_group("Server")
     g.add_argument("--host", default="127.0.0.1",
@@ -66,6 +79,14 @@ def add_serve_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                    help="Do not log each received request.")
     g.add_argument("--disable-log-stats", action="store_true",
                    help="Do not log throughput / scheduler statistics every 5 seconds.")
+    g.add_argument("--enable-request-id-headers", action=argparse.BooleanOptionalAction, default=True,
+                   help="Send an X-Request-Id header with every response: the client's own, else the "
+                        "id the server gave the request (default: on; vLLM's flag, off there by "
+                        "default).")
+    g.add_argument("--metrics-prefix", default="pagedllm", choices=["pagedllm", "vllm"],
+                   help="Name prefix of the Prometheus metrics on /metrics: 'pagedllm:' (default) or "
+                        "'vllm:' (vLLM's names, with vLLM's deprecated aliases such as "
+                        "vllm:gpu_cache_usage_perc, so vLLM's Grafana dashboard works unchanged).")
     g.add_argument("--max-logprobs", type=int, default=20,
                    help="Max number of logprobs a request may ask for (`logprobs`, "
                         "`top_logprobs`, `prompt_logprobs`; default: 20).")
@@ -88,9 +109,17 @@ def add_serve_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                    help="'generate' (text generation) or 'pooling' (embeddings / classification).")
     g.add_argument("--convert", default=None, choices=["embed", "classify"],
                    help="With --runner pooling: adapt the model for 'embed' or 'classify'.")
+    g.add_argument("--tokenizer", default=None,
+                   help="Tokenizer to use instead of the model's own: a Hugging Face directory, or a "
+                        "GGUF file whose tokenizer to take.")
+    g.add_argument("--hf-overrides", type=_json_dict, default=None,
+                   help='JSON merged into the model\'s Hugging Face config before it is built, e.g. '
+                        '\'{"is_matryoshka": true}\' (vLLM\'s flag).')
     g.add_argument("--pooler-config", type=_json_dict, default=None,
-                   help='Pooler settings as JSON, e.g. \'{"pooling_type": "MEAN", '
-                        '"normalize": true}\'.')
+                   help='Pooler settings as JSON, e.g. \'{"pooling_type": "LAST", '
+                        '"use_activation": false}\' (use_activation: the output activation of every '
+                        'pooling task, i.e. the L2 normalisation of embeddings and the softmax of '
+                        'classifiers; "normalize", "softmax" and "activation" are deprecated aliases).')
     g.add_argument("--quantization", "-q", default=None, choices=["int8", "int4", "w8a8"],
                    help="Quantization of the linear layers and LM head (CPU): weight-only int8 "
                         "per-channel or int4 group-wise (group 32), or w8a8 (int8 per-channel "
@@ -98,6 +127,14 @@ def add_serve_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                         "every batch size).")
     g.add_argument("--ignore-patterns", nargs="*", default=[],
                    help="fnmatch patterns of checkpoint files not to load.")
+
+    g = parser.add_argument_group("Structured outputs")
+    g.add_argument("--structured-outputs-config", type=_json_dict, default=None,
+                   help='Structured-output settings as JSON (vLLM\'s flag), e.g. \'{"backend": "auto"}\': '
+                        'backend auto (xgrammar, llguidance for what it cannot compile) | xgrammar | '
+                        'guidance; disable_fallback, disable_any_whitespace, '
+                        'disable_additional_properties (booleans); grammar_cache_size (compiled '
+                        'grammars kept, default 256); compile_threads (default 2).')
 
     g = parser.add_argument_group("Scheduler and KV cache")
     g.add_argument("--max-num-seqs", type=_positive_int, default=128,
@@ -118,6 +155,19 @@ def add_serve_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                    help="Reuse the KV cache of shared prompt prefixes (default: on).")
     g.add_argument("--prefix-caching-hash-algo", default="sha256", choices=["sha256", "xxhash"],
                    help="Hash of prefix-cache blocks (default: sha256).")
+
+    g = parser.add_argument_group("Parallelism")
+    g.add_argument("--tensor-parallel-size", "-tp", type=_positive_int, default=1,
+                   help="Ranks each layer is split across (attention heads, MLP, vocabulary; default: 1).")
+    g.add_argument("--pipeline-parallel-size", "-pp", type=_positive_int, default=1,
+                   help="Pipeline stages the layers are split across (default: 1).")
+    g.add_argument("--data-parallel-size", "-dp", type=_positive_int, default=1,
+                   help="Independent engine replicas behind this server; requests go to the least "
+                        "loaded one (default: 1).")
+    g.add_argument("--distributed-executor-backend", default=None, choices=["uni", "mp", "ray"],
+                   help="How ranks run: 'uni' (in this process; one rank only), 'mp' (a process per "
+                        "rank) or 'ray' (a Ray actor per rank; multi-node). Default: uni for one "
+                        "rank, else mp.")
 
     g = parser.add_argument_group("Device")
     g.add_argument("--allowed-origins", type=json.loads, default=["*"],
@@ -153,8 +203,25 @@ _DTYPE_ALIASES = {"half": "float16", "fp16": "float16", "float": "float32", "fp3
                   "bf16": "bfloat16"}
 
 
+def resolve_model_arg(args: argparse.Namespace) -> argparse.Namespace:
+    """Fold ``--model`` into ``args.model``: the positional model wins when both are given (as
+    ``vllm serve``; a warning names both), ``--model`` is used when the positional is absent."""
+    opt = getattr(args, "model_option", None)
+    pos = getattr(args, "model", None)
+    if opt is not None:
+        if pos is None or isinstance(pos, _DefaultModel):
+            args.model = opt
+        elif pos != opt:
+            logger.warning("Both a positional model %r and --model %r were given; serving %r.", pos, opt, pos)
+        args.model_option = None
+    if isinstance(getattr(args, "model", None), str):
+        args.model = str(args.model)
+    return args
+
+
 def normalize_args(args: argparse.Namespace) -> argparse.Namespace:
-    """Canonical values (dtype aliases) after parsing."""
+    """Canonical values after parsing: ``--model`` folded into ``model``, dtype aliases."""
+    resolve_model_arg(args)
     if getattr(args, "dtype", None) in _DTYPE_ALIASES:
         args.dtype = _DTYPE_ALIASES[args.dtype]
     return args

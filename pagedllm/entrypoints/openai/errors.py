@@ -78,6 +78,10 @@ _KNOWN_PARAMS = (
     "allowed_token_ids", "bad_words", "truncate_prompt_tokens", "messages", "prompt", "best_of",
     "ignore_eos", "cache_salt", "stream_options", "tools", "tool_choice", "response_format",
     "chat_template", "chat_template_kwargs", "skip_special_tokens", "input",
+    "structured_outputs", "guided_json", "guided_regex", "guided_choice", "guided_grammar",
+    "guided_decoding_backend", "guided_whitespace_pattern", "structural_tag",
+    "chat_template", "chat_template_kwargs", "skip_special_tokens", "input", "dimensions",
+    "use_activation",
 )
 _PARAM_RE = re.compile(r"`?\b(" + "|".join(re.escape(p) for p in _KNOWN_PARAMS) + r")\b`?")
 

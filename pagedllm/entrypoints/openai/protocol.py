@@ -1,12 +1,15 @@
 """Request/response models of the OpenAI-compatible API (OpenAI + vLLM field names)."""
 from __future__ import annotations
 
+import logging
 import math
 import time
 import uuid
 from typing import Any, Literal, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+logger = logging.getLogger("pagedllm.entrypoints.openai")
 
 # vLLM's fallbacks for sampling fields neither the request nor the model's generation config set.
 _DEFAULT_SAMPLING_PARAMS = {
@@ -36,8 +39,26 @@ def random_uuid() -> str:
 
 
 class OpenAIBaseModel(BaseModel):
-    # Unknown fields are accepted and ignored, as OpenAI and vLLM do.
+    # Unknown fields are accepted and ignored, as OpenAI and vLLM do, with a logged warning
+    # naming them (vLLM's OpenAIBaseModel.__log_extra_fields__), so a misspelt or unsupported
+    # parameter is not dropped without a word.
     model_config = ConfigDict(extra="allow", ser_json_inf_nan="null")
+
+    @model_validator(mode="wrap")
+    @classmethod
+    def _log_extra_fields(cls, data: Any, handler: Any) -> Any:
+        result = handler(data)
+        if isinstance(data, dict):
+            known = set()
+            for name, f in cls.model_fields.items():
+                known.add(name)
+                if f.alias:
+                    known.add(f.alias)
+            extra = sorted(str(k) for k in data if k not in known)
+            if extra:
+                logger.warning("The following fields were present in the request but ignored "
+                               "(%s): %s", cls.__name__, extra)
+        return result
 
 
 # --------------------------------------------------------------------------------------------
@@ -57,8 +78,20 @@ class ErrorResponse(OpenAIBaseModel):
 
 
 class StreamOptions(OpenAIBaseModel):
-    include_usage: Optional[bool] = True
-    continuous_usage_stats: Optional[bool] = False
+    """OpenAI ``stream_options``: a usage chunk is streamed only for ``include_usage: true``
+    (absent = no usage, so ``stream_options: {}`` streams none); vLLM's
+    ``continuous_usage_stats`` adds usage to every chunk, and only together with it."""
+
+    include_usage: Optional[bool] = None
+    continuous_usage_stats: Optional[bool] = None
+
+    @property
+    def wants_usage(self) -> bool:
+        return self.include_usage is True
+
+    @property
+    def wants_continuous_usage(self) -> bool:
+        return self.include_usage is True and self.continuous_usage_stats is True
 
 
 class PromptTokenUsageInfo(OpenAIBaseModel):
@@ -72,9 +105,19 @@ class UsageInfo(OpenAIBaseModel):
     prompt_tokens_details: Optional[PromptTokenUsageInfo] = None
 
 
+class JsonSchemaResponseFormat(OpenAIBaseModel):
+    """``response_format.json_schema`` (OpenAI): ``schema`` is the JSON schema itself."""
+
+    model_config = ConfigDict(extra="allow", populate_by_name=True)
+    name: str
+    description: Optional[str] = None
+    schema_: Optional[dict[str, Any]] = Field(default=None, alias="schema")
+    strict: Optional[bool] = None
+
+
 class ResponseFormat(OpenAIBaseModel):
     type: Literal["text", "json_object", "json_schema", "structural_tag"] = "text"
-    json_schema: Optional[dict[str, Any]] = None
+    json_schema: Optional[JsonSchemaResponseFormat] = None
 
 
 class ModelPermission(OpenAIBaseModel):
@@ -135,6 +178,16 @@ class _SamplingFields(OpenAIBaseModel):
     best_of: Optional[int] = None
     response_format: Optional[ResponseFormat] = None
 
+    # vLLM structured outputs (see entrypoints/openai/structured_outputs.py)
+    structured_outputs: Optional[dict[str, Any]] = None
+    guided_json: Optional[Union[str, dict[str, Any]]] = None
+    guided_regex: Optional[str] = None
+    guided_choice: Optional[list[str]] = None
+    guided_grammar: Optional[str] = None
+    structural_tag: Optional[Union[str, dict[str, Any]]] = None
+    guided_decoding_backend: Optional[str] = None
+    guided_whitespace_pattern: Optional[str] = None
+
     # vLLM extra sampling fields
     use_beam_search: bool = False
     top_k: Optional[int] = None
@@ -170,8 +223,6 @@ class _SamplingFields(OpenAIBaseModel):
             raise ValueError(f"n must be at most {MAX_N}, got {self.n}.")
         if self.best_of is not None and self.best_of != self.n:
             raise ValueError("`best_of` is not supported (must be unset or equal to `n`).")
-        if self.response_format is not None and self.response_format.type != "text":
-            raise ValueError(f"`response_format` type {self.response_format.type!r} is not supported.")
         if self.cache_salt is not None and (not isinstance(self.cache_salt, str) or not self.cache_salt):
             raise ValueError("Parameter 'cache_salt' must be a non-empty string if provided.")
         if self.truncate_prompt_tokens is not None and self.truncate_prompt_tokens < -1:
@@ -233,6 +284,10 @@ class _SamplingFields(OpenAIBaseModel):
             kwargs["allowed_token_ids"] = list(self.allowed_token_ids)
         if self.bad_words:
             kwargs["bad_words"] = list(self.bad_words)
+        from pagedllm.entrypoints.openai.structured_outputs import structured_outputs_from_request
+        so = structured_outputs_from_request(self)
+        if so is not None:
+            kwargs["structured_outputs"] = so
         return SamplingParams(**kwargs)
 
     def resolve_truncation(self, max_model_len: int) -> Optional[int]:

@@ -16,10 +16,11 @@ from pagedllm.entrypoints.openai.protocol import (ChatCompletionLogProb, ChatCom
                                                   ChatCompletionResponseStreamChoice,
                                                   ChatCompletionStreamResponse, ChatMessage,
                                                   ChatMessageParam, DeltaMessage,
-                                                  PromptTokenUsageInfo, UsageInfo, random_uuid)
+                                                  PromptTokenUsageInfo, UsageInfo)
 from pagedllm.entrypoints.openai.serving_engine import (SSE_DONE, ClientDisconnected,
-                                                        OpenAIServing, SSEResponse, decoded_token,
-                                                        lp_value, sse)
+                                                        OpenAIServing, SSEResponse, base_request_id,
+                                                        decoded_token, lp_value, record_request_id,
+                                                        sse)
 
 logger = logging.getLogger("pagedllm.entrypoints.openai")
 
@@ -59,6 +60,9 @@ def render_chat(serving: OpenAIServing, messages: list[ChatMessageParam], *,
     template = chat_template or serving.chat_template
     if template is not None:
         kwargs["chat_template"] = template
+    from pagedllm.engine.chat import map_developer_role
+    tmpl_src = template if template is not None else getattr(tok, "chat_template", None)
+    conv = map_developer_role(conv, tmpl_src if isinstance(tmpl_src, str) else None)
     if tools:
         kwargs["tools"] = tools
     if documents:
@@ -112,7 +116,8 @@ class OpenAIServingChat(OpenAIServing):
     async def create_chat_completion(self, request: ChatCompletionRequest,
                                      raw_request: Optional[Request] = None) -> Response:
         self.check_model(request.model)
-        request_id = f"chatcmpl-{request.request_id or random_uuid()}"
+        request_id = f"chatcmpl-{base_request_id(raw_request, request.request_id)}"
+        record_request_id(raw_request, request_id)
         created = int(time.time())
         model_name = self.response_model_name(request.model)
         try:
@@ -217,8 +222,8 @@ class OpenAIServingChat(OpenAIServing):
         previous_num_tokens = [0] * n
         finish_sent = [False] * n
         so = request.stream_options
-        include_usage = bool(so and so.include_usage)
-        include_continuous = include_usage and bool(so and so.continuous_usage_stats)
+        include_usage = so is not None and so.wants_usage
+        include_continuous = so is not None and so.wants_continuous_usage
         num_prompt_tokens = len(prompt_ids)
         num_cached = 0
         role = self.get_role(request)

@@ -13,10 +13,11 @@ from pagedllm.entrypoints.openai.protocol import (CompletionLogProbs, Completion
                                                   CompletionResponse, CompletionResponseChoice,
                                                   CompletionResponseStreamChoice,
                                                   CompletionStreamResponse, PromptTokenUsageInfo,
-                                                  UsageInfo, random_uuid)
+                                                  UsageInfo)
 from pagedllm.entrypoints.openai.serving_engine import (SSE_DONE, ClientDisconnected,
-                                                        OpenAIServing, SSEResponse, decoded_token,
-                                                        lp_value, sse)
+                                                        OpenAIServing, SSEResponse, base_request_id,
+                                                        decoded_token, lp_value, record_request_id,
+                                                        sse)
 
 logger = logging.getLogger("pagedllm.entrypoints.openai")
 
@@ -104,7 +105,8 @@ class OpenAIServingCompletion(OpenAIServing):
     async def create_completion(self, request: CompletionRequest,
                                 raw_request: Optional[Request] = None) -> Response:
         self.check_model(request.model)
-        request_id = f"cmpl-{request.request_id or random_uuid()}"
+        request_id = f"cmpl-{base_request_id(raw_request, request.request_id)}"
+        record_request_id(raw_request, request_id)
         created = int(time.time())
         model_name = self.response_model_name(request.model)
         prompts = self._normalize_prompts(request)
@@ -228,8 +230,8 @@ class OpenAIServingCompletion(OpenAIServing):
         num_prompt_tokens = [len(p[1]) for p in prompts]
         num_cached = [0] * num_prompts
         so = request.stream_options
-        include_usage = bool(so and so.include_usage)
-        include_continuous = include_usage and bool(so and so.continuous_usage_stats)
+        include_usage = so is not None and so.wants_usage
+        include_continuous = so is not None and so.wants_continuous_usage
         echo_only = request.echo and request.max_tokens == 0
         as_tid = bool(request.return_tokens_as_token_ids)
         completed = False

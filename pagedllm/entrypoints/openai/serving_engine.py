@@ -15,13 +15,59 @@ from starlette.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
 
 from pagedllm.entrypoints.openai.errors import OpenAIError
-from pagedllm.entrypoints.openai.protocol import clamp_logprob
+from pagedllm.entrypoints.openai.protocol import clamp_logprob, random_uuid
 
 logger = logging.getLogger("pagedllm.entrypoints.openai")
 
 
 class ClientDisconnected(Exception):
     """The client went away before the response was complete."""
+
+
+REQUEST_ID_HEADER = "X-Request-Id"
+
+
+def base_request_id(raw_request: Optional[Request], body_request_id: Optional[str] = None) -> str:
+    """The base of a request's id (vLLM ``_base_request_id``): the client's ``X-Request-Id``
+    header, else the body's ``request_id`` field, else a random hex string."""
+    rid = raw_request.headers.get(REQUEST_ID_HEADER) if raw_request is not None else None
+    return rid or body_request_id or random_uuid()
+
+
+def record_request_id(raw_request: Optional[Request], request_id: str) -> None:
+    """Remember ``request_id`` (the response's ``id``) for the ``X-Request-Id`` response header
+    (``RequestIdHeaderMiddleware``) of a client that sent none."""
+    if raw_request is not None:
+        raw_request.state.request_id = request_id
+
+
+class RequestIdHeaderMiddleware:
+    """ASGI middleware: every HTTP response carries ``X-Request-Id``: the client's own header
+    echoed, else the id the handler gave the request (``record_request_id``), else a fresh
+    random one (vLLM ``--enable-request-id-headers``). Pure ASGI, so streamed responses and
+    disconnect detection are untouched."""
+
+    def __init__(self, app: Any) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        client = None
+        for k, v in scope.get("headers") or []:
+            if k == b"x-request-id":
+                client = v.decode("latin-1")
+                break
+
+        async def send_with_id(message: dict) -> None:
+            if message["type"] == "http.response.start":
+                from starlette.datastructures import MutableHeaders
+                rid = client or (scope.get("state") or {}).get("request_id") or random_uuid()
+                MutableHeaders(scope=message)[REQUEST_ID_HEADER] = rid
+            await send(message)
+
+        await self.app(scope, receive, send_with_id)
 
 
 def sse(data: Any) -> str:

@@ -9,7 +9,9 @@ Routes:
     POST /v1/embeddings           OpenAI: input str | list[str] | list[int] | list[list[int]],
                                   encoding_format "float" | "base64" (little-endian float32),
                                   dimensions; data[{object "embedding", index, embedding}], usage.
-    POST /pooling                 vLLM: data[{object "pooling", index, data}] (nested lists).
+    POST /pooling                 vLLM: task "encode" (default) | "embed" | "classify" | "score" |
+                                  "token_embed" | "token_classify";
+                                  data[{object "pooling", index, data}] (nested lists).
     POST /classify                vLLM: data[{index, label, probs, num_classes}].
     POST /score, /v1/score        vLLM: text_1/text_2 (or queries/documents, data_1/data_2);
                                   data[{index, object "score", score}].
@@ -17,6 +19,12 @@ Routes:
                                   Jina/Cohere: query, documents, top_n, return_documents;
                                   results[{index, relevance_score, document{text}}] sorted by
                                   relevance_score (descending).
+
+Activation: every request takes ``use_activation`` (vLLM's one switch: the L2 normalisation of
+embeddings, the softmax/sigmoid of classifiers; default: the server's --pooler-config, else
+true) and its deprecated aliases ``normalize``, ``softmax``, ``activation`` (a contradiction is
+a 400). ``dimensions`` needs a Matryoshka model (400 otherwise, as vLLM). Every response id is
+``{prefix}-{X-Request-Id or random}``.
 
 Scores: an embed model scores a pair by the cosine similarity of the two embeddings; a
 classify (cross-encoder) model encodes the pair as one input (``tokenizer(text_1, text_2)``).
@@ -28,24 +36,33 @@ from __future__ import annotations
 import asyncio
 import base64
 import time
-import uuid
 from typing import Any, Literal, Optional, Union
 
-from fastapi import APIRouter
+from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import Field
 
 from pagedllm.entrypoints.openai.errors import OpenAIError, value_error_to_openai
+from pagedllm.entrypoints.openai.protocol import OpenAIBaseModel
 
 TokenIds = list[int]
 EmbeddingInput = Union[str, list[str], TokenIds, list[TokenIds]]
 
 
-class _Base(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+class _Base(OpenAIBaseModel):
+    """Pooling request bodies: unknown fields are ignored with a logged warning (as vLLM)."""
 
 
-class EmbeddingRequest(_Base):
+class _ActivationFields(_Base):
+    # vLLM >= 0.11: use_activation is the one switch of every pooling task (normalisation for
+    # embeddings, softmax/sigmoid for classifiers); the others are its deprecated aliases.
+    use_activation: Optional[bool] = None
+    normalize: Optional[bool] = None
+    softmax: Optional[bool] = None
+    activation: Optional[bool] = None
+
+
+class EmbeddingRequest(_ActivationFields):
     model: Optional[str] = None
     input: EmbeddingInput
     encoding_format: Literal["float", "base64"] = "float"
@@ -53,28 +70,24 @@ class EmbeddingRequest(_Base):
     user: Optional[str] = None
     truncate_prompt_tokens: Optional[int] = None
     add_special_tokens: bool = True
-    normalize: Optional[bool] = None
 
 
 class PoolingRequest(EmbeddingRequest):
-    task: Optional[Literal["embed", "classify", "score", "encode"]] = None
-    use_activation: Optional[bool] = None
+    task: Optional[Literal["embed", "classify", "score", "encode", "token_embed", "token_classify"]] = None
 
 
-class ClassificationRequest(_Base):
+class ClassificationRequest(_ActivationFields):
     model: Optional[str] = None
     input: EmbeddingInput
     truncate_prompt_tokens: Optional[int] = None
     add_special_tokens: bool = True
-    use_activation: Optional[bool] = None
-    activation: Optional[bool] = None
     user: Optional[str] = None
 
 
 ScoreSide = Union[str, list[str]]
 
 
-class ScoreRequest(_Base):
+class ScoreRequest(_ActivationFields):
     model: Optional[str] = None
     text_1: Optional[ScoreSide] = None
     text_2: Optional[ScoreSide] = None
@@ -83,8 +96,6 @@ class ScoreRequest(_Base):
     data_1: Optional[ScoreSide] = None
     data_2: Optional[ScoreSide] = None
     truncate_prompt_tokens: Optional[int] = None
-    use_activation: Optional[bool] = None
-    activation: Optional[bool] = None
     user: Optional[str] = None
 
 
@@ -92,15 +103,13 @@ class RerankDocumentIn(_Base):
     text: str
 
 
-class RerankRequest(_Base):
+class RerankRequest(_ActivationFields):
     model: Optional[str] = None
     query: str
     documents: list[Union[str, RerankDocumentIn]]
     top_n: Optional[int] = Field(default=None)
     return_documents: bool = True
     truncate_prompt_tokens: Optional[int] = None
-    use_activation: Optional[bool] = None
-    activation: Optional[bool] = None
     user: Optional[str] = None
 
 
@@ -144,8 +153,18 @@ def to_prompts(inp: Any, param: str = "input") -> list:
 
 
 def _use_activation(req: Any) -> Optional[bool]:
-    ua, a = getattr(req, "use_activation", None), getattr(req, "activation", None)
-    return ua if ua is not None else a
+    """The request's ``use_activation`` with its deprecated aliases folded in.
+
+    Raises:
+        OpenAIError: 400 on contradicting values.
+    """
+    from pagedllm.pooling_params import resolve_use_activation
+
+    try:
+        return resolve_use_activation(req.use_activation, normalize=req.normalize, softmax=req.softmax,
+                                      activation=req.activation)
+    except ValueError as e:
+        raise OpenAIError(str(e), 400, "use_activation") from None
 
 
 def _usage(n: int) -> dict:
@@ -174,9 +193,9 @@ class _Handler:
         return engine_pooler(self.engine)
 
     # ---- engine calls
-    async def run(self, prompts: list, params_fn, task: str, prefix: str, add_special_tokens: bool = True) -> list:
-        """Encode every prompt concurrently; the first error cancels (aborts) the rest."""
-        base = f"{prefix}-{uuid.uuid4().hex}"
+    async def run(self, prompts: list, params_fn, task: str, base: str, add_special_tokens: bool = True) -> list:
+        """Encode every prompt concurrently (engine ids ``{base}-{i}``); the first error cancels
+        (aborts) the rest."""
         tasks = [asyncio.ensure_future(self.engine.encode(p, params_fn(), f"{base}-{i}", task=task,
                                                           add_special_tokens=add_special_tokens))
                  for i, p in enumerate(prompts)]
@@ -191,16 +210,16 @@ class _Handler:
             raise
 
     async def scores(self, q: list[str], d: list[str], truncate: Optional[int], use_act: Optional[bool],
-                     prefix: str) -> tuple[list[float], int]:
+                     base: str) -> tuple[list[float], int]:
         """One score per (q[i], d[i]) and the prompt tokens used."""
         from pagedllm.pooling_params import PoolingParams
 
         if self.pooler.task == "embed":
-            if use_act is not None:
-                raise OpenAIError("use_activation: applies to cross-encoder (classify) models only", 400,
-                                  "use_activation")
+            # NOTE: cosine similarity does not depend on the embeddings' normalisation, so
+            # use_activation changes nothing here (accepted, as vLLM does).
             uniq = list(dict.fromkeys(q + d))
-            outs = await self.run(uniq, lambda: PoolingParams(truncate_prompt_tokens=truncate), "embed", prefix)
+            outs = await self.run(uniq, lambda: PoolingParams(truncate_prompt_tokens=truncate,
+                                                              use_activation=use_act), "embed", base)
             by = {t: o for t, o in zip(uniq, outs)}
             import torch
             res = [float(torch.nn.functional.cosine_similarity(by[a].outputs.data.float(),
@@ -210,7 +229,7 @@ class _Handler:
         tok = self.engine.tokenizer
         prompts = [{"prompt_token_ids": list(tok(a, b)["input_ids"])} for a, b in zip(q, d)]
         outs = await self.run(prompts, lambda: PoolingParams(truncate_prompt_tokens=truncate,
-                                                             use_activation=use_act), "score", prefix)
+                                                             use_activation=use_act), "score", base)
         return [o.outputs.score for o in outs], sum(len(o.prompt_token_ids) for o in outs)
 
 
@@ -227,6 +246,15 @@ def _pair_lists(a: Any, b: Any, pa: str, pb: str) -> tuple[list[str], list[str]]
         raise OpenAIError(f"{pa} has {len(q)} texts and {pb} {len(d)}: give one {pa}, or as many as {pb}",
                           400, pa)
     return q, d
+
+
+def _request_id(raw_request: Request, prefix: str) -> str:
+    """``{prefix}-{client X-Request-Id or random}``, recorded for the X-Request-Id response header."""
+    from pagedllm.entrypoints.openai.serving_engine import base_request_id, record_request_id
+
+    rid = f"{prefix}-{base_request_id(raw_request)}"
+    record_request_id(raw_request, rid)
+    return rid
 
 
 def _wrap(e: BaseException) -> OpenAIError:
@@ -252,52 +280,58 @@ def build_pooling_router(engine: Any, served_model_names: Optional[list[str]] = 
             return _wrap(e).to_response()
 
     @router.post("/v1/embeddings")
-    async def create_embedding(request: EmbeddingRequest):
+    async def create_embedding(request: EmbeddingRequest, raw_request: Request):
         async def go():
+            rid = _request_id(raw_request, "embd")
             model = h.check(request.model, "embeddings")
             prompts = to_prompts(request.input)
-            mk = lambda: PoolingParams(dimensions=request.dimensions, normalize=request.normalize,  # noqa: E731
+            use_act = _use_activation(request)
+            mk = lambda: PoolingParams(dimensions=request.dimensions, use_activation=use_act,  # noqa: E731
                                        truncate_prompt_tokens=request.truncate_prompt_tokens)
             mk()  # parameter errors before any work
-            outs = await h.run(prompts, mk, "embed", "embd", request.add_special_tokens)
+            outs = await h.run(prompts, mk, "embed", rid, request.add_special_tokens)
             data = []
             for i, o in enumerate(outs):
                 emb = encode_base64(o.outputs.data) if request.encoding_format == "base64" else o.outputs.data.tolist()
                 data.append({"index": i, "object": "embedding", "embedding": emb})
             n = sum(len(o.prompt_token_ids) for o in outs)
-            return JSONResponse({"id": f"embd-{uuid.uuid4().hex}", "object": "list", "created": int(time.time()),
+            return JSONResponse({"id": rid, "object": "list", "created": int(time.time()),
                                  "model": model, "data": data, "usage": _usage(n)})
         return await guarded(go)
 
     @router.post("/pooling")
-    async def create_pooling(request: PoolingRequest):
+    async def create_pooling(request: PoolingRequest, raw_request: Request):
         async def go():
+            rid = _request_id(raw_request, "pool")
             model = h.check(request.model, "pooling")
             prompts = to_prompts(request.input)
             task = request.task or "encode"
+            use_act = _use_activation(request)
             mk = lambda: PoolingParams(  # noqa: E731
-                dimensions=request.dimensions, normalize=request.normalize,
-                use_activation=request.use_activation, truncate_prompt_tokens=request.truncate_prompt_tokens)
+                dimensions=request.dimensions, use_activation=use_act,
+                truncate_prompt_tokens=request.truncate_prompt_tokens)
             mk()
-            outs = await h.run(prompts, mk, task, "pool", request.add_special_tokens)
+            outs = await h.run(prompts, mk, task, rid, request.add_special_tokens)
             data = []
             for i, o in enumerate(outs):
                 val = encode_base64(o.outputs.data) if request.encoding_format == "base64" else o.outputs.data.tolist()
                 data.append({"index": i, "object": "pooling", "data": val})
             n = sum(len(o.prompt_token_ids) for o in outs)
-            return JSONResponse({"id": f"pool-{uuid.uuid4().hex}", "object": "list", "created": int(time.time()),
+            return JSONResponse({"id": rid, "object": "list", "created": int(time.time()),
                                  "model": model, "data": data, "usage": _usage(n)})
         return await guarded(go)
 
     @router.post("/classify")
-    async def create_classify(request: ClassificationRequest):
+    async def create_classify(request: ClassificationRequest, raw_request: Request):
         async def go():
+            rid = _request_id(raw_request, "classify")
             model = h.check(request.model, "classification")
             prompts = to_prompts(request.input)
-            mk = lambda: PoolingParams(use_activation=_use_activation(request),  # noqa: E731
+            use_act = _use_activation(request)
+            mk = lambda: PoolingParams(use_activation=use_act,  # noqa: E731
                                        truncate_prompt_tokens=request.truncate_prompt_tokens)
             mk()
-            outs = await h.run(prompts, mk, "classify", "classify", request.add_special_tokens)
+            outs = await h.run(prompts, mk, "classify", rid, request.add_special_tokens)
             data = []
             for i, o in enumerate(outs):
                 probs = o.outputs.data.float().reshape(-1).tolist()
@@ -305,12 +339,13 @@ def build_pooling_router(engine: Any, served_model_names: Optional[list[str]] = 
                 data.append({"index": i, "label": h.pooler.label(best), "probs": probs,
                              "num_classes": len(probs)})
             n = sum(len(o.prompt_token_ids) for o in outs)
-            return JSONResponse({"id": f"classify-{uuid.uuid4().hex}", "object": "list",
+            return JSONResponse({"id": rid, "object": "list",
                                  "created": int(time.time()), "model": model, "data": data, "usage": _usage(n)})
         return await guarded(go)
 
-    async def score(request: ScoreRequest):
+    async def score(request: ScoreRequest, raw_request: Request):
         async def go():
+            rid = _request_id(raw_request, "score")
             model = h.check(request.model, "score")
             if request.text_1 is not None or request.text_2 is not None:
                 a, b, pa, pb = request.text_1, request.text_2, "text_1", "text_2"
@@ -319,14 +354,15 @@ def build_pooling_router(engine: Any, served_model_names: Optional[list[str]] = 
             else:
                 a, b, pa, pb = request.data_1, request.data_2, "data_1", "data_2"
             q, d = _pair_lists(a, b, pa, pb)
-            res, n = await h.scores(q, d, request.truncate_prompt_tokens, _use_activation(request), "score")
+            res, n = await h.scores(q, d, request.truncate_prompt_tokens, _use_activation(request), rid)
             data = [{"index": i, "object": "score", "score": s} for i, s in enumerate(res)]
-            return JSONResponse({"id": f"score-{uuid.uuid4().hex}", "object": "list", "created": int(time.time()),
+            return JSONResponse({"id": rid, "object": "list", "created": int(time.time()),
                                  "model": model, "data": data, "usage": _usage(n)})
         return await guarded(go)
 
-    async def rerank(request: RerankRequest):
+    async def rerank(request: RerankRequest, raw_request: Request):
         async def go():
+            rid = _request_id(raw_request, "rerank")
             model = h.check(request.model, "rerank")
             docs = [x if isinstance(x, str) else x.text for x in request.documents]
             if not docs:
@@ -334,7 +370,7 @@ def build_pooling_router(engine: Any, served_model_names: Optional[list[str]] = 
             if request.top_n is not None and request.top_n < 0:
                 raise OpenAIError(f"top_n: must be >= 0, got {request.top_n}", 400, "top_n")
             res, n = await h.scores([request.query] * len(docs), docs, request.truncate_prompt_tokens,
-                                    _use_activation(request), "rerank")
+                                    _use_activation(request), rid)
             order = sorted(range(len(docs)), key=lambda i: res[i], reverse=True)
             if request.top_n:
                 order = order[:request.top_n]
@@ -344,7 +380,7 @@ def build_pooling_router(engine: Any, served_model_names: Optional[list[str]] = 
                 if request.return_documents:
                     r["document"] = {"text": docs[i]}
                 results.append(r)
-            return JSONResponse({"id": f"rerank-{uuid.uuid4().hex}", "model": model,
+            return JSONResponse({"id": rid, "model": model,
                                  "usage": {"prompt_tokens": n, "total_tokens": n}, "results": results})
         return await guarded(go)
 

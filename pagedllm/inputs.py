@@ -1,0 +1,52 @@
+"""Prompt types of the offline API, with vLLM's names (``vllm.inputs``).
+
+    from pagedllm.inputs import TextPrompt, TokensPrompt
+    llm.embed([TokensPrompt(prompt_token_ids=[2, 651, 2134]), TextPrompt(prompt="Hello")])
+
+They are ``TypedDict``s: a plain dict with the same keys is the same prompt. Every call that
+takes a prompt (``LLM.generate``, ``encode``, ``embed``, ``classify``, ``score``, ``AsyncLLM``)
+accepts a ``str``, a ``TextPrompt`` or a ``TokensPrompt``. Pure Python.
+"""
+from __future__ import annotations
+
+from typing import NotRequired, TypedDict, Union
+
+__all__ = ["TextPrompt", "TokensPrompt", "SingletonPrompt", "PromptType", "PROMPT_KEYS"]
+
+
+class TextPrompt(TypedDict):
+    """A text prompt, tokenized by the engine (with the tokenizer's special tokens).
+
+    Keys:
+        prompt: the text.
+        cache_salt: optional string mixed into the first prefix-cache block hash, so only
+            requests with the same salt share cached blocks.
+    """
+
+    prompt: str
+    cache_salt: NotRequired[str]
+
+
+class TokensPrompt(TypedDict):
+    """A prompt given as token ids, used exactly as given (no special tokens added).
+
+    Keys:
+        prompt_token_ids: the token ids (ints in ``[0, vocab_size)``).
+        prompt: optional text the ids came from (only reported back in outputs).
+        cache_salt: as in ``TextPrompt``.
+    """
+
+    prompt_token_ids: list[int]
+    prompt: NotRequired[str]
+    cache_salt: NotRequired[str]
+
+
+SingletonPrompt = Union[str, TextPrompt, TokensPrompt]
+"""One prompt: a string (= ``TextPrompt(prompt=...)``), a TextPrompt or a TokensPrompt."""
+
+PromptType = SingletonPrompt
+"""Anything the engine takes as one prompt (vLLM also has encoder-decoder prompts; pagedllm
+serves decoder-only models)."""
+
+# Keys a dict prompt may have (anything else, e.g. vLLM's multi_modal_data, is refused).
+PROMPT_KEYS = frozenset({"prompt", "prompt_token_ids", "cache_salt"})

@@ -1,0 +1,111 @@
+"""xgrammar backend (the default): JSON schema, regex, choice, EBNF/GBNF and Lark grammars,
+structural tags; a pushdown automaton with precomputed token masks (https://github.com/mlc-ai/xgrammar)."""
+from __future__ import annotations
+
+import json
+import threading
+from typing import Any, Optional
+
+from pagedllm.structured_output.backend import (CompiledGrammar, GrammarMatcher, GrammarSpec,
+                                                StructuredOutputBackend, clean_error)
+
+
+class XgrammarMatcher(GrammarMatcher):
+    def __init__(self, matcher: Any) -> None:
+        self._m = matcher
+
+    def accept_tokens(self, token_ids: list[int]) -> bool:
+        for t in token_ids:
+            if not self._m.accept_token(int(t)):
+                return False
+        return True
+
+    def rollback(self, num_tokens: int) -> None:
+        if num_tokens > 0:
+            self._m.rollback(num_tokens)
+
+    def fill_bitmask(self, bitmask: Any, row: int) -> None:
+        self._m.fill_next_token_bitmask(bitmask, row)
+
+    def is_terminated(self) -> bool:
+        return self._m.is_terminated()
+
+    def reset(self) -> None:
+        self._m.reset()
+
+
+class XgrammarCompiled(CompiledGrammar):
+    backend = "xgrammar"
+
+    def __init__(self, compiled: Any) -> None:
+        self._compiled = compiled
+
+    def new_matcher(self) -> GrammarMatcher:
+        import xgrammar as xgr
+        return XgrammarMatcher(xgr.GrammarMatcher(self._compiled))
+
+
+class XgrammarBackend(StructuredOutputBackend):
+    """Compiles with one ``xgrammar.GrammarCompiler`` (its own cache off: ours is the bounded one).
+
+    Raises (constructor): ValueError when the tokenizer cannot be described to xgrammar.
+    """
+
+    name = "xgrammar"
+
+    def __init__(self, tokenizer: Any, vocab_size: int, eos_token_id: Optional[int]) -> None:
+        super().__init__(tokenizer, vocab_size, eos_token_id)
+        import xgrammar as xgr
+
+        stop = [eos_token_id] if eos_token_id is not None else None
+        try:
+            info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=self.vocab_size,
+                                                      stop_token_ids=stop)
+        except Exception as e:
+            raise ValueError(f"xgrammar cannot use this tokenizer: {clean_error(e)}") from None
+        # NOTE: one compiler thread per grammar; parallelism comes from our compile pool.
+        self._compiler = xgr.GrammarCompiler(info, max_threads=1, cache_enabled=False)
+        self._lock = threading.Lock()  # NOTE: GrammarCompiler is not documented as thread-safe
+
+    def compile(self, spec: GrammarSpec) -> CompiledGrammar:
+        try:
+            with self._lock:
+                return XgrammarCompiled(self._compile(spec))
+        except ValueError:
+            raise
+        except Exception as e:  # xgrammar raises RuntimeError / its own errors for bad input
+            raise ValueError(f"{spec.field}: xgrammar cannot compile it: {clean_error(e)}") from None
+
+    def _compile(self, spec: GrammarSpec) -> Any:
+        c = self._compiler
+        if spec.whitespace_pattern is not None:
+            raise ValueError(f"{spec.field}: whitespace_pattern is not supported by xgrammar "
+                             "(use the guidance backend)")
+        if spec.kind == "json":
+            # NOTE: strict_mode (xgrammar's and vLLM's default) already gives objects only the
+            # properties their schema names unless it allows more, so disable_additional_properties
+            # needs nothing extra here.
+            return c.compile_json_schema(spec.spec, any_whitespace=spec.any_whitespace, strict_mode=True)
+        if spec.kind == "json_object":
+            return c.compile_json_schema('{"type": "object"}', any_whitespace=spec.any_whitespace)
+        if spec.kind == "regex":
+            return c.compile_regex(spec.spec)
+        if spec.kind == "choice":
+            # EBNF string literals take JSON's escapes (\" \\ \n \uXXXX).
+            choices = json.loads(spec.spec)
+            return c.compile_grammar("root ::= " + " | ".join(
+                json.dumps(s, ensure_ascii=False) for s in choices))
+        if spec.kind == "grammar":
+            if "::=" in spec.spec:
+                return c.compile_grammar(spec.spec)
+            return c.compile_lark(spec.spec)
+        if spec.kind == "structural_tag":
+            tag = json.loads(spec.spec)
+            if isinstance(tag, dict) and "structures" in tag:
+                # vLLM's first format: {"structures": [{"begin", "schema", "end"}], "triggers": [...]}
+                import xgrammar as xgr
+                items = [xgr.StructuralTagItem(begin=s["begin"], schema=json.dumps(s.get("schema", {})),
+                                               end=s["end"]) for s in tag["structures"]]
+                return c.compile_structural_tag(items, list(tag.get("triggers", [])))
+            return c.compile_structural_tag(spec.spec)
+        raise ValueError(f"{spec.field}: unknown constraint kind {spec.kind!r}")

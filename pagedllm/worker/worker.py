@@ -1,0 +1,356 @@
+"""One device's share of the model: load (its shard of) the weights, quantize, prepack, size the
+KV cache, build the model runner and capture graphs; then run the scheduler's steps.
+
+An executor (``pagedllm.executor``) owns one ``Worker`` per rank and is the only thing that calls
+it: in-process for one rank (``UniProcExecutor``), in a spawned process or a Ray actor otherwise.
+The call order is ``init_device -> load_model -> determine_available_memory / get_kv_cache_spec
+-> initialize_cache -> execute_model ...``.
+"""
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+from typing import Any, Optional
+
+import torch
+
+from pagedllm.config import DEFAULT_CPU_KV_CACHE_BYTES, EngineArgs, apply_hf_overrides, parse_bytes
+from pagedllm.core.sched_output import ModelRunnerOutput, SchedulerOutput
+from pagedllm.metrics.memory import format_bytes as fmt_bytes
+
+logger = logging.getLogger("pagedllm")
+
+
+@dataclass
+class KVCacheSpec:
+    """One rank's per-layer KV cache shape.
+
+    Attributes:
+        num_layers: KV caches on this rank (its pipeline stage's attention layers).
+        num_kv_heads: KV heads per cache on this rank (its tensor-parallel share).
+        head_dim: D.
+        dtype: the cache's torch dtype.
+    """
+
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    dtype: torch.dtype
+
+    @property
+    def bytes_per_token(self) -> int:
+        """K and V bytes one token takes over this rank's layers."""
+        elem = torch.empty((), dtype=self.dtype).element_size()
+        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * elem
+
+
+@dataclass
+class ModelInfo:
+    """What the engine needs to know about the loaded model (front end and scheduler).
+
+    Attributes:
+        loaded: the ``LoadedModel`` (hf_config, tokenizer, generation_config, model_path, source),
+            or None from a rank that does not hold the tokenizer.
+        dtype, kv_cache_dtype, device: resolved torch values.
+        vocab_size: logits width; eos_token_id: from the tokenizer, else the config (or None).
+        weight_bytes: resident weight bytes on this rank (after quantization and prepacking).
+        load_seconds: wall time of this rank's ``load_model``.
+    """
+
+    loaded: Any
+    dtype: torch.dtype
+    kv_cache_dtype: torch.dtype
+    device: torch.device
+    vocab_size: int
+    eos_token_id: Optional[int]
+    weight_bytes: int
+    load_seconds: float
+
+
+def eos_token_id(tokenizer: Any, hf_config: Any) -> Optional[int]:
+    """The EOS id from the tokenizer, else the config (the first of a list), else None."""
+    eos = getattr(tokenizer, "eos_token_id", None) if tokenizer is not None else None
+    if eos is None:
+        eos = getattr(hf_config, "eos_token_id", None)
+    if isinstance(eos, (list, tuple)):
+        eos = eos[0] if eos else None
+    return eos
+
+
+def load_model_info(args: EngineArgs):
+    """Config and tokenizer of ``args.model`` without reading its weights (for an engine whose
+    ranks run elsewhere): a ``LoadedModel``."""
+    from pagedllm.loader import load_model
+    from pagedllm.platforms import resolve_device, resolve_dtype
+
+    dtype = resolve_dtype(args.dtype, resolve_device(args.device))
+    loaded = load_model(args.model, dtype=dtype, tokenizer=args.tokenizer,
+                        ignore_patterns=args.ignore_patterns or None)
+    if args.hf_overrides is not None:
+        loaded.hf_config = apply_hf_overrides(loaded.hf_config, args.hf_overrides)
+    return loaded
+
+
+class Worker:
+    """One rank of an engine replica.
+
+    Args:
+        args: EngineArgs.
+        rank: this rank in the replica, ``pp_rank * tensor_parallel_size + tp_rank``.
+        distributed_init_method: ``torch.distributed`` init URL (``tcp://host:port``) when the
+            replica has more than one rank; None for a single rank.
+        local_world_size: ranks sharing this machine (splits the default thread count).
+        load_tokenizer: also load the tokenizer (the rank whose ``model_info`` the engine reads
+            in-process).
+    """
+
+    def __init__(self, args: EngineArgs, rank: int = 0, distributed_init_method: Optional[str] = None,
+                 local_world_size: int = 1, load_tokenizer: bool = True) -> None:
+        self.args = args
+        self.rank = rank
+        self.tp_size = args.tensor_parallel_size
+        self.pp_size = args.pipeline_parallel_size
+        self.world_size = self.tp_size * self.pp_size
+        self.tp_rank = rank % self.tp_size
+        self.pp_rank = rank // self.tp_size
+        self.distributed_init_method = distributed_init_method
+        self.local_world_size = local_world_size
+        self.load_tokenizer = load_tokenizer
+        self.model: Any = None
+        self.runner: Any = None
+        self.pooler: Any = None
+        self.loaded: Any = None
+        self.info: Optional[ModelInfo] = None
+
+    @property
+    def is_output_rank(self) -> bool:
+        """The rank whose ``execute_model`` result the engine reads: TP rank 0 of the last stage."""
+        return self.tp_rank == 0 and self.pp_rank == self.pp_size - 1
+
+    # ------------------------------------------------------------------ start-up
+    def init_device(self) -> None:
+        """Threads, seed, device, dtype, the CPU allocator and (several ranks) the process groups."""
+        from pagedllm.platforms import default_num_threads, resolve_device, resolve_dtype, resolve_kv_cache_dtype
+
+        args = self.args
+        n = args.num_threads or default_num_threads()
+        if args.num_threads is None and self.local_world_size > 1 and not _threads_from_env():
+            n = max(1, n // self.local_world_size)  # NOTE: ranks on one machine share its cores
+        torch.set_num_threads(n)
+        torch.manual_seed(args.seed)
+        self.device = resolve_device(args.device)
+        if self.device.type == "cuda" and (self.world_size > 1 or args.data_parallel_size > 1):
+            index = args.data_parallel_rank * self.world_size + self.rank  # one GPU per rank of every replica
+            self.device = torch.device("cuda", index % max(1, torch.cuda.device_count()))
+            torch.cuda.set_device(self.device)
+        self.dtype = resolve_dtype(args.dtype, self.device)
+        if self.device.type == "cpu":
+            from pagedllm.kernels.cpu_ops import install_cpu_allocator
+            install_cpu_allocator()  # before the weights and KV cache are allocated
+        self.kv_cache_dtype = resolve_kv_cache_dtype(args.kv_cache_dtype, self.dtype, self.device)
+        if self.world_size > 1:
+            from pagedllm.distributed.parallel_state import init_distributed
+
+            init_distributed(self.world_size, self.rank, self.distributed_init_method, self.tp_size,
+                             self.pp_size, self.device)
+
+    def load_model(self) -> ModelInfo:
+        """Build the model (this rank's shard of it), load, quantize and prepack its weights.
+
+        Raises:
+            ValueError: unknown model / bad settings, a checkpoint that does not fit the model,
+                or a model this tensor/pipeline split cannot take.
+        """
+        from pagedllm.loader import load_model
+        from pagedllm.models.registry import get_model_class
+
+        t0 = time.perf_counter()
+        args = self.args
+        loaded = load_model(args.model, dtype=self.dtype, tokenizer=args.tokenizer,
+                            ignore_patterns=args.ignore_patterns or None,
+                            load_tokenizer=self.load_tokenizer)
+        self.loaded = loaded
+        if args.hf_overrides is not None:
+            loaded.hf_config = apply_hf_overrides(loaded.hf_config, args.hf_overrides)
+        hf_config = loaded.hf_config
+        if args.runner not in ("generate", "pooling"):
+            raise ValueError(f"runner: must be 'generate' or 'pooling', got {args.runner!r}")
+        archs = list(getattr(hf_config, "architectures", None) or [])
+        if args.runner == "pooling":
+            # *ForSequenceClassification / bare *Model checkpoints load into the causal-LM body.
+            from pagedllm.pooling.adapters import pooling_architectures
+            archs = pooling_architectures(archs)
+        model_cls = get_model_class(archs)
+        with torch.device(self.device):
+            model = model_cls(hf_config, self.dtype)
+        sharded = self.world_size > 1
+        if sharded:
+            from pagedllm.distributed.sharding import shard_model
+            # NOTE: before loading: the weight loaders then copy only this rank's slices.
+            shard_model(model, self.tp_rank, self.tp_size, self.pp_rank, self.pp_size)
+        weights = loaded.weights()
+        pool_head: dict = {}
+        if args.runner == "pooling":
+            from pagedllm.pooling.adapters import drop_lm_head, split_head_weights
+            drop_lm_head(model)
+            weights = split_head_weights(weights, pool_head)
+        if loaded.source == "hf" and not sharded:
+            from pagedllm.loader.hf_loader import check_checkpoint_files, safetensors_files
+            check_checkpoint_files(model, loaded.model_path,
+                                   safetensors_files(loaded.model_path, args.ignore_patterns or None),
+                                   skip_names=("score.weight", "score.bias") if args.runner == "pooling" else ())
+        try:
+            model.load_weights(weights)
+        except ValueError as e:
+            from pagedllm.loader.hf_loader import annotate_load_error
+            raise annotate_load_error(e, loaded, args.ignore_patterns or None, model_cls.__name__) from None
+        model.eval()
+        if args.quantization:
+            from pagedllm.quantization import quantize_model
+            qstats = quantize_model(model, args.quantization, quantize_lm_head=args.runner == "generate")
+            logger.info("pagedllm: quantization %s: %d linear layers, %s -> %s", args.quantization,
+                        qstats["num_linears"], fmt_bytes(qstats["float_bytes"]), fmt_bytes(qstats["quantized_bytes"]))
+
+        def resident_bytes() -> int:  # parameters and buffers
+            return sum(t.numel() * t.element_size() for t in (*model.parameters(), *model.buffers()))
+
+        weight_bytes = resident_bytes()
+        if self.device.type == "cpu" and self.dtype == torch.bfloat16:
+            from pagedllm.models.layers import prepack_cpu_linears
+            # NOTE: bf16 linears move to oneDNN's blocked layout and their dense copies are
+            # dropped; a tied LM head gets a packed copy beside the dense embedding table.
+            packed = prepack_cpu_linears(model, pack_head=args.runner == "generate")
+            weight_bytes = resident_bytes() + packed
+        if sharded:
+            from pagedllm.distributed.sharding import install_communication
+            # NOTE: after quantization and prepacking, which swap or repack the linears.
+            install_communication(model)
+        self.model = model
+        if args.runner == "pooling":
+            from pagedllm.pooling.pooler import build_pooler
+            self.pooler = build_pooler(args, hf_config, model, pool_head.get("weight"), pool_head.get("bias"))
+        self.info = ModelInfo(
+            loaded=loaded, dtype=self.dtype, kv_cache_dtype=self.kv_cache_dtype, device=self.device,
+            vocab_size=int(hf_config.vocab_size), eos_token_id=eos_token_id(loaded.tokenizer, hf_config),
+            weight_bytes=weight_bytes, load_seconds=time.perf_counter() - t0)
+        return self.info
+
+    def model_info(self, with_loaded: bool = True) -> ModelInfo:
+        """The ``ModelInfo`` of ``load_model``; ``with_loaded=False`` leaves out the
+        ``LoadedModel`` (not picklable: it holds a weight iterator factory)."""
+        if with_loaded:
+            return self.info
+        import dataclasses
+        return dataclasses.replace(self.info, loaded=None)
+
+    def get_pooler(self) -> Any:
+        """The pooler (``runner="pooling"``), or None: the front end validates pooling params with it."""
+        return self.pooler
+
+    def get_kv_cache_spec(self) -> KVCacheSpec:
+        """This rank's KV cache shape (its layers, its share of the KV heads)."""
+        num_layers, num_kv_heads, head_dim = self.model.get_kv_cache_spec()
+        if self.world_size > 1:
+            from pagedllm.distributed.sharding import local_kv_cache_spec
+            num_layers, num_kv_heads, head_dim = local_kv_cache_spec(self.model)
+        return KVCacheSpec(num_layers, num_kv_heads, head_dim, self.kv_cache_dtype)
+
+    def determine_available_memory(self) -> int:
+        """Bytes this rank may spend on its KV cache: ``kv_cache_memory`` when given, else on
+        CUDA what a profiling forward leaves of ``gpu_memory_utilization``, else the CPU default.
+
+        Raises:
+            ValueError: an unparsable ``kv_cache_memory``, or no GPU memory left for the cache.
+        """
+        args = self.args
+        if args.kv_cache_memory is not None:
+            try:
+                return parse_bytes(args.kv_cache_memory)
+            except ValueError as e:
+                raise ValueError(f"kv_cache_memory: {e}") from None
+        if self.device.type == "cuda":
+            return self._profile_gpu_kv_bytes()
+        return DEFAULT_CPU_KV_CACHE_BYTES
+
+    def _profile_gpu_kv_bytes(self) -> int:
+        """KV bytes on CUDA: ``gpu_memory_utilization`` x total memory minus weights and the peak
+        activations of a dummy forward over ``max_num_batched_tokens`` tokens (vLLM's method)."""
+        from pagedllm.attention.backend import ForwardContext, set_forward_context
+        from pagedllm.attention.torch_paged import TorchPagedAttention
+
+        args, model = self.args, self.model
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(self.device)
+        n = args.max_num_batched_tokens
+        ids = torch.zeros(n, dtype=torch.long, device=self.device)
+        pos = torch.arange(n, device=self.device)
+        with torch.inference_mode(), set_forward_context(
+                ForwardContext(None, [], TorchPagedAttention(use_cpu_kernel=False))):
+            hidden = model(ids, pos)
+            model.compute_logits(hidden[-min(n, args.max_num_seqs):])
+        torch.cuda.synchronize(self.device)
+        peak = torch.cuda.max_memory_allocated(self.device)
+        total = torch.cuda.get_device_properties(self.device).total_memory
+        kv = int(total * args.gpu_memory_utilization - peak)
+        logger.info("pagedllm: GPU memory %s total x %.2f; peak with weights + activations %s; KV cache %s",
+                    fmt_bytes(total), args.gpu_memory_utilization, fmt_bytes(peak), fmt_bytes(max(kv, 0)))
+        if kv <= 0:
+            raise ValueError(
+                f"gpu_memory_utilization: {args.gpu_memory_utilization} leaves no memory for the KV cache "
+                f"(weights + activations peak at {fmt_bytes(peak)} of {fmt_bytes(total)})")
+        return kv
+
+    def initialize_cache(self, num_blocks: int, max_model_len: int) -> None:
+        """Allocate ``num_blocks`` KV blocks per layer, build the runner, reserve rope tables and
+        capture CUDA graphs (CUDA, one rank, not ``enforce_eager``)."""
+        from pagedllm.attention.selector import get_attn_backend
+        from pagedllm.worker.model_runner import ModelRunner
+
+        args = self.args
+        spec = self.get_kv_cache_spec()
+        attn_impl = get_attn_backend(self.device, args.attention_backend)
+        spec_decoder = self._build_spec_decoder(num_blocks)
+        self.runner = ModelRunner(self.model, num_blocks, args.block_size,
+                                  (spec.num_layers, spec.num_kv_heads, spec.head_dim), self.dtype,
+                                  self.info.vocab_size, self.device, attn_impl=attn_impl, pooler=self.pooler,
+                                  eos_token_id=self.info.eos_token_id, kv_cache_dtype=self.kv_cache_dtype,
+                                  spec_decoder=spec_decoder, max_model_len=max_model_len)
+        if self.device.type != "cpu":
+            from pagedllm.models.layers import reserve_rope_tables
+            # NOTE: full-size rope tables now: no per-step position check (a device sync) and a
+            # fixed table address for the CUDA graphs.
+            reserve_rope_tables(self.model, max_model_len, self.device)
+        if self.device.type == "cuda" and not args.enforce_eager and self.world_size == 1:
+            secs = self.runner.capture_cuda_graphs(args.max_num_seqs, max_model_len)
+            logger.info("pagedllm: captured decode CUDA graphs in %.2f s", secs)
+
+    def _build_spec_decoder(self, num_blocks: int) -> Any:
+        """The runner's ``SpecDecoder`` (``speculative_config``), or None."""
+        if self.args.speculative_config is None:
+            return None
+        from pagedllm.spec_decode.config import SpeculativeConfig
+        from pagedllm.worker.spec_decoder import SpecDecoder, build_proposer
+
+        cfg = SpeculativeConfig.from_any(self.args.speculative_config)
+        return SpecDecoder(cfg, build_proposer(cfg))
+
+    # ------------------------------------------------------------------ steps
+    def execute_model(self, so: SchedulerOutput) -> Optional[ModelRunnerOutput]:
+        """Run one step; the runner's output on the output rank, None on the others."""
+        out = self.runner.execute(so)
+        return out if self.is_output_rank else None
+
+    def check_health(self) -> None:
+        """Nothing to check in-process (a dead rank is the executor's to detect)."""
+
+    def shutdown(self) -> None:
+        """Leave the process groups (several ranks)."""
+        if self.world_size > 1:
+            from pagedllm.distributed.parallel_state import destroy_distributed
+            destroy_distributed()
+
+
+def _threads_from_env() -> bool:
+    import os
+    return any((os.environ.get(v) or "").isdigit() for v in ("PAGEDLLM_NUM_THREADS", "OMP_NUM_THREADS"))
