@@ -227,7 +227,27 @@ class EngineCore:
             "prefix_cache_queries": s.prefix_cache_queries,
             "prefix_cache_hits": s.prefix_cache_hits,
             **(self.structured_output_manager.stats() if self.structured_output_manager else {}),
+            **self._spec_decode_stats(),
         }
+
+    def _spec_decode_stats(self) -> dict:
+        """Speculative decoding totals (empty when off): the scheduler's draft counters and, for
+        an in-process worker, the suffix proposer's global cache."""
+        st = self.scheduler.spec_stats
+        if st is None:
+            return {}
+        out = {"spec_decode_num_drafts": st.num_drafts, "spec_decode_num_draft_tokens": st.num_draft_tokens,
+               "spec_decode_num_accepted_tokens": st.num_accepted_tokens,
+               "spec_decode_num_accepted_tokens_per_pos": list(st.num_accepted_tokens_per_pos)}
+        w = getattr(self.executor, "driver_worker", None)
+        sd = getattr(getattr(w, "runner", None), "spec_decoder", None)
+        if sd is not None:
+            ps = sd.proposer.stats()
+            if "suffix_cached_requests" in ps:
+                out["spec_decode_suffix_cached_requests"] = ps["suffix_cached_requests"]
+                out["spec_decode_suffix_tree_nodes"] = ps["suffix_global_tree_nodes"]
+                out["spec_decode_suffix_cache_capacity"] = self.spec_config.suffix_decoding_max_cached_requests
+        return out
 
     def get_memory_stats(self) -> dict:
         """Memory now, in bytes: ``resident_memory_bytes`` (RSS of this process plus that of the
