@@ -36,10 +36,6 @@ class SpeculativeConfig:
         suffix_decoding_max_tree_depth / suffix_decoding_max_cached_requests /
         suffix_decoding_max_spec_factor / suffix_decoding_min_token_prob: suffix decoding
             (vLLM's defaults 24 / 10000 / 1.0 / 0.1).
-        draft_temperature_sampling: draft models sample their drafts from their own
-            distribution at the request's sampling settings (and pass it to the rejection
-            sampler) instead of taking the argmax (both are lossless; greedy requests always
-            draft greedily).
     """
 
     method: Optional[str] = None
@@ -53,7 +49,6 @@ class SpeculativeConfig:
     suffix_decoding_max_cached_requests: int = 10000
     suffix_decoding_max_spec_factor: float = 1.0
     suffix_decoding_min_token_prob: float = 0.1
-    draft_temperature_sampling: bool = False
 
     def __post_init__(self) -> None:
         m = self.method

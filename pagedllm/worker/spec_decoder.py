@@ -47,7 +47,7 @@ def build_proposer(cfg: SpeculativeConfig, **model_kwargs: Any) -> Proposer:
             cfg.suffix_decoding_min_token_prob), uses_prompt_len=True)
     if cfg.method == "draft_model":
         from pagedllm.spec_decode.draft_model import DraftModelProposer
-        return DraftModelProposer(cfg, **model_kwargs)
+        return DraftModelProposer(cfg.num_speculative_tokens, **model_kwargs)
     raise ValueError(f"speculative_config.method: {cfg.method!r} needs a trained draft head "
                      "checkpoint (see pagedllm.spec_decode.eagle / mtp)")
 

@@ -1,0 +1,77 @@
+"""Draft-model proposer on tiny random checkpoints: the target's own weights as the draft
+accept (nearly) every draft (the draft's KV cache shares the target's block tables and stays
+in step), an unrelated draft and an int4 self-draft keep greedy outputs exact (alone, batched,
+chunked prefill, preemption), and the draft's KV bytes count in the cache budget."""
+import pytest
+
+from pagedllm import LLM, SamplingParams
+
+from spec_helpers import tiny_prompts, write_tiny_llama
+
+KW = dict(dtype="float32", seed=0, max_model_len=256, num_threads=1)
+
+
+@pytest.fixture(scope="module")
+def other_draft_dir(tmp_path_factory):
+    return write_tiny_llama(str(tmp_path_factory.mktemp("spec_draft") / "llama1"), seed=1, layers=1)
+
+
+def cfg(model, k=3, **extra):
+    return {"method": "draft_model", "model": model, "num_speculative_tokens": k, "disable_by_batch_size": 0, **extra}
+
+
+def gen(llm, prompts, sp):
+    return [o.outputs[0].token_ids for o in llm.generate(prompts, sp, use_tqdm=False)]
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_llama_dir):
+    base = LLM(tiny_llama_dir, **KW)
+    prompts = tiny_prompts(12, seed=5)
+    sp = SamplingParams(temperature=0.0, max_tokens=48, ignore_eos=True)
+    return prompts, sp, gen(base, prompts, sp)
+
+
+def test_identical_draft_accepts_everything(tiny_llama_dir, reference):
+    prompts, sp, ref = reference
+    llm = LLM(tiny_llama_dir, speculative_config=cfg(tiny_llama_dir, k=4), **KW)
+    assert gen(llm, prompts, sp) == ref
+    st = llm.llm_engine.core.scheduler.spec_stats
+    assert st.num_draft_tokens > 200
+    assert st.acceptance_rate > 0.95, st
+
+
+@pytest.mark.parametrize("draft", ["other", "int4-self"])
+def test_greedy_equal(tiny_llama_dir, other_draft_dir, reference, draft):
+    prompts, sp, ref = reference
+    spec = cfg(other_draft_dir) if draft == "other" else cfg(tiny_llama_dir, quantization="int4")
+    llm = LLM(tiny_llama_dir, speculative_config=spec, **KW)
+    assert [gen(llm, [p], sp)[0] for p in prompts[:4]] == ref[:4]  # alone
+    assert gen(llm, prompts, sp) == ref  # batched
+    st = llm.llm_engine.core.scheduler.spec_stats
+    assert st.num_drafts > 0 and st.num_accepted_tokens > 0
+
+
+def test_chunked_prefill_and_preemption(tiny_llama_dir, reference):
+    prompts, sp, ref = reference
+    # Target 2 layers + draft 2 layers: 1 KiB per token; 48 blocks of 4 tokens cannot hold 12
+    # requests of ~90 tokens: preemption; a 16-token budget chunks the prompts.
+    kw = dict(KW, max_num_batched_tokens=16, block_size=4, kv_cache_memory=48 * 4 * 1024, max_model_len=128)
+    llm = LLM(tiny_llama_dir, speculative_config=cfg(tiny_llama_dir, k=3), **kw)
+    core = llm.llm_engine.core
+    assert core.num_blocks == 48  # the draft's KV bytes are in the budget
+    assert gen(llm, prompts, sp) == ref
+    assert core.scheduler.num_preemptions_total > 0
+    assert core.scheduler.spec_stats.acceptance_rate > 0.9
+
+
+def test_vocab_mismatch_is_a_value_error(tiny_llama_dir, tmp_path):
+    from transformers import LlamaConfig, LlamaForCausalLM
+    from spec_helpers import tiny_tokenizer
+
+    d = str(tmp_path / "v64")
+    LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                 num_attention_heads=2, num_key_value_heads=1)).save_pretrained(d)
+    tiny_tokenizer().save_pretrained(d)
+    with pytest.raises(ValueError, match="vocabulary"):
+        LLM(tiny_llama_dir, speculative_config=cfg(d), **KW)
