@@ -123,6 +123,11 @@ class EagleHead(nn.Module):
         h, residual = self.layer(positions, x, None)
         return h + residual
 
+    def get_kv_cache_spec(self) -> tuple[int, int, int]:
+        """``(1, num_kv_heads, head_dim)``: the head's own one-layer KV cache."""
+        a = self.layer.self_attn
+        return 1, a.num_kv_heads, a.head_dim
+
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         """EAGLE checkpoint names (``layers.0.*``, ``fc.*``; ``model.`` prefix optional;
         ``embed_tokens``/``lm_head`` are the target's and are skipped)."""

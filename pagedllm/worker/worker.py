@@ -256,11 +256,15 @@ class Worker:
         from pagedllm.spec_decode.config import SpeculativeConfig
 
         cfg = SpeculativeConfig.from_any(self.args.speculative_config)
-        if cfg.method != "draft_model":
+        if cfg.method not in ("draft_model", "eagle"):
             return 0
         if self.world_size > 1:
-            raise ValueError("speculative_config: method 'draft_model' runs on one rank "
+            raise ValueError(f"speculative_config: method {cfg.method!r} runs on one rank "
                              "(tensor_parallel_size = pipeline_parallel_size = 1)")
+        if cfg.method == "eagle":
+            from pagedllm.spec_decode.eagle_proposer import load_eagle_head
+            self.draft_model = load_eagle_head(cfg.model, self.model, self.dtype).to(self.device)
+            return sum(p.numel() * p.element_size() for p in self.draft_model.parameters())
         dargs = dataclasses.replace(self.args, model=cfg.model, quantization=cfg.quantization, tokenizer=None,
                                     speculative_config=None, hf_overrides=None, runner="generate")
         w = Worker(dargs, load_tokenizer=False)
@@ -375,9 +379,11 @@ class Worker:
 
         cfg = SpeculativeConfig.from_any(self.args.speculative_config)
         kw = {}
-        if cfg.method == "draft_model":
+        if cfg.method in ("draft_model", "eagle"):
             kw = dict(model=self.draft_model, num_blocks=num_blocks, block_size=self.args.block_size,
                       kv_cache_dtype=self.kv_cache_dtype, device=self.device, attn_impl=attn_impl)
+            if cfg.method == "eagle":
+                kw["target"] = self.model
         return SpecDecoder(cfg, build_proposer(cfg, **kw))
 
     # ------------------------------------------------------------------ steps

@@ -75,3 +75,46 @@ def test_vocab_mismatch_is_a_value_error(tiny_llama_dir, tmp_path):
     tiny_tokenizer().save_pretrained(d)
     with pytest.raises(ValueError, match="vocabulary"):
         LLM(tiny_llama_dir, speculative_config=cfg(d), **KW)
+
+
+def write_eagle_head(d, seed=3):
+    """A random EAGLE-1 head for the tiny target, in the published layout (config.json +
+    safetensors: fc, layers.0.*)."""
+    import json
+    import os
+
+    import torch
+    from safetensors.torch import save_file
+
+    os.makedirs(d, exist_ok=True)
+    g = torch.Generator().manual_seed(seed)
+    Hh, nh, nkv, hd, inter = 64, 4, 2, 16, 128
+
+    def r(*s):
+        return torch.randn(*s, generator=g) * 0.1
+    W = {"fc.weight": r(Hh, 2 * Hh), "layers.0.post_attention_layernorm.weight": torch.ones(Hh),
+         "layers.0.self_attn.q_proj.weight": r(nh * hd, Hh), "layers.0.self_attn.k_proj.weight": r(nkv * hd, Hh),
+         "layers.0.self_attn.v_proj.weight": r(nkv * hd, Hh), "layers.0.self_attn.o_proj.weight": r(Hh, nh * hd),
+         "layers.0.mlp.gate_proj.weight": r(inter, Hh), "layers.0.mlp.up_proj.weight": r(inter, Hh),
+         "layers.0.mlp.down_proj.weight": r(Hh, inter)}
+    save_file(W, os.path.join(d, "model.safetensors"))
+    with open(os.path.join(d, "config.json"), "w") as f:
+        json.dump({"architectures": ["LlamaForCausalLMEagle"], "model_type": "llama", "hidden_size": Hh,
+                   "intermediate_size": inter, "num_attention_heads": nh, "num_key_value_heads": nkv,
+                   "head_dim": hd, "num_hidden_layers": 1, "vocab_size": 128, "rms_norm_eps": 1e-5,
+                   "hidden_act": "silu", "max_position_embeddings": 512}, f)
+    return d
+
+
+def test_eagle_head_served_lossless(tiny_llama_dir, reference, tmp_path):
+    prompts, sp, ref = reference
+    head = write_eagle_head(str(tmp_path / "eagle"))
+    llm = LLM(tiny_llama_dir, speculative_config={"method": "eagle", "model": head, "num_speculative_tokens": 3,
+                                                  "disable_by_batch_size": 0},
+              **dict(KW, max_num_batched_tokens=32))
+    assert gen(llm, prompts, sp) == ref  # batched, chunked prefill
+    assert [gen(llm, [p], sp)[0] for p in prompts[:3]] == ref[:3]
+    st = llm.llm_engine.core.scheduler.spec_stats
+    assert st.num_drafts > 0 and st.num_draft_tokens >= st.num_drafts
+    with pytest.raises(ValueError, match="not served yet"):
+        LLM(tiny_llama_dir, speculative_config={"method": "mtp", "model": head}, **KW)
