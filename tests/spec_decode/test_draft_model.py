@@ -118,3 +118,52 @@ def test_eagle_head_served_lossless(tiny_llama_dir, reference, tmp_path):
     assert st.num_drafts > 0 and st.num_draft_tokens >= st.num_drafts
     with pytest.raises(ValueError, match="not served yet"):
         LLM(tiny_llama_dir, speculative_config={"method": "mtp", "model": head}, **KW)
+
+
+def test_eagle_head_replicating_the_target_is_accepted(tmp_path):
+    """A 1-layer target whose embedding rows have unit RMS (so its input norm is the identity)
+    and an EAGLE head with fc = [I | 0] and the target's layer: the head's output at position p
+    is the target's residual stream at p + 1 up to the first context token, and RMSNorm with unit
+    weight does not move an argmax, so nearly every draft is accepted; a wrong hidden-row or
+    position offset would make acceptance collapse."""
+    import json
+    import os
+
+    import torch
+    from safetensors.torch import save_file
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from spec_helpers import tiny_tokenizer
+
+    d, e = str(tmp_path / "t1"), str(tmp_path / "e1")
+    torch.manual_seed(0)
+    c = LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=1,
+                    num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=512,
+                    tie_word_embeddings=False, bos_token_id=1, eos_token_id=2)
+    m = LlamaForCausalLM(c).float().eval()
+    with torch.no_grad():
+        for n, p in m.named_parameters():
+            if p.dim() > 1:
+                p.normal_(0, 1.0 if "embed" in n else (0.25 if "lm_head" in n else 0.1))
+        emb = m.model.embed_tokens.weight
+        emb.div_(emb.pow(2).mean(-1, keepdim=True).sqrt())
+    m.save_pretrained(d)
+    tiny_tokenizer().save_pretrained(d)
+    W = {"fc.weight": torch.cat([torch.eye(64), torch.zeros(64, 64)], 1)}
+    for k, v in m.state_dict().items():
+        if k.startswith("model.layers.0.") and "input_layernorm" not in k:
+            W[k[len("model."):]] = v.clone().contiguous()
+    os.makedirs(e)
+    save_file(W, os.path.join(e, "model.safetensors"))
+    with open(os.path.join(e, "config.json"), "w") as f:
+        json.dump({"model_type": "llama", "hidden_size": 64, "intermediate_size": 128, "num_attention_heads": 4,
+                   "num_key_value_heads": 2, "head_dim": 16, "num_hidden_layers": 1, "vocab_size": 128,
+                   "rms_norm_eps": 1e-6, "hidden_act": "silu"}, f)
+    prompts = tiny_prompts(8, seed=9)
+    sp = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+    ref = gen(LLM(d, **KW), prompts, sp)
+    llm = LLM(d, speculative_config={"method": "eagle", "model": e, "num_speculative_tokens": 3,
+                                     "disable_by_batch_size": 0}, **KW)
+    assert gen(llm, prompts, sp) == ref
+    st = llm.llm_engine.core.scheduler.spec_stats
+    assert st.num_draft_tokens > 150 and st.acceptance_rate > 0.8, st
