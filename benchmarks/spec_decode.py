@@ -7,8 +7,9 @@ Workloads (greedy, so every configuration emits the same tokens):
 * ``batch``: ``--num-prompts`` requests at once (the builtin random-token workload of
   ``pagedllm bench throughput``), where the automatic switch-off should keep speculation from
   costing throughput;
-* ``sweep``: throughput with speculation forced on at batch sizes 1..32, to place the automatic
-  switch-off (``pagedllm.worker.spec_decoder.AUTO_DISABLE_BATCH_SIZE``).
+* ``sweep``: ordinary chat prompts (repeated) batched 1..32 at once, to place the automatic
+  switch-off (``pagedllm.worker.spec_decoder.AUTO_DISABLE_BATCH_SIZE``): run it with configs
+  whose ``disable_by_batch_size`` is 0 (``ngram-on``, ``suffix-on``).
 
 Every configuration is loaded once; runs alternate between them ``--repeats`` times and the
 medians are reported with the mean acceptance length (1 + accepted drafts / drafts).
@@ -30,6 +31,8 @@ CONFIGS = {
     "int4-self": {"method": "draft_model", "model": "SmolLM2-135M-Instruct", "quantization": "int4",
                   "num_speculative_tokens": 3},
 }
+# The same with the automatic switch-off disabled (speculation in every step).
+CONFIGS.update({f"{k}-on": {**v, "disable_by_batch_size": 0} for k, v in list(CONFIGS.items()) if v})
 
 SENTENCES = [
     "Speculative decoding speeds up text generation by letting a cheap proposer guess several tokens ahead.",
@@ -90,6 +93,14 @@ def run_batch(llm, prompts, max_tokens: int) -> tuple[int, float]:
     return sum(len(o.outputs[0].token_ids) for o in outs), time.perf_counter() - t0
 
 
+def run_chat_batch(llm, convs, max_tokens: int) -> tuple[int, float]:
+    from pagedllm import SamplingParams
+    sp = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    t0 = time.perf_counter()
+    outs = llm.chat(convs, sp, use_tqdm=False)
+    return sum(len(o.outputs[0].token_ids) for o in outs), time.perf_counter() - t0
+
+
 def spec_snapshot(llm):
     st = llm.llm_engine.core.scheduler.spec_stats
     return (st.num_drafts, st.num_accepted_tokens) if st is not None else (0, 0)
@@ -131,7 +142,8 @@ def main() -> None:
         work["batch"] = ("batch", builtin_workload(tok, args.num_prompts, 50, 300, 0))
     if "sweep" in wls:
         for b in (1, 2, 4, 8, 16, 32):
-            work[f"sweep-b{b}"] = ("batch", builtin_workload(tok, b, 50, 300, b))
+            convs = [[{"role": "user", "content": CHAT[i % len(CHAT)]}] for i in range(b)]
+            work[f"sweep-b{b}"] = ("chat-batch", convs)
     res: dict = {"model": args.model, "dtype": str(llms[names[0]].llm_engine.core.dtype), "repeats": args.repeats,
                  "threads": args.num_threads, "workloads": {}}
     for wl, (kind, data) in work.items():
@@ -143,6 +155,8 @@ def main() -> None:
                 d0, a0 = spec_snapshot(llm)
                 if kind == "single":
                     toks, el = run_single_stream(llm, data, args.max_tokens)
+                elif kind == "chat-batch":
+                    toks, el = run_chat_batch(llm, data, args.batch_output_len)
                 else:
                     toks, el = run_batch(llm, data, args.batch_output_len)
                 d1, a1 = spec_snapshot(llm)
