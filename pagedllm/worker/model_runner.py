@@ -142,12 +142,47 @@ class ModelRunner:
             seq_lens = [s + n for s, n in zip(starts, query_lens)]
             blk = block_tables[req_idx, pos // bs]
         slots = blk * bs + pos % bs
+        if self.spec_decoder is not None and total != B:
+            return self._prepare_verify(reqs, ids, pos, slots, block_tables, qsl)
         meta = AttentionMetadata(
             num_reqs=B, num_decodes=num_decodes, num_decode_tokens=num_decodes,
             query_start_loc=torch.from_numpy(qsl), query_lens=query_lens,
             seq_lens=torch.tensor(seq_lens, dtype=torch.int64), seq_lens_list=seq_lens,
             block_tables=torch.from_numpy(block_tables), slot_mapping=torch.from_numpy(slots),
             block_size=bs, max_seq_len=max(seq_lens),
+        )
+        return torch.from_numpy(ids), torch.from_numpy(pos), meta, qsl
+
+    def _prepare_verify(self, reqs: list[ScheduledRequest], ids: np.ndarray, pos: np.ndarray,
+                        slots: np.ndarray, block_tables: np.ndarray, qsl: np.ndarray):
+        """``_prepare``'s metadata when some requests verify drafts: each token of such a request
+        is its own one-token attention row (seeing its request's cache up to its own position),
+        so a step of decodes and verifications is decode-only for the attention backend (and the
+        fused decode path): the same kernels and numerics as decoding those tokens one by one.
+        The token layout and the returned request-level ``qsl`` are unchanged."""
+        B = len(reqs)
+        q = np.diff(qsl)
+        spec = np.array([bool(r.spec_token_ids) for r in reqs])
+        row_len = np.where(spec, 1, q)
+        rows_per_req = np.where(spec, q, 1)
+        row_req = np.repeat(np.arange(B), rows_per_req)
+        n_rows = len(row_req)
+        row_qsl = np.zeros(n_rows + 1, dtype=np.int64)
+        np.cumsum(np.repeat(row_len, rows_per_req), out=row_qsl[1:])
+        # A row's last token position + 1 is its context length.
+        seq_lens = (pos[row_qsl[1:] - 1] + 1).tolist()
+        row_lens = np.repeat(row_len, rows_per_req).tolist()
+        num_decodes = 0
+        for n in row_lens:
+            if n != 1:
+                break
+            num_decodes += 1
+        meta = AttentionMetadata(
+            num_reqs=n_rows, num_decodes=num_decodes, num_decode_tokens=num_decodes,
+            query_start_loc=torch.from_numpy(row_qsl), query_lens=row_lens,
+            seq_lens=torch.tensor(seq_lens, dtype=torch.int64), seq_lens_list=seq_lens,
+            block_tables=torch.from_numpy(block_tables[row_req]), slot_mapping=torch.from_numpy(slots),
+            block_size=self.block_size, max_seq_len=max(seq_lens),
         )
         return torch.from_numpy(ids), torch.from_numpy(pos), meta, qsl
 
@@ -302,14 +337,14 @@ class ModelRunner:
 
 
 def _decodes_first(scheduled: list[ScheduledRequest]) -> list[ScheduledRequest]:
-    """The requests with one new token first, otherwise in order (the attention metadata's
-    order); the list itself when it already is."""
+    """The requests with one new token (or verifying drafts: one-token attention rows each) first,
+    otherwise in order (the attention metadata's order); the list itself when it already is."""
     seen_prefill = False
     for r in scheduled:
-        if r.num_tokens != 1:
+        if r.num_tokens != 1 and not r.spec_token_ids:
             seen_prefill = True
         elif seen_prefill:
-            return sorted(scheduled, key=lambda r: r.num_tokens != 1)
+            return sorted(scheduled, key=lambda r: r.num_tokens != 1 and not r.spec_token_ids)
     return scheduled
 
 
