@@ -167,6 +167,9 @@ class EngineArgs:
             one rank). Costs throughput (docs/performance.md); off by default, also turned on by
             the environment variable ``PAGEDLLM_BATCH_INVARIANT=1`` or ``VLLM_BATCH_INVARIANT=1``
             (see ``pagedllm.models.batch_invariant``).
+        speculative_config: speculative decoding, vLLM's ``speculative_config`` (a dict, a JSON
+            string or a ``pagedllm.spec_decode.config.SpeculativeConfig``): ``{"method": "ngram",
+            "num_speculative_tokens": 4, ...}``; None = off.
     """
 
     model: str = "SmolLM2-135M-Instruct"
@@ -217,6 +220,7 @@ class EngineArgs:
     def world_size(self) -> int:
         """Ranks of one engine replica: ``tensor_parallel_size * pipeline_parallel_size``."""
         return self.tensor_parallel_size * self.pipeline_parallel_size
+    speculative_config: Optional[Any] = None
 
     @classmethod
     def field_names(cls) -> set[str]:

@@ -57,6 +57,8 @@ class Request:
             (-1 until the request is first scheduled).
         cache_salt: optional string mixed into the first block hash (prefix-cache isolation).
         block_hashes: chained hashes of the request's full blocks (filled by the KV cache manager).
+        spec_token_ids: draft tokens proposed for the next step (speculative decoding); not part
+            of ``all_token_ids`` until verified, never hashed into the prefix cache.
         stop_reason: the token id that stopped the request (int), or None.
         arrival_time: ``time.time()`` seconds when the request reached the core.
         priority: lower value is served first (FCFS within the same value).
@@ -95,6 +97,7 @@ class Request:
         self.num_cached_tokens = -1
         self.num_preemptions = 0
         self.block_hashes: list[Any] = []
+        self.spec_token_ids: list[int] = []
         self.stop_reason: Optional[int | str] = None
         self.first_scheduled_time: Optional[float] = None
         self.structured_output_request: Any = None
@@ -119,6 +122,11 @@ class Request:
     def num_tokens(self) -> int:
         """Prompt + output tokens (the target ``num_computed_tokens`` chases)."""
         return len(self.all_token_ids)
+
+    @property
+    def num_tokens_with_spec(self) -> int:
+        """Prompt + output + draft tokens: what ``num_computed_tokens`` chases when speculating."""
+        return len(self.all_token_ids) + len(self.spec_token_ids)
 
     @property
     def is_pooling(self) -> bool:

@@ -22,6 +22,9 @@ class ScheduledRequest:
         pooling_params: the request's PoolingParams, or None for generation.
         prompt_len: number of prompt tokens (so ``token_ids[:prompt_len]`` is the prompt).
         is_new: True the first step after (re)admission: the runner drops any old state.
+        spec_token_ids: draft tokens scheduled for verification after ``token_ids`` (counted in
+            ``num_tokens``: the step computes ``token_ids[start_pos:] + spec_token_ids``); empty
+            when not speculating.
     """
 
     req_id: str
@@ -34,6 +37,7 @@ class ScheduledRequest:
     pooling_params: Any = None
     prompt_len: int = 0
     is_new: bool = False
+    spec_token_ids: list[int] = field(default_factory=list)
 
 
 @dataclass
@@ -76,12 +80,15 @@ class ModelRunnerOutput:
         prompt_logprobs: req_id -> list (one per prompt position computed this step) of the
             same tuple shape, or None entries.
         pooler_output: req_id -> pooled tensor (float32, on CPU) for finished pooling requests.
+        spec_token_ids: req_id -> draft tokens proposed for the request's next step
+            (speculative decoding; absent when none).
     """
 
     sampled_token_ids: dict[str, list[int]] = field(default_factory=dict)
     logprobs: dict[str, list[Any]] = field(default_factory=dict)
     prompt_logprobs: dict[str, list[Any]] = field(default_factory=dict)
     pooler_output: dict[str, Any] = field(default_factory=dict)
+    spec_token_ids: dict[str, list[int]] = field(default_factory=dict)
 
 
 @dataclass(slots=True)

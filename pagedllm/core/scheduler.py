@@ -11,6 +11,13 @@ freed, recomputed later from scratch — prompt and output so far).
 ``num_computed_tokens`` is advanced at the end of ``schedule()`` (as vLLM v1 does):
 the scheduled tokens count as computed as soon as they are handed to the runner.
 
+Speculative decoding: a request's draft tokens (``Request.spec_token_ids``, proposed by the
+worker last step) join the equation, ``num_tokens_with_spec - num_computed_tokens``, so the
+token budget counts them; drafts that do not fit the budget (or ``max_model_len``, or
+``max_tokens``) are dropped. ``update_from_output`` rolls ``num_computed_tokens`` back over the
+rejected drafts (their KV slots are rewritten by the next step; block tables only grow and the
+prefix cache only hashes blocks of verified tokens, ``Request.all_token_ids``).
+
 Structured outputs: a request with a grammar (``Request.structured_output_request``) waits
 as WAITING_FOR_FSM, skipped by admission (others go ahead), until its grammar has compiled;
 one whose grammar failed is finished ("abort"). Each sampled token advances its matcher, and
@@ -28,6 +35,7 @@ from pagedllm.core.kv_cache_manager import KVCacheManager
 from pagedllm.core.request import Request, RequestStatus
 from pagedllm.core.sched_output import (EngineCoreOutput, ModelRunnerOutput, ScheduledRequest,
                                         SchedulerOutput)
+from pagedllm.core.spec_decode_stats import SpecDecodingStats
 
 logger = logging.getLogger("pagedllm")
 
@@ -44,6 +52,10 @@ class Scheduler:
             tokens per step (keeps long prefills from starving decodes).
         debug: assert invariants at the end of every ``schedule()``; None reads the
             environment variable ``PAGEDLLM_DEBUG=1``.
+        num_spec_tokens: drafts per step when speculative decoding is on (0 = off); sizes
+            ``spec_stats``.
+        num_lookahead_tokens: extra KV slots allocated past a decoding request's scheduled
+            tokens (a draft model writes its own drafts' K/V there).
     """
 
     def __init__(
@@ -54,6 +66,8 @@ class Scheduler:
         kv_cache_manager: KVCacheManager,
         long_prefill_token_threshold: int = 0,
         debug: Optional[bool] = None,
+        num_spec_tokens: int = 0,
+        num_lookahead_tokens: int = 0,
     ) -> None:
         if max_num_seqs < 1 or max_num_batched_tokens < 1:
             raise ValueError("max_num_seqs and max_num_batched_tokens must be >= 1")
@@ -69,6 +83,9 @@ class Scheduler:
         # Finished/aborted since the last schedule(): the runner drops their state.
         self.finished_req_ids: set[str] = set()
         self.num_preemptions_total = 0
+        self.num_lookahead_tokens = num_lookahead_tokens
+        self.spec_stats: Optional[SpecDecodingStats] = (
+            SpecDecodingStats(num_spec_tokens) if num_spec_tokens > 0 else None)
         # Outputs of requests finished inside schedule() (a grammar that failed to compile),
         # returned by the next update_from_output().
         self._pending_outputs: list[EngineCoreOutput] = []
@@ -156,6 +173,7 @@ class Scheduler:
         self.kv_cache_manager.free(request)
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
+        request.spec_token_ids = []
         request.num_preemptions += 1
         self.num_preemptions_total += 1
         self.waiting.appendleft(request)
@@ -182,8 +200,15 @@ class Scheduler:
         while i < len(running) and budget > 0:
             req = running[i]
             computed = req.num_computed_tokens
-            # min(_cap(num_tokens - computed), budget, max_model_len - computed)
-            num_new = len(req.all_token_ids) - computed
+            if req.spec_token_ids:
+                # NOTE: a grammar's bitmask covers one position per step; drafts would need one
+                # per draft (matcher advance + rollback), so constrained requests do not speculate.
+                if req.structured_output_request is not None:
+                    req.spec_token_ids = []
+                else:
+                    self._trim_drafts(req)
+            # min(_cap(num_tokens_with_spec - computed), budget, max_model_len - computed)
+            num_new = len(req.all_token_ids) + len(req.spec_token_ids) - computed
             if 0 < threshold < num_new:
                 num_new = threshold
             if budget < num_new:
@@ -193,8 +218,11 @@ class Scheduler:
             if num_new <= 0:
                 i += 1
                 continue
+            lookahead = 0
+            if self.num_lookahead_tokens and computed + num_new >= len(req.all_token_ids):
+                lookahead = max(0, min(self.num_lookahead_tokens, max_model_len - computed - num_new))
             while True:
-                if mgr.allocate_slots(req, num_new) is not None:
+                if mgr.allocate_slots(req, num_new + lookahead) is not None:
                     scheduled = True
                     break
                 victim = running.pop()
@@ -256,7 +284,16 @@ class Scheduler:
         for req, n, is_new in order:
             start = req.num_computed_tokens
             tokens = req.all_token_ids
-            if req.structured_output_request is not None and start + n == len(tokens):
+            spec: list[int] = []
+            if req.spec_token_ids:
+                # Drafts that fit this step's count; the rest are dropped (re-proposed later).
+                num_spec = start + n - len(tokens)
+                if num_spec > 0:
+                    del req.spec_token_ids[num_spec:]
+                    spec = req.spec_token_ids
+                else:
+                    req.spec_token_ids = []
+            if req.structured_output_request is not None and start + n >= len(tokens):
                 grammar_rows[req.request_id] = len(grammar_rows)
             scheduled_reqs.append(ScheduledRequest(
                 req_id=req.request_id,
@@ -264,11 +301,12 @@ class Scheduler:
                 start_pos=start,
                 num_tokens=n,
                 block_ids=block_ids[req.request_id].copy(),
-                is_last_chunk=start + n == len(tokens),
+                is_last_chunk=start + n >= len(tokens),
                 sampling_params=req.sampling_params,
                 pooling_params=req.pooling_params,
                 prompt_len=len(req.prompt_token_ids),
                 is_new=is_new,
+                spec_token_ids=spec,
             ))
             req.num_computed_tokens = start + n
             total += n
@@ -285,7 +323,7 @@ class Scheduler:
         assert set(mgr.req_to_blocks) == {r.request_id for r in self.running}, "block tables != running"
         for req in self.running:
             assert req.status == RequestStatus.RUNNING, req
-            assert 0 <= req.num_computed_tokens <= req.num_tokens, req
+            assert 0 <= req.num_computed_tokens <= req.num_tokens_with_spec, req
             assert len(mgr.req_to_blocks[req.request_id]) * mgr.block_size >= req.num_computed_tokens, req
         for req in self.waiting:
             assert req.status in (RequestStatus.WAITING, RequestStatus.WAITING_FOR_FSM,
@@ -335,6 +373,13 @@ class Scheduler:
                         num_cached_tokens=max(req.num_cached_tokens, 0)))
                 continue
             new_ids = sampled.get(req_id)
+            spec = sr.spec_token_ids
+            if spec:
+                # Roll back over the rejected drafts: their K/V slots are rewritten next step.
+                num_accepted = min(len(new_ids) - 1, len(spec)) if new_ids else 0
+                req.num_computed_tokens -= len(spec) - num_accepted
+                if self.spec_stats is not None:
+                    self.spec_stats.observe_draft(len(spec), num_accepted)
             appended: list[int] = []
             if new_ids:
                 for tok in new_ids:
@@ -354,6 +399,8 @@ class Scheduler:
             status = req.status
             finished = status > RequestStatus.PREEMPTED
             any_finished |= finished
+            if not finished and new_ids:
+                req.spec_token_ids = runner_output.spec_token_ids.get(req_id) or []
             outputs.append(EngineCoreOutput(
                 req_id=req_id,
                 new_token_ids=appended,
@@ -372,6 +419,14 @@ class Scheduler:
                     still.append(req)
             self.running = still
         return outputs
+
+    def _trim_drafts(self, req: Request) -> None:
+        """Drop drafts that could only be verified past ``max_tokens`` (at most
+        ``max_tokens - num_output - 1`` of them lead to an emitted token)."""
+        if req.max_tokens is not None:
+            room = req.max_tokens - len(req.output_token_ids) - 1
+            if room < len(req.spec_token_ids):
+                del req.spec_token_ids[max(room, 0):]
 
     def _advance_grammar(self, req: Request, sor: Any, new_ids: list[int]) -> None:
         """Advance the request's matcher over its new tokens; a token the grammar refuses (a

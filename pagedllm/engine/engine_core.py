@@ -46,6 +46,19 @@ class EngineCore:
         for name in ("tensor_parallel_size", "pipeline_parallel_size", "data_parallel_size"):
             if int(getattr(args, name)) < 1:
                 raise ValueError(f"{name}: must be >= 1, got {getattr(args, name)}")
+        from pagedllm.spec_decode.config import SpeculativeConfig
+        self.spec_config = SpeculativeConfig.from_any(args.speculative_config)
+        if self.spec_config is not None:
+            if args.runner != "generate":
+                raise ValueError("speculative_config: only for runner='generate'")
+            if self.spec_config.method in ("eagle3", "mtp"):
+                raise ValueError(f"speculative_config.method: {self.spec_config.method!r} is not served yet "
+                                 "(its head is implemented in pagedllm.spec_decode but not wired into the "
+                                 "engine); use ngram, suffix, draft_model or eagle")
+            if args.pipeline_parallel_size > 1:
+                # NOTE: a step's drafts come from the previous step's output, which pipelined
+                # steps in flight do not have yet.
+                raise ValueError("speculative_config: not supported with pipeline_parallel_size > 1")
         executor_cls = Executor.get_class(args)
         self.executor = executor_cls(args)
         try:
@@ -57,9 +70,12 @@ class EngineCore:
             num_blocks=self.num_blocks, block_size=args.block_size,
             enable_caching=args.enable_prefix_caching,
             hash_algo=args.prefix_caching_hash_algo, max_model_len=self.max_model_len)
+        sc = self.spec_config
         self.scheduler = Scheduler(
             max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-            max_model_len=self.max_model_len, kv_cache_manager=self.kv_cache_manager)
+            max_model_len=self.max_model_len, kv_cache_manager=self.kv_cache_manager,
+            num_spec_tokens=sc.num_speculative_tokens if sc else 0,
+            num_lookahead_tokens=sc.num_lookahead_tokens if sc else 0)
         self.structured_output_manager = None
         if args.runner == "generate":
             from pagedllm.structured_output.manager import StructuredOutputManager
@@ -256,6 +272,7 @@ class EngineCore:
             "prefix_cache_queries": s.prefix_cache_queries,
             "prefix_cache_hits": s.prefix_cache_hits,
             **(self.structured_output_manager.stats() if self.structured_output_manager else {}),
+            **self._spec_decode_stats(),
         }
 
     def release_idle_memory(self) -> int:
@@ -273,6 +290,25 @@ class EngineCore:
             from pagedllm.platforms import trim_heap
             trim_heap()
         return released
+
+    def _spec_decode_stats(self) -> dict:
+        """Speculative decoding totals (empty when off): the scheduler's draft counters and, for
+        an in-process worker, the suffix proposer's global cache."""
+        st = self.scheduler.spec_stats
+        if st is None:
+            return {}
+        out = {"spec_decode_num_drafts": st.num_drafts, "spec_decode_num_draft_tokens": st.num_draft_tokens,
+               "spec_decode_num_accepted_tokens": st.num_accepted_tokens,
+               "spec_decode_num_accepted_tokens_per_pos": list(st.num_accepted_tokens_per_pos)}
+        w = getattr(self.executor, "driver_worker", None)
+        sd = getattr(getattr(w, "runner", None), "spec_decoder", None)
+        if sd is not None:
+            ps = sd.proposer.stats()
+            if "suffix_cached_requests" in ps:
+                out["spec_decode_suffix_cached_requests"] = ps["suffix_cached_requests"]
+                out["spec_decode_suffix_tree_nodes"] = ps["suffix_global_tree_nodes"]
+                out["spec_decode_suffix_cache_capacity"] = self.spec_config.suffix_decoding_max_cached_requests
+        return out
 
     def get_memory_stats(self) -> dict:
         """Memory now, in bytes: ``resident_memory_bytes`` (RSS of this process plus that of the

@@ -111,6 +111,8 @@ def _engine_kwargs(args: argparse.Namespace) -> dict:
     for name in ("tensor_parallel_size", "pipeline_parallel_size", "distributed_executor_backend"):
         if getattr(args, name, None):
             kw[name] = getattr(args, name)
+    if getattr(args, "speculative_config", None):
+        kw["speculative_config"] = args.speculative_config
     return kw
 
 
@@ -136,6 +138,8 @@ def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tensor-parallel-size", "-tp", type=int, default=None)
     p.add_argument("--pipeline-parallel-size", "-pp", type=int, default=None)
     p.add_argument("--distributed-executor-backend", default=None, choices=["uni", "mp", "ray"])
+    p.add_argument("--speculative-config", default=None,
+                   help='speculative decoding as JSON, e.g. \'{"method": "ngram", "num_speculative_tokens": 4}\'')
     p.add_argument("--json", action="store_true", help="print results as JSON")
     p.add_argument("--output-json", default=None, help="also write results to this file")
 

@@ -56,18 +56,20 @@ class SchedulerOutputEncoder:
             sent.pop(rid, None)
         reqs: list[tuple] = []
         for r in so.scheduled:
-            end = r.start_pos + r.num_tokens
+            # NOTE: draft tokens (spec_token_ids) are counted in num_tokens but not in token_ids.
+            end = min(r.start_pos + r.num_tokens, len(r.token_ids))
             st = None if r.is_new else sent.get(r.req_id)
             if st is None:
                 reqs.append((r.req_id, r.token_ids[:end], r.start_pos, r.num_tokens, r.block_ids,
-                             r.is_last_chunk, r.sampling_params, r.pooling_params, r.prompt_len, r.is_new))
+                             r.is_last_chunk, r.sampling_params, r.pooling_params, r.prompt_len, r.is_new,
+                             r.spec_token_ids))
                 sent[r.req_id] = [end, len(r.block_ids)]
                 continue
             off = min(st[0], r.start_pos)
             nb = st[1]
             blocks = r.block_ids
             reqs.append((r.req_id, off, r.token_ids[off:end], r.start_pos, r.num_tokens,
-                         blocks[nb:] if len(blocks) > nb else (), r.is_last_chunk))
+                         blocks[nb:] if len(blocks) > nb else (), r.is_last_chunk, r.spec_token_ids))
             st[0], st[1] = end, len(blocks)
         return (finished, preempted, so.total_num_scheduled_tokens, reqs)
 
@@ -92,12 +94,12 @@ class SchedulerOutputDecoder:
             mirror.pop(rid, None)
         scheduled: list[ScheduledRequest] = []
         for t in reqs:
-            if len(t) == 10:
-                rid, tokens, start, n, blocks, last, sp, pp, prompt_len, is_new = t
+            if len(t) == 11:
+                rid, tokens, start, n, blocks, last, sp, pp, prompt_len, is_new, spec = t
                 tokens, blocks = list(tokens), list(blocks)
                 mirror[rid] = [tokens, blocks, sp, pp, prompt_len]
             else:
-                rid, off, new_tokens, start, n, new_blocks, last = t
+                rid, off, new_tokens, start, n, new_blocks, last, spec = t
                 m = mirror[rid]
                 tokens, blocks, sp, pp, prompt_len = m
                 if len(tokens) != off:
@@ -107,6 +109,6 @@ class SchedulerOutputDecoder:
                     blocks.extend(new_blocks)
                 is_new = False
             scheduled.append(ScheduledRequest(rid, tokens, start, n, blocks.copy() if is_new else blocks,
-                                              last, sp, pp, prompt_len, is_new))
+                                              last, sp, pp, prompt_len, is_new, list(spec)))
         return SchedulerOutput(scheduled=scheduled, total_num_scheduled_tokens=total,
                                finished_req_ids=set(finished), preempted_req_ids=set(preempted))

@@ -20,8 +20,10 @@ class LoggingStatLogger:
     """Accumulates stats from ``record`` and logs one line every ``interval`` seconds:
 
     "Avg prompt throughput: X tokens/s, Avg generation throughput: Y tokens/s, Running: N reqs,
-    Waiting: M reqs, KV cache usage: P%, Prefix cache hit rate: H%[, Resident memory: R,
-    CPU allocator cache: C]"
+    Waiting: M reqs, KV cache usage: P%, Prefix cache hit rate: H%[, Spec decode: mean
+    acceptance length L, accepted A/D draft tokens, per position a0, a1, ...][, Resident memory:
+    R, CPU allocator cache: C]" (the speculative decoding part covers the interval, when it had
+    drafts).
 
     ``record`` logs itself once the interval has passed; ``log()`` can also be called from a
     timer (the API server does, every interval) so the line keeps coming while idle requests
@@ -47,6 +49,9 @@ class LoggingStatLogger:
         self._prefix_hits = 0
         self._last_line_idle = False
         self.last_line: Optional[str] = None
+        # Speculative decoding over the interval: drafts, draft tokens, accepted, per position.
+        self._spec = [0, 0, 0]
+        self._spec_per_pos: list[int] = []
 
     def record(self, scheduler_stats: Optional[SchedulerStats],
                iteration_stats: Optional[IterationStats]) -> None:
@@ -60,6 +65,15 @@ class LoggingStatLogger:
                 self.num_preemptions += iteration_stats.num_preempted
             if scheduler_stats is not None:
                 self.last_scheduler_stats = scheduler_stats
+                if scheduler_stats.spec_decode_num_drafts:
+                    self._spec[0] += scheduler_stats.spec_decode_num_drafts
+                    self._spec[1] += scheduler_stats.spec_decode_num_draft_tokens
+                    self._spec[2] += scheduler_stats.spec_decode_num_accepted_tokens
+                    pp = self._spec_per_pos
+                    for i, n in enumerate(scheduler_stats.spec_decode_num_accepted_tokens_per_pos):
+                        if i >= len(pp):
+                            pp.append(0)
+                        pp[i] += n
                 q, h = scheduler_stats.prefix_cache_queries, scheduler_stats.prefix_cache_hits
                 if q > 0:
                     self._prefix_window.append((q, h))
@@ -110,6 +124,13 @@ class LoggingStatLogger:
                     f"Running: {s.num_running_reqs} reqs, Waiting: {s.num_waiting_reqs} reqs, "
                     f"KV cache usage: {s.kv_cache_usage * 100:.1f}%, "
                     f"Prefix cache hit rate: {self.prefix_cache_hit_rate * 100:.1f}%")
+            if self._spec[0]:
+                drafts, drafted, accepted = self._spec
+                rates = ", ".join(f"{n / drafts:.2f}" for n in self._spec_per_pos)
+                line += (f", Spec decode: mean acceptance length {1 + accepted / drafts:.2f}, "
+                         f"accepted {accepted}/{drafted} draft tokens, per position {rates}")
+                self._spec = [0, 0, 0]
+                self._spec_per_pos = []
             line += self._memory_part()
             self.last_line = line
             skip = idle and self._last_line_idle

@@ -10,12 +10,17 @@ gauges     P:num_requests_running, P:num_requests_waiting, P:kv_cache_usage_perc
            P:cpu_allocator_cache_limit_bytes, P:weight_bytes, P:kv_cache_bytes
            (and prometheus_client's process_* metrics:
            process_resident_memory_bytes, ...), P:structured_output_cache_entries (compiled
-           grammars held; at most P:structured_output_cache_capacity)
+           grammars held; at most P:structured_output_cache_capacity),
+           P:spec_decode_mean_acceptance_length, P:spec_decode_suffix_cached_requests (finished
+           outputs in the suffix proposer's tree; at most P:spec_decode_suffix_cache_capacity),
+           P:spec_decode_suffix_tree_nodes
 counters   P:prompt_tokens_total, P:generation_tokens_total,
            P:request_success_total{finished_reason}, P:num_preemptions_total,
            P:prefix_cache_queries_total, P:prefix_cache_hits_total,
            P:structured_output_cache_queries_total, P:structured_output_cache_hits_total,
-           P:structured_output_compile_failures_total
+           P:structured_output_compile_failures_total, P:spec_decode_num_drafts_total,
+           P:spec_decode_num_draft_tokens_total, P:spec_decode_num_accepted_tokens_total,
+           P:spec_decode_num_accepted_tokens_per_pos_total{position}
 histograms P:time_to_first_token_seconds, P:inter_token_latency_seconds,
            P:e2e_request_latency_seconds, P:request_queue_time_seconds,
            P:request_prefill_time_seconds, P:request_decode_time_seconds,
@@ -30,7 +35,7 @@ All carry the label ``model_name``.
 from __future__ import annotations
 
 import threading
-from typing import Optional
+from typing import Any, Optional
 
 from prometheus_client import (CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram,
                                ProcessCollector, generate_latest)
@@ -197,6 +202,56 @@ class PrometheusStatLogger:
             p + "structured_output_compile_seconds",
             "Histogram of structured-output grammar compile time in seconds.",
             labels, buckets=GRAMMAR_COMPILE_BUCKETS, registry=reg).labels(model_name)
+        self._init_spec_decode(p, labels, reg)
+
+    def _init_spec_decode(self, p: str, labels: list[str], reg: CollectorRegistry) -> None:
+        """Speculative decoding counters (vLLM's ``vllm:spec_decode_*`` names) and gauges."""
+        m = self.model_name
+        self.counter_spec_drafts = Counter(
+            p + "spec_decode_num_drafts", "Number of spec decoding drafts.", labels, registry=reg).labels(m)
+        self.counter_spec_draft_tokens = Counter(
+            p + "spec_decode_num_draft_tokens", "Number of draft tokens.", labels, registry=reg).labels(m)
+        self.counter_spec_accepted = Counter(
+            p + "spec_decode_num_accepted_tokens", "Number of accepted tokens.", labels, registry=reg).labels(m)
+        self._spec_per_pos_family = Counter(
+            p + "spec_decode_num_accepted_tokens_per_pos", "Accepted tokens per draft position.",
+            labels + ["position"], registry=reg)
+        self.counter_spec_per_pos: dict[int, Any] = {}
+        self.gauge_spec_mean_len = Gauge(
+            p + "spec_decode_mean_acceptance_length",
+            "Mean acceptance length since start: 1 + accepted draft tokens / drafts.",
+            labels, registry=reg).labels(m)
+        self.gauge_suffix_cached = Gauge(
+            p + "spec_decode_suffix_cached_requests",
+            "Finished outputs held in the suffix proposer's global tree.", labels, registry=reg).labels(m)
+        self.gauge_suffix_capacity = Gauge(
+            p + "spec_decode_suffix_cache_capacity",
+            "Most finished outputs the suffix proposer keeps (suffix_decoding_max_cached_requests).",
+            labels, registry=reg).labels(m)
+        self.gauge_suffix_nodes = Gauge(
+            p + "spec_decode_suffix_tree_nodes", "Nodes of the suffix proposer's global tree.",
+            labels, registry=reg).labels(m)
+        self._spec_totals = [0, 0]  # drafts, accepted tokens
+
+    def _record_spec_decode(self, st: SchedulerStats) -> None:
+        if st.spec_decode_num_drafts > 0:
+            self.counter_spec_drafts.inc(st.spec_decode_num_drafts)
+            self.counter_spec_draft_tokens.inc(st.spec_decode_num_draft_tokens)
+            if st.spec_decode_num_accepted_tokens > 0:
+                self.counter_spec_accepted.inc(st.spec_decode_num_accepted_tokens)
+            self._spec_totals[0] += st.spec_decode_num_drafts
+            self._spec_totals[1] += st.spec_decode_num_accepted_tokens
+            self.gauge_spec_mean_len.set(1.0 + self._spec_totals[1] / self._spec_totals[0])
+        for pos, n in enumerate(st.spec_decode_num_accepted_tokens_per_pos):
+            c = self.counter_spec_per_pos.get(pos)
+            if c is None:
+                c = self.counter_spec_per_pos[pos] = self._spec_per_pos_family.labels(self.model_name, str(pos))
+            if n > 0:
+                c.inc(n)
+        if st.spec_decode_suffix_cache_capacity:
+            self.gauge_suffix_cached.set(st.spec_decode_suffix_cached_requests)
+            self.gauge_suffix_capacity.set(st.spec_decode_suffix_cache_capacity)
+            self.gauge_suffix_nodes.set(st.spec_decode_suffix_tree_nodes)
 
     def set_scheduler_gauges(self, num_running: int, num_waiting: int, kv_cache_usage: float) -> None:
         """Set the request-count and KV-cache-usage gauges (and their deprecated aliases)."""
@@ -223,6 +278,7 @@ class PrometheusStatLogger:
                 if scheduler_stats.prefix_cache_hits > 0:
                     self.counter_prefix_hits.inc(scheduler_stats.prefix_cache_hits)
                 self._record_structured_output(scheduler_stats)
+                self._record_spec_decode(scheduler_stats)
             if iteration_stats is None:
                 return
             if iteration_stats.num_preempted > 0:

@@ -31,6 +31,12 @@ class SchedulerStats:
         structured_output_compile_failures: constraints no backend could compile (delta).
         structured_output_cache_entries: compiled grammars held (snapshot; bounded by
             ``structured_output_cache_capacity``).
+        spec_decode_num_drafts / spec_decode_num_draft_tokens / spec_decode_num_accepted_tokens:
+            speculative decoding this step: verified drafts (request-steps), draft tokens, and
+            accepted ones (deltas).
+        spec_decode_num_accepted_tokens_per_pos: accepted drafts per draft position (deltas).
+        spec_decode_suffix_cached_requests / spec_decode_suffix_cache_capacity /
+        spec_decode_suffix_tree_nodes: the suffix proposer's global cache (snapshots).
     """
 
     num_running_reqs: int = 0
@@ -43,6 +49,13 @@ class SchedulerStats:
     structured_output_compile_failures: int = 0
     structured_output_cache_entries: int = 0
     structured_output_cache_capacity: int = 0
+    spec_decode_num_drafts: int = 0
+    spec_decode_num_draft_tokens: int = 0
+    spec_decode_num_accepted_tokens: int = 0
+    spec_decode_num_accepted_tokens_per_pos: list[int] = field(default_factory=list)
+    spec_decode_suffix_cached_requests: int = 0
+    spec_decode_suffix_cache_capacity: int = 0
+    spec_decode_suffix_tree_nodes: int = 0
 
     @classmethod
     def from_totals(cls, stats: dict, prev: Optional[dict] = None) -> "SchedulerStats":
@@ -59,7 +72,25 @@ class SchedulerStats:
             structured_output_compile_failures=_delta(stats, prev, "structured_output_compile_failures"),
             structured_output_cache_entries=int(stats.get("structured_output_cache_entries", 0)),
             structured_output_cache_capacity=int(stats.get("structured_output_cache_capacity", 0)),
+            spec_decode_num_drafts=_delta(stats, prev, "spec_decode_num_drafts"),
+            spec_decode_num_draft_tokens=_delta(stats, prev, "spec_decode_num_draft_tokens"),
+            spec_decode_num_accepted_tokens=_delta(stats, prev, "spec_decode_num_accepted_tokens"),
+            spec_decode_num_accepted_tokens_per_pos=_delta_list(
+                stats.get("spec_decode_num_accepted_tokens_per_pos") or [],
+                prev.get("spec_decode_num_accepted_tokens_per_pos") or []),
+            spec_decode_suffix_cached_requests=int(stats.get("spec_decode_suffix_cached_requests", 0)),
+            spec_decode_suffix_cache_capacity=int(stats.get("spec_decode_suffix_cache_capacity", 0)),
+            spec_decode_suffix_tree_nodes=int(stats.get("spec_decode_suffix_tree_nodes", 0)),
         )
+
+
+def _delta_list(cur: list, prev: list) -> list[int]:
+    """Element-wise delta of two monotonic count lists (a shorter ``prev`` counts as zeros)."""
+    out = []
+    for i, c in enumerate(cur):
+        p = prev[i] if i < len(prev) else 0
+        out.append(c - p if c >= p else c)
+    return out
 
 
 def _delta(cur: dict, prev: dict, key: str) -> int:

@@ -138,9 +138,19 @@ class Sampler:
             if meta.all_greedy:
                 return greedy
 
-        # Temperature (greedy rows divide by 1; their result is discarded anyway).
+        probs = self.compute_probs(logits, meta)
+        random = random_sample(probs, meta.generators)
+        if greedy is None:
+            return random
+        return torch.where(meta.greedy_mask, greedy, random)
+
+    def compute_probs(self, logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
+        """The distribution random rows sample from: float32 ``[N, V]`` probabilities after
+        temperature, min-p and top-k/top-p (in place on the processed ``logits``). Greedy rows
+        of a mixed batch are divided by 1 (their row is meaningless and must be ignored).
+        The speculative decoding rejection sampler verifies drafts against these."""
         temp = meta.temperature
-        if meta.greedy_mask is not None:
+        if meta.greedy_mask is not None or meta.all_greedy:
             temp = torch.where(temp < _SAMPLING_EPS, torch.ones_like(temp), temp)
         logits.div_(temp.unsqueeze(1))
 
@@ -149,11 +159,7 @@ class Sampler:
         if meta.top_k is not None or meta.top_p is not None:
             logits = apply_top_k_top_p(logits, meta.top_k, meta.top_p)
 
-        probs = torch.softmax(logits, dim=-1)
-        random = random_sample(probs, meta.generators)
-        if greedy is None:
-            return random
-        return torch.where(meta.greedy_mask, greedy, random)
+        return torch.softmax(logits, dim=-1)
 
 
 # ---------------------------------------------------------------------- functions

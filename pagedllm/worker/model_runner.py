@@ -38,13 +38,17 @@ class ModelRunner:
         device: torch device.
         attn_impl: an ``AttentionImpl`` (defaults to the CPU torch backend).
         pooler: optional pooler for the pooling runner (``pagedllm.pooling``).
+        spec_decoder: a ``pagedllm.worker.spec_decoder.SpecDecoder`` (speculative decoding:
+            verifies scheduled drafts, proposes the next ones), or None.
+        max_model_len: the engine's limit (caps draft lengths), or None.
     """
 
     def __init__(self, model: torch.nn.Module, num_blocks: int, block_size: int,
                  kv_spec: tuple[int, int, int], dtype: torch.dtype, vocab_size: int,
                  device: torch.device = torch.device("cpu"), attn_impl: Any = None,
                  pooler: Any = None, eos_token_id: Optional[int] = None,
-                 kv_cache_dtype: Optional[torch.dtype] = None) -> None:
+                 kv_cache_dtype: Optional[torch.dtype] = None, spec_decoder: Any = None,
+                 max_model_len: Optional[int] = None) -> None:
         from pagedllm.sample.sampler import Sampler
 
         self.model = model
@@ -71,6 +75,8 @@ class ModelRunner:
         # Per-request state kept across steps (block tables, sampling parameters).
         self.input_batch = InputBatch(vocab_size)
         self.cuda_graphs = None
+        self.spec_decoder = spec_decoder
+        self.max_model_len = max_model_len
 
     def capture_cuda_graphs(self, max_num_seqs: int, max_model_len: int) -> float:
         """Capture decode-only CUDA graphs (CUDA + Triton backend only); returns seconds spent."""
@@ -125,6 +131,8 @@ class ModelRunner:
             for r in reqs:
                 s = r.start_pos
                 flat.extend(r.token_ids[s:s + r.num_tokens])
+                if r.spec_token_ids:  # draft tokens follow the committed ones
+                    flat.extend(r.spec_token_ids)
             ids = np.array(flat, dtype=np.int64)
             qsl = np.zeros(B + 1, dtype=np.int64)
             np.cumsum(query_lens, out=qsl[1:])
@@ -134,12 +142,47 @@ class ModelRunner:
             seq_lens = [s + n for s, n in zip(starts, query_lens)]
             blk = block_tables[req_idx, pos // bs]
         slots = blk * bs + pos % bs
+        if self.spec_decoder is not None and total != B:
+            return self._prepare_verify(reqs, ids, pos, slots, block_tables, qsl)
         meta = AttentionMetadata(
             num_reqs=B, num_decodes=num_decodes, num_decode_tokens=num_decodes,
             query_start_loc=torch.from_numpy(qsl), query_lens=query_lens,
             seq_lens=torch.tensor(seq_lens, dtype=torch.int64), seq_lens_list=seq_lens,
             block_tables=torch.from_numpy(block_tables), slot_mapping=torch.from_numpy(slots),
             block_size=bs, max_seq_len=max(seq_lens),
+        )
+        return torch.from_numpy(ids), torch.from_numpy(pos), meta, qsl
+
+    def _prepare_verify(self, reqs: list[ScheduledRequest], ids: np.ndarray, pos: np.ndarray,
+                        slots: np.ndarray, block_tables: np.ndarray, qsl: np.ndarray):
+        """``_prepare``'s metadata when some requests verify drafts: each token of such a request
+        is its own one-token attention row (seeing its request's cache up to its own position),
+        so a step of decodes and verifications is decode-only for the attention backend (and the
+        fused decode path): the same kernels and numerics as decoding those tokens one by one.
+        The token layout and the returned request-level ``qsl`` are unchanged."""
+        B = len(reqs)
+        q = np.diff(qsl)
+        spec = np.array([bool(r.spec_token_ids) for r in reqs])
+        row_len = np.where(spec, 1, q)
+        rows_per_req = np.where(spec, q, 1)
+        row_req = np.repeat(np.arange(B), rows_per_req)
+        n_rows = len(row_req)
+        row_qsl = np.zeros(n_rows + 1, dtype=np.int64)
+        np.cumsum(np.repeat(row_len, rows_per_req), out=row_qsl[1:])
+        # A row's last token position + 1 is its context length.
+        seq_lens = (pos[row_qsl[1:] - 1] + 1).tolist()
+        row_lens = np.repeat(row_len, rows_per_req).tolist()
+        num_decodes = 0
+        for n in row_lens:
+            if n != 1:
+                break
+            num_decodes += 1
+        meta = AttentionMetadata(
+            num_reqs=n_rows, num_decodes=num_decodes, num_decode_tokens=num_decodes,
+            query_start_loc=torch.from_numpy(row_qsl), query_lens=row_lens,
+            seq_lens=torch.tensor(seq_lens, dtype=torch.int64), seq_lens_list=seq_lens,
+            block_tables=torch.from_numpy(block_tables[row_req]), slot_mapping=torch.from_numpy(slots),
+            block_size=self.block_size, max_seq_len=max(seq_lens),
         )
         return torch.from_numpy(ids), torch.from_numpy(pos), meta, qsl
 
@@ -165,13 +208,18 @@ class ModelRunner:
             requests.
         """
         batch = self.input_batch
+        sd = self.spec_decoder
         for rid in so.finished_req_ids:
             self.generators.pop(rid, None)
             self.pool_state.pop(rid, None)
             batch.remove(rid)
+            if sd is not None:
+                sd.remove(rid, finished=True)
         for rid in so.preempted_req_ids:
             self.pool_state.pop(rid, None)
             batch.remove(rid)
+            if sd is not None:
+                sd.remove(rid, finished=False)
         out = ModelRunnerOutput()
         if not so.scheduled:
             return out
@@ -191,9 +239,15 @@ class ModelRunner:
                 hidden = self.model(input_ids.to(self.device), positions.to(self.device))
 
         gen_rows = [i for i, r in enumerate(reqs) if r.sampling_params is not None and r.is_last_chunk]
-        if gen_rows:
-            self._sample(reqs, gen_rows, rows, hidden, qsl, out,
-                         grammar=(so.structured_output_request_ids, so.grammar_bitmask))
+        grammar = (so.structured_output_request_ids, so.grammar_bitmask)
+        if sd is not None:
+            # Requests with drafts: verified (rejection sampler); the rest sample below.
+            rest = sd.verify(self, reqs, gen_rows, rows, hidden, qsl, out) if gen_rows else []
+            if rest:
+                self._sample(reqs, rest, rows, hidden, qsl, out, grammar=grammar)
+            sd.propose(reqs, hidden, qsl, out, self.max_model_len)
+        elif gen_rows:
+            self._sample(reqs, gen_rows, rows, hidden, qsl, out, grammar=grammar)
         if batch.wants_prompt_logprobs[rows].any():
             for i, r in enumerate(reqs):
                 sp = r.sampling_params
@@ -283,14 +337,14 @@ class ModelRunner:
 
 
 def _decodes_first(scheduled: list[ScheduledRequest]) -> list[ScheduledRequest]:
-    """The requests with one new token first, otherwise in order (the attention metadata's
-    order); the list itself when it already is."""
+    """The requests with one new token (or verifying drafts: one-token attention rows each) first,
+    otherwise in order (the attention metadata's order); the list itself when it already is."""
     seen_prefill = False
     for r in scheduled:
-        if r.num_tokens != 1:
+        if r.num_tokens != 1 and not r.spec_token_ids:
             seen_prefill = True
         elif seen_prefill:
-            return sorted(scheduled, key=lambda r: r.num_tokens != 1)
+            return sorted(scheduled, key=lambda r: r.num_tokens != 1 and not r.spec_token_ids)
     return scheduled
 
 

@@ -31,18 +31,21 @@ class KVCacheSpec:
         num_kv_heads: KV heads per cache on this rank (its tensor-parallel share).
         head_dim: D.
         dtype: the cache's torch dtype.
+        extra_bytes_per_token: bytes per token of caches that share the block tables (a
+            speculative draft model's), counted in the budget.
     """
 
     num_layers: int
     num_kv_heads: int
     head_dim: int
     dtype: torch.dtype
+    extra_bytes_per_token: int = 0
 
     @property
     def bytes_per_token(self) -> int:
-        """K and V bytes one token takes over this rank's layers."""
+        """K and V bytes one token takes over this rank's layers (and the draft's)."""
         elem = torch.empty((), dtype=self.dtype).element_size()
-        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * elem
+        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * elem + self.extra_bytes_per_token
 
 
 @dataclass
@@ -130,6 +133,7 @@ class Worker:
         self.loaded: Any = None
         self.info: Optional[ModelInfo] = None
         self.batch_invariant = False  # set by load_model (EngineArgs.batch_invariant or the environment)
+        self.draft_model: Any = None  # speculative decoding's draft model (method draft_model)
 
     @property
     def is_output_rank(self) -> bool:
@@ -266,11 +270,49 @@ class Worker:
         if args.runner == "pooling":
             from pagedllm.pooling.pooler import build_pooler
             self.pooler = build_pooler(args, hf_config, model, pool_head.get("weight"), pool_head.get("bias"))
+        if args.speculative_config is not None:
+            draft_bytes = self._load_draft_model(int(hf_config.vocab_size))
+            weight_bytes += draft_bytes
         self.info = ModelInfo(
             loaded=loaded, dtype=self.dtype, kv_cache_dtype=self.kv_cache_dtype, device=self.device,
             vocab_size=int(hf_config.vocab_size), eos_token_id=eos_token_id(loaded.tokenizer, hf_config),
             weight_bytes=weight_bytes, load_seconds=time.perf_counter() - t0)
         return self.info
+
+    def _load_draft_model(self, vocab_size: int) -> int:
+        """Load the draft model of ``speculative_config`` (method "draft_model": its own path,
+        or the target's with ``quantization`` for a self-draft) through a second Worker on this
+        device; returns its weight bytes (0 for other methods).
+
+        Raises:
+            ValueError: a draft whose vocabulary differs from the target's, or several ranks.
+        """
+        import dataclasses
+
+        from pagedllm.spec_decode.config import SpeculativeConfig
+
+        cfg = SpeculativeConfig.from_any(self.args.speculative_config)
+        if cfg.method not in ("draft_model", "eagle"):
+            return 0
+        if self.world_size > 1:
+            raise ValueError(f"speculative_config: method {cfg.method!r} runs on one rank "
+                             "(tensor_parallel_size = pipeline_parallel_size = 1)")
+        if cfg.method == "eagle":
+            from pagedllm.spec_decode.eagle_proposer import load_eagle_head
+            self.draft_model = load_eagle_head(cfg.model, self.model, self.dtype).to(self.device)
+            return sum(p.numel() * p.element_size() for p in self.draft_model.parameters())
+        dargs = dataclasses.replace(self.args, model=cfg.model, quantization=cfg.quantization, tokenizer=None,
+                                    speculative_config=None, hf_overrides=None, runner="generate")
+        w = Worker(dargs, load_tokenizer=False)
+        w.device, w.dtype, w.kv_cache_dtype = self.device, self.dtype, self.kv_cache_dtype
+        info = w.load_model()
+        if info.vocab_size != vocab_size:
+            raise ValueError(f"speculative_config.model: the draft's vocabulary has {info.vocab_size} tokens, "
+                             f"the target's {vocab_size}; a draft model must share the target's tokenizer")
+        self.draft_model = w.model
+        logger.info("pagedllm: speculative draft model %s%s loaded: weights %s", cfg.model,
+                    f" ({cfg.quantization})" if cfg.quantization else "", fmt_bytes(info.weight_bytes))
+        return info.weight_bytes
 
     def model_info(self, with_loaded: bool = True) -> ModelInfo:
         """The ``ModelInfo`` of ``load_model``; ``with_loaded=False`` leaves out the
@@ -290,7 +332,10 @@ class Worker:
         if self.world_size > 1:
             from pagedllm.distributed.sharding import local_kv_cache_spec
             num_layers, num_kv_heads, head_dim = local_kv_cache_spec(self.model)
-        return KVCacheSpec(num_layers, num_kv_heads, head_dim, self.kv_cache_dtype)
+        extra = 0
+        if self.draft_model is not None:
+            extra = KVCacheSpec(*self.draft_model.get_kv_cache_spec(), self.kv_cache_dtype).bytes_per_token
+        return KVCacheSpec(num_layers, num_kv_heads, head_dim, self.kv_cache_dtype, extra)
 
     def determine_available_memory(self) -> int:
         """Bytes this rank may spend on its KV cache: ``kv_cache_memory`` when given, else on
@@ -364,10 +409,12 @@ class Worker:
             attn_impl = BatchInvariantAttention()
         else:
             attn_impl = get_attn_backend(self.device, args.attention_backend)
+        spec_decoder = self._build_spec_decoder(num_blocks, attn_impl)
         self.runner = ModelRunner(self.model, num_blocks, args.block_size,
                                   (spec.num_layers, spec.num_kv_heads, spec.head_dim), self.dtype,
                                   self.info.vocab_size, self.device, attn_impl=attn_impl, pooler=self.pooler,
-                                  eos_token_id=self.info.eos_token_id, kv_cache_dtype=self.kv_cache_dtype)
+                                  eos_token_id=self.info.eos_token_id, kv_cache_dtype=self.kv_cache_dtype,
+                                  spec_decoder=spec_decoder, max_model_len=max_model_len)
         if self.device.type != "cpu":
             from pagedllm.models.layers import reserve_rope_tables
             # NOTE: full-size rope tables now: no per-step position check (a device sync) and a
@@ -395,6 +442,22 @@ class Worker:
             cpu_allocator_empty_cache()
         trim_heap()
         return max(0, before - resident_memory_bytes())
+
+    def _build_spec_decoder(self, num_blocks: int, attn_impl: Any) -> Any:
+        """The runner's ``SpecDecoder`` (``speculative_config``), or None."""
+        if self.args.speculative_config is None:
+            return None
+        from pagedllm.spec_decode.config import SpeculativeConfig
+        from pagedllm.worker.spec_decoder import SpecDecoder, build_proposer
+
+        cfg = SpeculativeConfig.from_any(self.args.speculative_config)
+        kw = {}
+        if cfg.method in ("draft_model", "eagle"):
+            kw = dict(model=self.draft_model, num_blocks=num_blocks, block_size=self.args.block_size,
+                      kv_cache_dtype=self.kv_cache_dtype, device=self.device, attn_impl=attn_impl)
+            if cfg.method == "eagle":
+                kw["target"] = self.model
+        return SpecDecoder(cfg, build_proposer(cfg, **kw))
 
     # ------------------------------------------------------------------ steps
     def execute_model(self, so: SchedulerOutput) -> Optional[ModelRunnerOutput]:

@@ -22,11 +22,13 @@ def _view(r):
     """What the runner reads of a ScheduledRequest."""
     end = r.start_pos + r.num_tokens
     return (r.req_id, list(r.token_ids[:end]), r.start_pos, r.num_tokens, list(r.block_ids), r.is_last_chunk,
-            r.sampling_params, r.pooling_params, r.prompt_len, r.is_new)
+            r.sampling_params, r.pooling_params, r.prompt_len, r.is_new, list(r.spec_token_ids))
 
 
 @pytest.mark.parametrize("seed", range(4))
-def test_round_trip_over_random_runs(seed):
+@pytest.mark.parametrize("spec", [False, True])
+def test_round_trip_over_random_runs(seed, spec):
+    """``spec``: the runner proposes drafts and returns accepted runs (speculative decoding)."""
     rng = random.Random(seed)
     sched = make_sched(num_blocks=25, block_size=4, max_num_seqs=6, max_num_batched_tokens=24, max_model_len=80)
     enc, dec = SchedulerOutputEncoder(), SchedulerOutputDecoder()
@@ -53,7 +55,10 @@ def test_round_trip_over_random_runs(seed):
         out = ModelRunnerOutput()
         for r in so.scheduled:
             if r.is_last_chunk:
-                out.sampled_token_ids[r.req_id] = [rng.randrange(5, 500)]
+                acc = r.spec_token_ids[:rng.randrange(len(r.spec_token_ids) + 1)]
+                out.sampled_token_ids[r.req_id] = acc + [rng.randrange(5, 500)]
+                if spec:
+                    out.spec_token_ids[r.req_id] = [rng.randrange(5, 500) for _ in range(rng.randrange(4))]
         for eco in sched.update_from_output(so, out):
             if eco.finish_reason is not None:
                 live.discard(eco.req_id)
@@ -71,6 +76,6 @@ def test_running_requests_send_only_new_tokens():
     sched.update_from_output(so, ModelRunnerOutput(sampled_token_ids={"a": [9]}))
     so = sched.schedule()
     payload = enc.encode(so)
-    (rid, off, new_tokens, start, num, new_blocks, last), = payload[3]
+    (rid, off, new_tokens, start, num, new_blocks, last, spec), = payload[3]
     assert (rid, off, new_tokens, start, num) == ("a", 40, [9], 40, 1)
     assert len(pickle.dumps(payload)) < len(first) / 2

@@ -179,6 +179,14 @@ def add_serve_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                         'disable_additional_properties (booleans); grammar_cache_size (compiled '
                         'grammars kept, default 256); compile_threads (default 2).')
 
+    g = parser.add_argument_group("Speculative decoding")
+    g.add_argument("--speculative-config", type=_json_dict, default=None,
+                   help='Speculative decoding as JSON (vLLM\'s flag), e.g. \'{"method": "ngram", '
+                        '"num_speculative_tokens": 4, "prompt_lookup_max": 4}\': method ngram | suffix '
+                        '| draft_model (with "model", optionally "quantization": "int4" for a '
+                        'self-draft); disable_by_batch_size (no drafts in steps with at least that '
+                        'many requests; default: measured automatic threshold, 0 = never).')
+
     g = parser.add_argument_group("Scheduler and KV cache")
     g.add_argument("--max-num-seqs", type=_positive_int, default=128,
                    help="Max requests scheduled in one step (default: 128).")

@@ -1,0 +1,145 @@
+"""EAGLE proposer: drafts with an :class:`~pagedllm.spec_decode.eagle.EagleHead` fed by the
+target's hidden states.
+
+Indexing (vLLM's): the head's input at position ``p`` is the token at ``p + 1`` and the target's
+hidden state at ``p`` (the one that predicted that token); its output there stands in for the
+target's hidden state at ``p + 1``. Its KV cache (one layer) shares the target's block tables,
+with ``k`` lookahead slots for its own drafts.
+
+Every step the head runs over every request's newly verified positions (the step's committed
+tokens: prefill chunks too, so its cache has no holes); for requests that draft, the output at
+the last verified position gives draft 1 through the target's LM head, then ``k - 1`` one-token
+steps feed back the head's own output.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import torch
+
+from pagedllm.spec_decode.draft_model import paged_metadata
+from pagedllm.attention.backend import ForwardContext, set_forward_context
+from pagedllm.spec_decode.proposer import Proposal, ProposeBatch, Proposer
+
+
+def load_eagle_head(path: str, target: Any, dtype: torch.dtype) -> Any:
+    """An EagleHead from an EAGLE checkpoint directory (``config.json`` and ``*.safetensors`` or
+    ``pytorch_model.bin``), sharing ``target``'s embedding.
+
+    Raises:
+        ValueError: a missing directory/config/weights, or tensors that do not fit the head.
+    """
+    import glob
+    import os
+
+    from transformers import LlamaConfig
+
+    from pagedllm.spec_decode.eagle import EagleHead
+
+    if not os.path.isfile(os.path.join(path, "config.json")):
+        raise ValueError(f"speculative_config.model: {path!r} has no config.json (an EAGLE head directory)")
+    cfg = LlamaConfig.from_pretrained(path)
+    cfg.num_hidden_layers = 1
+    files = sorted(glob.glob(os.path.join(path, "*.safetensors")))
+    if files:
+        from safetensors.torch import load_file
+        weights: dict = {}
+        for f in files:
+            weights.update(load_file(f))
+    elif os.path.isfile(os.path.join(path, "pytorch_model.bin")):
+        weights = torch.load(os.path.join(path, "pytorch_model.bin"), map_location="cpu", weights_only=True)
+    else:
+        raise ValueError(f"speculative_config.model: {path!r} has no *.safetensors or pytorch_model.bin")
+    head = EagleHead(cfg, target.model.embed_tokens, dtype)
+    try:
+        head.load_weights(weights.items())
+    except ValueError as e:
+        raise ValueError(f"speculative_config.model: {path!r}: {e}") from None
+    return head.eval()
+
+
+class EagleProposer(Proposer):
+    """See the module docstring.
+
+    Args:
+        num_speculative_tokens: ``k``.
+        head: the EagleHead; target: the target model (its ``compute_logits``).
+        num_blocks / block_size / kv_cache_dtype / device / attn_impl: as the target's cache.
+    """
+
+    needs_hidden = True
+
+    def __init__(self, num_speculative_tokens: int, head: Any, target: Any, num_blocks: int, block_size: int,
+                 kv_cache_dtype: torch.dtype, device: torch.device, attn_impl: Any) -> None:
+        self.k = num_speculative_tokens
+        self.num_lookahead_tokens = num_speculative_tokens
+        self.head, self.target = head, target
+        self.block_size, self.device, self.attn_impl = block_size, device, attn_impl
+        attn = head.layer.self_attn
+        self.kv_caches = [torch.zeros(num_blocks, 2, block_size, attn.num_kv_heads, attn.head_dim,
+                                      dtype=kv_cache_dtype, device=device)]
+
+    def _run(self, ids, starts, lens, block_ids, hidden):
+        meta, pos = paged_metadata(starts, lens, block_ids, self.block_size)
+        with set_forward_context(ForwardContext(meta, self.kv_caches, self.attn_impl)):
+            return self.head(torch.from_numpy(ids).to(self.device), torch.from_numpy(pos).to(self.device), hidden)
+
+    @torch.inference_mode()
+    def propose(self, batch: ProposeBatch) -> Proposal:
+        out = Proposal()
+        if batch.hidden is None:
+            return out
+        items = []  # (req, token ids at p + 1, hidden rows, start, drafts?)
+        for i, r in enumerate(batch.reqs):
+            if r.sampling_params is None:
+                continue
+            new = batch.sampled.get(r.req_id)
+            n_real = r.num_tokens - len(r.spec_token_ids)
+            n_valid = n_real + (len(new) - 1 if new and r.spec_token_ids else 0)
+            if new:
+                nxt = list(r.token_ids[r.start_pos + 1:]) + list(new)  # tokens at p + 1
+            else:
+                nxt = list(r.token_ids[r.start_pos + 1:r.start_pos + 1 + n_valid])
+            n_valid = min(n_valid, len(nxt))
+            if n_valid <= 0:
+                continue
+            rows = np.arange(batch.qsl[i], batch.qsl[i] + n_valid)
+            items.append((r, nxt[:n_valid], rows, r.start_pos, bool(new) and r.req_id in batch.want))
+        if not items:
+            return out
+        items.sort(key=lambda it: len(it[1]) != 1)
+        ids = np.fromiter((t for it in items for t in it[1]), dtype=np.int64)
+        lens = [len(it[1]) for it in items]
+        rows = torch.from_numpy(np.concatenate([it[2] for it in items]))
+        hid = self._run(ids, [it[3] for it in items], lens, [it[0].block_ids for it in items],
+                        batch.hidden[rows.to(batch.hidden.device)])
+        last = np.cumsum(lens) - 1
+        sel = [j for j, it in enumerate(items) if it[4]]
+        if not sel:
+            return out
+        reqs = [items[j][0] for j in sel]
+        h = hid[torch.from_numpy(last[sel])]
+        tok = self.target.compute_logits(h).argmax(-1)
+        pos = [items[j][3] + lens[j] for j in sel]  # position of the next head input
+        caps = [min(self.k, batch.max_drafts.get(r.req_id, self.k)) for r in reqs]
+        drafts = [[int(t)] for t in tok.tolist()]
+        bs = self.block_size
+        for step in range(1, max(caps)):
+            live = [i for i, c in enumerate(caps) if c > step and pos[i] + step - 1 < len(reqs[i].block_ids) * bs]
+            if not live:
+                break
+            sub = torch.tensor(live)
+            h = self._run(np.array([drafts[i][-1] for i in live], dtype=np.int64),
+                          [pos[i] + step - 1 for i in live], [1] * len(live),
+                          [reqs[i].block_ids for i in live], h[sub])
+            caps_live = self.target.compute_logits(h).argmax(-1).tolist()
+            for i, t in zip(live, caps_live):
+                drafts[i].append(int(t))
+            # keep h aligned with the full request list for the next step
+            full = torch.zeros(len(reqs), h.shape[-1], dtype=h.dtype, device=h.device)
+            full[sub] = h
+            h = full
+        for r, d, c in zip(reqs, drafts, caps):
+            out.token_ids[r.req_id] = d[:c]
+        return out

@@ -1,0 +1,9 @@
+"""Fixtures for the speculative decoding tests (helpers in spec_helpers.py)."""
+import pytest
+
+from spec_helpers import write_tiny_llama
+
+
+@pytest.fixture(scope="session")
+def tiny_llama_dir(tmp_path_factory) -> str:
+    return write_tiny_llama(str(tmp_path_factory.mktemp("spec_tiny") / "llama"))
