@@ -147,7 +147,7 @@ class CausalLM(nn.Module):
                     if set(param.shard_ids) <= shards[name]:
                         loaded.add(name)
                 elif hasattr(param, "whole_loader"):  # stacked MoE experts
-                    param.whole_loader(param, tensor.to(param.dtype))
+                    param.whole_loader(param, _dense(tensor).to(param.dtype))
                     loaded.add(name)
                 elif getattr(param, "weight_loader", None) is not None:
                     # NOTE: a quantization method's parameter (its loader checks and converts), or a
@@ -155,6 +155,7 @@ class CausalLM(nn.Module):
                     param.weight_loader(param, _cast(tensor, param))
                     loaded.add(name)
                 else:
+                    tensor = _dense(tensor)
                     if tensor.shape != param.shape:
                         raise ValueError(f"{orig}: checkpoint shape {tuple(tensor.shape)} != "
                                          f"parameter shape {tuple(param.shape)}")
@@ -166,6 +167,15 @@ class CausalLM(nn.Module):
         if missing:
             raise ValueError(f"parameters missing from the checkpoint: {missing}")
         return loaded
+
+
+def _dense(tensor) -> torch.Tensor:
+    """A plain tensor for a parameter no quantization method owns (an MoE router, a norm):
+    a quantization method's raw blocks (anything with ``dequantize()``, e.g. a GGUF Q8_0 router
+    weight) are dequantized to float32; a tensor is returned as is."""
+    if not isinstance(tensor, torch.Tensor) and hasattr(tensor, "dequantize"):
+        return tensor.dequantize()
+    return tensor
 
 
 def _cast(tensor, param: torch.Tensor):
