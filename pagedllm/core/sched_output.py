@@ -22,6 +22,7 @@ class ScheduledRequest:
         pooling_params: the request's PoolingParams, or None for generation.
         prompt_len: number of prompt tokens (so ``token_ids[:prompt_len]`` is the prompt).
         is_new: True the first step after (re)admission: the runner drops any old state.
+        lora_request: the request's LoRA adapter (a ``LoRARequest``) or None.
     """
 
     req_id: str
@@ -34,6 +35,7 @@ class ScheduledRequest:
     pooling_params: Any = None
     prompt_len: int = 0
     is_new: bool = False
+    lora_request: Any = None
 
 
 @dataclass

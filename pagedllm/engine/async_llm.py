@@ -171,9 +171,9 @@ class AsyncLLM:
             n += 1
             kind = cmd[0]
             if kind == "add":
-                _, rid, pp, params, q = cmd
+                _, rid, pp, params, q, lora = cmd
                 try:
-                    eng.add_processed_request(rid, pp, params, queue=q)
+                    eng.add_processed_request(rid, pp, params, queue=q, lora_request=lora)
                 except Exception as e:  # this request's error only: nothing else is touched
                     q.put_nowait(e)
                     continue
@@ -188,6 +188,18 @@ class AsyncLLM:
                 fut, loop = cmd[1], cmd[2]
                 ok = eng.core.reset_prefix_cache()
                 loop.call_soon_threadsafe(lambda f=fut, v=ok: f.done() or f.set_result(v))
+            elif kind == "call":  # an engine method run on this thread, its result to a future
+                _, fut, loop, fn, args = cmd
+                try:
+                    res, err = fn(*args), None
+                except Exception as e:  # the caller's error (e.g. an adapter that cannot be loaded)
+                    res, err = None, e
+
+                def settle(f=fut, r=res, x=err) -> None:
+                    if not f.done():
+                        f.set_exception(x) if x is not None else f.set_result(r)
+
+                loop.call_soon_threadsafe(settle)
 
     def _record_stats(self) -> None:
         eng = self.engine
@@ -249,16 +261,29 @@ class AsyncLLM:
         if request_id in self._ids_in_use:
             raise ValueError(f"request_id: {request_id!r} is already in use")
 
-    def _add(self, request_id: str, pp: Any, params: Any) -> asyncio.Queue:
+    def _add(self, request_id: str, pp: Any, params: Any, lora_request: Any = None) -> asyncio.Queue:
         """Hand a validated request to the engine thread; its outputs arrive on the returned queue."""
         q: asyncio.Queue = asyncio.Queue()
         self._ids_in_use.add(request_id)  # released by the caller's finally (generate / encode)
-        self._submit(("add", request_id, pp, params, _LoopQueue(self._deliveries, q)))
+        self._submit(("add", request_id, pp, params, _LoopQueue(self._deliveries, q), lora_request))
         return q
+
+    def _check_lora(self, lora_request: Any) -> None:
+        if lora_request is not None and not self.args.enable_lora:
+            raise ValueError("lora_request: LoRA is not enabled; start the server with --enable-lora")
+
+    async def _call(self, fn: Any, *args: Any) -> Any:
+        """Run ``fn(*args)`` on the engine thread (between steps) and return its result."""
+        if self._dead is not None:
+            raise EngineDeadError(f"engine loop is dead: {self._dead!r}")
+        self._ensure_started()
+        fut = self._loop.create_future()
+        self._submit(("call", fut, self._loop, fn, args))
+        return await fut
 
     # ------------------------------------------------------------------ API
     async def generate(self, prompt: Any, sampling_params: Any, request_id: str,
-                       add_special_tokens: bool = True) -> AsyncIterator[RequestOutput]:
+                       add_special_tokens: bool = True, lora_request: Any = None) -> AsyncIterator[RequestOutput]:
         """Stream a request's RequestOutputs (per ``sampling_params.output_kind``).
 
         Args:
@@ -266,17 +291,20 @@ class AsyncLLM:
             sampling_params: SamplingParams.
             request_id: unique id.
             add_special_tokens: tokenizer flag for text prompts (False for chat-templated text).
+            lora_request: the LoRA adapter to run with (``enable_lora``), or None.
 
         Raises:
             ValueError: invalid input (before anything is yielded): empty prompt, ids out of
-                vocabulary, prompt + max_tokens over max_model_len, bad parameters, duplicate id.
+                vocabulary, prompt + max_tokens over max_model_len, bad parameters, duplicate id,
+                LoRA not enabled or an adapter that cannot be loaded.
             EngineDeadError: the engine loop has died.
         """
         self._check_can_add(request_id)
+        self._check_lora(lora_request)
         pp, params = self.engine.validate(prompt, sampling_params, strict_length=True,
                                           add_special_tokens=add_special_tokens, wait_for_grammar=False)
         grammar = self.engine.grammar_future(params)
-        q = self._add(request_id, pp, params)
+        q = self._add(request_id, pp, params, lora_request)
         finished = False
         try:
             if grammar is not None:
@@ -301,7 +329,7 @@ class AsyncLLM:
                 self._submit(("abort", [request_id]))
 
     async def encode(self, prompt: Any, pooling_params: Any, request_id: str, *, task: Optional[str] = None,
-                     add_special_tokens: bool = True) -> Any:
+                     add_special_tokens: bool = True, lora_request: Any = None) -> Any:
         """Run one pooling request (``runner="pooling"``) and return its PoolingRequestOutput.
 
         Args:
@@ -311,6 +339,7 @@ class AsyncLLM:
             task: "embed", "classify", "score" or "encode" (default: ``pooling_params.task``,
                 else the model's conversion).
             add_special_tokens: tokenizer flag for text prompts.
+            lora_request: the LoRA adapter to run with (``enable_lora``), or None.
 
         Raises:
             ValueError: not a pooling model, a task it does not serve, an invalid parameter, an
@@ -318,10 +347,11 @@ class AsyncLLM:
             EngineDeadError: the engine loop has died.
         """
         self._check_can_add(request_id)
+        self._check_lora(lora_request)
         pooler = getattr(self.engine.core, "pooler", None)
         task = task or getattr(pooling_params, "task", None) or (pooler.task if pooler else "embed")
         pp, params = self.engine.validate_pooling(prompt, pooling_params, task, add_special_tokens)
-        q = self._add(request_id, pp, params)
+        q = self._add(request_id, pp, params, lora_request)
         done = False
         try:
             item = await q.get()
@@ -344,6 +374,23 @@ class AsyncLLM:
         fut = self._loop.create_future()
         self._submit(("reset_prefix_cache", fut, self._loop))
         return await fut
+
+    async def add_lora(self, lora_request: Any) -> bool:
+        """Load a LoRA adapter on the workers, between steps; True when read from disk.
+
+        Raises:
+            ValueError: LoRA not enabled, or ``LoRAAdapterError`` naming the adapter.
+        """
+        self._check_lora(lora_request)
+        return await self._call(self.engine.add_lora, lora_request)
+
+    async def remove_lora(self, lora_int_id: int) -> bool:
+        """Unload a LoRA adapter, between steps; True when it was loaded."""
+        return await self._call(self.engine.remove_lora, lora_int_id)
+
+    async def list_loras(self) -> set[int]:
+        """Ids of the adapters loaded on the workers."""
+        return await self._call(self.engine.list_loras)
 
     def get_scheduler_stats(self) -> dict:
         with self._stats_lock:

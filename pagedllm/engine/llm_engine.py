@@ -130,13 +130,23 @@ class LLMEngine:
         return mgr.grammar_future(so)
 
     def add_processed_request(self, request_id: str, pp: Any, params: Any,
-                              queue: Any = None, arrival_time: Optional[float] = None) -> None:
-        """Add an already validated request (fans out ``n > 1`` into child requests)."""
+                              queue: Any = None, arrival_time: Optional[float] = None,
+                              lora_request: Any = None) -> None:
+        """Add an already validated request (fans out ``n > 1`` into child requests).
+
+        ``lora_request``: the LoRA adapter the request runs with (loaded on the workers first
+        when they do not hold it).
+
+        Raises:
+            ValueError: LoRA not enabled, or an adapter that cannot be loaded (nothing is added).
+        """
         from pagedllm.engine.output_processor import ParentRequest
         from pagedllm.pooling_params import PoolingParams
 
+        if lora_request is not None:
+            self.core.ensure_lora(lora_request)  # NOTE: before any state: a bad adapter adds nothing
         if isinstance(params, PoolingParams):
-            self.add_processed_pooling_request(request_id, pp, params, queue, arrival_time)
+            self.add_processed_pooling_request(request_id, pp, params, queue, arrival_time, lora_request)
             return
         arrival_time = time.time() if arrival_time is None else arrival_time
         n = params.n
@@ -144,7 +154,7 @@ class LLMEngine:
             self.output_processor.add_request(
                 request_id, pp.prompt, pp.prompt_token_ids, params, None, 0, arrival_time=arrival_time,
                 queue=queue)
-            self._add_core(request_id, pp, params, arrival_time)
+            self._add_core(request_id, pp, params, arrival_time, lora_request)
             return
         parent = ParentRequest(request_id, params)
         kids = []
@@ -158,12 +168,12 @@ class LLMEngine:
             self.output_processor.add_request(
                 cid, pp.prompt, pp.prompt_token_ids, cp, parent, i, arrival_time=arrival_time, queue=queue)
         for cid, cp in kids:
-            self._add_core(cid, pp, cp, arrival_time)
+            self._add_core(cid, pp, cp, arrival_time, lora_request)
         self._children[request_id] = [cid for cid, _ in kids]
 
-    def _add_core(self, rid: str, pp: Any, params: Any, arrival_time: float) -> None:
+    def _add_core(self, rid: str, pp: Any, params: Any, arrival_time: float, lora_request: Any = None) -> None:
         req = Request(rid, pp.prompt_token_ids, sampling_params=params, eos_token_id=self.core.eos_token_id,
-                      arrival_time=arrival_time, cache_salt=pp.cache_salt)
+                      arrival_time=arrival_time, cache_salt=pp.cache_salt, lora_request=lora_request)
         if params.prompt_logprobs is not None:
             # Prompt logprobs need every prompt position computed: no prefix-cache hits.
             req.skip_prefix_cache = True
@@ -172,14 +182,15 @@ class LLMEngine:
             self._req_stats[rid] = (req, RequestStateStats(num_prompt_tokens=len(pp.prompt_token_ids)))
 
     def add_request(self, request_id: str, prompt: Any, params: Any, queue: Any = None,
-                    strict_length: bool = False) -> None:
-        """Validate and add a generation request.
+                    strict_length: bool = False, lora_request: Any = None) -> None:
+        """Validate and add a generation request (with ``lora_request``: run with that LoRA
+        adapter).
 
         Raises:
             ValueError: naming the offending field; nothing is added then.
         """
         pp, params = self.validate(prompt, params, strict_length)
-        self.add_processed_request(request_id, pp, params, queue)
+        self.add_processed_request(request_id, pp, params, queue, lora_request=lora_request)
 
     # ------------------------------------------------------------------ pooling
     def validate_pooling(self, prompt: Any, pooling_params: Any, task: str,
@@ -207,19 +218,21 @@ class LLMEngine:
         return pp, params
 
     def add_processed_pooling_request(self, request_id: str, pp: Any, params: Any, queue: Any = None,
-                                      arrival_time: Optional[float] = None) -> None:
+                                      arrival_time: Optional[float] = None, lora_request: Any = None) -> None:
         """Add a validated pooling request: prefill only; its PoolingRequestOutput comes out of
         ``step()`` (and into ``queue`` when given) after its last prefill chunk."""
         if request_id in self._pooling:
             raise ValueError(f"request_id: {request_id!r} is already in use")
+        if lora_request is not None:
+            self.core.ensure_lora(lora_request)
         arrival_time = time.time() if arrival_time is None else arrival_time
         req = Request(request_id, pp.prompt_token_ids, sampling_params=None, pooling_params=params,
-                      eos_token_id=self.core.eos_token_id, arrival_time=arrival_time)
+                      eos_token_id=self.core.eos_token_id, arrival_time=arrival_time, lora_request=lora_request)
         self.core.add_request(req)
         self._pooling[request_id] = (list(pp.prompt_token_ids), queue)
 
     def add_pooling_request(self, request_id: str, prompt: Any, pooling_params: Any,
-                            task: Optional[str] = None, queue: Any = None) -> None:
+                            task: Optional[str] = None, queue: Any = None, lora_request: Any = None) -> None:
         """Validate and add a pooling request (``task`` defaults to ``pooling_params.task``, else
         the model's: "embed" or "classify").
 
@@ -229,7 +242,7 @@ class LLMEngine:
         pooler = getattr(self.core, "pooler", None)
         task = task or getattr(pooling_params, "task", None) or (pooler.task if pooler else "embed")
         pp, params = self.validate_pooling(prompt, pooling_params, task)
-        self.add_processed_pooling_request(request_id, pp, params, queue)
+        self.add_processed_pooling_request(request_id, pp, params, queue, lora_request=lora_request)
 
     def _pooling_outputs(self, core_outputs: list) -> tuple[list, list]:
         """Split finished pooling requests off the core outputs as PoolingRequestOutputs."""
@@ -269,6 +282,19 @@ class LLMEngine:
 
     def has_unfinished_requests(self) -> bool:
         return self.core.has_unfinished_requests()
+
+    # ------------------------------------------------------------------ LoRA
+    def add_lora(self, lora_request: Any) -> bool:
+        """Load a LoRA adapter on the workers (``EngineCore.add_lora``)."""
+        return self.core.add_lora(lora_request)
+
+    def remove_lora(self, lora_int_id: int) -> bool:
+        """Unload a LoRA adapter (``EngineCore.remove_lora``)."""
+        return self.core.remove_lora(lora_int_id)
+
+    def list_loras(self) -> set[int]:
+        """Ids of the adapters loaded on the workers."""
+        return self.core.list_loras()
 
     def shutdown(self) -> None:
         """Stop the executor's worker processes / actors (idempotent)."""

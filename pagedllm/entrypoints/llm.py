@@ -18,7 +18,8 @@ class LLM:
         **kwargs: any ``EngineArgs`` field (vLLM names): ``dtype``, ``max_model_len``,
             ``max_num_seqs``, ``max_num_batched_tokens``, ``block_size``, ``kv_cache_memory``
             (bytes), ``kv_cache_dtype`` ("auto", "fp8", "fp8_e5m2"), ``seed``,
-            ``enable_prefix_caching``, ``num_threads``, ...
+            ``enable_prefix_caching``, ``num_threads``, ``enable_lora``, ``max_loras``,
+            ``max_lora_rank``, ``max_cpu_loras``, ...
 
     Raises:
         TypeError: an unknown keyword.
@@ -54,7 +55,7 @@ class LLM:
         return self.llm_engine.get_default_sampling_params()
 
     def generate(self, prompts: Union[PromptType, Sequence[PromptType]], sampling_params: Any = None,
-                 use_tqdm: bool = True) -> list[RequestOutput]:
+                 use_tqdm: bool = True, lora_request: Any = None) -> list[RequestOutput]:
         """Generate completions for ``prompts``, all submitted together (continuous batching).
 
         Args:
@@ -63,23 +64,27 @@ class LLM:
             sampling_params: one SamplingParams for all prompts, or a list (one per prompt);
                 None = the model's defaults.
             use_tqdm: show a progress bar.
+            lora_request: a ``LoRARequest`` for every prompt, or a list (one per prompt, None for
+                the base model); needs ``enable_lora=True``.
 
         Returns:
             one final RequestOutput per prompt, in input order.
 
         Raises:
-            ValueError: an invalid prompt or parameter (nothing is run then).
+            ValueError: an invalid prompt or parameter, LoRA not enabled, or an adapter that
+                cannot be loaded (nothing is run then).
         """
         if isinstance(prompts, (str, dict)):
             prompts = [prompts]
         prompts = list(prompts)
         params_list = self._params_list(sampling_params, len(prompts))
-        return self._run([(p, sp) for p, sp in zip(prompts, params_list)], use_tqdm)
+        loras = self._lora_list(lora_request, len(prompts))
+        return self._run(list(zip(prompts, params_list, loras)), use_tqdm)
 
     def chat(self, messages: Union[list[dict], list[list[dict]]], sampling_params: Any = None,
              use_tqdm: bool = True, chat_template: Optional[str] = None, add_generation_prompt: bool = True,
              continue_final_message: bool = False, chat_template_kwargs: Optional[dict] = None,
-             tools: Optional[list[dict]] = None) -> list[RequestOutput]:
+             tools: Optional[list[dict]] = None, lora_request: Any = None) -> list[RequestOutput]:
         """Apply the chat template to one conversation or a list of them, then generate.
 
         ``tools``: OpenAI-style function tools (``{"type": "function", "function": {"name",
@@ -103,7 +108,8 @@ class LLM:
                                                       continue_final_message, chat_template_kwargs)
                    for c in convs]
         params_list = self._params_list(sampling_params, len(prompts))
-        return self._run(list(zip(prompts, params_list)), use_tqdm)
+        loras = self._lora_list(lora_request, len(prompts))
+        return self._run(list(zip(prompts, params_list, loras)), use_tqdm)
 
     def llm_engine_apply_chat_template(self, conversation: list[dict], chat_template: Optional[str] = None,
                                        add_generation_prompt: bool = True, continue_final_message: bool = False,
@@ -119,7 +125,7 @@ class LLM:
     # ------------------------------------------------------------------ pooling
     def encode(self, prompts: Union[PromptType, Sequence[PromptType]], pooling_params: Any = None,
                *, truncate_prompt_tokens: Optional[int] = None, use_tqdm: bool = True,
-               pooling_task: Optional[str] = None) -> list:
+               pooling_task: Optional[str] = None, lora_request: Any = None) -> list:
         """Pooled outputs of a pooling model (``runner="pooling"``), in input order.
 
         Args:
@@ -132,6 +138,7 @@ class LLM:
             pooling_task: "encode" (default: the raw pooled hidden state, or a classifier's raw
                 logits), "embed", "classify", "score", "token_embed" (every token's hidden state,
                 ``[T, hidden]``) or "token_classify" (every token's class probabilities).
+            lora_request: a ``LoRARequest`` for every prompt, or a list (one per prompt).
 
         Returns:
             one PoolingRequestOutput per prompt (``outputs.data``: float32 tensor).
@@ -140,24 +147,27 @@ class LLM:
             ValueError: not a pooling model, a task it does not serve, an empty list, an
                 invalid prompt or parameter (nothing is run then).
         """
-        return self._pool(prompts, pooling_params, pooling_task or "encode", truncate_prompt_tokens, use_tqdm)
+        return self._pool(prompts, pooling_params, pooling_task or "encode", truncate_prompt_tokens, use_tqdm,
+                          lora_request)
 
     def embed(self, prompts: Union[PromptType, Sequence[PromptType]], pooling_params: Any = None,
-              *, truncate_prompt_tokens: Optional[int] = None, use_tqdm: bool = True) -> list:
+              *, truncate_prompt_tokens: Optional[int] = None, use_tqdm: bool = True,
+              lora_request: Any = None) -> list:
         """Embeddings (``outputs.embedding``: list of floats; L2-normalized unless
         ``use_activation=False`` in the PoolingParams or the PoolerConfig; Matryoshka
         ``dimensions``), in input order. See ``encode``."""
-        return self._pool(prompts, pooling_params, "embed", truncate_prompt_tokens, use_tqdm)
+        return self._pool(prompts, pooling_params, "embed", truncate_prompt_tokens, use_tqdm, lora_request)
 
     def classify(self, prompts: Union[PromptType, Sequence[PromptType]], pooling_params: Any = None,
-                 *, truncate_prompt_tokens: Optional[int] = None, use_tqdm: bool = True) -> list:
+                 *, truncate_prompt_tokens: Optional[int] = None, use_tqdm: bool = True,
+                 lora_request: Any = None) -> list:
         """Class probabilities (``outputs.probs``; softmax, or sigmoid for one label; raw logits
         with ``use_activation=False``) of a ``convert="classify"`` model. See ``encode``."""
-        return self._pool(prompts, pooling_params, "classify", truncate_prompt_tokens, use_tqdm)
+        return self._pool(prompts, pooling_params, "classify", truncate_prompt_tokens, use_tqdm, lora_request)
 
     def score(self, text_1: Union[PromptType, Sequence[PromptType]], text_2: Union[PromptType, Sequence[PromptType]],
               /, *, truncate_prompt_tokens: Optional[int] = None, use_tqdm: bool = True,
-              pooling_params: Any = None) -> list:
+              pooling_params: Any = None, lora_request: Any = None) -> list:
         """Scores of ``(text_1, text_2)`` pairs: 1 vs 1, 1 vs N, or N vs N (zipped).
 
         Embed models: cosine similarity of the two embeddings. Classify models (cross-encoders,
@@ -166,6 +176,8 @@ class LLM:
 
         Returns:
             one PoolingRequestOutput per pair (``outputs.score``), in pair order.
+
+        ``lora_request``: one LoRARequest for every input (``enable_lora=True``).
 
         Raises:
             ValueError: not a pooling model, mismatched lengths, empty lists.
@@ -194,7 +206,7 @@ class LLM:
                 if key not in index:
                     index[key] = len(uniq)
                     uniq.append(x)
-            embs = self._pool(uniq, pooling_params, "embed", truncate_prompt_tokens, use_tqdm)
+            embs = self._pool(uniq, pooling_params, "embed", truncate_prompt_tokens, use_tqdm, lora_request)
             results = []
             for i, (a, b) in enumerate(zip(q, d)):
                 ea, eb = embs[index[repr(a)]], embs[index[repr(b)]]
@@ -204,7 +216,7 @@ class LLM:
                     prompt_token_ids=ea.prompt_token_ids + eb.prompt_token_ids))
             return results
         pairs = [self._pair_prompt(a, b, truncate_prompt_tokens) for a, b in zip(q, d)]
-        return self._pool(pairs, pooling_params, "score", truncate_prompt_tokens, use_tqdm)
+        return self._pool(pairs, pooling_params, "score", truncate_prompt_tokens, use_tqdm, lora_request)
 
     def _pair_prompt(self, a: PromptType, b: PromptType, truncate_prompt_tokens: Optional[int]) -> dict:
         """One cross-encoder input from a text pair (tokenizer pair encoding)."""
@@ -226,7 +238,7 @@ class LLM:
         return {"prompt_token_ids": ids}
 
     def _pool(self, prompts: Any, pooling_params: Any, task: str, truncate_prompt_tokens: Optional[int],
-              use_tqdm: bool) -> list:
+              use_tqdm: bool, lora_request: Any = None) -> list:
         from pagedllm.pooling_params import PoolingParams
 
         eng = self.llm_engine
@@ -254,12 +266,33 @@ class LLM:
                 validated.append(eng.validate_pooling(prompt, pp_, task))
             except ValueError as e:
                 raise ValueError(f"{e} (prompt index {i})") from None
+        loras = self._lora_list(lora_request, len(prompts))
+        for lr in {id(x): x for x in loras if x is not None}.values():
+            eng.core.ensure_lora(lr)  # NOTE: every adapter is checked before any request is added
         ids = []
-        for proc, params in validated:
+        for (proc, params), lr in zip(validated, loras):
             rid = eng.next_request_id()
-            eng.add_processed_pooling_request(rid, proc, params)
+            eng.add_processed_pooling_request(rid, proc, params, lora_request=lr)
             ids.append(rid)
         return self._run_until_done(ids, use_tqdm)
+
+    # ------------------------------------------------------------------ LoRA
+    def add_lora(self, lora_request: Any) -> bool:
+        """Load a LoRA adapter ahead of its requests (vLLM ``LLMEngine.add_lora``); True when it
+        was read from disk.
+
+        Raises:
+            ValueError: LoRA not enabled, or an adapter that cannot be loaded (the message names it).
+        """
+        return self.llm_engine.add_lora(lora_request)
+
+    def remove_lora(self, lora_int_id: int) -> bool:
+        """Unload a LoRA adapter; True when it was loaded."""
+        return self.llm_engine.remove_lora(lora_int_id)
+
+    def list_loras(self) -> set[int]:
+        """Ids of the loaded LoRA adapters."""
+        return self.llm_engine.list_loras()
 
     def reset_prefix_cache(self) -> bool:
         """Drop every cached block hash (only when no request holds blocks).
@@ -280,23 +313,37 @@ class LLM:
             return list(sampling_params)
         return [sampling_params] * n
 
-    def _run(self, items: list[tuple[Any, Any]], use_tqdm: bool) -> list[RequestOutput]:
+    def _lora_list(self, lora_request: Any, n: int) -> list:
+        """One LoRARequest (or None) per prompt.
+
+        Raises:
+            ValueError: a list of the wrong length.
+        """
+        if isinstance(lora_request, (list, tuple)):
+            if len(lora_request) != n:
+                raise ValueError(f"lora_request: got {len(lora_request)} for {n} prompts; the lengths must match")
+            return list(lora_request)
+        return [lora_request] * n
+
+    def _run(self, items: list[tuple[Any, Any, Any]], use_tqdm: bool) -> list[RequestOutput]:
         from pagedllm.sampling_params import RequestOutputKind
 
         eng = self.llm_engine
-        # Validate everything first so a bad prompt adds nothing.
+        # Validate everything first so a bad prompt (or adapter) adds nothing.
         validated = []
-        for i, (prompt, sp) in enumerate(items):
+        for i, (prompt, sp, lr) in enumerate(items):
             try:
                 pp, sp = eng.validate(prompt, sp)
+                if lr is not None:
+                    eng.core.ensure_lora(lr)
             except ValueError as e:
                 raise ValueError(f"{e} (prompt index {i})") from None
             sp.output_kind = RequestOutputKind.FINAL_ONLY
-            validated.append((pp, sp))
+            validated.append((pp, sp, lr))
         ids = []
-        for pp, sp in validated:
+        for pp, sp, lr in validated:
             rid = eng.next_request_id()
-            eng.add_processed_request(rid, pp, sp)
+            eng.add_processed_request(rid, pp, sp, lora_request=lr)
             ids.append(rid)
         return self._run_until_done(ids, use_tqdm)
 

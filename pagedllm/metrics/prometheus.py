@@ -9,7 +9,10 @@ gauges     P:num_requests_running, P:num_requests_waiting, P:kv_cache_usage_perc
            P:cpu_allocator_cached_bytes, P:cpu_allocator_live_bytes,
            P:cpu_allocator_cache_limit_bytes (and prometheus_client's process_* metrics:
            process_resident_memory_bytes, ...), P:structured_output_cache_entries (compiled
-           grammars held; at most P:structured_output_cache_capacity)
+           grammars held; at most P:structured_output_cache_capacity),
+           P:lora_requests_info{max_lora, waiting_lora_adapters, running_lora_adapters} (vLLM's
+           info gauge: the current time, one series), P:lora_cpu_cache_adapters (adapters loaded;
+           at most P:lora_cpu_cache_capacity); the LoRA ones with --enable-lora only
 counters   P:prompt_tokens_total, P:generation_tokens_total,
            P:request_success_total{finished_reason}, P:num_preemptions_total,
            P:prefix_cache_queries_total, P:prefix_cache_hits_total,
@@ -194,6 +197,17 @@ class PrometheusStatLogger:
             p + "structured_output_compile_seconds",
             "Histogram of structured-output grammar compile time in seconds.",
             labels, buckets=GRAMMAR_COMPILE_BUCKETS, registry=reg).labels(model_name)
+        # LoRA (engines with enable_lora): vLLM's info gauge, plus the adapters held in memory.
+        self.gauge_lora_info = Gauge(p + "lora_requests_info", "Running stats on lora requests.",
+                                     labels + ["max_lora", "waiting_lora_adapters", "running_lora_adapters"],
+                                     registry=reg)
+        self._lora_labels: Optional[tuple] = None
+        self.gauge_lora_cache = Gauge(p + "lora_cpu_cache_adapters",
+                                      "LoRA adapters loaded in CPU memory (at most lora_cpu_cache_capacity).",
+                                      labels, registry=reg).labels(model_name)
+        self.gauge_lora_capacity = Gauge(p + "lora_cpu_cache_capacity",
+                                         "Most LoRA adapters kept loaded in CPU memory (max_cpu_loras).",
+                                         labels, registry=reg).labels(model_name)
 
     def set_scheduler_gauges(self, num_running: int, num_waiting: int, kv_cache_usage: float) -> None:
         """Set the request-count and KV-cache-usage gauges (and their deprecated aliases)."""
@@ -209,6 +223,8 @@ class PrometheusStatLogger:
         Preemptions come from iteration_stats.num_preempted, or (without iteration_stats)
         from the dict's num_preemptions_total."""
         with self._lock:
+            if isinstance(scheduler_stats, dict) and "lora_running_adapters" in scheduler_stats:
+                self._record_lora(scheduler_stats)
             scheduler_stats, preempt = self._adapt(scheduler_stats)
             if iteration_stats is None and preempt:
                 self.counter_preemptions.inc(preempt)
@@ -259,6 +275,26 @@ class PrometheusStatLogger:
         for key, g in self.gauge_memory.items():
             if key in stats:
                 g.set(stats[key])
+
+    def record_lora(self, stats: dict) -> None:
+        """Set the LoRA gauges from ``get_scheduler_stats()`` (``lora_running_adapters``,
+        ``lora_waiting_adapters``: adapter names; ``max_loras``; ``lora_cpu_cache_adapters``,
+        ``max_cpu_loras``)."""
+        with self._lock:
+            self._record_lora(stats)
+
+    def _record_lora(self, stats: dict) -> None:
+        # vLLM sets vllm:lora_requests_info{running_lora_adapters, waiting_lora_adapters,
+        # max_lora} to the current time; the old label set is removed first, so the family
+        # holds one series (vLLM keeps every combination ever seen).
+        labels = (self.model_name, str(stats.get("max_loras", 0)), ",".join(stats.get("lora_waiting_adapters", ())),
+                  ",".join(stats.get("lora_running_adapters", ())))
+        if labels != self._lora_labels:
+            self.gauge_lora_info.clear()
+            self._lora_labels = labels
+        self.gauge_lora_info.labels(*labels).set_to_current_time()
+        self.gauge_lora_cache.set(stats.get("lora_cpu_cache_adapters", 0))
+        self.gauge_lora_capacity.set(stats.get("max_cpu_loras", 0))
 
     def _record_structured_output(self, st: SchedulerStats) -> None:
         if st.structured_output_cache_queries > 0:

@@ -120,3 +120,52 @@ class LoRAStepDriver:
             out[r.rid] = logits[off:off + r.num_tokens]
             off += r.num_tokens
         return out
+
+
+def word_tokenizer():
+    """A word-level tokenizer over ``<unk> <s> </s> w0 .. w252`` (ids 0..255)."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    words = ["<unk>", "<s>", "</s>"] + [f"w{i}" for i in range(253)]
+    tk = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="<unk>"))
+    tk.pre_tokenizer = pre_tokenizers.Whitespace()
+    return PreTrainedTokenizerFast(tokenizer_object=tk, unk_token="<unk>", bos_token="<s>", eos_token="</s>")
+
+
+def write_tiny_checkpoint(path: str, seed: int = 0):
+    """A random transformers Llama checkpoint (vocab 256, hidden 64, 3 layers, 4 query / 2 KV
+    heads, untied head) with a word-level tokenizer in ``path``; returns the model (eager, fp32)."""
+    import transformers as tf
+
+    torch.manual_seed(seed)
+    cfg = tf.LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                         tie_word_embeddings=False, architectures=["LlamaForCausalLM"], bos_token_id=1,
+                         eos_token_id=2)
+    hf = tf.LlamaForCausalLM(cfg).float().eval()
+    with torch.no_grad():  # spread logits: stable greedy picks
+        for n, p in hf.named_parameters():
+            if "norm" in n:
+                p.add_(0.1 * torch.randn_like(p))
+        hf.lm_head.weight.mul_(8.0)
+    hf.save_pretrained(path)
+    word_tokenizer().save_pretrained(path)
+    hf.config._attn_implementation = "eager"
+    return hf
+
+
+def peft_greedy(hf, adapter_dir: Optional[str], ids: list[int], n: int) -> tuple[list[int], list[float]]:
+    """Greedy ``n`` tokens of transformers (+ peft) after ``ids`` (no EOS stop), with each
+    token's log-probability: ``(token ids, logprobs)``."""
+    from peft import PeftModel
+
+    model = hf if adapter_dir is None else PeftModel.from_pretrained(copy.deepcopy(hf), adapter_dir).eval()
+    seq, lps = list(ids), []
+    with torch.no_grad():
+        for _ in range(n):
+            logits = model(torch.tensor([seq])).logits[0, -1].float()
+            tok = int(logits.argmax())
+            lps.append(float(torch.log_softmax(logits, -1)[tok]))
+            seq.append(tok)
+    return seq[len(ids):], lps

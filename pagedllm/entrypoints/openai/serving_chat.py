@@ -211,7 +211,8 @@ class OpenAIServingChat(OpenAIServing):
         rids = [request_id]
         try:
             merged = await self.start([self.engine_prompt(ids, prompt_text, request.cache_salt)],
-                                      [sp], rids, prime=bool(request.stream))
+                                      [sp], rids, prime=bool(request.stream),
+                                      lora_request=self.lora_request(request.model))
         except ValueError as e:
             raise value_error_to_openai(e) from e
         if request.stream:

@@ -128,7 +128,8 @@ class OpenAIServingCompletion(OpenAIServing):
             raise value_error_to_openai(e) from e
 
         try:
-            merged = await self.start(engine_prompts, params, rids, prime=bool(request.stream))
+            merged = await self.start(engine_prompts, params, rids, prime=bool(request.stream),
+                                      lora_request=self.lora_request(request.model))
         except ValueError as e:
             raise value_error_to_openai(e) from e
 

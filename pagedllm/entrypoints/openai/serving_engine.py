@@ -213,6 +213,9 @@ class OpenAIServing:
         self.log_requests = log_requests
         self.inflight: set[str] = set()
         self.inflight_streams: set[MergedGenerators] = set()
+        # The served LoRA adapters (``serving_lora.LoRARegistry``), shared by the endpoints;
+        # None when the server runs without --enable-lora.
+        self.loras: Any = None
 
     @property
     def tokenizer(self):
@@ -228,14 +231,19 @@ class OpenAIServing:
 
     # ---- model names -------------------------------------------------------------------
     def check_model(self, model: Optional[str]) -> None:
-        if not model or model in self.served_model_names:
+        if not model or model in self.served_model_names or self.lora_request(model) is not None:
             return
         raise OpenAIError(f"The model `{model}` does not exist.", 404, "model")
 
     def response_model_name(self, model: Optional[str]) -> str:
-        if model and model in self.served_model_names:
+        if model and (model in self.served_model_names or self.lora_request(model) is not None):
             return model
         return self.served_model_names[0]
+
+    def lora_request(self, model: Optional[str]) -> Any:
+        """The LoRA adapter a request's ``model`` names (a ``LoRARequest``), or None (a base
+        model name, or no adapters served)."""
+        return self.loras.get(model) if self.loras is not None and model else None
 
     # ---- prompts -----------------------------------------------------------------------
     def encode(self, text: str, add_special_tokens: bool) -> list[int]:
@@ -306,12 +314,13 @@ class OpenAIServing:
 
     # ---- running -----------------------------------------------------------------------
     async def start(self, prompts: list[dict], params: list[Any], request_ids: list[str],
-                    prime: bool = True) -> MergedGenerators:
-        """Submit the requests. With ``prime`` (streaming), wait for each first output so a
-        ValueError from the engine surfaces before the response starts; without it
-        (non-streaming, FINAL_ONLY: the first output is the last) errors surface in
-        ``collect``."""
-        gens = [self.engine.generate(p, sp, rid) for p, sp, rid in zip(prompts, params, request_ids)]
+                    prime: bool = True, lora_request: Any = None) -> MergedGenerators:
+        """Submit the requests (with ``lora_request``: run with that LoRA adapter). With
+        ``prime`` (streaming), wait for each first output so a ValueError from the engine
+        surfaces before the response starts; without it (non-streaming, FINAL_ONLY: the first
+        output is the last) errors surface in ``collect``."""
+        kw = {} if lora_request is None else {"lora_request": lora_request}
+        gens = [self.engine.generate(p, sp, rid, **kw) for p, sp, rid in zip(prompts, params, request_ids)]
         merged = MergedGenerators(gens)
         self.inflight.update(request_ids)
         self.inflight_streams.add(merged)

@@ -208,7 +208,7 @@ class AnthropicServingMessages:
     async def _run(self, request: AnthropicMessagesRequest, raw_request: Request,
                    count_only: bool) -> Response:
         chat = self.chat
-        if request.model not in chat.served_model_names:
+        if request.model not in chat.served_model_names and chat.lora_request(request.model) is None:
             raise _err(f"model: {request.model!r} not found (served: "
                        f"{', '.join(chat.served_model_names)})", 404)
         chat_req, setup, prompt_text, ids = self._prepare(request)
@@ -225,7 +225,7 @@ class AnthropicServingMessages:
         msg_id = new_id("msg")
         chat.log_request(msg_id, prompt_text, ids, sp)
         merged = await chat.start([chat.engine_prompt(ids, prompt_text, None)], [sp], [msg_id],
-                                  prime=bool(request.stream))
+                                  prime=bool(request.stream), lora_request=chat.lora_request(request.model))
         run = _MessageRun(chat, request, msg_id, setup, len(ids))
         if request.stream:
             return SSEResponse(run.stream(merged))

@@ -252,11 +252,13 @@ class OpenAIServingResponses:
         chat.log_request(response_id, prompt_text, ids, sp)
         created = int(time.time())
         ctx = _Run(self, request, response_id, model_name, created, setup, ids, items)
+        ctx.lora_request = chat.lora_request(request.model)
         prompt = chat.engine_prompt(ids, prompt_text, request.cache_salt)
         if request.background:
             return await ctx.start_background(prompt, sp)
         try:
-            merged = await chat.start([prompt], [sp], [response_id], prime=bool(request.stream))
+            merged = await chat.start([prompt], [sp], [response_id], prime=bool(request.stream),
+                                      lora_request=ctx.lora_request)
         except ValueError as e:
             raise value_error_to_openai(e) from e
         if request.stream:
@@ -315,6 +317,7 @@ class _Run:
         self.serving, self.request, self.response_id = serving, request, response_id
         self.model, self.created, self.setup = model, created, setup
         self.prompt_ids, self.items = prompt_ids, items
+        self.lora_request: Any = None  # the LoRA adapter ``model`` names, if any
 
     def _usage(self, output_tokens: int, cached: int, reasoning: Optional[str]) -> dict:
         rt = len(self.serving.chat.encode(reasoning, False)) if reasoning else 0
@@ -363,7 +366,8 @@ class _Run:
             raise OpenAIError("The response store is full of running background responses.",
                               503, "background")
         try:
-            merged = await chat.start([prompt], [sp], [self.response_id], prime=False)
+            merged = await chat.start([prompt], [sp], [self.response_id], prime=False,
+                                      lora_request=self.lora_request)
         except ValueError as e:
             self.serving.store.delete(self.response_id)
             raise value_error_to_openai(e) from e
