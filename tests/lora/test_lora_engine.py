@@ -193,3 +193,27 @@ def test_cpu_cache_bound_prefers_adapters_not_in_use(ckpt, refs):
     assert list(core.loras) == [3, 2]  # a1 was not in use
     while eng.has_unfinished_requests():
         eng.step()
+
+
+def test_speculative_decoding_with_adapters_keeps_peft_greedy(ckpt):
+    """n-gram speculative decoding on a LoRA engine: drafts are verified through the adapters'
+    forward (in steps beside chunked prefills too), so a batch mixing adapters and the base gives
+    transformers + peft's greedy tokens; drafts were proposed and some accepted."""
+    path, hf, adapters = ckpt
+    loop = [1, 5, 6, 7, 8, 9, 5, 6, 7, 8, 9, 5, 6, 7, 8, 9, 5, 6]  # repeats: the n-gram proposer drafts
+    prompts = [loop, PROMPTS[0]]
+    names = (None, "a1", "a3")
+    ids = {"a1": 1, "a3": 3}
+    refs = {(i, n): peft_greedy(hf, None if n is None else adapters[n], p, N)
+            for i, p in enumerate(prompts) for n in names}
+    # NOTE: a small token budget: later prompts prefill in chunks while earlier ones verify drafts
+    llm = _llm(path, max_num_batched_tokens=16,
+               speculative_config={"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3,
+                                   "prompt_lookup_min": 1, "disable_by_batch_size": 0})
+    plan = [(i, n) for n in names for i in range(len(prompts))]
+    outs = llm.generate([{"prompt_token_ids": prompts[i]} for i, _ in plan], GREEDY, use_tqdm=False,
+                        lora_request=[_lr(adapters, n, ids.get(n, 1)) for _, n in plan])
+    for (i, name), o in zip(plan, outs):
+        assert list(o.outputs[0].token_ids) == refs[(i, name)][0], (i, name)
+    st = llm.llm_engine.core.scheduler.spec_stats
+    assert st.num_drafts > 0 and st.num_accepted_tokens > 0, (st.num_drafts, st.num_accepted_tokens)
