@@ -8,7 +8,7 @@ __version__ = "0.1.0"
 
 __all__ = ["LLM", "SamplingParams", "PoolingParams", "RequestOutput", "CompletionOutput",
            "PoolingRequestOutput", "EngineArgs", "RequestOutputKind", "PoolerConfig", "StructuredOutputsParams",
-           "TextPrompt", "TokensPrompt", "PromptType", "__version__"]
+           "TextPrompt", "TokensPrompt", "PromptType", "LoRARequest", "__version__"]
 
 
 def __getattr__(name: str):
@@ -31,6 +31,9 @@ def __getattr__(name: str):
     if name in ("TextPrompt", "TokensPrompt", "PromptType"):
         from pagedllm import inputs
         return getattr(inputs, name)
+    if name == "LoRARequest":
+        from pagedllm.lora.request import LoRARequest
+        return LoRARequest
     if name == "EngineArgs":
         from pagedllm.config import EngineArgs
         return EngineArgs

@@ -170,6 +170,11 @@ class EngineArgs:
         speculative_config: speculative decoding, vLLM's ``speculative_config`` (a dict, a JSON
             string or a ``pagedllm.spec_decode.config.SpeculativeConfig``): ``{"method": "ngram",
             "num_speculative_tokens": 4, ...}``; None = off.
+        enable_lora: serve LoRA adapters per request (``LoRARequest``; ``pagedllm.lora``).
+        max_loras: adapters one step may run (the device slot table; vLLM's default 1).
+        max_lora_rank: largest adapter rank accepted (vLLM's default 16).
+        max_cpu_loras: adapters kept loaded in CPU memory (least recently used evicted and read
+            from disk again when needed); None = ``max_loras``; must be >= ``max_loras``.
     """
 
     model: str = "SmolLM2-135M-Instruct"
@@ -215,12 +220,31 @@ class EngineArgs:
     data_parallel_rank: int = 0
     distributed_executor_backend: Optional[str] = None
     batch_invariant: bool = False
+    enable_lora: bool = False
+    max_loras: int = 1
+    max_lora_rank: int = 16
+    max_cpu_loras: Optional[int] = None
 
     @property
     def world_size(self) -> int:
         """Ranks of one engine replica: ``tensor_parallel_size * pipeline_parallel_size``."""
         return self.tensor_parallel_size * self.pipeline_parallel_size
     speculative_config: Optional[Any] = None
+
+    def lora_limits(self) -> tuple[int, int, int]:
+        """``(max_loras, max_lora_rank, max_cpu_loras)`` checked (``enable_lora`` engines).
+
+        Raises:
+            ValueError: a limit below 1, or ``max_cpu_loras < max_loras`` (naming the field).
+        """
+        max_cpu = self.max_loras if self.max_cpu_loras is None else self.max_cpu_loras
+        for name, v in (("max_loras", self.max_loras), ("max_lora_rank", self.max_lora_rank),
+                        ("max_cpu_loras", max_cpu)):
+            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+                raise ValueError(f"{name}: must be an integer >= 1, got {v!r}")
+        if max_cpu < self.max_loras:
+            raise ValueError(f"max_cpu_loras: must be >= max_loras ({self.max_loras}), got {max_cpu}")
+        return self.max_loras, self.max_lora_rank, max_cpu
 
     @classmethod
     def field_names(cls) -> set[str]:

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass
-from typing import Iterator, Optional
+from typing import Any, Iterator, Optional
 
 import torch
 
@@ -80,11 +80,17 @@ class AttentionImpl:
 
 @dataclass
 class ForwardContext:
-    """Per-forward state every attention layer reads: metadata, KV caches, backend."""
+    """Per-forward state every attention layer reads: metadata, KV caches, backend.
+
+    ``lora_mapping``: the step's LoRA rows (``pagedllm.lora.model_manager.LoRAMapping``), read
+    by the LoRA-wrapped projections; None when no row of the step runs an adapter (paths that
+    cannot add LoRA deltas, such as the fused decode step, run only then).
+    """
 
     attn_metadata: Optional[AttentionMetadata]
     kv_caches: list[torch.Tensor]
     impl: AttentionImpl
+    lora_mapping: Any = None
 
 
 _forward_context: Optional[ForwardContext] = None

@@ -4,8 +4,8 @@ A full block's hash is ``H(parent_hash, tuple(token_ids), extra_keys)``: it name
 block's tokens *and* everything before them, so equal hashes mean equal prefixes.
 The first block's parent is a root hash derived from ``hash_seed`` or, by default,
 from ``os.urandom`` (so two servers never share hash values by accident).
-``extra_keys`` carries the request's ``cache_salt`` on the first block only (the
-chain carries it to every later block).
+``extra_keys`` carries the request's ``cache_salt`` and LoRA adapter id on the first block only
+(the chain carries them to every later block).
 
 Hashes are ``bytes``: 32 bytes for ``"sha256"``, 16 bytes for ``"xxhash"`` (xxh3_128).
 """
@@ -73,10 +73,16 @@ def hash_block_tokens(
 
 
 def block_extra_keys(request: Any, block_index: int) -> Optional[tuple[Any, ...]]:
-    """Extra keys mixed into block ``block_index`` of ``request`` (cache_salt on block 0)."""
-    if block_index == 0 and getattr(request, "cache_salt", None):
-        return (request.cache_salt,)
-    return None
+    """Extra keys mixed into block ``block_index`` of ``request``: on block 0, its
+    ``cache_salt`` (a str) and its LoRA adapter's ``lora_int_id`` (an int), so requests with
+    different adapters (or none) never share KV blocks."""
+    if block_index != 0:
+        return None
+    salt = getattr(request, "cache_salt", None)
+    lora = getattr(request, "lora_request", None)
+    if lora is not None:
+        return (salt, lora.lora_int_id) if salt else (lora.lora_int_id,)
+    return (salt,) if salt else None
 
 
 def update_block_hashes(

@@ -66,6 +66,10 @@ class Request:
             The scheduler calls only ``is_ready()`` (compiled, or failed), ``error()`` (the
             compile error or None), ``accept_tokens(list[int]) -> bool`` and ``is_terminated()``
             (see ``pagedllm.structured_output.request``); the engine core sets it.
+        lora_request: the request's LoRA adapter (``pagedllm.lora.LoRARequest``: ``lora_name``,
+            ``lora_int_id``, ``lora_path``) or None; it stays with the request across
+            preemptions, and its id is mixed into the first block hash (no KV sharing across
+            adapters).
         max_tokens / min_tokens / stop_token_ids / ignore_eos: the stop settings the scheduler
             checks every token, read once from ``sampling_params`` here (``stop_token_ids``
             as a frozenset, or None when empty); ``max_tokens`` 0 and the rest off for pooling.
@@ -81,6 +85,7 @@ class Request:
         arrival_time: Optional[float] = None,
         cache_salt: Optional[str] = None,
         priority: int = 0,
+        lora_request: Any = None,
     ) -> None:
         self.request_id = request_id
         self.prompt_token_ids = list(prompt_token_ids)
@@ -90,6 +95,7 @@ class Request:
         self.arrival_time = time.time() if arrival_time is None else arrival_time
         self.cache_salt = cache_salt
         self.priority = priority
+        self.lora_request = lora_request
         self.status = RequestStatus.WAITING
         self.output_token_ids: list[int] = []
         self.all_token_ids: list[int] = list(self.prompt_token_ids)

@@ -25,6 +25,7 @@ class ScheduledRequest:
         spec_token_ids: draft tokens scheduled for verification after ``token_ids`` (counted in
             ``num_tokens``: the step computes ``token_ids[start_pos:] + spec_token_ids``); empty
             when not speculating.
+        lora_request: the request's LoRA adapter (a ``LoRARequest``) or None.
     """
 
     req_id: str
@@ -38,6 +39,7 @@ class ScheduledRequest:
     prompt_len: int = 0
     is_new: bool = False
     spec_token_ids: list[int] = field(default_factory=list)
+    lora_request: Any = None
 
 
 @dataclass

@@ -56,6 +56,9 @@ class Scheduler:
             ``spec_stats``.
         num_lookahead_tokens: extra KV slots allocated past a decoding request's scheduled
             tokens (a draft model writes its own drafts' K/V there).
+        max_loras: LoRA: the running set never holds requests of more than this many distinct
+            adapters (the workers' slot table); a waiting request whose adapter would exceed
+            it is skipped (others go ahead) until one finishes. 0 = no limit (LoRA off).
     """
 
     def __init__(
@@ -68,6 +71,7 @@ class Scheduler:
         debug: Optional[bool] = None,
         num_spec_tokens: int = 0,
         num_lookahead_tokens: int = 0,
+        max_loras: int = 0,
     ) -> None:
         if max_num_seqs < 1 or max_num_batched_tokens < 1:
             raise ValueError("max_num_seqs and max_num_batched_tokens must be >= 1")
@@ -76,6 +80,7 @@ class Scheduler:
         self.max_model_len = max_model_len
         self.kv_cache_manager = kv_cache_manager
         self.long_prefill_token_threshold = long_prefill_token_threshold
+        self.max_loras = max_loras
         self.debug = os.environ.get("PAGEDLLM_DEBUG", "0") == "1" if debug is None else debug
         self.requests: dict[str, Request] = {}
         self.waiting: deque[Request] = deque()
@@ -240,6 +245,8 @@ class Scheduler:
         # 2. Waiting requests, FCFS (not in a step that had to preempt: no thrashing).
         if not preempted:
             skipped: list[Request] = []  # grammars still compiling: they keep their place
+            # LoRA: adapters of the running set (at most max_loras distinct ones).
+            loras = self._running_loras() if self.max_loras else None
             while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
                 req = self.waiting[0]
                 if req.status == RequestStatus.WAITING_FOR_FSM:
@@ -253,6 +260,11 @@ class Scheduler:
                         self._fail_request(req, err)
                         continue
                     req.status = RequestStatus.WAITING
+                lora = req.lora_request
+                if (loras is not None and lora is not None and lora.lora_int_id not in loras
+                        and len(loras) >= self.max_loras):
+                    skipped.append(self.waiting.popleft())  # its adapter would need one slot too many
+                    continue
                 hit_blocks, num_hit = mgr.get_computed_blocks(req)
                 req.num_computed_tokens = 0
                 num_new = min(self._cap(req.num_tokens - num_hit), budget)
@@ -266,6 +278,8 @@ class Scheduler:
                 req.num_computed_tokens = num_hit
                 req.status = RequestStatus.RUNNING
                 self.running.append(req)
+                if loras is not None and lora is not None:
+                    loras.add(lora.lora_int_id)
                 order.append((req, num_new, True))
                 budget -= num_new
             if skipped:
@@ -307,6 +321,7 @@ class Scheduler:
                 prompt_len=len(req.prompt_token_ids),
                 is_new=is_new,
                 spec_token_ids=spec,
+                lora_request=req.lora_request,
             ))
             req.num_computed_tokens = start + n
             total += n
@@ -314,6 +329,17 @@ class Scheduler:
         if self.debug:
             self.check_invariants(out)
         return out
+
+    def _running_loras(self) -> set[int]:
+        """Adapter ids of the running requests."""
+        return {r.lora_request.lora_int_id for r in self.running if r.lora_request is not None}
+
+    def lora_adapter_names(self) -> tuple[list[str], list[str]]:
+        """``(running, waiting)``: sorted names of the adapters of running / waiting requests
+        (vLLM's ``lora_requests_info`` labels)."""
+        running = {r.lora_request.lora_name for r in self.running if r.lora_request is not None}
+        waiting = {r.lora_request.lora_name for r in self.waiting if r.lora_request is not None}
+        return sorted(running), sorted(waiting)
 
     def check_invariants(self, out: Optional[SchedulerOutput] = None) -> None:
         """Assert block, budget and counter invariants (debug builds and tests)."""
@@ -330,6 +356,8 @@ class Scheduler:
                                   RequestStatus.PREEMPTED), req
             assert req.num_computed_tokens == 0, req
         assert len(self.requests) == len(self.running) + len(self.waiting)
+        if self.max_loras:
+            assert len(self._running_loras()) <= self.max_loras, (self._running_loras(), self.max_loras)
         if out is not None:
             assert out.total_num_scheduled_tokens == sum(s.num_tokens for s in out.scheduled)
             assert out.total_num_scheduled_tokens <= self.max_num_batched_tokens

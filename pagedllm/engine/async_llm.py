@@ -198,6 +198,18 @@ class AsyncLLM:
                 fut, loop = cmd[1], cmd[2]
                 ok = eng.core.reset_prefix_cache()
                 loop.call_soon_threadsafe(lambda f=fut, v=ok: f.done() or f.set_result(v))
+            elif kind == "call":  # an engine method run on this thread, its result to a future
+                _, fut, loop, fn, args = cmd
+                try:
+                    res, err = fn(*args), None
+                except Exception as e:  # the caller's error (e.g. an adapter that cannot be loaded)
+                    res, err = None, e
+
+                def settle(f=fut, r=res, x=err) -> None:
+                    if not f.done():
+                        f.set_exception(x) if x is not None else f.set_result(r)
+
+                loop.call_soon_threadsafe(settle)
 
     def _record_stats(self) -> None:
         eng = self.engine
@@ -283,9 +295,15 @@ class AsyncLLM:
         return q
 
     def _engine_request(self, prompt: Any, params: Any, request_id: str, pooling: bool,
-                        **kw: Any) -> EngineCoreRequest:
-        """``prompt`` itself when it is an EngineCoreRequest (its id must be ``request_id``),
-        else ``LLMEngine.process_inputs`` of it (the server's length rule: ``strict_length``)."""
+                        lora_request: Any = None, **kw: Any) -> EngineCoreRequest:
+        """``prompt`` itself when it is an EngineCoreRequest (its id must be ``request_id``; its
+        own ``lora_request`` is used), else ``LLMEngine.process_inputs`` of it with
+        ``lora_request`` (the server's length rule: ``strict_length``).
+
+        Raises:
+            ValueError: a mismatched id or kind, a ``lora_request`` that differs from the
+                EngineCoreRequest's, LoRA not enabled, or an invalid input.
+        """
         if isinstance(prompt, EngineCoreRequest):
             if prompt.request_id != request_id:
                 raise ValueError(f"request_id: {request_id!r} does not match the EngineCoreRequest's "
@@ -293,13 +311,37 @@ class AsyncLLM:
             if prompt.is_pooling != pooling:
                 what = "pooling (use encode)" if prompt.is_pooling else "generation (use generate)"
                 raise ValueError(f"request: {request_id!r} is a {what} request")
-            return prompt
-        return self.engine.process_inputs(request_id, prompt, params, strict_length=not pooling,
-                                          wait_for_grammar=False, **kw)
+            if lora_request is not None and lora_request != prompt.lora_request:
+                raise ValueError(f"lora_request: differs from the EngineCoreRequest's ({prompt.lora_request!r}); "
+                                 "set it in process_inputs")
+            request = prompt
+        else:
+            request = self.engine.process_inputs(request_id, prompt, params, strict_length=not pooling,
+                                                 wait_for_grammar=False, lora_request=lora_request, **kw)
+        self._check_lora(request.lora_request)
+        return request
+
+    @property
+    def enable_lora(self) -> bool:
+        """LoRA adapters can be served (``EngineArgs.enable_lora``)."""
+        return bool(self.args.enable_lora)
+
+    def _check_lora(self, lora_request: Any) -> None:
+        if lora_request is not None and not self.args.enable_lora:
+            raise ValueError("lora_request: LoRA is not enabled; start the server with --enable-lora")
+
+    async def _call(self, fn: Any, *args: Any) -> Any:
+        """Run ``fn(*args)`` on the engine thread (between steps) and return its result."""
+        if self._dead is not None:
+            raise EngineDeadError(f"engine loop is dead: {self._dead!r}")
+        self._ensure_started()
+        fut = self._loop.create_future()
+        self._submit(("call", fut, self._loop, fn, args))
+        return await fut
 
     # ------------------------------------------------------------------ API
     async def generate(self, prompt: Any, sampling_params: Any, request_id: str,
-                       add_special_tokens: bool = True) -> AsyncIterator[RequestOutput]:
+                       add_special_tokens: bool = True, lora_request: Any = None) -> AsyncIterator[RequestOutput]:
         """Stream a request's RequestOutputs (per ``sampling_params.output_kind``).
 
         Args:
@@ -309,14 +351,16 @@ class AsyncLLM:
             sampling_params: SamplingParams.
             request_id: unique id.
             add_special_tokens: tokenizer flag for text prompts (False for chat-templated text).
+            lora_request: the LoRA adapter to run with (``enable_lora``), or None.
 
         Raises:
             ValueError: invalid input (before anything is yielded): empty prompt, ids out of
-                vocabulary, prompt + max_tokens over max_model_len, bad parameters, duplicate id.
+                vocabulary, prompt + max_tokens over max_model_len, bad parameters, duplicate id,
+                LoRA not enabled or an adapter that cannot be loaded.
             EngineDeadError: the engine loop has died.
         """
         self._check_can_add(request_id)
-        request = self._engine_request(prompt, sampling_params, request_id, False,
+        request = self._engine_request(prompt, sampling_params, request_id, False, lora_request,
                                        add_special_tokens=add_special_tokens)
         params = request.sampling_params
         grammar = self.engine.grammar_future(params)
@@ -347,7 +391,7 @@ class AsyncLLM:
                 self._submit(("abort", [request_id]))
 
     async def encode(self, prompt: Any, pooling_params: Any, request_id: str, *, task: Optional[str] = None,
-                     add_special_tokens: bool = True) -> PoolingRequestOutput:
+                     add_special_tokens: bool = True, lora_request: Any = None) -> PoolingRequestOutput:
         """Run one pooling request (``runner="pooling"``) and return its PoolingRequestOutput.
 
         Args:
@@ -358,6 +402,7 @@ class AsyncLLM:
             task: "embed", "classify", "score" or "encode" (default: ``pooling_params.task``,
                 else the model's conversion).
             add_special_tokens: tokenizer flag for text prompts.
+            lora_request: the LoRA adapter to run with (``enable_lora``), or None.
 
         Raises:
             ValueError: not a pooling model, a task it does not serve, an invalid parameter, an
@@ -368,7 +413,7 @@ class AsyncLLM:
 
         self._check_can_add(request_id)
         params = PoolingParams() if pooling_params is None else pooling_params
-        request = self._engine_request(prompt, params, request_id, True, task=task,
+        request = self._engine_request(prompt, params, request_id, True, lora_request, task=task,
                                        add_special_tokens=add_special_tokens)
         q = self._add(request)
         done = False
@@ -393,6 +438,23 @@ class AsyncLLM:
         fut = self._loop.create_future()
         self._submit(("reset_prefix_cache", fut, self._loop))
         return await fut
+
+    async def add_lora(self, lora_request: Any) -> bool:
+        """Load a LoRA adapter on the workers, between steps; True when read from disk.
+
+        Raises:
+            ValueError: LoRA not enabled, or ``LoRAAdapterError`` naming the adapter.
+        """
+        self._check_lora(lora_request)
+        return await self._call(self.engine.add_lora, lora_request)
+
+    async def remove_lora(self, lora_int_id: int) -> bool:
+        """Unload a LoRA adapter, between steps; True when it was loaded."""
+        return await self._call(self.engine.remove_lora, lora_int_id)
+
+    async def list_loras(self) -> set[int]:
+        """Ids of the adapters loaded on the workers."""
+        return await self._call(self.engine.list_loras)
 
     def get_scheduler_stats(self) -> dict:
         with self._stats_lock:

@@ -83,6 +83,7 @@ class DPAsyncLLM:
         self.pooler = first.pooler
         self.default_sampling_params = dict(first.default_sampling_params)
         self.kv_capacity_tokens = sum(r.kv_capacity_tokens for r in self.replicas)
+        self.enable_lora = first.enable_lora
         self.engine = first.engine  # NOTE: front-end helpers (tokenizer, chat template) are identical
         self._inflight = [0] * n
         self._where: dict[str, int] = {}
@@ -119,24 +120,25 @@ class DPAsyncLLM:
 
     # ------------------------------------------------------------------ API (AsyncLLM's)
     async def generate(self, prompt: Any, sampling_params: Any, request_id: str,
-                       add_special_tokens: bool = True) -> AsyncIterator[Any]:
+                       add_special_tokens: bool = True, lora_request: Any = None) -> AsyncIterator[Any]:
         """``AsyncLLM.generate`` on the least-loaded replica (``prompt``: an EngineCoreRequest,
         or a prompt that replica processes)."""
         i = self._route(request_id)
         try:
             async for out in self.replicas[i].generate(prompt, sampling_params, request_id,
-                                                       add_special_tokens=add_special_tokens):
+                                                       add_special_tokens=add_special_tokens,
+                                                       lora_request=lora_request):
                 yield out
         finally:
             self._release(request_id, i)
 
     async def encode(self, prompt: Any, pooling_params: Any, request_id: str, *, task: Optional[str] = None,
-                     add_special_tokens: bool = True) -> Any:
+                     add_special_tokens: bool = True, lora_request: Any = None) -> Any:
         """``AsyncLLM.encode`` on the least-loaded replica."""
         i = self._route(request_id)
         try:
             return await self.replicas[i].encode(prompt, pooling_params, request_id, task=task,
-                                                 add_special_tokens=add_special_tokens)
+                                                 add_special_tokens=add_special_tokens, lora_request=lora_request)
         finally:
             self._release(request_id, i)
 
@@ -144,6 +146,24 @@ class DPAsyncLLM:
         i = self._where.get(request_id)
         if i is not None:
             await self.replicas[i].abort(request_id)
+
+    async def add_lora(self, lora_request: Any) -> bool:
+        """Load a LoRA adapter on every replica (True when one read it from disk)."""
+        loaded = False
+        for r in self.replicas:
+            loaded = (await r.add_lora(lora_request)) or loaded
+        return loaded
+
+    async def remove_lora(self, lora_int_id: int) -> bool:
+        """Unload a LoRA adapter from every replica (True when one held it)."""
+        held = False
+        for r in self.replicas:
+            held = (await r.remove_lora(lora_int_id)) or held
+        return held
+
+    async def list_loras(self) -> set[int]:
+        """Ids of the adapters loaded on the first replica."""
+        return await self.replicas[0].list_loras()
 
     async def reset_prefix_cache(self) -> bool:
         ok = True
@@ -158,6 +178,11 @@ class DPAsyncLLM:
                      ("num_running", "num_waiting", "num_preemptions_total", "prefix_cache_queries",
                       "prefix_cache_hits")}
         out["kv_cache_usage"] = sum(s.get("kv_cache_usage", 0.0) for s in per) / len(per)
+        if "lora_running_adapters" in per[0]:
+            for k in ("max_loras", "max_cpu_loras", "lora_cpu_cache_adapters"):  # NOTE: every replica loads the same
+                out[k] = per[0].get(k, 0)
+            for k in ("lora_running_adapters", "lora_waiting_adapters"):
+                out[k] = sorted({name for st in per for name in st.get(k, ())})
         out["per_replica"] = per
         return out
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections import deque
+from collections import OrderedDict, deque
 from typing import Any, Optional
 
 from pagedllm.config import EngineArgs
@@ -59,6 +59,8 @@ class EngineCore:
                 # NOTE: a step's drafts come from the previous step's output, which pipelined
                 # steps in flight do not have yet.
                 raise ValueError("speculative_config: not supported with pipeline_parallel_size > 1")
+        if args.enable_lora:
+            args.lora_limits()  # NOTE: bad limits fail before any worker starts
         executor_cls = Executor.get_class(args)
         self.executor = executor_cls(args)
         try:
@@ -75,7 +77,11 @@ class EngineCore:
             max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
             max_model_len=self.max_model_len, kv_cache_manager=self.kv_cache_manager,
             num_spec_tokens=sc.num_speculative_tokens if sc else 0,
-            num_lookahead_tokens=sc.num_lookahead_tokens if sc else 0)
+            num_lookahead_tokens=sc.num_lookahead_tokens if sc else 0,
+            max_loras=args.max_loras if args.enable_lora else 0)
+        # LoRA: the adapters in the workers' CPU caches, least recently used first (add_lora).
+        self.loras: "OrderedDict[int, Any]" = OrderedDict()
+        self.max_cpu_loras = args.lora_limits()[2] if args.enable_lora else 0
         self.structured_output_manager = None
         if args.runner == "generate":
             from pagedllm.structured_output.manager import StructuredOutputManager
@@ -195,8 +201,11 @@ class EngineCore:
         the manager's threads; it waits as WAITING_FOR_FSM until then).
 
         Raises:
-            ValueError: structured outputs on a pooling engine, or a duplicate id.
+            ValueError: structured outputs on a pooling engine, a duplicate id, LoRA not
+                enabled, or an adapter that cannot be loaded (``LoRAAdapterError``).
         """
+        if request.lora_request is not None:
+            self.ensure_lora(request.lora_request)
         so_params = getattr(request.sampling_params, "structured_outputs", None)
         if so_params is not None:
             if self.structured_output_manager is None:
@@ -204,6 +213,63 @@ class EngineCore:
             request.structured_output_request = self.structured_output_manager.new_request(
                 so_params, request.prompt_token_ids)
         self.scheduler.add_request(request)
+
+    # ------------------------------------------------------------------ LoRA
+    def _check_lora_enabled(self) -> None:
+        if not self.args.enable_lora:
+            raise ValueError("lora_request: LoRA is not enabled; start the engine with enable_lora=True "
+                             "(pagedllm serve --enable-lora)")
+
+    def add_lora(self, lora_request: Any) -> bool:
+        """Load an adapter into every rank's CPU cache (a no-op when it is there); True when it
+        was read from disk.
+
+        ``self.loras`` mirrors the workers' CPU caches (least recently used first, at most
+        ``max_cpu_loras``): past the bound, the least recently used adapter that no unfinished
+        request uses is unloaded first (if all are in use, the least recently used one: the
+        workers read it again from its path when its requests next run).
+
+        Raises:
+            ValueError: LoRA not enabled, or ``LoRAAdapterError`` (the adapter cannot be loaded:
+                the message names it); nothing changes then.
+        """
+        from pagedllm.lora.peft_loader import LoRAAdapterError
+
+        self._check_lora_enabled()
+        lid = lora_request.lora_int_id
+        if lid in self.loras:
+            self.loras.move_to_end(lid)
+            return False
+        if len(self.loras) >= self.max_cpu_loras:
+            in_use = {r.lora_request.lora_int_id for r in self.scheduler.requests.values()
+                      if r.lora_request is not None}
+            victim = next((x for x in self.loras if x not in in_use), next(iter(self.loras)))
+            self.remove_lora(victim)
+        # NOTE: a worker answers an adapter it cannot load with the error's text instead of
+        # raising: a failing RPC marks a multi-process executor dead.
+        results = self.executor.collective_rpc("add_lora", args=(lora_request,))
+        errors = [r for r in results if isinstance(r, str)]
+        if errors:
+            raise LoRAAdapterError(errors[0])
+        self.loras[lid] = lora_request
+        return any(results)
+
+    def ensure_lora(self, lora_request: Any) -> None:
+        """``add_lora`` for a request's adapter (cheap when it is loaded)."""
+        self.add_lora(lora_request)
+
+    def remove_lora(self, lora_int_id: int) -> bool:
+        """Drop an adapter from every rank's CPU cache and slots; True when a rank held it.
+        Requests still running with it read it again from its path."""
+        self._check_lora_enabled()
+        self.loras.pop(lora_int_id, None)
+        return any(self.executor.collective_rpc("remove_lora", args=(lora_int_id,)))
+
+    def list_loras(self) -> set[int]:
+        """Adapter ids loaded on the workers (the first rank's CPU cache)."""
+        if not self.args.enable_lora:
+            return set()
+        return set(self.executor.collective_rpc("list_loras")[0])
 
     def abort_requests(self, request_ids: list[str],
                        status: RequestStatus = RequestStatus.FINISHED_ABORTED) -> None:
@@ -273,6 +339,7 @@ class EngineCore:
             "prefix_cache_hits": s.prefix_cache_hits,
             **(self.structured_output_manager.stats() if self.structured_output_manager else {}),
             **self._spec_decode_stats(),
+            **(self._lora_stats() if self.args.enable_lora else {}),
         }
 
     def release_idle_memory(self) -> int:
@@ -309,6 +376,14 @@ class EngineCore:
                 out["spec_decode_suffix_tree_nodes"] = ps["suffix_global_tree_nodes"]
                 out["spec_decode_suffix_cache_capacity"] = self.spec_config.suffix_decoding_max_cached_requests
         return out
+
+    def _lora_stats(self) -> dict:
+        """``lora_running_adapters`` / ``lora_waiting_adapters`` (names), ``max_loras``,
+        ``lora_cpu_cache_adapters`` (adapters loaded on the workers) and ``max_cpu_loras``."""
+        running, waiting = self.scheduler.lora_adapter_names()
+        return {"lora_running_adapters": running, "lora_waiting_adapters": waiting,
+                "max_loras": self.args.max_loras, "lora_cpu_cache_adapters": len(self.loras),
+                "max_cpu_loras": self.max_cpu_loras}
 
     def get_memory_stats(self) -> dict:
         """Memory now, in bytes: ``resident_memory_bytes`` (RSS of this process plus that of the

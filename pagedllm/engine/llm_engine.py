@@ -134,17 +134,26 @@ class LLMEngine:
         return mgr.grammar_future(so)
 
     def add_request(self, request: Any, prompt: Any = None, params: Any = None, queue: Any = None,
-                    strict_length: bool = False, *, task: Optional[str] = None) -> None:
+                    strict_length: bool = False, *, task: Optional[str] = None,
+                    lora_request: Any = None) -> None:
         """Add a request: an ``EngineCoreRequest`` (already processed), or a request id with a
         prompt and its SamplingParams / PoolingParams (processed here). An ``n > 1`` request
         fans out into ``n`` child requests; its outputs come out of ``step()`` (into ``queue``
         when given: anything with ``put_nowait``).
 
+        A request with a ``lora_request`` (the EngineCoreRequest's, or the argument with the
+        id form) runs with that LoRA adapter (loaded on the workers first when they do not hold it).
+
         Raises:
-            ValueError: naming the offending field, or a request id in use; nothing is added then.
+            ValueError: naming the offending field, a request id in use, LoRA not enabled, or an
+                adapter that cannot be loaded (the message names it); nothing is added then.
         """
         if not isinstance(request, EngineCoreRequest):
-            request = self.process_inputs(request, prompt, params, task=task, strict_length=strict_length)
+            request = self.process_inputs(request, prompt, params, task=task, strict_length=strict_length,
+                                          lora_request=lora_request)
+        if request.lora_request is not None:
+            # NOTE: before any state: a bad adapter (or LoRA off) adds nothing
+            self.core.ensure_lora(request.lora_request)
         if request.pooling_params is not None:
             self.output_processor.add_request(
                 request.request_id, request.prompt, request.prompt_token_ids, request.pooling_params,
@@ -186,7 +195,7 @@ class LLMEngine:
         req = Request(rid, request.prompt_token_ids, sampling_params=sampling_params,
                       pooling_params=request.pooling_params, eos_token_id=eos,
                       arrival_time=request.arrival_time, cache_salt=request.cache_salt,
-                      priority=request.priority)
+                      priority=request.priority, lora_request=request.lora_request)
         if sampling_params is not None and sampling_params.prompt_logprobs is not None:
             # Prompt logprobs need every prompt position computed: no prefix-cache hits.
             req.skip_prefix_cache = True
@@ -199,9 +208,9 @@ class LLMEngine:
             self._req_stats[rid] = (req, RequestStateStats(num_prompt_tokens=len(request.prompt_token_ids)))
 
     def add_pooling_request(self, request_id: str, prompt: Any, pooling_params: Any,
-                            task: Optional[str] = None, queue: Any = None) -> None:
+                            task: Optional[str] = None, queue: Any = None, lora_request: Any = None) -> None:
         """``add_request`` of a pooling request (``task`` defaults to ``pooling_params.task``,
-        else the model's: "embed" or "classify").
+        else the model's: "embed" or "classify"; ``lora_request``: the LoRA adapter to run with).
 
         Raises:
             ValueError: naming the offending field; nothing is added then.
@@ -209,7 +218,7 @@ class LLMEngine:
         from pagedllm.pooling_params import PoolingParams
 
         params = PoolingParams() if pooling_params is None else pooling_params
-        self.add_request(request_id, prompt, params, queue, task=task)
+        self.add_request(request_id, prompt, params, queue, task=task, lora_request=lora_request)
 
     def abort_request(self, request_ids: list[str]) -> None:
         """Abort requests (parent ids of n > 1 requests abort every child)."""
@@ -223,6 +232,19 @@ class LLMEngine:
 
     def has_unfinished_requests(self) -> bool:
         return self.core.has_unfinished_requests()
+
+    # ------------------------------------------------------------------ LoRA
+    def add_lora(self, lora_request: Any) -> bool:
+        """Load a LoRA adapter on the workers (``EngineCore.add_lora``)."""
+        return self.core.add_lora(lora_request)
+
+    def remove_lora(self, lora_int_id: int) -> bool:
+        """Unload a LoRA adapter (``EngineCore.remove_lora``)."""
+        return self.core.remove_lora(lora_int_id)
+
+    def list_loras(self) -> set[int]:
+        """Ids of the adapters loaded on the workers."""
+        return self.core.list_loras()
 
     def shutdown(self) -> None:
         """Stop the executor's worker processes / actors (idempotent)."""

@@ -31,6 +31,8 @@ class EngineClient(Protocol):
         kv_capacity_tokens: tokens the KV cache holds (all replicas together).
         stat_loggers: objects with ``record(scheduler_stats, iteration_stats)``, called after
             every engine step (the server appends its loggers).
+        enable_lora: LoRA adapters can be served (``EngineArgs.enable_lora``): ``add_lora`` /
+            ``remove_lora`` / ``list_loras`` work and requests may carry a ``lora_request``.
     """
 
     tokenizer: Any
@@ -43,23 +45,44 @@ class EngineClient(Protocol):
     default_sampling_params: dict
     kv_capacity_tokens: int
     stat_loggers: list
+    enable_lora: bool
 
     def generate(self, prompt: Any, sampling_params: Any, request_id: str,
-                 add_special_tokens: bool = True) -> AsyncIterator[RequestOutput]:
-        """Stream the RequestOutputs of one generation request (an async generator).
+                 add_special_tokens: bool = True, lora_request: Any = None) -> AsyncIterator[RequestOutput]:
+        """Stream the RequestOutputs of one generation request (an async generator);
+        ``lora_request`` (a ``LoRARequest``, for a prompt that is not an EngineCoreRequest,
+        which carries its own) runs it with that adapter.
 
         Raises:
-            ValueError: invalid input, before anything is yielded.
+            ValueError: invalid input, LoRA not enabled or an adapter that cannot be loaded,
+                before anything is yielded.
         """
         ...
 
     async def encode(self, prompt: Any, pooling_params: Any, request_id: str, *, task: Optional[str] = None,
-                     add_special_tokens: bool = True) -> PoolingRequestOutput:
-        """Run one pooling request.
+                     add_special_tokens: bool = True, lora_request: Any = None) -> PoolingRequestOutput:
+        """Run one pooling request (``lora_request``: as for ``generate``).
 
         Raises:
             ValueError: invalid input (nothing is run).
         """
+        ...
+
+    async def add_lora(self, lora_request: Any) -> bool:
+        """Load a LoRA adapter (``LoRARequest``) on every worker; True when it was read from disk.
+
+        Raises:
+            ValueError: LoRA not enabled, or an adapter that cannot be loaded (the message names
+                it; "No adapter found" when nothing is at its path).
+        """
+        ...
+
+    async def remove_lora(self, lora_int_id: int) -> bool:
+        """Unload a LoRA adapter; True when it was loaded."""
+        ...
+
+    async def list_loras(self) -> set[int]:
+        """Ids (``lora_int_id``) of the loaded LoRA adapters."""
         ...
 
     async def abort(self, request_id: str) -> None:

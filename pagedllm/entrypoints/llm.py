@@ -18,7 +18,8 @@ class LLM:
         **kwargs: any ``EngineArgs`` field (vLLM names): ``dtype``, ``max_model_len``,
             ``max_num_seqs``, ``max_num_batched_tokens``, ``block_size``, ``kv_cache_memory``
             (bytes), ``kv_cache_dtype`` ("auto", "fp8", "fp8_e5m2"), ``seed``,
-            ``enable_prefix_caching``, ``num_threads``, ...
+            ``enable_prefix_caching``, ``num_threads``, ``enable_lora``, ``max_loras``,
+            ``max_lora_rank``, ``max_cpu_loras``, ...
 
     Raises:
         TypeError: an unknown keyword.
@@ -54,7 +55,7 @@ class LLM:
         return self.llm_engine.get_default_sampling_params()
 
     def generate(self, prompts: Union[PromptType, Sequence[PromptType]], sampling_params: Any = None,
-                 use_tqdm: bool = True) -> list[RequestOutput]:
+                 use_tqdm: bool = True, lora_request: Any = None) -> list[RequestOutput]:
         """Generate completions for ``prompts``, all submitted together (continuous batching).
 
         Args:
@@ -63,23 +64,27 @@ class LLM:
             sampling_params: one SamplingParams for all prompts, or a list (one per prompt);
                 None = the model's defaults.
             use_tqdm: show a progress bar.
+            lora_request: a ``LoRARequest`` for every prompt, or a list (one per prompt, None for
+                the base model); needs ``enable_lora=True``.
 
         Returns:
             one final RequestOutput per prompt, in input order.
 
         Raises:
-            ValueError: an invalid prompt or parameter (nothing is run then).
+            ValueError: an invalid prompt or parameter, LoRA not enabled, or an adapter that
+                cannot be loaded (nothing is run then).
         """
         if isinstance(prompts, (str, dict)):
             prompts = [prompts]
         prompts = list(prompts)
         params_list = self._params_list(sampling_params, len(prompts))
-        return self._run([(p, sp) for p, sp in zip(prompts, params_list)], use_tqdm)
+        loras = self._lora_list(lora_request, len(prompts))
+        return self._run(list(zip(prompts, params_list, loras)), use_tqdm)
 
     def chat(self, messages: Union[list[dict], list[list[dict]]], sampling_params: Any = None,
              use_tqdm: bool = True, chat_template: Optional[str] = None, add_generation_prompt: bool = True,
              continue_final_message: bool = False, chat_template_kwargs: Optional[dict] = None,
-             tools: Optional[list[dict]] = None) -> list[RequestOutput]:
+             tools: Optional[list[dict]] = None, lora_request: Any = None) -> list[RequestOutput]:
         """Apply the chat template to one conversation or a list of them, then generate.
 
         ``tools``: OpenAI-style function tools (``{"type": "function", "function": {"name",
@@ -106,7 +111,8 @@ class LLM:
                                                       tools=tools or None)
                    for c in convs]
         params_list = self._params_list(sampling_params, len(prompts))
-        return self._run(list(zip(prompts, params_list)), use_tqdm)
+        loras = self._lora_list(lora_request, len(prompts))
+        return self._run(list(zip(prompts, params_list, loras)), use_tqdm)
 
     def llm_engine_apply_chat_template(self, conversation: list[dict], chat_template: Optional[str] = None,
                                        add_generation_prompt: bool = True, continue_final_message: bool = False,
@@ -126,7 +132,7 @@ class LLM:
     # ------------------------------------------------------------------ pooling
     def encode(self, prompts: Union[PromptType, Sequence[PromptType]], pooling_params: Any = None,
                *, truncate_prompt_tokens: Optional[int] = None, use_tqdm: bool = True,
-               pooling_task: Optional[str] = None) -> list:
+               pooling_task: Optional[str] = None, lora_request: Any = None) -> list:
         """Pooled outputs of a pooling model (``runner="pooling"``), in input order.
 
         Args:
@@ -139,6 +145,7 @@ class LLM:
             pooling_task: "encode" (default: the raw pooled hidden state, or a classifier's raw
                 logits), "embed", "classify", "score", "token_embed" (every token's hidden state,
                 ``[T, hidden]``) or "token_classify" (every token's class probabilities).
+            lora_request: a ``LoRARequest`` for every prompt, or a list (one per prompt).
 
         Returns:
             one PoolingRequestOutput per prompt (``outputs.data``: float32 tensor).
@@ -147,24 +154,27 @@ class LLM:
             ValueError: not a pooling model, a task it does not serve, an empty list, an
                 invalid prompt or parameter (nothing is run then).
         """
-        return self._pool(prompts, pooling_params, pooling_task or "encode", truncate_prompt_tokens, use_tqdm)
+        return self._pool(prompts, pooling_params, pooling_task or "encode", truncate_prompt_tokens, use_tqdm,
+                          lora_request)
 
     def embed(self, prompts: Union[PromptType, Sequence[PromptType]], pooling_params: Any = None,
-              *, truncate_prompt_tokens: Optional[int] = None, use_tqdm: bool = True) -> list:
+              *, truncate_prompt_tokens: Optional[int] = None, use_tqdm: bool = True,
+              lora_request: Any = None) -> list:
         """Embeddings (``outputs.embedding``: list of floats; L2-normalized unless
         ``use_activation=False`` in the PoolingParams or the PoolerConfig; Matryoshka
         ``dimensions``), in input order. See ``encode``."""
-        return self._pool(prompts, pooling_params, "embed", truncate_prompt_tokens, use_tqdm)
+        return self._pool(prompts, pooling_params, "embed", truncate_prompt_tokens, use_tqdm, lora_request)
 
     def classify(self, prompts: Union[PromptType, Sequence[PromptType]], pooling_params: Any = None,
-                 *, truncate_prompt_tokens: Optional[int] = None, use_tqdm: bool = True) -> list:
+                 *, truncate_prompt_tokens: Optional[int] = None, use_tqdm: bool = True,
+                 lora_request: Any = None) -> list:
         """Class probabilities (``outputs.probs``; softmax, or sigmoid for one label; raw logits
         with ``use_activation=False``) of a ``convert="classify"`` model. See ``encode``."""
-        return self._pool(prompts, pooling_params, "classify", truncate_prompt_tokens, use_tqdm)
+        return self._pool(prompts, pooling_params, "classify", truncate_prompt_tokens, use_tqdm, lora_request)
 
     def score(self, text_1: Union[PromptType, Sequence[PromptType]], text_2: Union[PromptType, Sequence[PromptType]],
               /, *, truncate_prompt_tokens: Optional[int] = None, use_tqdm: bool = True,
-              pooling_params: Any = None) -> list:
+              pooling_params: Any = None, lora_request: Any = None) -> list:
         """Scores of ``(text_1, text_2)`` pairs: 1 vs 1, 1 vs N, or N vs N (zipped).
 
         Embed models: cosine similarity of the two embeddings. Classify models (cross-encoders,
@@ -173,6 +183,8 @@ class LLM:
 
         Returns:
             one PoolingRequestOutput per pair (``outputs.score``), in pair order.
+
+        ``lora_request``: one LoRARequest for every input (``enable_lora=True``).
 
         Raises:
             ValueError: not a pooling model, mismatched lengths, empty lists.
@@ -201,7 +213,7 @@ class LLM:
                 if key not in index:
                     index[key] = len(uniq)
                     uniq.append(x)
-            embs = self._pool(uniq, pooling_params, "embed", truncate_prompt_tokens, use_tqdm)
+            embs = self._pool(uniq, pooling_params, "embed", truncate_prompt_tokens, use_tqdm, lora_request)
             results = []
             for i, (a, b) in enumerate(zip(q, d)):
                 ea, eb = embs[index[repr(a)]], embs[index[repr(b)]]
@@ -211,7 +223,7 @@ class LLM:
                     prompt_token_ids=ea.prompt_token_ids + eb.prompt_token_ids))
             return results
         pairs = [self._pair_prompt(a, b, truncate_prompt_tokens) for a, b in zip(q, d)]
-        return self._pool(pairs, pooling_params, "score", truncate_prompt_tokens, use_tqdm)
+        return self._pool(pairs, pooling_params, "score", truncate_prompt_tokens, use_tqdm, lora_request)
 
     def _pair_prompt(self, a: PromptType, b: PromptType, truncate_prompt_tokens: Optional[int]) -> dict:
         """One cross-encoder input from a text pair (tokenizer pair encoding)."""
@@ -233,7 +245,7 @@ class LLM:
         return {"prompt_token_ids": ids}
 
     def _pool(self, prompts: Any, pooling_params: Any, task: str, truncate_prompt_tokens: Optional[int],
-              use_tqdm: bool) -> list:
+              use_tqdm: bool, lora_request: Any = None) -> list:
         from pagedllm.pooling_params import PoolingParams
 
         eng = self.llm_engine
@@ -252,16 +264,36 @@ class LLM:
             plist = list(pooling_params)
         else:
             plist = [pooling_params] * len(prompts)
+        loras = self._lora_list(lora_request, len(prompts))
         requests = []
-        for i, (prompt, pp_) in enumerate(zip(prompts, plist)):
+        for i, (prompt, pp_, lr) in enumerate(zip(prompts, plist, loras)):
             pp_ = PoolingParams() if pp_ is None else pp_.clone()
             if truncate_prompt_tokens is not None:
                 pp_.truncate_prompt_tokens = truncate_prompt_tokens
             try:
-                requests.append(eng.process_inputs(eng.next_request_id(), prompt, pp_, task=task))
+                requests.append(eng.process_inputs(eng.next_request_id(), prompt, pp_, task=task, lora_request=lr))
             except ValueError as e:
                 raise _at_index(e, i) from None
+        self._check_loras(requests)
         return self._add_and_run(requests, use_tqdm)
+
+    # ------------------------------------------------------------------ LoRA
+    def add_lora(self, lora_request: Any) -> bool:
+        """Load a LoRA adapter ahead of its requests (vLLM ``LLMEngine.add_lora``); True when it
+        was read from disk.
+
+        Raises:
+            ValueError: LoRA not enabled, or an adapter that cannot be loaded (the message names it).
+        """
+        return self.llm_engine.add_lora(lora_request)
+
+    def remove_lora(self, lora_int_id: int) -> bool:
+        """Unload a LoRA adapter; True when it was loaded."""
+        return self.llm_engine.remove_lora(lora_int_id)
+
+    def list_loras(self) -> set[int]:
+        """Ids of the loaded LoRA adapters."""
+        return self.llm_engine.list_loras()
 
     def reset_prefix_cache(self) -> bool:
         """Drop every cached block hash (only when no request holds blocks).
@@ -282,20 +314,52 @@ class LLM:
             return list(sampling_params)
         return [sampling_params] * n
 
-    def _run(self, items: list[tuple[Any, Any]], use_tqdm: bool) -> list[RequestOutput]:
+    def _lora_list(self, lora_request: Any, n: int) -> list:
+        """One LoRARequest (or None) per prompt.
+
+        Raises:
+            ValueError: a list of the wrong length.
+        """
+        if isinstance(lora_request, (list, tuple)):
+            if len(lora_request) != n:
+                raise ValueError(f"lora_request: got {len(lora_request)} for {n} prompts; the lengths must match")
+            return list(lora_request)
+        return [lora_request] * n
+
+    def _run(self, items: list[tuple[Any, Any, Any]], use_tqdm: bool) -> list[RequestOutput]:
         from pagedllm.sampling_params import RequestOutputKind
 
         eng = self.llm_engine
-        # Validate everything first so a bad prompt adds nothing.
+        # Validate everything first so a bad prompt (or adapter) adds nothing.
         requests = []
-        for i, (prompt, sp) in enumerate(items):
+        for i, (prompt, sp, lr) in enumerate(items):
             try:
-                req = eng.process_inputs(eng.next_request_id(), prompt, sp)
+                req = eng.process_inputs(eng.next_request_id(), prompt, sp, lora_request=lr)
             except ValueError as e:
                 raise _at_index(e, i) from None
             req.sampling_params.output_kind = RequestOutputKind.FINAL_ONLY
             requests.append(req)
+        self._check_loras(requests)
         return self._add_and_run(requests, use_tqdm)
+
+    def _check_loras(self, requests: list) -> None:
+        """Load every LoRA adapter the requests use before any is added (a bad one, or LoRA
+        off, adds nothing).
+
+        Raises:
+            ValueError: LoRA not enabled, or an adapter that cannot be loaded (with the index of
+                the first prompt that uses it).
+        """
+        seen: set[int] = set()
+        for i, req in enumerate(requests):
+            lr = req.lora_request
+            if lr is None or id(lr) in seen:
+                continue
+            seen.add(id(lr))
+            try:
+                self.llm_engine.core.ensure_lora(lr)
+            except ValueError as e:
+                raise _at_index(e, i) from None
 
     def _add_and_run(self, requests: list, use_tqdm: bool) -> list:
         """Add processed requests (all or none) and run them to completion."""

@@ -9,7 +9,8 @@ has not seen; the decoder keeps a mirror of each request and rebuilds the ``Sche
 What is sent per scheduled request:
 
 * new (``is_new``: first admission or re-admission after preemption): ``token_ids[:end]``
-  (``end = start_pos + num_tokens``), all block ids, sampling/pooling params, prompt length;
+  (``end = start_pos + num_tokens``), all block ids, sampling/pooling params, prompt length, LoRA
+  adapter;
 * running: ``token_ids[off:end]`` with ``off = min(sent, start_pos)`` (tokens below
   ``start_pos`` are computed and never change; restarting at ``start_pos`` would also cover
   replaced draft tokens), and the block ids past those sent (block tables only grow while a
@@ -62,7 +63,7 @@ class SchedulerOutputEncoder:
             if st is None:
                 reqs.append((r.req_id, r.token_ids[:end], r.start_pos, r.num_tokens, r.block_ids,
                              r.is_last_chunk, r.sampling_params, r.pooling_params, r.prompt_len, r.is_new,
-                             r.spec_token_ids))
+                             r.spec_token_ids, r.lora_request))
                 sent[r.req_id] = [end, len(r.block_ids)]
                 continue
             off = min(st[0], r.start_pos)
@@ -82,7 +83,7 @@ class SchedulerOutputDecoder:
     """
 
     def __init__(self) -> None:
-        # req_id -> [token ids, block ids, sampling params, pooling params, prompt len]
+        # req_id -> [token ids, block ids, sampling params, pooling params, prompt len, LoRA request]
         self._reqs: dict[str, list[Any]] = {}
 
     def decode(self, payload: tuple) -> SchedulerOutput:
@@ -94,14 +95,14 @@ class SchedulerOutputDecoder:
             mirror.pop(rid, None)
         scheduled: list[ScheduledRequest] = []
         for t in reqs:
-            if len(t) == 11:
-                rid, tokens, start, n, blocks, last, sp, pp, prompt_len, is_new, spec = t
+            if len(t) == 12:
+                rid, tokens, start, n, blocks, last, sp, pp, prompt_len, is_new, spec, lora = t
                 tokens, blocks = list(tokens), list(blocks)
-                mirror[rid] = [tokens, blocks, sp, pp, prompt_len]
+                mirror[rid] = [tokens, blocks, sp, pp, prompt_len, lora]
             else:
                 rid, off, new_tokens, start, n, new_blocks, last, spec = t
                 m = mirror[rid]
-                tokens, blocks, sp, pp, prompt_len = m
+                tokens, blocks, sp, pp, prompt_len, lora = m
                 if len(tokens) != off:
                     del tokens[off:]
                 tokens.extend(new_tokens)
@@ -109,6 +110,6 @@ class SchedulerOutputDecoder:
                     blocks.extend(new_blocks)
                 is_new = False
             scheduled.append(ScheduledRequest(rid, tokens, start, n, blocks.copy() if is_new else blocks,
-                                              last, sp, pp, prompt_len, is_new, list(spec)))
+                                              last, sp, pp, prompt_len, is_new, list(spec), lora))
         return SchedulerOutput(scheduled=scheduled, total_num_scheduled_tokens=total,
                                finished_req_ids=set(finished), preempted_req_ids=set(preempted))

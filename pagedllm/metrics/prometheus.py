@@ -13,7 +13,10 @@ gauges     P:num_requests_running, P:num_requests_waiting, P:kv_cache_usage_perc
            grammars held; at most P:structured_output_cache_capacity),
            P:spec_decode_mean_acceptance_length, P:spec_decode_suffix_cached_requests (finished
            outputs in the suffix proposer's tree; at most P:spec_decode_suffix_cache_capacity),
-           P:spec_decode_suffix_tree_nodes
+           P:spec_decode_suffix_tree_nodes,
+           P:lora_requests_info{max_lora, waiting_lora_adapters, running_lora_adapters} (vLLM's
+           info gauge: the current time, one series), P:lora_cpu_cache_adapters (adapters loaded;
+           at most P:lora_cpu_cache_capacity); the LoRA ones with --enable-lora only
 counters   P:prompt_tokens_total, P:generation_tokens_total,
            P:request_success_total{finished_reason}, P:num_preemptions_total,
            P:prefix_cache_queries_total, P:prefix_cache_hits_total,
@@ -202,6 +205,17 @@ class PrometheusStatLogger:
             p + "structured_output_compile_seconds",
             "Histogram of structured-output grammar compile time in seconds.",
             labels, buckets=GRAMMAR_COMPILE_BUCKETS, registry=reg).labels(model_name)
+        # LoRA (engines with enable_lora): vLLM's info gauge, plus the adapters held in memory.
+        self.gauge_lora_info = Gauge(p + "lora_requests_info", "Running stats on lora requests.",
+                                     labels + ["max_lora", "waiting_lora_adapters", "running_lora_adapters"],
+                                     registry=reg)
+        self._lora_labels: Optional[tuple] = None
+        self.gauge_lora_cache = Gauge(p + "lora_cpu_cache_adapters",
+                                      "LoRA adapters loaded in CPU memory (at most lora_cpu_cache_capacity).",
+                                      labels, registry=reg).labels(model_name)
+        self.gauge_lora_capacity = Gauge(p + "lora_cpu_cache_capacity",
+                                         "Most LoRA adapters kept loaded in CPU memory (max_cpu_loras).",
+                                         labels, registry=reg).labels(model_name)
         self._init_spec_decode(p, labels, reg)
 
     def _init_spec_decode(self, p: str, labels: list[str], reg: CollectorRegistry) -> None:
@@ -267,6 +281,8 @@ class PrometheusStatLogger:
         Preemptions come from iteration_stats.num_preempted, or (without iteration_stats)
         from the dict's num_preemptions_total."""
         with self._lock:
+            if isinstance(scheduler_stats, dict) and "lora_running_adapters" in scheduler_stats:
+                self._record_lora(scheduler_stats)
             scheduler_stats, preempt = self._adapt(scheduler_stats)
             if iteration_stats is None and preempt:
                 self.counter_preemptions.inc(preempt)
@@ -318,6 +334,26 @@ class PrometheusStatLogger:
         for key, g in self.gauge_memory.items():
             if key in stats:
                 g.set(stats[key])
+
+    def record_lora(self, stats: dict) -> None:
+        """Set the LoRA gauges from ``get_scheduler_stats()`` (``lora_running_adapters``,
+        ``lora_waiting_adapters``: adapter names; ``max_loras``; ``lora_cpu_cache_adapters``,
+        ``max_cpu_loras``)."""
+        with self._lock:
+            self._record_lora(stats)
+
+    def _record_lora(self, stats: dict) -> None:
+        # vLLM sets vllm:lora_requests_info{running_lora_adapters, waiting_lora_adapters,
+        # max_lora} to the current time; the old label set is removed first, so the family
+        # holds one series (vLLM keeps every combination ever seen).
+        labels = (self.model_name, str(stats.get("max_loras", 0)), ",".join(stats.get("lora_waiting_adapters", ())),
+                  ",".join(stats.get("lora_running_adapters", ())))
+        if labels != self._lora_labels:
+            self.gauge_lora_info.clear()
+            self._lora_labels = labels
+        self.gauge_lora_info.labels(*labels).set_to_current_time()
+        self.gauge_lora_cache.set(stats.get("lora_cpu_cache_adapters", 0))
+        self.gauge_lora_capacity.set(stats.get("max_cpu_loras", 0))
 
     def _record_structured_output(self, st: SchedulerStats) -> None:
         if st.structured_output_cache_queries > 0:

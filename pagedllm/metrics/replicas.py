@@ -67,6 +67,9 @@ class ReplicaPrometheusLogger:
         for child in self.children:
             child.record_memory(stats)
 
+    def record_lora(self, stats: dict) -> None:
+        pass  # the replicas' adapters: each replica's own gauges are refreshed in ``render``
+
     def record_replica(self, index: int, scheduler_stats: Any, iteration_stats: Any) -> None:
         self.children[index].record(scheduler_stats, iteration_stats)
 
@@ -83,4 +86,6 @@ class ReplicaPrometheusLogger:
                 child.set_scheduler_gauges(s.get("num_running", 0), s.get("num_waiting", 0),
                                            s.get("kv_cache_usage", 0.0))
                 child.gauge_so_entries.set(s.get("structured_output_cache_entries", 0))
+                if "lora_running_adapters" in s:
+                    child.record_lora(s)
         return generate_latest(self.registry)

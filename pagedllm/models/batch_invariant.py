@@ -44,7 +44,7 @@ def check_batch_invariant_supported(args, device: torch.device, dtype: torch.dty
 
     Raises:
         ValueError: a non-CPU device, a dtype other than float32/bfloat16, an fp8 KV cache,
-            quantization, or several ranks (tensor/pipeline parallel).
+            quantization, several ranks (tensor/pipeline parallel), or LoRA.
     """
     where = "batch_invariant (or PAGEDLLM_BATCH_INVARIANT / VLLM_BATCH_INVARIANT)"
     if device.type != "cpu":
@@ -58,6 +58,9 @@ def check_batch_invariant_supported(args, device: torch.device, dtype: torch.dty
         raise ValueError(f"{where}: quantization {args.quantization!r} is not supported (unquantized weights only)")
     if getattr(args, "tensor_parallel_size", 1) * getattr(args, "pipeline_parallel_size", 1) != 1:
         raise ValueError(f"{where}: tensor_parallel_size and pipeline_parallel_size must be 1")
+    if getattr(args, "enable_lora", False):
+        # NOTE: the LoRA deltas are plain GEMMs over each adapter's rows (pagedllm.lora.ops)
+        raise ValueError(f"{where}: LoRA adapters (enable_lora) are not supported")
 
 
 class _LinearMixin:

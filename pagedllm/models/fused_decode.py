@@ -13,7 +13,9 @@ packed weights, the norms feeding them quantizing, ``int8_gemm_packed``) and flo
 with oneDNN-packed weights as ``prepack_cpu_linears`` leaves them, or float32). Also required:
 CPU, float32 or bfloat16 activations, SiLU MLP, Llama-style norms (no q/k norm, no soft cap), a
 decode-only step (one query token per request; W8A8: at most ``PACKED_GEMM_MAX_M`` requests), and
-a KV cache the C++ attention reads. Anything else runs the module path.
+a KV cache the C++ attention reads, and no LoRA adapter row in the step (projections wrapped for
+LoRA are seen through: a step without adapter rows still runs here). Anything else runs the
+module path.
 ``PAGEDLLM_FUSED_DECODE=0`` turns it off (for A/B runs).
 """
 from __future__ import annotations
@@ -36,10 +38,17 @@ def fused_decode_enabled() -> bool:
     return os.environ.get("PAGEDLLM_FUSED_DECODE", "1") != "0"
 
 
+def _unwrap(lin):
+    """The projection a wrapper computes (a LoRA wrapper's ``base_layer``; its deltas are added only
+    in steps with adapter rows, which ``FusedDecode.run`` leaves to the module path), else ``lin``."""
+    return getattr(lin, "base_layer", lin)
+
+
 def _linear_tensors(lin, with_bias: bool) -> Optional[list[torch.Tensor]]:
     """A packed W8A8 layer's operands (packed weights, comp, scales[, bias or empty]), or None."""
     from pagedllm.quantization.w8a8 import W8A8LinearMethod
 
+    lin = _unwrap(lin)
     qm = getattr(lin, "quant_method", None)
     if (not isinstance(qm, W8A8LinearMethod) or qm.out_dtype is not None or qm.static
             or getattr(lin, "weight_packed", None) is None):
@@ -56,6 +65,7 @@ def _dense_tensors(lin, dtype: torch.dtype) -> Optional[tuple[list[torch.Tensor]
     """A plain ``Linear``'s ``([weight, bias or empty], packed)`` in ``dtype``, or None."""
     from pagedllm.models.layers import Linear
 
+    lin = _unwrap(lin)
     if not isinstance(lin, Linear) or type(lin).forward is not Linear.forward or lin.quant_method is not None:
         return None
     packed = lin._packed is not None
@@ -116,7 +126,7 @@ class FusedDecode:
             return None
         # NOTE: the kind is read off the first projection before the C++ kernels are asked for:
         # a model they cannot run (CUDA, weight-only int8/int4) must not trigger their build.
-        qkv0 = getattr(getattr(layers[0], "self_attn", None), "qkv_proj", None)
+        qkv0 = _unwrap(getattr(getattr(layers[0], "self_attn", None), "qkv_proj", None))
         w0 = ((qkv0._packed if qkv0._packed is not None else qkv0.weight)
               if isinstance(qkv0, Linear) and qkv0.quant_method is None else None)
         if _linear_tensors(qkv0, True) is not None:
@@ -196,6 +206,8 @@ class FusedDecode:
                 or (self.dtype is not None and x.dtype != self.dtype)):
             return None
         ctx = get_forward_context()
+        if ctx.lora_mapping is not None:  # NOTE: LoRA deltas are added by the module path only
+            return None
         meta, caches = ctx.attn_metadata, ctx.kv_caches
         n = x.shape[0]
         max_rows = PACKED_GEMM_MAX_M if self.kind == "w8a8" else n

@@ -41,6 +41,8 @@ class ModelRunner:
         spec_decoder: a ``pagedllm.worker.spec_decoder.SpecDecoder`` (speculative decoding:
             verifies scheduled drafts, proposes the next ones), or None.
         max_model_len: the engine's limit (caps draft lengths), or None.
+        lora_manager: the worker's ``LoRAModelManager`` (``enable_lora``) or None: it orders
+            each step's requests by adapter and gives the forward its ``LoRAMapping``.
     """
 
     def __init__(self, model: torch.nn.Module, num_blocks: int, block_size: int,
@@ -48,7 +50,7 @@ class ModelRunner:
                  device: torch.device = torch.device("cpu"), attn_impl: Any = None,
                  pooler: Any = None, eos_token_id: Optional[int] = None,
                  kv_cache_dtype: Optional[torch.dtype] = None, spec_decoder: Any = None,
-                 max_model_len: Optional[int] = None) -> None:
+                 max_model_len: Optional[int] = None, lora_manager: Any = None) -> None:
         from pagedllm.sample.sampler import Sampler
 
         self.model = model
@@ -77,6 +79,7 @@ class ModelRunner:
         self.cuda_graphs = None
         self.spec_decoder = spec_decoder
         self.max_model_len = max_model_len
+        self.lora_manager = lora_manager
 
     def capture_cuda_graphs(self, max_num_seqs: int, max_model_len: int) -> float:
         """Capture decode-only CUDA graphs (CUDA + Triton backend only); returns seconds spent."""
@@ -224,14 +227,18 @@ class ModelRunner:
         if not so.scheduled:
             return out
         reqs = _decodes_first(so.scheduled)
+        lora_mapping = None
+        if self.lora_manager is not None:
+            reqs, lora_mapping = self.lora_manager.prepare_step(reqs)  # one adapter's rows contiguous
         if self.pool_state:
             for r in reqs:
                 if r.is_new:
                     self.pool_state.pop(r.req_id, None)
         rows, max_blocks = batch.update(reqs, self._generator_for)
         input_ids, positions, meta, qsl = self._prepare(reqs, rows, max_blocks)
-        ctx = ForwardContext(attn_metadata=meta, kv_caches=self.kv_caches, impl=self.attn_impl)
-        if self.cuda_graphs is not None and self.cuda_graphs.can_run(meta):
+        ctx = ForwardContext(attn_metadata=meta, kv_caches=self.kv_caches, impl=self.attn_impl,
+                             lora_mapping=lora_mapping)
+        if self.cuda_graphs is not None and lora_mapping is None and self.cuda_graphs.can_run(meta):
             hidden = self.cuda_graphs.run(input_ids.to(self.device, non_blocking=True),
                                           positions.to(self.device, non_blocking=True), meta)
         else:

@@ -134,6 +134,7 @@ class Worker:
         self.info: Optional[ModelInfo] = None
         self.batch_invariant = False  # set by load_model (EngineArgs.batch_invariant or the environment)
         self.draft_model: Any = None  # speculative decoding's draft model (method draft_model)
+        self.lora_manager: Any = None  # pagedllm.lora.model_manager.LoRAModelManager (enable_lora)
 
     @property
     def is_output_rank(self) -> bool:
@@ -262,6 +263,8 @@ class Worker:
             # dropped; a tied LM head gets a packed copy beside the dense embedding table.
             packed = prepack_cpu_linears(model, pack_head=args.runner == "generate")
             weight_bytes = resident_bytes() + packed
+        if args.enable_lora:
+            self.lora_manager = self._build_lora_manager(model)
         if sharded:
             from pagedllm.distributed.sharding import install_communication
             # NOTE: after quantization and prepacking, which swap or repack the linears.
@@ -301,8 +304,11 @@ class Worker:
             from pagedllm.spec_decode.eagle_proposer import load_eagle_head
             self.draft_model = load_eagle_head(cfg.model, self.model, self.dtype).to(self.device)
             return sum(p.numel() * p.element_size() for p in self.draft_model.parameters())
+        # NOTE: the draft runs without LoRA adapters (a draft only proposes; the target, adapters
+        # applied, verifies every token)
         dargs = dataclasses.replace(self.args, model=cfg.model, quantization=cfg.quantization, tokenizer=None,
-                                    speculative_config=None, hf_overrides=None, runner="generate")
+                                    speculative_config=None, hf_overrides=None, runner="generate",
+                                    enable_lora=False)
         w = Worker(dargs, load_tokenizer=False)
         w.device, w.dtype, w.kv_cache_dtype = self.device, self.dtype, self.kv_cache_dtype
         info = w.load_model()
@@ -313,6 +319,51 @@ class Worker:
         logger.info("pagedllm: speculative draft model %s%s loaded: weights %s", cfg.model,
                     f" ({cfg.quantization})" if cfg.quantization else "", fmt_bytes(info.weight_bytes))
         return info.weight_bytes
+
+    def _build_lora_manager(self, model: Any) -> Any:
+        """Wrap the projections for LoRA (after quantization and prepacking, before the tensor-
+        parallel collectives) and return the ``LoRAModelManager``.
+
+        Raises:
+            ValueError: bad LoRA limits, or tensor parallelism (adapters are not sharded).
+        """
+        from pagedllm.lora.model_manager import LoRAModelManager
+
+        max_loras, max_rank, max_cpu = self.args.lora_limits()
+        if self.tp_size > 1:
+            raise ValueError("enable_lora: LoRA adapters are not split across tensor-parallel ranks yet; use "
+                             "tensor_parallel_size=1 (pipeline or data parallelism work)")
+        return LoRAModelManager(model, max_loras, max_rank, max_cpu, self.dtype, self.device)
+
+    def add_lora(self, lora_request: Any) -> bool | str:
+        """Load an adapter into this rank's CPU cache (``LoRAModelManager.add_adapter``): True
+        when it was read from disk, False when it was cached, or the error message (str) of an
+        adapter that cannot be loaded (returned, not raised: the engine raises it, and a raising
+        RPC would mark a multi-process executor dead).
+
+        Raises:
+            ValueError: LoRA not enabled on this engine.
+        """
+        from pagedllm.lora.peft_loader import LoRAAdapterError
+
+        if self.lora_manager is None:
+            raise ValueError("lora_request: LoRA is not enabled (start the engine with enable_lora=True / --enable-lora)")
+        try:
+            return self.lora_manager.add_adapter(lora_request)
+        except LoRAAdapterError as e:
+            return str(e)
+
+    def remove_lora(self, lora_int_id: int) -> bool:
+        """Drop an adapter from this rank's CPU cache and slot table; True when it was held."""
+        return self.lora_manager.remove_adapter(lora_int_id) if self.lora_manager is not None else False
+
+    def list_loras(self) -> list[int]:
+        """Adapter ids in this rank's CPU cache (least recently used first)."""
+        return self.lora_manager.list_adapters() if self.lora_manager is not None else []
+
+    def lora_stats(self) -> dict:
+        """This rank's ``LoRAModelManager.stats()`` ({} without LoRA)."""
+        return self.lora_manager.stats() if self.lora_manager is not None else {}
 
     def model_info(self, with_loaded: bool = True) -> ModelInfo:
         """The ``ModelInfo`` of ``load_model``; ``with_loaded=False`` leaves out the
@@ -383,6 +434,8 @@ class Worker:
             model.compute_logits(hidden[-min(n, args.max_num_seqs):])
         torch.cuda.synchronize(self.device)
         peak = torch.cuda.max_memory_allocated(self.device)
+        if self.lora_manager is not None:  # NOTE: the adapter slots are filled later, on demand
+            peak += self.lora_manager.max_device_bytes()
         total = torch.cuda.get_device_properties(self.device).total_memory
         kv = int(total * args.gpu_memory_utilization - peak)
         logger.info("pagedllm: GPU memory %s total x %.2f; peak with weights + activations %s; KV cache %s",
@@ -414,7 +467,8 @@ class Worker:
                                   (spec.num_layers, spec.num_kv_heads, spec.head_dim), self.dtype,
                                   self.info.vocab_size, self.device, attn_impl=attn_impl, pooler=self.pooler,
                                   eos_token_id=self.info.eos_token_id, kv_cache_dtype=self.kv_cache_dtype,
-                                  spec_decoder=spec_decoder, max_model_len=max_model_len)
+                                  spec_decoder=spec_decoder, max_model_len=max_model_len,
+                                  lora_manager=self.lora_manager)
         if self.device.type != "cpu":
             from pagedllm.models.layers import reserve_rope_tables
             # NOTE: full-size rope tables now: no per-step position check (a device sync) and a

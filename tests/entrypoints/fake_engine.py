@@ -5,6 +5,8 @@
 ``generate`` takes what the server sends, an ``EngineCoreRequest``, or a raw prompt that it
 processes as ``AsyncLLM`` does; ``received`` records ``(prompt dict, SamplingParams, request id)``
 with the prompt dict ``{"prompt_token_ids", "prompt", "cache_salt"}`` of the processed request.
+``enable_lora=True``: ``add_lora`` / ``remove_lora`` / ``list_loras`` keep the adapters'
+``LoRARequest``s (nothing is read from disk) and requests may carry one.
 
 Sample k of a request generates the token cycle of ``FAKE_TEXT`` starting at word k, one
 token per step; it stops at max_tokens ("length"), at a stop string ("stop") or at a stop token
@@ -41,7 +43,7 @@ def load_tokenizer():
 class FakeAsyncLLM:
     def __init__(self, max_model_len: int = 512, step_delay: float = 0.0,
                  model_name: str = "SmolLM2-135M-Instruct", runner: str = "generate",
-                 default_sampling_params: Optional[dict] = None):
+                 default_sampling_params: Optional[dict] = None, enable_lora: bool = False):
         self.tokenizer = load_tokenizer()
         self.max_model_len = max_model_len
         self.vocab_size = len(self.tokenizer)
@@ -53,6 +55,8 @@ class FakeAsyncLLM:
         self.default_sampling_params = dict(default_sampling_params or {})
         self.kv_capacity_tokens = 4096
         self.stat_loggers: list[Any] = []
+        self.enable_lora = enable_lora
+        self.loras: dict[int, Any] = {}  # lora_int_id -> LoRARequest (add_lora; nothing is read)
         self.step_delay = step_delay
         self.cycle = self.tokenizer.encode(FAKE_TEXT, add_special_tokens=False)
         self.running: set[str] = set()
@@ -84,13 +88,18 @@ class FakeAsyncLLM:
             lg.record(sched, it)
 
     def engine_request(self, prompt: Any, sampling_params: SamplingParams, request_id: str,
-                       add_special_tokens: bool = True) -> EngineCoreRequest:
+                       add_special_tokens: bool = True, lora_request: Any = None) -> EngineCoreRequest:
         """``prompt`` if it is an EngineCoreRequest, else processed as AsyncLLM does."""
         if isinstance(prompt, EngineCoreRequest):
             assert prompt.request_id == request_id and prompt.sampling_params is not None
-            return prompt
-        return self.input_processor.process_inputs(request_id, prompt, sampling_params, strict_length=True,
-                                                   add_special_tokens=add_special_tokens)
+            req = prompt
+        else:
+            req = self.input_processor.process_inputs(request_id, prompt, sampling_params, strict_length=True,
+                                                      add_special_tokens=add_special_tokens,
+                                                      lora_request=lora_request)
+        if req.lora_request is not None and not self.enable_lora:
+            raise ValueError("lora_request: LoRA is not enabled; start the server with --enable-lora")
+        return req
 
     def record(self, req: EngineCoreRequest) -> None:
         if req.request_id in self.running:
@@ -101,8 +110,8 @@ class FakeAsyncLLM:
 
     # --- EngineClient interface -----------------------------------------------------------
     async def generate(self, prompt: Any, sampling_params: SamplingParams, request_id: str,
-                       add_special_tokens: bool = True) -> AsyncIterator[RequestOutput]:
-        req = self.engine_request(prompt, sampling_params, request_id, add_special_tokens)
+                       add_special_tokens: bool = True, lora_request: Any = None) -> AsyncIterator[RequestOutput]:
+        req = self.engine_request(prompt, sampling_params, request_id, add_special_tokens, lora_request)
         sp = req.sampling_params
         ids = list(req.prompt_token_ids)
         ptext: Optional[str] = req.prompt
@@ -190,8 +199,21 @@ class FakeAsyncLLM:
             self.running.discard(request_id)
 
     async def encode(self, prompt: Any, pooling_params: Any, request_id: str, *, task: Optional[str] = None,
-                     add_special_tokens: bool = True) -> Any:
+                     add_special_tokens: bool = True, lora_request: Any = None) -> Any:
         raise ValueError("this model is not a pooling model (loaded with runner='generate')")
+
+    async def add_lora(self, lora_request: Any) -> bool:
+        if not self.enable_lora:
+            raise ValueError("lora_request: LoRA is not enabled; start the server with --enable-lora")
+        new = lora_request.lora_int_id not in self.loras
+        self.loras[lora_request.lora_int_id] = lora_request
+        return new
+
+    async def remove_lora(self, lora_int_id: int) -> bool:
+        return self.loras.pop(lora_int_id, None) is not None
+
+    async def list_loras(self) -> set[int]:
+        return set(self.loras)
 
     async def abort(self, request_id: str) -> None:
         if request_id in self.running:

@@ -210,7 +210,8 @@ def test_engine_clients_implement_the_protocol(engine):
     assert isinstance(engine, EngineClient) and missing_members(engine) == []
     kinds = {"generate": inspect.isasyncgenfunction, "encode": inspect.iscoroutinefunction,
              "abort": inspect.iscoroutinefunction, "reset_prefix_cache": inspect.iscoroutinefunction,
-             "check_health": inspect.iscoroutinefunction}
+             "check_health": inspect.iscoroutinefunction, "add_lora": inspect.iscoroutinefunction,
+             "remove_lora": inspect.iscoroutinefunction, "list_loras": inspect.iscoroutinefunction}
     methods = [n for n, v in vars(EngineClient).items() if callable(v) and not n.startswith("_")]
     assert set(kinds) < set(methods)
     for cls in (AsyncLLM, DPAsyncLLM, FakeAsyncLLM):

@@ -26,6 +26,7 @@ from pagedllm.entrypoints.openai.protocol import (ChatCompletionRequest, Complet
                                                   DetokenizeRequest, TokenizeChatRequest,
                                                   TokenizeCompletionRequest)
 from pagedllm.entrypoints.openai.protocol_anthropic import anthropic_error_body
+from pagedllm.entrypoints.openai.protocol_lora import LoadLoRAAdapterRequest, UnloadLoRAAdapterRequest
 from pagedllm.entrypoints.openai.protocol_responses import ResponsesRequest
 from pagedllm.entrypoints.openai.serving_messages import AnthropicServingMessages
 from pagedllm.entrypoints.openai.serving_chat import OpenAIServingChat
@@ -86,6 +87,13 @@ def build_app(engine: EngineClient, args: Optional[argparse.Namespace] = None) -
     serving_models = OpenAIServingModels(engine, served, **common)
     serving_tokenization = OpenAIServingTokenization(engine, served, **common)
     servings = (serving_completion, serving_chat)
+    loras = None
+    if engine.enable_lora:
+        from pagedllm.entrypoints.openai.serving_lora import LoRARegistry
+        # NOTE: one registry shared by every endpoint: a request's `model` may name an adapter.
+        loras = LoRARegistry(engine, served, get("lora_modules"))
+        for s in (serving_completion, serving_chat, serving_models, serving_tokenization):
+            s.loras = loras
 
     # Stat loggers: the engine calls record(scheduler_stats, iteration_stats) after each step.
     metrics_prefix = get("metrics_prefix", "pagedllm") or "pagedllm"
@@ -117,6 +125,8 @@ def build_app(engine: EngineClient, args: Optional[argparse.Namespace] = None) -
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
         app.state.loop = asyncio.get_running_loop()
+        if loras is not None:
+            await loras.init_static_loras()  # --lora-modules; a bad one stops the start-up
         task = None
         if log_stats is not None:
             async def periodic_log() -> None:
@@ -146,6 +156,7 @@ def build_app(engine: EngineClient, args: Optional[argparse.Namespace] = None) -
     app.state.log_stats = log_stats
     app.state.abort_all = abort_all
     app.state.servings = servings
+    app.state.loras = loras
     install_exception_handlers(app)
     from fastapi.middleware.cors import CORSMiddleware
     app.add_middleware(CORSMiddleware, allow_origins=list(get("allowed_origins", ["*"]) or ["*"]),
@@ -224,6 +235,17 @@ def build_app(engine: EngineClient, args: Optional[argparse.Namespace] = None) -
     async def show_available_models():
         return JSONResponse(serving_models.show_available_models().model_dump(mode="json"))
 
+    if loras is not None:
+        from pagedllm.entrypoints.openai.serving_lora import runtime_updating_allowed
+        if runtime_updating_allowed(args):
+            @app.post("/v1/load_lora_adapter")
+            async def load_lora_adapter(request: LoadLoRAAdapterRequest):
+                return Response(content=await loras.load(request), status_code=200)
+
+            @app.post("/v1/unload_lora_adapter")
+            async def unload_lora_adapter(request: UnloadLoRAAdapterRequest):
+                return Response(content=await loras.unload(request), status_code=200)
+
     @app.get("/health")
     async def health():
         try:
@@ -257,6 +279,8 @@ def build_app(engine: EngineClient, args: Optional[argparse.Namespace] = None) -
             prom.set_scheduler_gauges(s.get("num_running", 0), s.get("num_waiting", 0),
                                       s.get("kv_cache_usage", 0.0))
             prom.gauge_so_entries.set(s.get("structured_output_cache_entries", 0))
+            if "lora_running_adapters" in s:
+                prom.record_lora(s)
         except Exception:
             logger.debug("get_scheduler_stats failed", exc_info=True)
         try:
@@ -312,9 +336,13 @@ def run_server(args: argparse.Namespace) -> int:
     from pagedllm.entrypoints.openai.cli_args import normalize_args, resolve_parsers
 
     _setup_logging()
-    normalize_args(args)
     try:
+        normalize_args(args)
         resolve_parsers(args)  # bad parser flags fail before the model loads
+        if getattr(args, "lora_modules", None):
+            from pagedllm.lora.peft_loader import read_adapter_config
+            for m in args.lora_modules:  # NOTE: a wrong path fails before the model loads
+                read_adapter_config(m.path, m.name)
     except ValueError as e:
         print(f"pagedllm serve: error: {e}", file=sys.stderr, flush=True)
         return 2
@@ -362,6 +390,9 @@ def run_server(args: argparse.Namespace) -> int:
             engine.shutdown()
         except Exception:
             logger.debug("engine shutdown failed", exc_info=True)
+    if not server.started:  # e.g. a --lora-modules adapter that could not be loaded
+        print("pagedllm serve: error: the server did not start (see the log above)", file=sys.stderr, flush=True)
+        return 1
     print("pagedllm: server stopped", flush=True)
     return 0
 

@@ -5,6 +5,7 @@ import argparse
 import json
 import logging
 import os
+from dataclasses import dataclass
 from typing import Any, Optional
 
 from pagedllm.config import QUANTIZATION_CHOICES
@@ -46,6 +47,37 @@ def _json_dict(value: str) -> dict[str, Any]:
     if not isinstance(d, dict):
         raise argparse.ArgumentTypeError(f"expected a JSON object, got {value!r}")
     return d
+
+
+@dataclass
+class LoRAModulePath:
+    """One ``--lora-modules`` entry: ``name=path`` or ``{"name", "path", "base_model_name"}``."""
+
+    name: str
+    path: str
+    base_model_name: Optional[str] = None
+
+
+def parse_lora_module(value: str) -> LoRAModulePath:
+    """``name=path`` or a JSON object ``{"name": ..., "path": ..., "base_model_name": ...}``
+    (vLLM's ``--lora-modules`` forms), for argparse.
+
+    Raises:
+        argparse.ArgumentTypeError: neither form, or an empty name / path.
+    """
+    value = value.strip()
+    if value.startswith("{"):
+        try:
+            d = json.loads(value)
+        except json.JSONDecodeError as e:
+            raise argparse.ArgumentTypeError(f"--lora-modules: invalid JSON {value!r}: {e}") from None
+        if not isinstance(d, dict) or not d.get("name") or not d.get("path"):
+            raise argparse.ArgumentTypeError(f"--lora-modules: a JSON entry needs \"name\" and \"path\", got {value!r}")
+        return LoRAModulePath(str(d["name"]), str(d["path"]), d.get("base_model_name"))
+    name, sep, path = value.partition("=")
+    if not sep or not name or not path:
+        raise argparse.ArgumentTypeError(f"--lora-modules: expected name=path or a JSON object, got {value!r}")
+    return LoRAModulePath(name, path)
 
 
 def add_serve_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -187,6 +219,27 @@ def add_serve_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                         'self-draft); disable_by_batch_size (no drafts in steps with at least that '
                         'many requests; default: measured automatic threshold, 0 = never).')
 
+    g = parser.add_argument_group("LoRA adapters")
+    g.add_argument("--enable-lora", action="store_true",
+                   help="Serve LoRA adapters (PEFT format) on the base model; a request's `model` field "
+                        "selects one by name.")
+    g.add_argument("--lora-modules", nargs="+", type=parse_lora_module, default=None,
+                   metavar="NAME=PATH",
+                   help="Adapters to serve from the start: name=path, or JSON "
+                        '{"name": ..., "path": ..., "base_model_name": ...} (needs --enable-lora).')
+    g.add_argument("--max-loras", type=_positive_int, default=None,
+                   help="Adapters one step may run (the slot table; default: 1).")
+    g.add_argument("--max-lora-rank", type=_positive_int, default=None,
+                   help="Largest adapter rank accepted (default: 16).")
+    g.add_argument("--max-cpu-loras", type=_positive_int, default=None,
+                   help="Adapters kept loaded in CPU memory, least recently used evicted (default: "
+                        "--max-loras).")
+    g.add_argument("--allow-runtime-lora-updating", action="store_true",
+                   help="Add POST /v1/load_lora_adapter and /v1/unload_lora_adapter (also "
+                        "PAGEDLLM_ALLOW_RUNTIME_LORA_UPDATING=true or vLLM's "
+                        "VLLM_ALLOW_RUNTIME_LORA_UPDATING=true). Risky in production: anyone who "
+                        "can reach the server can load files from its disk.")
+
     g = parser.add_argument_group("Scheduler and KV cache")
     g.add_argument("--max-num-seqs", type=_positive_int, default=128,
                    help="Max requests scheduled in one step (default: 128).")
@@ -276,10 +329,16 @@ def resolve_model_arg(args: argparse.Namespace) -> argparse.Namespace:
 
 
 def normalize_args(args: argparse.Namespace) -> argparse.Namespace:
-    """Canonical values after parsing: ``--model`` folded into ``model``, dtype aliases."""
+    """Canonical values after parsing: ``--model`` folded into ``model``, dtype aliases.
+
+    Raises:
+        ValueError: ``--lora-modules`` without ``--enable-lora``.
+    """
     resolve_model_arg(args)
     if getattr(args, "dtype", None) in _DTYPE_ALIASES:
         args.dtype = _DTYPE_ALIASES[args.dtype]
+    if getattr(args, "lora_modules", None) and not getattr(args, "enable_lora", False):
+        raise ValueError("--lora-modules needs --enable-lora")
     return args
 
 

@@ -186,7 +186,8 @@ class OpenAIServingChat(OpenAIServing):
         except ValueError as e:
             raise value_error_to_openai(e) from e
         self.constrain_for_tools(sp, setup)
-        engine_request = self.process_inputs(request_id, pp, sp, cache_salt=request.cache_salt, rename=rename)
+        engine_request = self.process_inputs(request_id, pp, sp, cache_salt=request.cache_salt,
+                                             lora_request=self.lora_request(request.model), rename=rename)
         self.log_request(request_id, pp.prompt, ids, engine_request.sampling_params)
         rids = [request_id]
         try:

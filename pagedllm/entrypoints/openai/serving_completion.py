@@ -116,7 +116,8 @@ class OpenAIServingCompletion(OpenAIServing):
             except ValueError as e:
                 raise value_error_to_openai(e) from e
             rid = f"{request_id}-{i}"
-            req = self.process_inputs(rid, ProcessedPrompt(text, ids), sp, cache_salt=request.cache_salt)
+            req = self.process_inputs(rid, ProcessedPrompt(text, ids), sp, cache_salt=request.cache_salt,
+                                      lora_request=self.lora_request(request.model))
             self.log_request(rid, text if text is not None else ids, ids, req.sampling_params)
             engine_requests.append(req)
             rids.append(rid)

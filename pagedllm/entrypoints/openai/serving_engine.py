@@ -219,6 +219,9 @@ class OpenAIServing:
         self.log_requests = log_requests
         self.inflight: set[str] = set()
         self.inflight_streams: set[MergedGenerators] = set()
+        # The served LoRA adapters (``serving_lora.LoRARegistry``), shared by the endpoints;
+        # None when the server runs without --enable-lora.
+        self.loras: Any = None
 
     @property
     def tokenizer(self):
@@ -238,14 +241,19 @@ class OpenAIServing:
 
     # ---- model names -------------------------------------------------------------------
     def check_model(self, model: Optional[str]) -> None:
-        if not model or model in self.served_model_names:
+        if not model or model in self.served_model_names or self.lora_request(model) is not None:
             return
         raise OpenAIError(f"The model `{model}` does not exist.", 404, "model")
 
     def response_model_name(self, model: Optional[str]) -> str:
-        if model and model in self.served_model_names:
+        if model and (model in self.served_model_names or self.lora_request(model) is not None):
             return model
         return self.served_model_names[0]
+
+    def lora_request(self, model: Optional[str]) -> Any:
+        """The LoRA adapter a request's ``model`` names (a ``LoRARequest``), or None (a base
+        model name, or no adapters served)."""
+        return self.loras.get(model) if self.loras is not None and model else None
 
     # ---- prompts -----------------------------------------------------------------------
     @staticmethod
@@ -282,12 +290,13 @@ class OpenAIServing:
             raise self.input_error(e, rename) from None
 
     def process_inputs(self, request_id: str, prompt: ProcessedPrompt, params: Any, *,
-                       cache_salt: Optional[str] = None,
+                       cache_salt: Optional[str] = None, lora_request: Any = None,
                        rename: Optional[dict[str, str]] = None) -> EngineCoreRequest:
-        """``input_processor.process_inputs`` (prompt + max_tokens must fit). Raises OpenAIError 400."""
+        """``input_processor.process_inputs`` (prompt + max_tokens must fit; ``lora_request``:
+        the adapter the request's ``model`` names, ``lora_request(model)``). Raises OpenAIError 400."""
         try:
             return self.input_processor.process_inputs(request_id, prompt, params, cache_salt=cache_salt,
-                                                       strict_length=True)
+                                                       lora_request=lora_request, strict_length=True)
         except ValueError as e:
             raise self.input_error(e, rename) from None
 

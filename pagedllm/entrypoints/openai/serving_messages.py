@@ -208,7 +208,7 @@ class AnthropicServingMessages:
     async def _run(self, request: AnthropicMessagesRequest, raw_request: Request,
                    count_only: bool) -> Response:
         chat = self.chat
-        if request.model not in chat.served_model_names:
+        if request.model not in chat.served_model_names and chat.lora_request(request.model) is None:
             raise _err(f"model: {request.model!r} not found (served: "
                        f"{', '.join(chat.served_model_names)})", 404)
         chat_req, setup, prompt_text, ids = self._prepare(request)
@@ -223,7 +223,8 @@ class AnthropicServingMessages:
             raise value_error_to_openai(e) from e
         chat.constrain_for_tools(sp, setup)
         msg_id = new_id("msg")
-        engine_request = chat.process_inputs(msg_id, pp, sp, rename=rename)
+        engine_request = chat.process_inputs(msg_id, pp, sp, lora_request=chat.lora_request(request.model),
+                                             rename=rename)
         chat.log_request(msg_id, prompt_text, ids, engine_request.sampling_params)
         merged = await chat.start([engine_request], prime=bool(request.stream))
         run = _MessageRun(chat, request, msg_id, setup, len(ids))

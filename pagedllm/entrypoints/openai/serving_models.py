@@ -16,11 +16,11 @@ class OpenAIServingModels(OpenAIServing):
 
     def show_available_models(self) -> ModelList:
         root = str(self.engine.model_name)
-        return ModelList(data=[
-            ModelCard(id=name, root=root, max_model_len=self.max_model_len,
-                      permission=[ModelPermission()])
-            for name in self.served_model_names
-        ])
+        cards = [ModelCard(id=name, root=root, max_model_len=self.max_model_len, permission=[ModelPermission()])
+                 for name in self.served_model_names]
+        if self.loras is not None:
+            cards.extend(self.loras.cards())  # LoRA adapters, each with its base model as `parent`
+        return ModelList(data=cards)
 
 
 class OpenAIServingTokenization(OpenAIServing):

@@ -250,7 +250,8 @@ class OpenAIServingResponses:
         chat.constrain_for_tools(sp, setup)
         if not setup.choice.forced:
             self._apply_text_format(sp, request)
-        engine_request = chat.process_inputs(response_id, pp, sp, cache_salt=request.cache_salt, rename=rename)
+        engine_request = chat.process_inputs(response_id, pp, sp, cache_salt=request.cache_salt,
+                                             lora_request=chat.lora_request(request.model), rename=rename)
         chat.log_request(response_id, prompt_text, ids, engine_request.sampling_params)
         created = int(time.time())
         ctx = _Run(self, request, response_id, model_name, created, setup, ids, items)
