@@ -54,7 +54,8 @@ def check_batch_invariant_supported(args, device: torch.device, dtype: torch.dty
     if kv_cache_dtype != dtype:
         raise ValueError(f"{where}: kv_cache_dtype must be 'auto' (the model dtype), got "
                          f"{str(kv_cache_dtype).replace('torch.', '')}")
-    if getattr(args, "quantization", None):
+    if getattr(args, "quantization", None) not in (None, "none"):
+        # NOTE: a quantized checkpoint without --quantization is dequantized at load (Worker.load_model)
         raise ValueError(f"{where}: quantization {args.quantization!r} is not supported (unquantized weights only)")
     if getattr(args, "tensor_parallel_size", 1) * getattr(args, "pipeline_parallel_size", 1) != 1:
         raise ValueError(f"{where}: tensor_parallel_size and pipeline_parallel_size must be 1")

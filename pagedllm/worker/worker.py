@@ -212,6 +212,11 @@ class Worker:
             logger.warning("pagedllm: tensor_parallel_size %d: the GGUF blocks are dequantized to %s at load "
                            "(quantized shards are not split yet)", self.tp_size, str(self.dtype).replace("torch.", ""))
             loaded.quant_config = quant = None
+        if quant is not None and not quant.on_the_fly and self.batch_invariant:
+            # NOTE: the batch-invariant GEMMs take float weights
+            logger.warning("pagedllm: batch_invariant: the %s checkpoint's weights are dequantized to %s at load",
+                           quant.name, str(self.dtype).replace("torch.", ""))
+            loaded.quant_config = quant = None
         if sharded:
             from pagedllm.distributed.sharding import shard_model
             # NOTE: before loading: the weight loaders then copy only this rank's slices.

@@ -229,6 +229,29 @@ def test_gguf_greedy_through_llm(case, tmp_path):
         assert [lp[t].logprob for lp, t in zip(got.logprobs, toks)] == pytest.approx(logps, abs=1e-4)
 
 
+def test_batch_invariant_mode_on_a_quantized_gguf(tmp_path):
+    """A quantized GGUF (kept in its blocks by default) under ``batch_invariant=True`` loads
+    dequantized (the batch-invariant GEMMs take float weights): the same bits as asking for
+    ``quantization="none"`` explicitly, which batch-invariant mode also accepts. Failed before:
+    the invariant linears read the quantized layer's empty float weight."""
+    hf = _hf("granite")
+    path = write_gguf(hf, "granite", str(tmp_path / "q8.gguf"), Q.Q8_0)
+    tiny_tokenizer().save_pretrained(tmp_path / "tok")
+    sp = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=5)
+    prompts = [{"prompt_token_ids": p} for p in PROMPTS]
+    got = []
+    for quantization in (None, "none"):
+        llm = LLM(path, tokenizer=str(tmp_path / "tok"), dtype="float32", block_size=4, kv_cache_memory=2 * 1024**2,
+                  batch_invariant=True, quantization=quantization)
+        assert llm.llm_engine.core.loaded.quant_config is None
+        outs = llm.generate(prompts, sp, use_tqdm=False)
+        got.append([(list(o.outputs[0].token_ids), [{k: v.logprob for k, v in lp.items()} for lp in o.outputs[0].logprobs])
+                    for o in outs])
+        del llm
+    assert got[0] == got[1]
+    assert all(len(toks) == 8 for toks, _ in got[0])
+
+
 @pytest.mark.parametrize("case", TRANSFORMERS_READS)
 def test_transformers_reads_the_same_gguf(case, tmp_path):
     """transformers' own GGUF loader on our file: same config fields and logits as ours (an independent
