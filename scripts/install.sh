@@ -16,4 +16,4 @@ if [ "${1:-}" = "--test" ]; then
 fi
 # Build (once) the C++ CPU kernels so the first `pagedllm serve` starts fast; the
 # engine falls back to the pure-torch path if this fails (no compiler).
-python -c "from pagedllm.kernels.cpu_ops import get_ops; get_ops()" || true
+python -c "from pagedllm.kernels.cpu_ops import get_ops, get_quant_ops; get_ops(); get_quant_ops()" || true
