@@ -6,7 +6,10 @@ Three engines in one process, timed in alternation (``--repeats`` rounds; median
 * ``base``: a plain engine (no ``enable_lora``), every request on the base model;
 * ``lora-engine/base``: an ``enable_lora`` engine, every request on the base model (the cost of
   having LoRA on: the wrapped projections with no adapter rows);
+* ``lora-engine/1 adapter``: the same engine, every request on adapter 0 (only when N > 1);
 * ``lora-engine/N adapters``: the same engine, request ``i`` on adapter ``i % N``.
+
+``--num-prompts 1`` measures a single stream (``generate`` of one request).
 
 The adapters are random PEFT-format files (every q/k/v/o/gate/up/down target at ``--rank``,
 nonzero B) written for the model's shapes. Throughput = generated tokens / wall seconds of one
@@ -103,8 +106,10 @@ def main(argv=None) -> int:
     ps = prompts(base.get_tokenizer(), args.num_prompts)
     sp = SamplingParams(temperature=0, max_tokens=args.output_len, ignore_eos=True)
     spread = [lrs[i % len(lrs)] for i in range(len(ps))]
-    runs = {"base": (base, None), "lora-engine/base": (lora, None),
-            f"lora-engine/{args.adapters} adapters": (lora, spread)}
+    runs = {"base": (base, None), "lora-engine/base": (lora, None)}
+    if args.adapters > 1:
+        runs["lora-engine/1 adapter"] = (lora, [lrs[0]] * len(ps))
+    runs[f"lora-engine/{args.adapters} adapters"] = (lora, spread)
 
     def once(llm, loras) -> float:
         t0 = time.perf_counter()
@@ -131,8 +136,11 @@ def main(argv=None) -> int:
         "ratio_lora_vs_base": med[key] / med["base"],
         "ratio_lora_engine_base_vs_base": med["lora-engine/base"] / med["base"],
     }
-    print(json.dumps({k: summary[k] for k in ("median_tok_per_s", "ratio_lora_vs_base",
-                                              "ratio_lora_engine_base_vs_base")}, indent=1))
+    keys = ["median_tok_per_s", "ratio_lora_vs_base", "ratio_lora_engine_base_vs_base"]
+    if "lora-engine/1 adapter" in med:
+        summary["ratio_one_adapter_vs_base"] = med["lora-engine/1 adapter"] / med["base"]
+        keys.append("ratio_one_adapter_vs_base")
+    print(json.dumps({k: summary[k] for k in keys}, indent=1))
     if args.json_output:
         with open(args.json_output, "w") as f:
             json.dump(summary, f, indent=1)
