@@ -7,10 +7,20 @@
 interleaved over ``--repeats``: pagedllm with native blocks (the default) in float32 and bfloat16
 activations, the file dequantized at load (``--quantization none``) to float32 and bfloat16, and
 llama-cpp-python on the same file when ``benchmarks/.peers/llama-cpp-python`` is installed
-(``compare.py --install-peers llama-cpp-python``). Per mode: single-stream decode tok/s (one
-request, 64-token prompt, median time per output token), 16-way batch decode tok/s (16 requests
-decoding together; llama-cpp-python serves one sequence at a time, so it has none), weight bytes,
-RSS after load and peak RSS.
+(``compare.py --install-peers llama-cpp-python``), and llama.cpp through node-llama-cpp's prebuilt
+CPU binaries (``benchmarks/peers/node_llama_cpp_decode.mjs``, run with ``node``) when it is
+installed under ``--node-llama-cpp-dir`` (default ``$NODE_LLAMA_CPP_DIR``, else
+``benchmarks/.peers/node-llama-cpp``)::
+
+    npm install --prefix benchmarks/.peers/node-llama-cpp node-llama-cpp@3.22.1
+
+``--modes`` picks a subset (comma-separated labels: native-fp32, native-bf16, dequantized-fp32,
+dequantized-bf16, llama-cpp-python, llama.cpp). Per mode: single-stream decode tok/s (one request,
+64-token prompt, greedy, 1 / median over runs of the mean time per output token), 16-way batch
+decode tok/s (16 requests decoding together; the llama.cpp peers are run with one sequence, so
+they have none), weight bytes, RSS after load and peak RSS. The JSON output holds every run, the
+median per mode, ratios against dequantized-fp32 and against llama.cpp (same run), and the load
+average before and after.
 
 ``ppl``: perplexity of a fixed 400-token text (``pagedllm.entrypoints.bench._SENTENCES``) for
 SmolLM2 as the Q4_1 GGUF (native blocks, and dequantized to float32), and as GPTQ / AWQ /
@@ -31,6 +41,9 @@ import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PEER_PY = os.path.join(ROOT, "benchmarks", ".peers", "llama-cpp-python", "bin", "python")
+NODE_PEER = os.path.join(ROOT, "benchmarks", "peers", "node_llama_cpp_decode.mjs")
+MODES = {"native-fp32": ("float32", None), "native-bf16": ("bfloat16", None),
+         "dequantized-fp32": ("float32", "none"), "dequantized-bf16": ("bfloat16", "none")}
 
 
 def _rss() -> int:
@@ -134,31 +147,95 @@ def worker_llama(a) -> dict:
             "rss_after_load": rss_load, "peak_rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}
 
 
-def speed(args) -> list[dict]:
+def _loadavg() -> list[float]:
+    with open("/proc/loadavg") as f:
+        return [float(x) for x in f.read().split()[:3]]
+
+
+def _node_llama_dir(args) -> str | None:
+    d = args.node_llama_cpp_dir or os.environ.get("NODE_LLAMA_CPP_DIR") or os.path.join(
+        ROOT, "benchmarks", ".peers", "node-llama-cpp")
+    ok = os.path.exists(os.path.join(d, "node_modules", "node-llama-cpp", "package.json"))
+    return os.path.abspath(d) if ok else None
+
+
+def _node_llama_run(args, path: str, label: str) -> dict | None:
+    """One llama.cpp (node-llama-cpp) process on ``path``: the same 64-token prompt text, greedy."""
+    sys.path.insert(0, ROOT)
+    from pagedllm.entrypoints.bench import _SENTENCES
+
+    spec = {"model": path, "prompt": " ".join(_SENTENCES), "threads": args.threads, "prompt_tokens": 64,
+            "output_tokens": 64, "runs": 2, "node_llama_cpp_dir": _node_llama_dir(args)}
+    out = subprocess.run([args.node, NODE_PEER, json.dumps(spec)], capture_output=True, text=True, timeout=1800)
+    line = [ln for ln in out.stdout.splitlines() if ln.startswith("RESULT ")]
+    if not line:
+        print(out.stdout[-2000:], out.stderr[-3000:], file=sys.stderr)
+        return None
+    r = json.loads(line[-1][7:])
+    r["mode"] = label
+    return r
+
+
+def _summary(results: list[dict]) -> dict:
+    keys = ("single_decode_tok_s", "batch16_decode_tok_s", "weight_bytes", "rss_after_load", "peak_rss")
+    med: dict[str, dict] = {}
+    for mode in dict.fromkeys(r["mode"] for r in results):
+        rs = [r for r in results if r["mode"] == mode]
+        med[mode] = {k: statistics.median([r[k] for r in rs]) if all(r.get(k) is not None for r in rs) else None
+                     for k in keys}
+        med[mode]["runs"] = len(rs)
+    for mode, m in med.items():
+        for ref, name in (("dequantized-fp32", "vs_dequantized_fp32"), ("llama.cpp", "vs_llama_cpp")):
+            if ref in med and ref != mode:
+                m[name] = {k: m[k] / med[ref][k] for k in ("single_decode_tok_s", "batch16_decode_tok_s", "peak_rss")
+                           if m[k] is not None and med[ref][k]}
+    return med
+
+
+def speed(args) -> dict:
     path = _model_path(args.model)
-    modes = [("native-fp32", "float32", None), ("native-bf16", "bfloat16", None),
-             ("dequantized-fp32", "float32", "none"), ("dequantized-bf16", "bfloat16", "none")]
-    have_llama = os.path.exists(PEER_PY) and not args.no_llama
+    want = args.modes.split(",") if args.modes else None
+    modes = [(label, dt, q) for label, (dt, q) in MODES.items() if want is None or label in want]
+    have_llama = os.path.exists(PEER_PY) and not args.no_llama and (want is None or "llama-cpp-python" in want)
+    have_node = (_node_llama_dir(args) is not None and not args.no_llama and (want is None or "llama.cpp" in want))
+    if want and "llama.cpp" in want and not have_node:
+        raise SystemExit("llama.cpp mode: node-llama-cpp not found (npm install --prefix "
+                         "benchmarks/.peers/node-llama-cpp node-llama-cpp@3.22.1, or --node-llama-cpp-dir)")
     results: list[dict] = []
+    load_before = _loadavg()
+    t_start = time.time()
     env = dict(os.environ, PYTHONPATH=ROOT, OMP_NUM_THREADS=str(args.threads), PAGEDLLM_NUM_THREADS=str(args.threads))
     for rep in range(args.repeats):
         runs = [(label, sys.executable, ["--dtype", dt] + (["--quantization", q] if q else []))
                 for label, dt, q in modes]
         if have_llama:
             runs.append(("llama-cpp-python", PEER_PY, ["--llama"]))
+        if have_node:
+            runs.append(("llama.cpp", None, None))
         for label, py, extra in runs:
-            cmd = [py, os.path.abspath(__file__), "worker", "--path", path, "--label", label,
-                   "--threads", str(args.threads), *extra]
-            out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=1800)
-            line = [ln for ln in out.stdout.splitlines() if ln.startswith("RESULT ")]
-            if not line:
-                print(out.stderr[-3000:], file=sys.stderr)
-                continue
-            r = json.loads(line[-1][7:])
+            if py is None:
+                r = _node_llama_run(args, path, label)
+                if r is None:
+                    continue
+            else:
+                cmd = [py, os.path.abspath(__file__), "worker", "--path", path, "--label", label,
+                       "--threads", str(args.threads), *extra]
+                out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=1800)
+                line = [ln for ln in out.stdout.splitlines() if ln.startswith("RESULT ")]
+                if not line:
+                    print(out.stderr[-3000:], file=sys.stderr)
+                    continue
+                r = json.loads(line[-1][7:])
             r["repeat"] = rep
+            r["loadavg"] = _loadavg()
             results.append(r)
             print(json.dumps(r), flush=True)
-    return results
+    summary = _summary(results)
+    print(json.dumps(summary, indent=1), flush=True)
+    return {"model": args.model, "path": path, "file_bytes": os.path.getsize(path), "threads": args.threads,
+            "repeats": args.repeats, "cpu_count": os.cpu_count(), "started": time.strftime(
+                "%Y-%m-%dT%H:%M:%S", time.localtime(t_start)), "wall_s": time.time() - t_start,
+            "loadavg_before": load_before, "loadavg_after": _loadavg(), "runs": results, "median": summary}
 
 
 def ppl(args) -> list[dict]:
@@ -250,7 +327,12 @@ def main() -> None:
     s.add_argument("--model", default="gemma3", help="gemma3, smollm2 or a .gguf path")
     s.add_argument("--threads", type=int, default=1)
     s.add_argument("--repeats", type=int, default=1)
-    s.add_argument("--no-llama", action="store_true")
+    s.add_argument("--no-llama", action="store_true", help="skip both llama.cpp peers")
+    s.add_argument("--modes", default=None, help="comma-separated mode labels (default: all available)")
+    s.add_argument("--node-llama-cpp-dir", default=None,
+                   help="npm prefix holding node-llama-cpp (default $NODE_LLAMA_CPP_DIR, else "
+                        "benchmarks/.peers/node-llama-cpp)")
+    s.add_argument("--node", default="node", help="the node executable (>= 20)")
     s.add_argument("--json-output", default=None)
     p = sub.add_parser("ppl")
     p.add_argument("--threads", type=int, default=1)
