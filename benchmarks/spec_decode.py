@@ -15,12 +15,16 @@ Every configuration is loaded once; runs alternate between them ``--repeats`` ti
 medians are reported with the mean acceptance length (1 + accepted drafts / drafts).
 
     PYTHONPATH=. python benchmarks/spec_decode.py --workloads copy,chat,batch --repeats 3 \\
-        --json-output docs/spec-decode.json
+        --json-output benchmarks/results/spec-decode-DATE.json
+
+``--quantization`` is passed to ``LLM`` for the target (default None: a quantized GGUF keeps its
+blocks; ``none`` dequantizes at load). The JSON records the load average before and after.
 """
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import time
 
@@ -122,6 +126,7 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=256)
     ap.add_argument("--num-prompts", type=int, default=64)
     ap.add_argument("--batch-output-len", type=int, default=64)
+    ap.add_argument("--quantization", default=None)
     ap.add_argument("--json-output", default=None)
     args = ap.parse_args()
 
@@ -131,7 +136,8 @@ def main() -> None:
     for name in names:
         spec = CONFIGS[name]
         llms[name] = LLM(args.model, dtype=args.dtype, num_threads=args.num_threads, seed=0,
-                         kv_cache_memory=384 * 1024**2, speculative_config=spec)
+                         kv_cache_memory=384 * 1024**2, speculative_config=spec,
+                         quantization=args.quantization)
     tok = llms[names[0]].get_tokenizer()
     work = {}
     if "copy" in wls:
@@ -145,7 +151,8 @@ def main() -> None:
             convs = [[{"role": "user", "content": CHAT[i % len(CHAT)]}] for i in range(b)]
             work[f"sweep-b{b}"] = ("chat-batch", convs)
     res: dict = {"model": args.model, "dtype": str(llms[names[0]].llm_engine.core.dtype), "repeats": args.repeats,
-                 "threads": args.num_threads, "workloads": {}}
+                 "threads": args.num_threads, "quantization": args.quantization,
+                 "loadavg_start": os.getloadavg(), "args": vars(args), "workloads": {}}
     for wl, (kind, data) in work.items():
         tps = {n: [] for n in names}
         acc = {n: [0, 0] for n in names}
@@ -176,6 +183,7 @@ def main() -> None:
         print(wl, json.dumps({n: (round(r["output_tokens_per_s"], 2), r["ratio_vs_none"] and round(r["ratio_vs_none"], 3),
                                   r["mean_acceptance_length"] and round(r["mean_acceptance_length"], 2))
                               for n, r in row.items()}), flush=True)
+    res["loadavg_end"] = os.getloadavg()
     if args.json_output:
         with open(args.json_output, "w") as f:
             json.dump(res, f, indent=2)
