@@ -25,16 +25,19 @@ TEXTS = [
 ]
 
 
-def _set_pooling_type(llm, pooling_type: str) -> None:
-    """Swap the engine's pooler for one with another pooling type (same runner path; saves a reload)."""
+def _set_pooling_type(llm, pooling_type: str, use_activation=False) -> None:
+    """Swap the engine's pooler for one with another pooling type and ``use_activation`` (same
+    runner path; saves a reload): the runner pools with it, the input processor fills requests'
+    defaults from its config."""
     from pagedllm.pooling.config import PoolerConfig
     from pagedllm.pooling.pooler import Pooler
 
     core = llm.llm_engine.core
-    p = Pooler(PoolerConfig(pooling_type=pooling_type, use_activation=False), "embed",
+    p = Pooler(PoolerConfig(pooling_type=pooling_type, use_activation=use_activation), "embed",
                hidden_size=int(core.hf_config.hidden_size))
     core.pooler = p
     core.runner.pooler = p
+    llm.llm_engine.input_processor.pooler = p
 
 
 def _reference(hf_model, ids_list):
@@ -73,8 +76,7 @@ def _check_model(path, hf_model, budget_chunked):
             for o, r in zip(outs, ref):
                 _close(o.outputs.data, r[pt])
         # use_activation=True (the embed default) is the L2-normalized vector.
-        _set_pooling_type(llm, "LAST")
-        llm.llm_engine.core.pooler.config.use_activation = None
+        _set_pooling_type(llm, "LAST", use_activation=None)
         outs = llm.embed(prompts[:2], use_tqdm=False)
         for o, r in zip(outs, ref):
             _close(o.outputs.data, F.normalize(r["LAST"], dim=-1))
