@@ -6,14 +6,10 @@ with ``--batch-invariant`` (default dtype: bf16 on CPUs with native bf16 matmul,
 from __future__ import annotations
 
 import asyncio
-import os
-import socket
-import subprocess
-import sys
-import time
 
 import httpx
 import pytest
+from server_helpers import serve
 
 pytestmark = pytest.mark.slow
 
@@ -30,37 +26,12 @@ OTHERS = ["Write a haiku about autumn leaves.", "The quick brown fox", "List thr
           "Explain why the sky is blue in one sentence."]
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def server():
-    port = _free_port()
-    env = dict(os.environ, PAGEDLLM_NUM_THREADS="1", OMP_NUM_THREADS="1")
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "pagedllm.entrypoints.cli", "serve", MODEL, "--port", str(port),
-         "--batch-invariant", "--max-model-len", "2048", "--kv-cache-memory", "256MiB",
-         "--max-num-batched-tokens", "256", "--disable-log-stats"],
-        env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    base = f"http://127.0.0.1:{port}"
-    deadline = time.time() + 900  # NOTE: the first start compiles the batch-invariant kernels
-    while time.time() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError("server exited:\n" + proc.stdout.read())
-        try:
-            if httpx.get(base + "/health", timeout=1).status_code == 200:
-                break
-        except httpx.HTTPError:
-            time.sleep(0.5)
-    else:
-        proc.kill()
-        raise RuntimeError("server did not start")
-    yield base
-    proc.kill()
-    proc.wait()
+    # NOTE: the first start compiles the batch-invariant kernels
+    with serve([MODEL, "--batch-invariant", "--max-model-len", "2048", "--kv-cache-memory", "256MiB",
+                "--max-num-batched-tokens", "256", "--disable-log-stats"], timeout=900) as (base, _):
+        yield base
 
 
 async def _complete(client: httpx.AsyncClient, base: str, prompt: str, max_tokens: int = 24) -> dict:

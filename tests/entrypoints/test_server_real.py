@@ -3,15 +3,13 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
 import signal
-import socket
 import subprocess
-import sys
 import time
 
 import httpx
 import pytest
+from server_helpers import serve
 
 pytestmark = pytest.mark.slow
 
@@ -19,38 +17,12 @@ API_KEY = "test-key-123"
 MODEL = "SmolLM2-135M-Instruct"
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def server():
-    port = _free_port()
-    env = dict(os.environ, PAGEDLLM_NUM_THREADS="1", OMP_NUM_THREADS="1")
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "pagedllm.entrypoints.cli", "serve", MODEL, "--port", str(port),
-         "--dtype", "float32", "--api-key", API_KEY, "--max-model-len", "1024",
-         "--kv-cache-memory", str(256 * 1024**2), "--max-num-batched-tokens", "256",
-         "--disable-log-stats"],
-        env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    base = f"http://127.0.0.1:{port}"
-    deadline = time.time() + 120
-    while time.time() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError("server exited:\n" + proc.stdout.read())
-        try:
-            if httpx.get(base + "/health", timeout=1).status_code == 200:
-                break
-        except httpx.HTTPError:
-            time.sleep(0.3)
-    else:
-        proc.kill()
-        raise RuntimeError("server did not start")
-    yield base, proc
-    if proc.poll() is None:
-        proc.kill()
+    with serve([MODEL, "--dtype", "float32", "--api-key", API_KEY, "--max-model-len", "1024",
+                "--kv-cache-memory", str(256 * 1024**2), "--max-num-batched-tokens", "256",
+                "--disable-log-stats"], timeout=120) as (base, proc):
+        yield base, proc
 
 
 def _h():

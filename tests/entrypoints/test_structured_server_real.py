@@ -10,6 +10,7 @@ import re
 import httpx
 import jsonschema
 import pytest
+from server_helpers import serve
 
 pytestmark = pytest.mark.slow
 
@@ -29,47 +30,12 @@ SCHEMA = {
 MSGS = [{"role": "user", "content": "Describe Paris as JSON."}]
 
 
-def _free_port() -> int:
-    import socket
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def server():
-    import os
-    import subprocess
-    import sys
-    import time
-
-    port = _free_port()
-    env = dict(os.environ, PAGEDLLM_NUM_THREADS="1", OMP_NUM_THREADS="1")
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "pagedllm.entrypoints.cli", "serve", MODEL, "--port", str(port),
-         "--dtype", "float32", "--max-model-len", "1024", "--kv-cache-memory", str(256 * 1024**2),
-         "--max-num-batched-tokens", "256", "--disable-log-stats", "--disable-log-requests",
-         "--structured-outputs-config", '{"backend": "auto", "grammar_cache_size": 64}'],
-        env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    base = f"http://127.0.0.1:{port}"
-    deadline = time.time() + 180
-    while time.time() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError("server exited:\n" + proc.stdout.read())
-        try:
-            if httpx.get(base + "/health", timeout=1).status_code == 200:
-                break
-        except httpx.HTTPError:
-            time.sleep(0.3)
-    else:
-        proc.kill()
-        raise RuntimeError("server did not start")
-    yield base
-    proc.terminate()
-    try:
-        proc.wait(30)
-    except Exception:
-        proc.kill()
+    with serve([MODEL, "--dtype", "float32", "--max-model-len", "1024", "--kv-cache-memory", str(256 * 1024**2),
+                "--max-num-batched-tokens", "256", "--disable-log-stats", "--disable-log-requests",
+                "--structured-outputs-config", '{"backend": "auto", "grammar_cache_size": 64}']) as (base, _):
+        yield base
 
 
 @pytest.fixture(scope="module")

@@ -5,13 +5,11 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
-import sys
 import time
 
-import httpx
 import pytest
+from server_helpers import serve
 
 pytestmark = pytest.mark.slow
 
@@ -32,42 +30,13 @@ TIME = {"type": "function", "function": {
 ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def server():
-    port = _free_port()
-    env = dict(os.environ, PAGEDLLM_NUM_THREADS="1", OMP_NUM_THREADS="1")
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "pagedllm.entrypoints.cli", "serve", MODEL, "--port", str(port),
-         "--dtype", "float32", "--api-key", API_KEY, "--max-model-len", "2048",
-         "--kv-cache-memory", str(256 * 1024**2), "--max-num-batched-tokens", "512",
-         "--disable-log-stats", "--chat-template", TEMPLATE, "--enable-auto-tool-choice",
-         "--tool-call-parser", "hermes", "--reasoning-parser", "qwen3"],
-        env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    base = f"http://127.0.0.1:{port}"
-    deadline = time.time() + 180
-    while time.time() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError("server exited:\n" + proc.stdout.read())
-        try:
-            if httpx.get(base + "/health", timeout=1).status_code == 200:
-                break
-        except httpx.HTTPError:
-            time.sleep(0.3)
-    else:
-        proc.kill()
-        raise RuntimeError("server did not start")
-    yield base
-    proc.terminate()
-    try:
-        proc.wait(timeout=30)
-    except subprocess.TimeoutExpired:
-        proc.kill()
+    with serve([MODEL, "--dtype", "float32", "--api-key", API_KEY, "--max-model-len", "2048",
+                "--kv-cache-memory", str(256 * 1024**2), "--max-num-batched-tokens", "512",
+                "--disable-log-stats", "--chat-template", TEMPLATE, "--enable-auto-tool-choice",
+                "--tool-call-parser", "hermes", "--reasoning-parser", "qwen3"]) as (base, _):
+        yield base
 
 
 @pytest.fixture(scope="module")

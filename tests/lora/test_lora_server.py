@@ -5,15 +5,13 @@ the routes only behind --allow-runtime-lora-updating, and the LoRA metrics."""
 from __future__ import annotations
 
 import json
-import os
-import socket
 import subprocess
-import sys
 import threading
 import time
 
 import httpx
 import pytest
+from server_helpers import serve
 
 from lora_helpers import peft_greedy
 
@@ -21,46 +19,17 @@ PROMPT = [1, 17, 3, 88, 42, 9, 61, 23, 7, 70, 31, 5]
 N = 24
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def server(tiny_ckpt):
     path, _, adapters = tiny_ckpt
-    port = _free_port()
-    env = dict(os.environ, PAGEDLLM_NUM_THREADS="1", OMP_NUM_THREADS="1")
-    env.pop("PAGEDLLM_ALLOW_RUNTIME_LORA_UPDATING", None)
-    env.pop("VLLM_ALLOW_RUNTIME_LORA_UPDATING", None)
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "pagedllm.entrypoints.cli", "serve", path, "--port", str(port),
-         "--served-model-name", "tiny", "--dtype", "float32", "--kv-cache-memory", str(16 * 1024**2),
-         "--enable-lora", "--max-loras", "2", "--max-lora-rank", "8", "--max-cpu-loras", "3",
-         "--lora-modules", f"a1={adapters['a1']}",
-         json.dumps({"name": "a3", "path": adapters["a3"], "base_model_name": "tiny"}),
-         "--allow-runtime-lora-updating", "--disable-log-stats", "--disable-log-requests"],
-        env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    base = f"http://127.0.0.1:{port}"
-    deadline = time.time() + 180
-    while time.time() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError("server exited:\n" + proc.stdout.read())
-        try:
-            if httpx.get(base + "/health", timeout=1).status_code == 200:
-                break
-        except httpx.HTTPError:
-            time.sleep(0.3)
-    else:
-        proc.kill()
-        raise RuntimeError("server did not start")
-    yield base
-    proc.terminate()
-    try:
-        proc.wait(timeout=20)
-    except subprocess.TimeoutExpired:
-        proc.kill()
+    with serve([path, "--served-model-name", "tiny", "--dtype", "float32", "--kv-cache-memory", str(16 * 1024**2),
+                "--enable-lora", "--max-loras", "2", "--max-lora-rank", "8", "--max-cpu-loras", "3",
+                "--lora-modules", f"a1={adapters['a1']}",
+                json.dumps({"name": "a3", "path": adapters["a3"], "base_model_name": "tiny"}),
+                "--allow-runtime-lora-updating", "--disable-log-stats", "--disable-log-requests"],
+               env_drop=("PAGEDLLM_ALLOW_RUNTIME_LORA_UPDATING", "VLLM_ALLOW_RUNTIME_LORA_UPDATING"),
+               stop_timeout=20) as (base, _):
+        yield base
 
 
 @pytest.fixture(scope="module")

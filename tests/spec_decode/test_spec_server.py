@@ -5,13 +5,12 @@ from __future__ import annotations
 
 import os
 import re
-import socket
 import subprocess
 import sys
-import time
 
 import httpx
 import pytest
+from server_helpers import free_port, serve
 
 pytestmark = pytest.mark.slow
 
@@ -22,14 +21,8 @@ MESSAGES = [[{"role": "user", "content": "Repeat this text exactly: " + TEXT}],
             [{"role": "user", "content": "What is the capital of France?"}]]
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _serve(extra):
-    port = _free_port()
+    port = free_port()
     env = dict(os.environ, PAGEDLLM_NUM_THREADS="1", OMP_NUM_THREADS="1")
     return port, subprocess.Popen(
         [sys.executable, "-m", "pagedllm.entrypoints.cli", "serve", MODEL, "--port", str(port),
@@ -40,22 +33,9 @@ def _serve(extra):
 
 @pytest.fixture(scope="module")
 def server():
-    port, proc = _serve(["--speculative-config", SPEC])
-    base = f"http://127.0.0.1:{port}"
-    deadline = time.time() + 180
-    while time.time() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError("server exited:\n" + proc.stdout.read())
-        try:
-            if httpx.get(base + "/health", timeout=1).status_code == 200:
-                break
-        except httpx.HTTPError:
-            time.sleep(0.3)
-    else:
-        proc.kill()
-        raise RuntimeError("server did not start")
-    yield base
-    proc.kill()
+    with serve([MODEL, "--dtype", "float32", "--max-model-len", "1024", "--kv-cache-memory", str(256 * 1024**2),
+                "--disable-log-stats", "--speculative-config", SPEC]) as (base, _):
+        yield base
 
 
 def test_chat_equals_offline_greedy_and_metrics(server, smollm2_llm):
