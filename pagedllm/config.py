@@ -166,7 +166,7 @@ class EngineArgs:
             preemption (vLLM's ``VLLM_BATCH_INVARIANT``; CPU, float32/bfloat16, unquantized,
             one rank). Costs throughput (docs/performance.md); off by default, also turned on by
             the environment variable ``PAGEDLLM_BATCH_INVARIANT=1`` or ``VLLM_BATCH_INVARIANT=1``
-            (see ``pagedllm.models.batch_invariant``).
+            (see ``pagedllm.worker.batch_invariant``).
         speculative_config: speculative decoding, vLLM's ``speculative_config`` (a dict, a JSON
             string or a ``pagedllm.spec_decode.config.SpeculativeConfig``): ``{"method": "ngram",
             "num_speculative_tokens": 4, ...}``; None = off.

@@ -196,7 +196,7 @@ class Worker:
             from pagedllm.pooling.adapters import pooling_architectures
             archs = pooling_architectures(archs)
         model_cls = get_model_class(archs, args.model_impl if args.runner == "generate" else "pagedllm", hf_config)
-        from pagedllm.models.batch_invariant import batch_invariant_requested, check_batch_invariant_supported
+        from pagedllm.worker.batch_invariant import batch_invariant_requested, check_batch_invariant_supported
         self.batch_invariant = batch_invariant_requested(args)
         if self.batch_invariant:
             check_batch_invariant_supported(args, self.device, self.dtype, self.kv_cache_dtype)
@@ -258,7 +258,7 @@ class Worker:
 
         weight_bytes = resident_bytes()
         if self.batch_invariant:
-            from pagedllm.models.batch_invariant import enable_batch_invariant
+            from pagedllm.worker.batch_invariant import enable_batch_invariant
             # NOTE: instead of oneDNN prepacking: the invariant GEMM reads the dense weights.
             enable_batch_invariant(model)
             logger.info("pagedllm: batch-invariant mode: outputs do not depend on batching, chunking or caching")

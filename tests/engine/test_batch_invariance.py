@@ -43,7 +43,7 @@ def _config(arch):
 
 def _model(arch, dtype):
     """Our model with big random weights (so attention and norms matter), batch-invariant."""
-    from pagedllm.models.batch_invariant import enable_batch_invariant
+    from pagedllm.worker.batch_invariant import enable_batch_invariant
 
     torch.manual_seed(0)
     config = _config(arch)
