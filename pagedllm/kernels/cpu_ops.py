@@ -16,7 +16,7 @@
 * ``llama_decode_w8a8``, ``llama_decode_dense`` (``csrc/fused_decode.cpp``): the decoder layers
   of a decode-only Llama step (W8A8, resp. float weights) in one call, stringing the kernels above
   (and for float weights the same ATen / oneDNN linear) together in the module path's order
-  (``pagedllm.models.fused_decode``).
+  (``pagedllm.worker.fused_decode``).
 * ``install_cpu_allocator`` (``csrc/cpu_allocator.cpp``): a caching allocator for large CPU
   blocks, installed as torch's CPU allocator by ``install_cpu_allocator()`` below.
 

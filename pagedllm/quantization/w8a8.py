@@ -305,7 +305,7 @@ def quantizing_norm_class(norm_cls: type) -> type:
     """A subclass of the RMSNorm class ``norm_cls`` whose 2-D CPU output is a
     ``QuantizedActivation`` computed in one fused pass (``rms_norm_quant``), with the residual
     add folded in; other inputs take the float path. ``quantize_output`` is True on it (read by
-    ``models.fused_decode``)."""
+    ``worker.fused_decode``)."""
     cls = _QUANTIZING_NORMS.get(norm_cls)
     if cls is None:
         def forward(self, x, residual=None):

@@ -12,7 +12,7 @@ prepacking) changes, on this model instance only:
   SiLU/GELU body and its scalar tail round differently, and which elements fall in the tail
   depends on the step's size and thread split);
 * every ``RMSNorm`` of a 3-D input (per-head q/k norms) to the row-wise C++ norm;
-* the fused C++ decode step (``models/fused_decode.py``) off: it uses oneDNN's linears.
+* the fused C++ decode step (``worker/fused_decode.py``) off: it uses oneDNN's linears.
 
 Attention is swapped by the worker (``attention.batch_invariant``). Norms of 2-D inputs, rope,
 the residual adds, embeddings and greedy sampling are row-wise already.

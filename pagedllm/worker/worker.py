@@ -196,6 +196,7 @@ class Worker:
             from pagedllm.pooling.adapters import pooling_architectures
             archs = pooling_architectures(archs)
         model_cls = get_model_class(archs, args.model_impl if args.runner == "generate" else "pagedllm", hf_config)
+        import pagedllm.worker.fused_decode  # noqa: F401  (plugs the CPU decode-step fast path into the models)
         from pagedllm.worker.batch_invariant import batch_invariant_requested, check_batch_invariant_supported
         self.batch_invariant = batch_invariant_requested(args)
         if self.batch_invariant:

@@ -15,7 +15,7 @@ import pagedllm.kernels.cpu_ops as cpu_ops
 import pagedllm.quantization.w8a8 as w8a8
 from pagedllm.attention.backend import ForwardContext, set_forward_context
 from pagedllm.attention.torch_paged import TorchPagedAttention, build_metadata
-from pagedllm.models.fused_decode import FusedDecode
+from pagedllm.worker.fused_decode import FusedDecode
 from pagedllm.quantization import quantize_model
 
 torch.set_num_threads(1)

@@ -118,7 +118,7 @@ OPS = cpu_ops.get_ops()
 
 @pytest.mark.skipif(OPS is None or not hasattr(OPS, "llama_decode_dense"), reason="needs the C++ fused decode kernels")
 def test_fused_decode_runs_base_steps_and_skips_adapter_steps(hf_tiny, tiny_adapters, monkeypatch):
-    from pagedllm.models.fused_decode import FusedDecode
+    from pagedllm.worker.fused_decode import FusedDecode
 
     model = ours_from_hf(hf_tiny)
     mgr = LoRAModelManager(model, 2, 8, 2, torch.float32, torch.device("cpu"))

@@ -230,3 +230,15 @@ def _llama_layer_forward():
     from pagedllm.models.llama import LlamaDecoderLayer
 
     return LlamaDecoderLayer.forward
+
+
+def install_fused_decode() -> None:
+    """Plug ``FusedDecode.build`` into ``LlamaModel`` (and the architectures built on it) as its
+    decode-step fast path; called on import. Models stay free of kernel code: without this
+    module imported they run the module path."""
+    from pagedllm.models.llama import LlamaModel
+
+    LlamaModel.fused_decode_builder = staticmethod(FusedDecode.build)
+
+
+install_fused_decode()
