@@ -12,6 +12,80 @@ import torch  # noqa: E402
 
 torch.set_num_threads(1)
 
+#: CPU flags that select a kernel path, in the order the summary lists them.
+_ISA_FLAGS = ("avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512_vnni", "avx512_bf16", "amx_bf16", "amx_int8")
+
+
+def _cpu_flags() -> set[str]:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    return set(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return set()
+
+
+def isa_paths() -> list[tuple[str, bool, str]]:
+    """The CPU kernel paths the suite can exercise: (name, available here, why / what it needs).
+
+    A path is available when the C++ extension built it for this CPU (``-march=native``) and the
+    CPU has the flags it needs; ISA-gated tests skip with the same reason when it is not."""
+    from pagedllm.kernels.cpu_ops import get_ops
+    from pagedllm.models.layers import pack_bf16_weight
+
+    flags = _cpu_flags()
+    ops = get_ops()
+    bf16 = torch.empty(1, 1, 64, dtype=torch.bfloat16)
+    built = ops is not None
+    return [
+        ("C++ kernels (portable + -march=native)", built, "needs a C++ compiler at first use"),
+        ("AVX2/FMA group GEMM (GGUF blocks)", built and {"avx2", "fma", "f16c"} <= flags, "needs avx2, fma, f16c"),
+        ("AVX512-VNNI packed int8 GEMM (W8A8)", built and ops.int8_gemm_supported(), "needs avx512_vnni, avx512bw"),
+        ("AVX512-BF16 prefill attention", built and ops.prefill_supported(bf16), "needs avx512_bf16"),
+        ("AVX512-BF16 fp8 KV-cache kernels", built and hasattr(ops, "kv_fp8_supported") and ops.kv_fp8_supported(bf16),
+         "needs avx512_bf16"),
+        ("oneDNN bf16 weight prepack", pack_bf16_weight(torch.zeros(16, 16, dtype=torch.bfloat16)) is not None,
+         "needs avx512bw/vl/dq or avx_ne_convert"),
+        ("AMX tiles (oneDNN bf16/int8)", bool({"amx_bf16", "amx_int8"} & flags), "needs amx_bf16 / amx_int8"),
+    ]
+
+
+def _isa_lines() -> list[str]:
+    import platform as _platform
+
+    model = next((ln.split(":", 1)[1].strip() for ln in open("/proc/cpuinfo") if ln.startswith("model name")),
+                 _platform.processor()) if os.path.exists("/proc/cpuinfo") else _platform.processor()
+    flags = _cpu_flags()
+    lines = [f"CPU: {model}; ISA-gated kernel paths whose tests run or skip here; flags: {' '.join(f for f in _ISA_FLAGS if f in flags) or 'none of ' + '/'.join(_ISA_FLAGS)}"]
+    for name, ok, why in isa_paths():
+        lines.append(f"  {'runs ' if ok else 'skips'} {name}" + ("" if ok else f" ({why}: not on this CPU)"))
+    return lines
+
+
+def pytest_report_header(config):
+    """Name the CPU and the ISA paths the suite exercises at the top of the run."""
+    try:
+        return _isa_lines()
+    except Exception as e:  # the header must never stop a run
+        return [f"ISA paths: unknown ({e})"]
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus, config):
+    """Repeat the ISA paths at the end, with the ISA-gated tests that skipped for a missing flag."""
+    try:
+        lines = _isa_lines()
+    except Exception as e:
+        lines = [f"ISA paths: unknown ({e})"]
+    words = ("avx", "vnni", "bf16", "amx", "onednn cannot pack")
+    skipped = [r for r in terminalreporter.stats.get("skipped", [])
+               if any(w in str(getattr(r, "longrepr", "")).lower() for w in words)]
+    terminalreporter.section("CPU kernel paths (ISA)")
+    for ln in lines:
+        terminalreporter.write_line(ln)
+    terminalreporter.write_line(f"ISA-gated tests skipped for a missing CPU feature: {len(skipped)}")
+
 
 @pytest.fixture(scope="session")
 def smollm2_path() -> str:

@@ -11,10 +11,10 @@ Stated bounds:
 * SmolLM2-135M written in each format, run natively vs the same checkpoint dequantized at load
   (``quantization="none"``: float32 weights equal to the reference dequantization, per the unit
   tests above): greedy tokens identical for 12 tokens and top-5 logprobs within 2e-3 (fp32).
-  compressed-tensors W8A8 also quantizes activations (int8 per token), so there the first 8
-  tokens of the two completion prompts must agree and the greedy tokens' logprobs within 0.15 on
-  average, 0.75 at most (measured: max 0.44; tokens diverge at 9-10 on one prompt, and the
-  chat-style prompt starts with another token).
+* compressed-tensors W8A8 also quantizes activations (int8 per token), so it is not the float
+  model: ``test_smollm2_w8a8_checkpoint_teacher_forced`` compares it with the dequantized model
+  teacher-forced on the float model's greedy text (no divergence cascades), and with itself
+  through the other int8 GEMM (like with like). Bounds and measurements there.
 """
 from __future__ import annotations
 
@@ -286,10 +286,21 @@ FORMATS = {
             {"quant_method": "awq", "bits": 4, "group_size": 64, "zero_point": True, "version": "gemm"}),
     "ct-w4a16": (lambda w: ct_tensors(w, ct_scheme("W4A16", group_size=64), "pack-quantized"),
                  ("pack-quantized", ct_scheme("W4A16", group_size=64))),
-    "ct-w8a8": (lambda w: ct_tensors(w, ct_scheme("W8A8"), "int-quantized"), ("int-quantized", ct_scheme("W8A8"))),
     "ct-fp8": (lambda w: ct_tensors(w, ct_scheme("FP8_DYNAMIC"), "float-quantized"),
                ("float-quantized", ct_scheme("FP8_DYNAMIC"))),
 }
+W8A8_FORMAT = (lambda w: ct_tensors(w, ct_scheme("W8A8"), "int-quantized"), ("int-quantized", ct_scheme("W8A8")))
+
+
+def _checkpoint(smollm2_float, tmp_path, fmt, fn, qc):
+    """A SmolLM2 checkpoint directory in ``fmt`` (``qc``: the quantization_config, or a
+    compressed-tensors (format, scheme) pair)."""
+    cfg, sd, tok = smollm2_float
+    if isinstance(qc, tuple):
+        qc = {"quant_method": "compressed-tensors", "format": qc[0], "quantization_status": "compressed",
+              "ignore": ["lm_head"], "config_groups": {"group_0": qc[1].model_dump(exclude_none=True)}}
+    qsd, _ref_sd = _quantize_sd(sd, fn)
+    return _write_dir(tmp_path / fmt, cfg, qsd, tok, qc)
 
 
 @pytest.mark.slow
@@ -297,13 +308,8 @@ FORMATS = {
 def test_smollm2_checkpoint_formats_end_to_end(fmt, smollm2_float, tmp_path):
     from pagedllm import LLM, SamplingParams
 
-    cfg, sd, tok = smollm2_float
     fn, qc = FORMATS[fmt]
-    if isinstance(qc, tuple):
-        qc = {"quant_method": "compressed-tensors", "format": qc[0], "quantization_status": "compressed",
-              "ignore": ["lm_head"], "config_groups": {"group_0": qc[1].model_dump(exclude_none=True)}}
-    qsd, _ref_sd = _quantize_sd(sd, fn)
-    qdir = _write_dir(tmp_path / fmt, cfg, qsd, tok, qc)
+    qdir = _checkpoint(smollm2_float, tmp_path, fmt, fn, qc)
     kw = dict(dtype="float32", kv_cache_memory=16 * 1024**2, max_num_batched_tokens=256, seed=0)
     prompts = ["The capital of France is", "Write a haiku about autumn leaves.", "1, 2, 3, 4,"]
     sp = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True, logprobs=5)
@@ -317,22 +323,92 @@ def test_smollm2_checkpoint_formats_end_to_end(fmt, smollm2_float, tmp_path):
     assert ref.llm_engine.core.loaded.quant_config.dequantize_after_load
     want = ref.generate(prompts, sp, use_tqdm=False)
     fbytes = ref.llm_engine.core.weight_bytes
-    # W8A8 quantizes activations too: it follows the float model less closely
-    n_tok = 8 if fmt == "ct-w8a8" else 12
     deltas = []
-    for i, (a, b) in enumerate(zip(got, want)):
-        if fmt == "ct-w8a8" and i == 1:
-            continue  # NOTE: int8 activations pick another first token on the chat-style prompt
-        assert a.outputs[0].token_ids[:n_tok] == b.outputs[0].token_ids[:n_tok], (fmt, a.outputs[0].text,
-                                                                                  b.outputs[0].text)
-        for t, da, db in list(zip(a.outputs[0].token_ids, a.outputs[0].logprobs, b.outputs[0].logprobs))[:n_tok]:
-            # W8A8: the greedy token's logprob (the tail of the top 5 moves more); else all of the top 5
-            common = {t} if fmt == "ct-w8a8" else set(da) & set(db)
+    for a, b in zip(got, want):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids, (fmt, a.outputs[0].text, b.outputs[0].text)
+        for da, db in zip(a.outputs[0].logprobs, b.outputs[0].logprobs):
+            common = set(da) & set(db)
             assert common
             deltas += [abs(da[c].logprob - db[c].logprob) for c in common]
-    if fmt == "ct-w8a8":
-        assert sum(deltas) / len(deltas) < 0.15 and max(deltas) < 0.75, deltas
-    else:
-        assert max(deltas) < 2e-3, deltas
+    assert max(deltas) < 2e-3, deltas
     assert "Paris" in got[0].outputs[0].text
     assert qbytes < fbytes  # the linears stay in their packed size
+
+
+def _teacher_forced(llm, seqs):
+    """Per position of each token sequence (after the first): (logprob of the sequence's own
+    next token, the model's argmax token, its top-2 margin in nats), from ``prompt_logprobs``."""
+    from pagedllm import SamplingParams
+
+    outs = llm.generate([{"prompt_token_ids": s} for s in seqs],
+                        SamplingParams(max_tokens=1, temperature=0, prompt_logprobs=5), use_tqdm=False)
+    rows = []
+    for o, s in zip(outs, seqs):
+        r = []
+        for t, d in zip(s[1:], o.prompt_logprobs[1:]):
+            top = sorted(d.items(), key=lambda kv: -kv[1].logprob)
+            r.append((d[t].logprob, top[0][0], top[0][1].logprob - top[1][1].logprob))
+        rows.append(r)
+    return rows
+
+
+@pytest.mark.slow
+def test_smollm2_w8a8_checkpoint_teacher_forced(smollm2_float, tmp_path, monkeypatch):
+    """compressed-tensors W8A8 (int8 per-channel weights, dynamic int8 per-token activations) on
+    SmolLM2, end to end through ``LLM``.
+
+    Why teacher-forced: W8A8 is not the float model. Its per-token int8 activations move a
+    token's logprob by 0.15 nats on average (measured: mean 0.148, max 0.91 over 93 positions,
+    AMD Zen 4 with AVX512-VNNI), so free-running greedy text follows the float model only until
+    the first position whose top-2 margin is smaller than that. The old free-running check failed
+    on an AVX512-VNNI Xeon at token 5 of "The capital of France is", where the float model's
+    margin is 0.14 nats: there the torch-reference arithmetic (no C++ kernels) picks " United",
+    the C++ path " answer" — not a kernel fault (the VNNI GEMM's int32 sums equal torch._int_mm's
+    and exact integer matmul, test_w8a8.py), but one-ulp differences in the float steps around
+    it (RMSNorm, scales) flipping a few round-to-nearest int8 codes, which SmolLM2's activation
+    outliers amplify (the torch reference and the C++ path differ by up to 0.59 nats).
+
+    Checked here, on sequences made of the float model's greedy continuations:
+    * like with like: the checkpoint run with the packed GEMM (AVX512-VNNI, where the CPU has it)
+      and with torch._int_mm gives bit-identical logprobs (the same integers, the same epilogue);
+    * against the dequantized float model: the logprob of each next token within 0.3 nats on
+      average and 1.5 at most, and the same argmax wherever the float model's top-2 margin
+      exceeds 1.0 nat (measured: no disagreement above 0.69; at least 30 such positions).
+    """
+    from pagedllm import LLM, SamplingParams
+    import pagedllm.quantization.w8a8 as w8a8
+
+    qdir = _checkpoint(smollm2_float, tmp_path, "ct-w8a8", *W8A8_FORMAT)
+    kw = dict(dtype="float32", kv_cache_memory=16 * 1024**2, max_num_batched_tokens=256, seed=0)
+    prompts = ["The capital of France is", "Write a haiku about autumn leaves.", "1, 2, 3, 4,"]
+    ref = LLM(qdir, quantization="none", **kw)
+    assert ref.llm_engine.core.loaded.quant_config.dequantize_after_load
+    cont = ref.generate(prompts, SamplingParams(max_tokens=24, temperature=0, ignore_eos=True), use_tqdm=False)
+    seqs = [list(o.prompt_token_ids) + list(o.outputs[0].token_ids) for o in cont]
+    want = _teacher_forced(ref, seqs)
+    fbytes = ref.llm_engine.core.weight_bytes
+    del ref
+
+    runs = {}
+    for path, max_m in (("packed", 256), ("onednn", 0)):
+        monkeypatch.setattr(w8a8, "PACKED_GEMM_MAX_M", max_m)  # read when the weights are installed
+        llm = LLM(qdir, **kw)
+        core = llm.llm_engine.core
+        assert core.loaded.quant_config.name == "compressed-tensors"
+        assert core.weight_bytes < fbytes  # the linears stay int8
+        runs[path] = _teacher_forced(llm, seqs)
+        if path == "packed":
+            text = llm.generate(prompts[:1], SamplingParams(max_tokens=8, temperature=0), use_tqdm=False)
+            assert "Paris" in text[0].outputs[0].text
+        del llm, core
+    assert runs["packed"] == runs["onednn"]  # bit-identical, whichever int8 GEMM ran
+
+    deltas, checked = [], 0
+    for got_rows, want_rows in zip(runs["packed"], want):
+        for (lp, top, _), (flp, ftop, margin) in zip(got_rows, want_rows):
+            deltas.append(abs(lp - flp))
+            if margin > 1.0:
+                checked += 1
+                assert top == ftop, (margin, top, ftop)
+    assert checked >= 30, checked
+    assert sum(deltas) / len(deltas) < 0.3 and max(deltas) < 1.5, deltas
