@@ -32,14 +32,19 @@ class UniProcExecutor(Executor):
         from pagedllm.kernels.cpu_ops import cpu_allocator_stats
 
         a = cpu_allocator_stats() if self.driver_worker.device.type == "cpu" else {}
-        if not a:
-            return {}
-        return {"cpu_allocator_cached_bytes": a["cached_bytes"], "cpu_allocator_live_bytes": a["live_bytes"],
-                "cpu_allocator_cache_limit_bytes": a["max_cached_bytes"]}
+        out = {}
+        if a:
+            out = {"cpu_allocator_cached_bytes": a["cached_bytes"], "cpu_allocator_live_bytes": a["live_bytes"],
+                   "cpu_allocator_cache_limit_bytes": a["max_cached_bytes"]}
+        ctl = getattr(self.driver_worker, "thread_controller", None)
+        if self.driver_worker.device.type == "cpu":
+            import torch
+            out["cpu_compute_threads"] = ctl.threads if ctl is not None else torch.get_num_threads()
+        return out
 
     def execute_model(self, so: SchedulerOutput, non_block: bool = False
                       ) -> Union[ModelRunnerOutput, "Future[ModelRunnerOutput]"]:
-        out = self.driver_worker.runner.execute(so)
+        out = self.driver_worker.execute_model(so)
         if not non_block:
             return out
         fut: Future = Future()

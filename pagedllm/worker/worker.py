@@ -135,6 +135,7 @@ class Worker:
         self.batch_invariant = False  # set by load_model (EngineArgs.batch_invariant or the environment)
         self.draft_model: Any = None  # speculative decoding's draft model (method draft_model)
         self.lora_manager: Any = None  # pagedllm.lora.model_manager.LoRAModelManager (enable_lora)
+        self.thread_controller: Any = None  # pagedllm.worker.cpu_threads.AdaptiveThreads (CPU, >1 thread)
 
     @property
     def is_output_rank(self) -> bool:
@@ -160,7 +161,11 @@ class Worker:
         self.dtype = resolve_dtype(args.dtype, self.device)
         if self.device.type == "cpu":
             from pagedllm.kernels.cpu_ops import install_cpu_allocator
+            from pagedllm.worker.cpu_threads import make_thread_controller
             install_cpu_allocator()  # before the weights and KV cache are allocated
+            # NOTE: the team shrinks while other processes hold cores (cpu_threads.py: a busy
+            # neighbour otherwise stalls every parallel region of a step)
+            self.thread_controller = make_thread_controller(n)
         self.kv_cache_dtype = resolve_kv_cache_dtype(args.kv_cache_dtype, self.dtype, self.device)
         if self.world_size > 1:
             from pagedllm.distributed.parallel_state import init_distributed
@@ -522,6 +527,8 @@ class Worker:
     # ------------------------------------------------------------------ steps
     def execute_model(self, so: SchedulerOutput) -> Optional[ModelRunnerOutput]:
         """Run one step; the runner's output on the output rank, None on the others."""
+        if self.thread_controller is not None:
+            self.thread_controller.step()
         out = self.runner.execute(so)
         return out if self.is_output_rank else None
 
