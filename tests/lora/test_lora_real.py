@@ -1,7 +1,7 @@
 """LoRA on the real SmolLM2-135M (fp32) against transformers + peft: three adapters made with peft
-on SmolLM2 (random init, nonzero B) and saved; through our engine's own model, logits within 1e-4
-for each adapter; through ``LLM``, greedy tokens identical to transformers + peft for each
-adapter, and a batch mixing the three adapters and the base gives each row its solo result; the
+on SmolLM2 (random init, nonzero B) and saved; through our engine's own model, logits within
+5e-6 of their largest magnitude (float32 rounding) for each adapter; through ``LLM``, greedy
+tokens identical to transformers + peft for each adapter, and a batch mixing the three adapters and the base gives each row its solo result; the
 same prompt under two adapters in sequence shares no prefix-cache blocks (hits only within one
 adapter)."""
 from __future__ import annotations
@@ -79,7 +79,7 @@ def _lrs(adapters):
     return {name: LoRARequest(name, k + 1, path) for k, (name, path) in enumerate(adapters.items())}
 
 
-def test_logits_within_1e4_of_peft(llm, real):
+def test_logits_match_peft_within_float32_rounding(llm, real):
     _, _, adapters, ids, refs = real
     core = llm.llm_engine.core
     drv = LoRAStepDriver(core.model, core.runner.lora_manager, num_blocks=256)
@@ -88,8 +88,11 @@ def test_logits_within_1e4_of_peft(llm, real):
         for i, p in enumerate(ids):
             toks, want = refs[(i, name)]
             got = drv.step([(f"{name}-{i}", p + toks[:-1], None if name is None else lrs[name])])[f"{name}-{i}"]
-            err = (got - want).abs().max().item()
-            assert err < 1e-4, (name, i, err)
+            # NOTE: float32 sums in another order on each ISA (oneDNN's AVX2 vs AVX-512 kernels):
+            # measured 2.0-2.2e-6 x max|logit| for the base model and <= 2.6e-6 with adapters (AMD
+            # Zen 4); an absolute 1e-4 was at the edge for the base model itself (7.6-8.2e-5 there)
+            err, scale = (got - want).abs().max().item(), want.abs().max().item()
+            assert err < 5e-6 * scale, (name, i, err, scale)
 
 
 def test_greedy_tokens_identical_alone_and_mixed(llm, real):
