@@ -11,10 +11,13 @@ from pagedllm.structured_output.backend import (CompiledGrammar, GrammarMatcher,
 
 def _whitespace_options(spec: GrammarSpec) -> dict[str, Any]:
     """``compile_json_schema`` keywords for ``spec``'s JSON whitespace: at most
-    ``max_whitespace_cnt`` characters in a run, or none without ``any_whitespace``."""
+    ``max_whitespace_cnt`` characters in a run, or compact JSON (``{"a":1}``) without
+    ``any_whitespace``."""
     if spec.any_whitespace:
         return {"any_whitespace": True, "max_whitespace_cnt": spec.max_whitespace_cnt}
-    return {"any_whitespace": False}
+    # NOTE: any_whitespace=False alone is json.dumps' fixed layout with ", " and ": " (a space is
+    # then required after every comma and colon); compact JSON needs the separators too.
+    return {"any_whitespace": False, "separators": (",", ":")}
 
 
 def bound_tag_whitespace(tag: Any, max_whitespace_cnt: int) -> Any:

@@ -2,7 +2,7 @@
 newlines cannot emit "{" and then whitespace until max_tokens. Both backends on SmolLM2's real
 tokenizer: the bitmask refuses a run longer than ``max_whitespace_cnt`` (default 16) and no
 allowed token starts with more whitespace than is left; pretty-printed JSON still passes;
-forced tool calls (the tool-call grammar path) get
+``disable_any_whitespace`` is compact JSON; forced tool calls (the tool-call grammar path) get
 the same bound, so their ``arguments`` parse, whole and streamed."""
 from __future__ import annotations
 
@@ -186,6 +186,21 @@ def test_engine_config_sets_the_bound(smollm2_tokenizer):
 def test_bad_bound_is_a_value_error_naming_the_key(value):
     with pytest.raises(ValueError, match=r"structured_outputs_config\.max_whitespace_cnt"):
         StructuredOutputsConfig.from_any({"max_whitespace_cnt": value})
+
+
+# ----------------------------------------------------------------------------- compact JSON
+@pytest.mark.parametrize("name", BACKENDS)
+def test_disable_any_whitespace_is_compact_json(backends, smollm2_tokenizer, name):
+    tok = smollm2_tokenizer
+    spec = GrammarSpec("json", json.dumps(NESTED), any_whitespace=False)
+    compact = json.dumps(NESTED_DOC, separators=(",", ":"))
+    m = backends[name].compile(spec).new_matcher()
+    assert m.accept_tokens(enc(tok, compact)) and m.accept_tokens([SMOLLM2_EOS])
+    for spaced in (json.dumps(NESTED_DOC), json.dumps(NESTED_DOC, indent=2)):
+        assert not backends[name].compile(spec).new_matcher().accept_tokens(enc(tok, spaced))
+    m = backends[name].compile(spec).new_matcher()
+    assert m.accept_tokens(enc(tok, '{"user":'))
+    assert all(leading_ws(tok, t) == 0 for t in allowed_ids(m, SMOLLM2_VOCAB))
 
 
 # ----------------------------------------------------------------------------- tool calls
