@@ -262,3 +262,60 @@ def test_metrics_prefix_vllm_serves_the_dashboard_names():
         text = c.get("/metrics").text
     assert "pagedllm:num_requests_running" in text and "vllm:" not in text
     assert "gpu_cache_usage_perc" not in text and "pagedllm:request_prefill_time_seconds" in text
+
+
+# ----------------------------------------------------------------------------- issue 37
+@pytest.fixture(scope="module")
+def tools_client():
+    from scripted_engine import ScriptedAsyncLLM
+    from test_chat_tools_fake import TEMPLATE
+    engine = ScriptedAsyncLLM(lambda prompt: "<think>Hmm.</think>Plain text.", max_model_len=1024)
+    args = make_args(chat_template=TEMPLATE, enable_auto_tool_choice=True,
+                     tool_call_parser="hermes", reasoning_parser="qwen3")
+    with TestClient(build_app(engine, args)) as c:
+        c.engine = engine
+        yield c
+
+
+CHAT_HI = {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 50}
+NAMED = {"type": "function", "function": {"name": "get_time"}}
+
+
+@pytest.mark.parametrize("path,body", [
+    ("/v1/chat/completions", {**CHAT_HI, "tool_choice": "required"}),
+    ("/v1/chat/completions", {**CHAT_HI, "tool_choice": "required", "tools": []}),
+    ("/v1/chat/completions", {**CHAT_HI, "tool_choice": NAMED}),
+    ("/v1/chat/completions", {**CHAT_HI, "tool_choice": "auto"}),
+    ("/v1/responses", {"input": "Hi", "tool_choice": "required"}),
+    ("/v1/responses", {"input": "Hi", "tool_choice": {"type": "function", "name": "get_time"}}),
+])
+def test_forced_tool_choice_without_tools_is_400(tools_client, path, body):
+    from test_api_server_fake import assert_error
+    err = assert_error(tools_client.post(path, json=body), 400, "tool_choice")
+    assert err["message"] == "When using `tool_choice`, `tools` must be set."
+    assert err["type"] == "BadRequestError"
+
+
+@pytest.mark.parametrize("tool_choice", [{"type": "any"}, {"type": "tool", "name": "get_time"}])
+def test_messages_forced_tool_choice_without_tools_is_400(tools_client, tool_choice):
+    r = tools_client.post("/v1/messages", json={
+        "model": "SmolLM2-135M-Instruct", "max_tokens": 8, "tool_choice": tool_choice,
+        "messages": [{"role": "user", "content": "Hi"}]})
+    assert r.status_code == 400, r.text
+    assert r.json() == {"type": "error", "error": {
+        "type": "invalid_request_error",
+        "message": "When using `tool_choice`, `tools` must be set."}}
+
+
+def test_unforced_tool_choice_without_tools_still_answers(tools_client):
+    r = tools_client.post("/v1/chat/completions", json={**CHAT_HI, "tool_choice": "none"})
+    assert r.status_code == 200 and r.json()["choices"][0]["message"]["content"] == "Plain text."
+    for tc in (None, "auto", "none"):  # Responses' default tool_choice is "auto"
+        body = {"input": "Hi"} if tc is None else {"input": "Hi", "tool_choice": tc}
+        r = tools_client.post("/v1/responses", json=body)
+        assert r.status_code == 200 and r.json()["output"][-1]["content"][0]["text"] == "Plain text."
+    for tc in ({"type": "auto"}, {"type": "none"}):
+        r = tools_client.post("/v1/messages", json={
+            "model": "SmolLM2-135M-Instruct", "max_tokens": 50, "tool_choice": tc,
+            "messages": [{"role": "user", "content": "Hi"}]})
+        assert r.status_code == 200 and r.json()["content"][-1]["text"] == "Plain text."

@@ -186,10 +186,12 @@ class AnthropicServingMessages:
         if request.thinking is not None:
             body["chat_template_kwargs"] = {
                 "enable_thinking": request.thinking.get("type") == "enabled"}
+        tc, parallel = _chat_tool_choice(request.tool_choice)
         if request.tools:
-            tc, parallel = _chat_tool_choice(request.tool_choice)
             body.update(tools=_chat_tools(request.tools), tool_choice=tc,
                         parallel_tool_calls=parallel)
+        elif tc not in ("auto", "none"):
+            body["tool_choice"] = tc  # any / tool without tools: the chat path's 400
         try:
             chat_req = ChatCompletionRequest(**{k: v for k, v in body.items() if v is not None})
         except ValidationError as e:
