@@ -83,11 +83,12 @@ def messages_to_chat(system: Any, messages: list[dict[str, Any]]) -> list[dict[s
             elif btype == "tool_use" and role == "assistant":
                 if not isinstance(b.get("id"), str) or not isinstance(b.get("name"), str):
                     raise _err(f"{bw}: a tool_use block needs string `id` and `name`")
-                if not isinstance(b.get("input", {}), dict):
+                if "input" not in b:
+                    raise _err(f"{bw}.input: Field required")  # Anthropic's schema requires it
+                if not isinstance(b["input"], dict):
                     raise _err(f"{bw}.input: must be an object")
                 calls.append({"id": b["id"], "type": "function", "function": {
-                    "name": b["name"], "arguments": json.dumps(b.get("input", {}),
-                                                               ensure_ascii=False)}})
+                    "name": b["name"], "arguments": json.dumps(b["input"], ensure_ascii=False)}})
             elif btype == "tool_result" and role == "user":
                 if not isinstance(b.get("tool_use_id"), str) or not b["tool_use_id"]:
                     raise _err(f"{bw}: a tool_result block needs a string `tool_use_id`")
