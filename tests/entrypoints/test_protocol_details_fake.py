@@ -319,3 +319,91 @@ def test_unforced_tool_choice_without_tools_still_answers(tools_client):
             "model": "SmolLM2-135M-Instruct", "max_tokens": 50, "tool_choice": tc,
             "messages": [{"role": "user", "content": "Hi"}]})
         assert r.status_code == 200 and r.json()["content"][-1]["text"] == "Plain text."
+
+
+MESSAGES_BASE = {"model": "SmolLM2-135M-Instruct", "max_tokens": 20,
+                 "messages": [{"role": "user", "content": "Hi"}]}
+TOOL_USE_NO_INPUT = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": [
+    {"type": "tool_use", "id": "t", "name": "f"}]}]
+
+
+@pytest.mark.parametrize("path,body,expect", [
+    # the model validator's errors (no location) once started with ": "
+    ("/v1/messages", {"max_tokens": 0}, "max_tokens: must be at least 1"),
+    ("/v1/messages", {"messages": []}, "messages: at least one message is required"),
+    ("/v1/messages", {"temperature": 3}, "temperature: must be between 0 and 1"),
+    # a union's member names ("str", "list[dict[str,any]]") are not part of the field path
+    ("/v1/messages", {"system": 5}, "system: Input should be a valid string or a valid list"),
+    ("/v1/messages", {"max_tokens": "x"}, "max_tokens: Input should be a valid integer, unable to "
+                                          "parse string as an integer"),
+    ("/v1/messages", {"model": None}, "model: Field required"),
+    ("/v1/messages", {"messages": [1]}, "messages.0: Input should be a valid dictionary"),
+    ("/v1/messages", {"stop_sequences": "x"}, "stop_sequences: Input should be a valid list"),
+    ("/v1/messages", {"tool_choice": "any"}, "tool_choice: Input should be a valid dictionary"),
+    ("/v1/messages", {"messages": TOOL_USE_NO_INPUT}, "messages.1.content.0.input: Field required"),
+    ("/v1/messages", {"messages": [{"role": "user", "content": [{"type": "text"}]}]},
+     "messages.0.content.0.text: Field required (a string)"),
+    ("/v1/messages", {"system": [{"type": "text"}]}, "system.0.text: Field required (a string)"),
+    ("/v1/messages", {"top_p": 2}, "top_p must be in (0, 1], got 2.0."),
+    ("/v1/responses", {"input": 5}, "input: Input should be a valid string or a valid list"),
+    ("/v1/responses", {"input": [5]},
+     "input: Input should be a valid string; input.0: Input should be a valid dictionary"),
+    ("/v1/responses", {"input": "x", "tool_choice": 5},
+     "tool_choice: Input should be a valid string or a valid dictionary"),
+    ("/v1/responses", {"input": "x", "max_output_tokens": 0}, "`max_output_tokens` must be at least 1."),
+    ("/v1/responses", {"input": "x", "max_output_tokens": "x"},
+     "max_output_tokens: Input should be a valid integer, unable to parse string as an integer"),
+    ("/v1/responses", {"input": []}, "`input` must not be empty."),
+    ("/v1/responses", {"input": "x", "truncation": "x"}, "truncation: Input should be 'auto' or 'disabled'"),
+    ("/v1/responses", {"input": "x", "background": True, "store": False},
+     "`background` can only be used when `store` is true."),
+    ("/v1/responses", {"input": "x", "top_logprobs": 30}, "`top_logprobs` must be between 0 and 20."),
+    ("/v1/responses", {"input": "x", "text": 3}, "text: Input should be a valid dictionary"),
+    ("/v1/chat/completions", {**CHAT_HI, "stop": 5}, "stop: Input should be a valid string or a valid list"),
+])
+def test_error_messages_start_with_a_word(tools_client, path, body, expect):
+    import re
+    if path == "/v1/messages":
+        body = {k: v for k, v in {**MESSAGES_BASE, **body}.items() if v is not None}
+    r = tools_client.post(path, json=body)
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    msg = err["message"]
+    # a field name (perhaps `quoted`) or a word first: no stray ": " or other punctuation
+    assert re.match(r"`?[A-Za-z]", msg), msg
+    assert msg == expect
+    if path != "/v1/messages":  # OpenAI bodies name the field
+        field = re.match(r"`?([a-z_]+)", expect).group(1)
+        assert err["param"] == field, err
+
+
+def test_format_validation_errors_of_any_model():
+    from typing import Optional, Union
+
+    from pydantic import BaseModel, ValidationError, model_validator
+
+    from pagedllm.entrypoints.openai.errors import format_validation_errors
+
+    class M(BaseModel):
+        a: Union[int, list[int]]
+        b: Optional[dict[str, int]] = None
+
+        @model_validator(mode="after")
+        def _check(self):
+            if self.a == 0:
+                raise ValueError("a: must not be 0")
+            return self
+
+    def fmt(data):
+        with pytest.raises(ValidationError) as e:
+            M.model_validate(data)
+        return format_validation_errors(e.value.errors())
+
+    assert fmt({"a": 0}) == ("a: must not be 0", None)  # no location: the message alone
+    assert fmt({"a": "x"}) == ("a: Input should be a valid integer, unable to parse string as an "
+                               "integer or a valid list", "a")
+    assert fmt({"a": [1, "y"], "b": {"k": "z"}}) == (
+        "a: Input should be a valid integer; a.1: Input should be a valid integer, unable to parse "
+        "string as an integer; b.k: Input should be a valid integer, unable to parse string as an "
+        "integer", "a")
+    assert fmt({}) == ("a: Field required", "a")

@@ -20,7 +20,8 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 from pydantic import ValidationError
 
-from pagedllm.entrypoints.openai.errors import OpenAIError, value_error_to_openai
+from pagedllm.entrypoints.openai.errors import (OpenAIError, format_validation_errors,
+                                                value_error_to_openai)
 from pagedllm.entrypoints.openai.output_parser import OutputDelta
 from pagedllm.entrypoints.openai.protocol import ChatCompletionRequest
 from pagedllm.entrypoints.openai.protocol_anthropic import (AnthropicMessagesRequest,
@@ -45,10 +46,11 @@ def _block_text(content: Any, where: str) -> str:
         raise _err(f"{where}: expected a string or a list of content blocks")
     out = []
     for k, b in enumerate(content):
-        if not isinstance(b, dict) or b.get("type") != "text" or not isinstance(b.get("text"),
-                                                                                 str):
+        if not isinstance(b, dict) or b.get("type") != "text":
             btype = b.get("type") if isinstance(b, dict) else type(b).__name__
             raise _err(f"{where}.{k}: unsupported content block {btype!r} here (text only)")
+        if not isinstance(b.get("text"), str):
+            raise _err(f"{where}.{k}.text: Field required (a string)")
         out.append(b["text"])
     return "\n".join(out)
 
@@ -78,7 +80,9 @@ def messages_to_chat(system: Any, messages: list[dict[str, Any]]) -> list[dict[s
         for k, b in enumerate(content):
             bw = f"{where}.content.{k}"
             btype = b.get("type") if isinstance(b, dict) else None
-            if btype == "text" and isinstance(b.get("text"), str):
+            if btype == "text":
+                if not isinstance(b.get("text"), str):
+                    raise _err(f"{bw}.text: Field required (a string)")
                 texts.append(b["text"])
             elif btype == "tool_use" and role == "assistant":
                 if not isinstance(b.get("id"), str) or not isinstance(b.get("name"), str):
@@ -163,10 +167,7 @@ class AnthropicServingMessages:
             try:
                 request = AnthropicMessagesRequest.model_validate(body)
             except ValidationError as e:
-                msg = "; ".join(".".join(str(x) for x in err.get("loc", ())) + ": "
-                                + str(err.get("msg", "")).removeprefix("Value error, ")
-                                for err in e.errors())
-                raise _err(msg) from None
+                raise _err(format_validation_errors(e.errors())[0]) from None
             return await self._run(request, raw_request, count_only)
         except OpenAIError as e:
             return JSONResponse(anthropic_error_body(e.message, e.status_code),
