@@ -407,3 +407,37 @@ def test_format_validation_errors_of_any_model():
         "string as an integer; b.k: Input should be a valid integer, unable to parse string as an "
         "integer", "a")
     assert fmt({}) == ("a: Field required", "a")
+
+
+def test_own_reasoning_sent_back_is_accepted_silently(tools_client, caplog):
+    r = tools_client.post("/v1/chat/completions", json=CHAT_HI)
+    message = r.json()["choices"][0]["message"]
+    assert message["reasoning"] == message["reasoning_content"] == "Hmm."
+    tmpl = ("{% for m in messages %}[{{ m.role }}|{{ m.reasoning_content }}|{{ m.reasoning }}]"
+            "{{ m.content }}{% endfor %}")
+    for sent in (message,  # the server's own message, unchanged: both names
+                 {"role": "assistant", "content": "Plain text.", "reasoning": "Hmm."},
+                 {"role": "assistant", "content": "Plain text.", "reasoning_content": "Hmm."}):
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="pagedllm.entrypoints.openai"):
+            r = tools_client.post("/v1/chat/completions", json={
+                **CHAT_HI, "chat_template": tmpl,
+                "messages": [{"role": "user", "content": "Hi"}, sent, {"role": "user", "content": "More"}]})
+        assert r.status_code == 200, r.text
+        assert [rec.getMessage() for rec in caplog.records if "ignored" in rec.getMessage()] == []
+        prompt = tools_client.engine.received[-1][0]["prompt"]
+        assert prompt == "[user||]Hi[assistant|Hmm.|Hmm.]Plain text.[user||]More"
+
+
+def test_offline_chat_gets_the_reasoning_under_both_names():
+    from pagedllm.engine.chat import normalize_messages
+    msgs = [{"role": "user", "content": "Hi", "reasoning": "not an assistant's"},
+            {"role": "assistant", "content": "A", "reasoning": "new name"},
+            {"role": "assistant", "content": "B", "reasoning_content": "old name"},
+            {"role": "assistant", "content": "C", "reasoning": "wins", "reasoning_content": "loses"},
+            {"role": "assistant", "content": "D"}]
+    out = normalize_messages(msgs)
+    assert out[0] == msgs[0]
+    assert [(m.get("reasoning"), m.get("reasoning_content")) for m in out[1:]] == [
+        ("new name", "new name"), ("old name", "old name"), ("wins", "wins"), (None, None)]
+    assert "reasoning_content" not in msgs[1]  # copies: the caller's messages are kept
