@@ -150,9 +150,11 @@ class EngineArgs:
             ``shard_intermediate`` are the splits a sharding pass would call.
         structured_outputs_config: dict of structured-output settings (vLLM's
             ``--structured-outputs-config``): ``backend`` ("auto" | "xgrammar" | "guidance"),
-            ``disable_fallback``, ``disable_any_whitespace``, ``disable_additional_properties``,
-            ``grammar_cache_size`` (compiled grammars kept, default 256), ``compile_threads``
-            (default 2); see ``pagedllm.structured_output.config``.
+            ``disable_fallback``, ``disable_any_whitespace``, ``max_whitespace_cnt`` (most
+            whitespace characters in a row in JSON, default 16, None = unbounded),
+            ``disable_additional_properties``, ``grammar_cache_size`` (compiled grammars kept,
+            default 256), ``compile_threads`` (default 2); see
+            ``pagedllm.structured_output.config``.
         tensor_parallel_size: ranks each layer is split across (attention heads, MLP, vocab).
         pipeline_parallel_size: stages the layers are split across (contiguous ranges).
         data_parallel_size: independent engine replicas behind one server (each with

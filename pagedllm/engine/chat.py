@@ -42,7 +42,9 @@ def load_chat_template(value: Optional[str]) -> Optional[str]:
 def normalize_messages(messages: list[dict]) -> list[dict]:
     """Copies of the messages with OpenAI content parts (``[{"type": "text", "text": ...}]``,
     also ``input_text`` / ``output_text`` / ``refusal``) joined into one string (newlines
-    between parts, as vLLM) and ``None`` content as "".
+    between parts, as vLLM) and ``None`` content as "". An assistant message's reasoning
+    (``reasoning``, vLLM's newer name, or ``reasoning_content``) is set under both names, as
+    vLLM does, so a template reading either sees it.
 
     Raises:
         InputValidationError: empty ``messages``, a message without a role, or a non-text part.
@@ -76,6 +78,12 @@ def normalize_messages(messages: list[dict]) -> list[dict]:
             m["content"] = "\n".join(parts)
         elif c is None:
             m["content"] = ""
+        if m.get("role") == "assistant":
+            reasoning = m.get("reasoning")
+            if not isinstance(reasoning, str):
+                reasoning = m.get("reasoning_content")
+            if isinstance(reasoning, str):
+                m["reasoning"] = m["reasoning_content"] = reasoning
         out.append(m)
     return out
 

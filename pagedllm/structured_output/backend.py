@@ -12,7 +12,10 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import Any, Optional
 
-from pagedllm.structured_output.params import StructuredOutputsParams
+from pagedllm.structured_output.params import DEFAULT_MAX_WHITESPACE_CNT, StructuredOutputsParams
+
+# Constraint kinds whose grammar contains JSON (the whitespace options apply to them).
+JSON_KINDS = ("json", "json_object", "structural_tag")
 
 # Grammar libraries prefix C++ errors with "[hh:mm:ss] /path/file.cc:123: "; clients need only the rest.
 _CPP_PREFIX = re.compile(r"^\s*\[[0-9:]+\]\s+\S+:\d+:\s*")
@@ -32,7 +35,10 @@ class GrammarSpec:
         kind: "json", "json_object", "regex", "choice", "grammar" or "structural_tag".
         spec: canonical text: JSON (compact; key order kept: it is the order properties are generated in) for json / structural_tag / choice,
             the pattern for regex, the grammar text for grammar, "" for json_object.
-        any_whitespace: JSON may have free whitespace between tokens.
+        any_whitespace: JSON may have whitespace between tokens (False: compact JSON, none at all).
+        max_whitespace_cnt: with ``any_whitespace``, the most whitespace characters in one run
+            between two JSON tokens (None: unbounded); None for kinds without JSON and for
+            compact JSON (canonical, so equal grammars share a cache entry).
         additional_properties: objects may carry properties their schema does not name (only
             where the schema itself allows them).
         whitespace_pattern: regex JSON whitespace must match, or None.
@@ -43,6 +49,11 @@ class GrammarSpec:
     any_whitespace: bool = True
     additional_properties: bool = True
     whitespace_pattern: Optional[str] = None
+    max_whitespace_cnt: Optional[int] = DEFAULT_MAX_WHITESPACE_CNT
+
+    def __post_init__(self) -> None:
+        if self.kind not in JSON_KINDS or not self.any_whitespace:
+            object.__setattr__(self, "max_whitespace_cnt", None)
 
     @property
     def field(self) -> str:
@@ -51,8 +62,10 @@ class GrammarSpec:
 
     @classmethod
     def from_params(cls, p: StructuredOutputsParams, disable_any_whitespace: bool = False,
-                    disable_additional_properties: bool = False) -> "GrammarSpec":
-        """Canonical spec of ``p``; the two flags are engine-wide defaults OR-ed with ``p``'s."""
+                    disable_additional_properties: bool = False,
+                    max_whitespace_cnt: Optional[int] = DEFAULT_MAX_WHITESPACE_CNT) -> "GrammarSpec":
+        """Canonical spec of ``p``; the two flags are engine-wide defaults OR-ed with ``p``'s;
+        ``max_whitespace_cnt`` is the engine's bound on JSON whitespace runs (None: unbounded)."""
         kind = p.kind
         if kind in ("json", "structural_tag"):
             spec = json.dumps(getattr(p, kind), separators=(",", ":"), ensure_ascii=False)
@@ -65,7 +78,7 @@ class GrammarSpec:
         return cls(kind=kind, spec=spec,
                    any_whitespace=not (p.disable_any_whitespace or disable_any_whitespace),
                    additional_properties=not (p.disable_additional_properties or disable_additional_properties),
-                   whitespace_pattern=p.whitespace_pattern)
+                   whitespace_pattern=p.whitespace_pattern, max_whitespace_cnt=max_whitespace_cnt)
 
 
 class GrammarMatcher(ABC):

@@ -4,7 +4,7 @@ from __future__ import annotations
 from dataclasses import dataclass, fields
 from typing import Any, Optional
 
-from pagedllm.structured_output.params import BACKEND_NAMES
+from pagedllm.structured_output.params import BACKEND_NAMES, DEFAULT_MAX_WHITESPACE_CNT
 
 
 @dataclass
@@ -15,7 +15,12 @@ class StructuredOutputsConfig:
         backend: "auto" (xgrammar, or llguidance for what xgrammar cannot compile),
             "xgrammar" or "guidance" (vLLM's names).
         disable_fallback: with "auto", never fall back from xgrammar to guidance.
-        disable_any_whitespace: default for every request: compact JSON (no free whitespace).
+        disable_any_whitespace: default for every request: compact JSON (no whitespace).
+        max_whitespace_cnt: the most whitespace characters JSON may have in one run between
+            two tokens (default 16; None: unbounded, which lets a model that favours newlines
+            emit them until ``max_tokens``). Applies to JSON schemas, ``json_object``, forced
+            tool calls and the JSON inside structural tags; a request's own
+            ``whitespace_pattern`` (guidance backend) replaces it.
         disable_additional_properties: default for every request: JSON objects get only the
             properties their schema names.
         grammar_cache_size: compiled grammars kept (LRU, by backend and constraint); >= 1.
@@ -29,6 +34,7 @@ class StructuredOutputsConfig:
     backend: str = "auto"
     disable_fallback: bool = False
     disable_any_whitespace: bool = False
+    max_whitespace_cnt: Optional[int] = DEFAULT_MAX_WHITESPACE_CNT
     disable_additional_properties: bool = False
     grammar_cache_size: int = 256
     compile_threads: int = 2
@@ -66,6 +72,11 @@ class StructuredOutputsConfig:
                      "enable_in_reasoning"):
             if not isinstance(getattr(cfg, name), bool):
                 raise ValueError(f"structured_outputs_config.{name}: must be a boolean")
+        v = cfg.max_whitespace_cnt
+        if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < 1):
+            raise ValueError("structured_outputs_config.max_whitespace_cnt: must be an integer >= 1 "
+                             f"or null (unbounded), got {v!r}; for no whitespace at all use "
+                             "disable_any_whitespace")
         for name in ("grammar_cache_size", "compile_threads"):
             v = getattr(cfg, name)
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:

@@ -96,6 +96,9 @@ class GuidanceBackend(StructuredOutputBackend):
             opts: dict[str, Any] = {"whitespace_flexible": spec.any_whitespace}
             if spec.whitespace_pattern is not None:
                 opts["whitespace_pattern"] = spec.whitespace_pattern
+            elif spec.max_whitespace_cnt is not None:
+                # whitespace_flexible is r"[\x20\x0A\x0D\x09]+" between tokens; bounded here
+                opts["whitespace_pattern"] = r"[\x20\x0A\x0D\x09]{1,%d}" % spec.max_whitespace_cnt
             return LLMatcher.grammar_from_json_schema(schema, defaults=opts)
         if spec.whitespace_pattern is not None:
             raise ValueError(f"{spec.field}: whitespace_pattern applies to JSON constraints only")

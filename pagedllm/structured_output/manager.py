@@ -114,7 +114,8 @@ class StructuredOutputManager:
         """(backend name, canonical spec): the cache key of ``params``."""
         cfg = self.config
         return self.resolve_backend(params), GrammarSpec.from_params(
-            params, cfg.disable_any_whitespace, cfg.disable_additional_properties)
+            params, cfg.disable_any_whitespace, cfg.disable_additional_properties,
+            cfg.max_whitespace_cnt)
 
     def grammar_future(self, params: StructuredOutputsParams, count: bool = True) -> Future:
         """The compiled grammar of ``params``: a cache hit, or a compile started on the pool.

@@ -14,6 +14,12 @@ from typing import Any, Optional
 CONSTRAINT_KINDS = ("json", "regex", "choice", "grammar", "json_object", "structural_tag")
 # Grammar backends a request or the engine may name (vLLM's names).
 BACKEND_NAMES = ("auto", "xgrammar", "guidance")
+# Most whitespace characters JSON may have in one run between two tokens (after "{", ",", ":",
+# ...), unless the engine's ``max_whitespace_cnt`` says otherwise. Without a bound a model that
+# favours newlines can emit "{" and then whitespace until max_tokens (vLLM #38696): every step
+# allows another newline. 16 still fits pretty-printed JSON (json.dumps indent=2 seven levels
+# deep, indent=4 three levels) and "\n\n" blank lines.
+DEFAULT_MAX_WHITESPACE_CNT = 16
 
 
 @dataclass
@@ -34,7 +40,9 @@ class StructuredOutputsParams:
             schema-constrained segments between begin/end tags.
 
     Options:
-        disable_any_whitespace: JSON without free whitespace between tokens (compact).
+        disable_any_whitespace: compact JSON: no whitespace between tokens at all (``{"a":1}``).
+            Without it JSON may have whitespace between tokens, at most the engine's
+            ``max_whitespace_cnt`` characters (default 16) in a row.
         disable_additional_properties: objects allow only the properties their schema names.
         whitespace_pattern: the regex JSON whitespace must match (guidance backend only).
 

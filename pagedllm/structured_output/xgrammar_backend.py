@@ -9,6 +9,31 @@ from pagedllm.structured_output.backend import (CompiledGrammar, GrammarMatcher,
                                                 StructuredOutputBackend, clean_error)
 
 
+def _whitespace_options(spec: GrammarSpec) -> dict[str, Any]:
+    """``compile_json_schema`` keywords for ``spec``'s JSON whitespace: at most
+    ``max_whitespace_cnt`` characters in a run, or compact JSON (``{"a":1}``) without
+    ``any_whitespace``."""
+    if spec.any_whitespace:
+        return {"any_whitespace": True, "max_whitespace_cnt": spec.max_whitespace_cnt}
+    # NOTE: any_whitespace=False alone is json.dumps' fixed layout with ", " and ": " (a space is
+    # then required after every comma and colon); compact JSON needs the separators too.
+    return {"any_whitespace": False, "separators": (",", ":")}
+
+
+def bound_tag_whitespace(tag: Any, max_whitespace_cnt: int) -> Any:
+    """A copy of the structural tag ``tag`` (JSON value) whose ``json_schema`` formats without
+    their own ``max_whitespace_cnt`` get this one (the JSON schemas themselves are kept as is)."""
+    if isinstance(tag, list):
+        return [bound_tag_whitespace(t, max_whitespace_cnt) for t in tag]
+    if not isinstance(tag, dict):
+        return tag
+    out = {k: v if k == "json_schema" else bound_tag_whitespace(v, max_whitespace_cnt)
+           for k, v in tag.items()}
+    if out.get("type") == "json_schema" and out.get("max_whitespace_cnt") is None:
+        out["max_whitespace_cnt"] = max_whitespace_cnt
+    return out
+
+
 class XgrammarMatcher(GrammarMatcher):
     def __init__(self, matcher: Any) -> None:
         self._m = matcher
@@ -83,9 +108,9 @@ class XgrammarBackend(StructuredOutputBackend):
             # NOTE: strict_mode (xgrammar's and vLLM's default) already gives objects only the
             # properties their schema names unless it allows more, so disable_additional_properties
             # needs nothing extra here.
-            return c.compile_json_schema(spec.spec, any_whitespace=spec.any_whitespace, strict_mode=True)
+            return c.compile_json_schema(spec.spec, strict_mode=True, **_whitespace_options(spec))
         if spec.kind == "json_object":
-            return c.compile_json_schema('{"type": "object"}', any_whitespace=spec.any_whitespace)
+            return c.compile_json_schema('{"type": "object"}', **_whitespace_options(spec))
         if spec.kind == "regex":
             return c.compile_regex(spec.spec)
         if spec.kind == "choice":
@@ -104,6 +129,9 @@ class XgrammarBackend(StructuredOutputBackend):
                 import xgrammar as xgr
                 items = [xgr.StructuralTagItem(begin=s["begin"], schema=json.dumps(s.get("schema", {})),
                                                end=s["end"]) for s in tag["structures"]]
-                return c.compile_structural_tag(items, list(tag.get("triggers", [])))
-            return c.compile_structural_tag(spec.spec)
+                tag = xgr.StructuralTag.from_legacy_structural_tag(
+                    items, list(tag.get("triggers", []))).model_dump(mode="json")
+            if spec.max_whitespace_cnt is not None:
+                tag = bound_tag_whitespace(tag, spec.max_whitespace_cnt)
+            return c.compile_structural_tag(json.dumps(tag, ensure_ascii=False))
         raise ValueError(f"{spec.field}: unknown constraint kind {spec.kind!r}")

@@ -192,6 +192,12 @@ def test_count_tokens(client, engine):
     ({"messages": [{"role": "user", "content": [{"type": "tool_result"}]}]}, "tool_use_id"),
     ({"messages": [{"role": "assistant", "content": [{"type": "tool_use", "id": "t",
                                                       "name": "f", "input": [1]}]}]}, "input"),
+    ({"messages": [{"role": "assistant", "content": [{"type": "tool_use", "id": "t",
+                                                      "name": "f", "input": None}]}]},
+     "messages.0.content.0.input: must be an object"),
+    # input is required (Anthropic's schema), not read as {}
+    ({"messages": [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": [
+        {"type": "tool_use", "id": "t", "name": "f"}]}]}, "messages.1.content.0.input: Field required"),
     ({"tools": [{"name": "f"}]}, "input_schema"),
     ({"tools": [{"type": "web_search_20250305", "name": "web_search"}]}, "client tools"),
     ({"tools": [WEATHER], "tool_choice": {"type": "tool", "name": "nope"}}, "nope"),

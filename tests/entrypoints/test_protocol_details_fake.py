@@ -262,3 +262,182 @@ def test_metrics_prefix_vllm_serves_the_dashboard_names():
         text = c.get("/metrics").text
     assert "pagedllm:num_requests_running" in text and "vllm:" not in text
     assert "gpu_cache_usage_perc" not in text and "pagedllm:request_prefill_time_seconds" in text
+
+
+# ----------------------------------------------------------------------------- issue 37
+@pytest.fixture(scope="module")
+def tools_client():
+    from scripted_engine import ScriptedAsyncLLM
+    from test_chat_tools_fake import TEMPLATE
+    engine = ScriptedAsyncLLM(lambda prompt: "<think>Hmm.</think>Plain text.", max_model_len=1024)
+    args = make_args(chat_template=TEMPLATE, enable_auto_tool_choice=True,
+                     tool_call_parser="hermes", reasoning_parser="qwen3")
+    with TestClient(build_app(engine, args)) as c:
+        c.engine = engine
+        yield c
+
+
+CHAT_HI = {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 50}
+NAMED = {"type": "function", "function": {"name": "get_time"}}
+
+
+@pytest.mark.parametrize("path,body", [
+    ("/v1/chat/completions", {**CHAT_HI, "tool_choice": "required"}),
+    ("/v1/chat/completions", {**CHAT_HI, "tool_choice": "required", "tools": []}),
+    ("/v1/chat/completions", {**CHAT_HI, "tool_choice": NAMED}),
+    ("/v1/chat/completions", {**CHAT_HI, "tool_choice": "auto"}),
+    ("/v1/responses", {"input": "Hi", "tool_choice": "required"}),
+    ("/v1/responses", {"input": "Hi", "tool_choice": {"type": "function", "name": "get_time"}}),
+])
+def test_forced_tool_choice_without_tools_is_400(tools_client, path, body):
+    from test_api_server_fake import assert_error
+    err = assert_error(tools_client.post(path, json=body), 400, "tool_choice")
+    assert err["message"] == "When using `tool_choice`, `tools` must be set."
+    assert err["type"] == "BadRequestError"
+
+
+@pytest.mark.parametrize("tool_choice", [{"type": "any"}, {"type": "tool", "name": "get_time"}])
+def test_messages_forced_tool_choice_without_tools_is_400(tools_client, tool_choice):
+    r = tools_client.post("/v1/messages", json={
+        "model": "SmolLM2-135M-Instruct", "max_tokens": 8, "tool_choice": tool_choice,
+        "messages": [{"role": "user", "content": "Hi"}]})
+    assert r.status_code == 400, r.text
+    assert r.json() == {"type": "error", "error": {
+        "type": "invalid_request_error",
+        "message": "When using `tool_choice`, `tools` must be set."}}
+
+
+def test_unforced_tool_choice_without_tools_still_answers(tools_client):
+    r = tools_client.post("/v1/chat/completions", json={**CHAT_HI, "tool_choice": "none"})
+    assert r.status_code == 200 and r.json()["choices"][0]["message"]["content"] == "Plain text."
+    for tc in (None, "auto", "none"):  # Responses' default tool_choice is "auto"
+        body = {"input": "Hi"} if tc is None else {"input": "Hi", "tool_choice": tc}
+        r = tools_client.post("/v1/responses", json=body)
+        assert r.status_code == 200 and r.json()["output"][-1]["content"][0]["text"] == "Plain text."
+    for tc in ({"type": "auto"}, {"type": "none"}):
+        r = tools_client.post("/v1/messages", json={
+            "model": "SmolLM2-135M-Instruct", "max_tokens": 50, "tool_choice": tc,
+            "messages": [{"role": "user", "content": "Hi"}]})
+        assert r.status_code == 200 and r.json()["content"][-1]["text"] == "Plain text."
+
+
+MESSAGES_BASE = {"model": "SmolLM2-135M-Instruct", "max_tokens": 20,
+                 "messages": [{"role": "user", "content": "Hi"}]}
+TOOL_USE_NO_INPUT = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": [
+    {"type": "tool_use", "id": "t", "name": "f"}]}]
+
+
+@pytest.mark.parametrize("path,body,expect", [
+    # the model validator's errors (no location) once started with ": "
+    ("/v1/messages", {"max_tokens": 0}, "max_tokens: must be at least 1"),
+    ("/v1/messages", {"messages": []}, "messages: at least one message is required"),
+    ("/v1/messages", {"temperature": 3}, "temperature: must be between 0 and 1"),
+    # a union's member names ("str", "list[dict[str,any]]") are not part of the field path
+    ("/v1/messages", {"system": 5}, "system: Input should be a valid string or a valid list"),
+    ("/v1/messages", {"max_tokens": "x"}, "max_tokens: Input should be a valid integer, unable to "
+                                          "parse string as an integer"),
+    ("/v1/messages", {"model": None}, "model: Field required"),
+    ("/v1/messages", {"messages": [1]}, "messages.0: Input should be a valid dictionary"),
+    ("/v1/messages", {"stop_sequences": "x"}, "stop_sequences: Input should be a valid list"),
+    ("/v1/messages", {"tool_choice": "any"}, "tool_choice: Input should be a valid dictionary"),
+    ("/v1/messages", {"messages": TOOL_USE_NO_INPUT}, "messages.1.content.0.input: Field required"),
+    ("/v1/messages", {"messages": [{"role": "user", "content": [{"type": "text"}]}]},
+     "messages.0.content.0.text: Field required (a string)"),
+    ("/v1/messages", {"system": [{"type": "text"}]}, "system.0.text: Field required (a string)"),
+    ("/v1/messages", {"top_p": 2}, "top_p must be in (0, 1], got 2.0."),
+    ("/v1/responses", {"input": 5}, "input: Input should be a valid string or a valid list"),
+    ("/v1/responses", {"input": [5]},
+     "input: Input should be a valid string; input.0: Input should be a valid dictionary"),
+    ("/v1/responses", {"input": "x", "tool_choice": 5},
+     "tool_choice: Input should be a valid string or a valid dictionary"),
+    ("/v1/responses", {"input": "x", "max_output_tokens": 0}, "`max_output_tokens` must be at least 1."),
+    ("/v1/responses", {"input": "x", "max_output_tokens": "x"},
+     "max_output_tokens: Input should be a valid integer, unable to parse string as an integer"),
+    ("/v1/responses", {"input": []}, "`input` must not be empty."),
+    ("/v1/responses", {"input": "x", "truncation": "x"}, "truncation: Input should be 'auto' or 'disabled'"),
+    ("/v1/responses", {"input": "x", "background": True, "store": False},
+     "`background` can only be used when `store` is true."),
+    ("/v1/responses", {"input": "x", "top_logprobs": 30}, "`top_logprobs` must be between 0 and 20."),
+    ("/v1/responses", {"input": "x", "text": 3}, "text: Input should be a valid dictionary"),
+    ("/v1/chat/completions", {**CHAT_HI, "stop": 5}, "stop: Input should be a valid string or a valid list"),
+])
+def test_error_messages_start_with_a_word(tools_client, path, body, expect):
+    import re
+    if path == "/v1/messages":
+        body = {k: v for k, v in {**MESSAGES_BASE, **body}.items() if v is not None}
+    r = tools_client.post(path, json=body)
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    msg = err["message"]
+    # a field name (perhaps `quoted`) or a word first: no stray ": " or other punctuation
+    assert re.match(r"`?[A-Za-z]", msg), msg
+    assert msg == expect
+    if path != "/v1/messages":  # OpenAI bodies name the field
+        field = re.match(r"`?([a-z_]+)", expect).group(1)
+        assert err["param"] == field, err
+
+
+def test_format_validation_errors_of_any_model():
+    from typing import Optional, Union
+
+    from pydantic import BaseModel, ValidationError, model_validator
+
+    from pagedllm.entrypoints.openai.errors import format_validation_errors
+
+    class M(BaseModel):
+        a: Union[int, list[int]]
+        b: Optional[dict[str, int]] = None
+
+        @model_validator(mode="after")
+        def _check(self):
+            if self.a == 0:
+                raise ValueError("a: must not be 0")
+            return self
+
+    def fmt(data):
+        with pytest.raises(ValidationError) as e:
+            M.model_validate(data)
+        return format_validation_errors(e.value.errors())
+
+    assert fmt({"a": 0}) == ("a: must not be 0", None)  # no location: the message alone
+    assert fmt({"a": "x"}) == ("a: Input should be a valid integer, unable to parse string as an "
+                               "integer or a valid list", "a")
+    assert fmt({"a": [1, "y"], "b": {"k": "z"}}) == (
+        "a: Input should be a valid integer; a.1: Input should be a valid integer, unable to parse "
+        "string as an integer; b.k: Input should be a valid integer, unable to parse string as an "
+        "integer", "a")
+    assert fmt({}) == ("a: Field required", "a")
+
+
+def test_own_reasoning_sent_back_is_accepted_silently(tools_client, caplog):
+    r = tools_client.post("/v1/chat/completions", json=CHAT_HI)
+    message = r.json()["choices"][0]["message"]
+    assert message["reasoning"] == message["reasoning_content"] == "Hmm."
+    tmpl = ("{% for m in messages %}[{{ m.role }}|{{ m.reasoning_content }}|{{ m.reasoning }}]"
+            "{{ m.content }}{% endfor %}")
+    for sent in (message,  # the server's own message, unchanged: both names
+                 {"role": "assistant", "content": "Plain text.", "reasoning": "Hmm."},
+                 {"role": "assistant", "content": "Plain text.", "reasoning_content": "Hmm."}):
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="pagedllm.entrypoints.openai"):
+            r = tools_client.post("/v1/chat/completions", json={
+                **CHAT_HI, "chat_template": tmpl,
+                "messages": [{"role": "user", "content": "Hi"}, sent, {"role": "user", "content": "More"}]})
+        assert r.status_code == 200, r.text
+        assert [rec.getMessage() for rec in caplog.records if "ignored" in rec.getMessage()] == []
+        prompt = tools_client.engine.received[-1][0]["prompt"]
+        assert prompt == "[user||]Hi[assistant|Hmm.|Hmm.]Plain text.[user||]More"
+
+
+def test_offline_chat_gets_the_reasoning_under_both_names():
+    from pagedllm.engine.chat import normalize_messages
+    msgs = [{"role": "user", "content": "Hi", "reasoning": "not an assistant's"},
+            {"role": "assistant", "content": "A", "reasoning": "new name"},
+            {"role": "assistant", "content": "B", "reasoning_content": "old name"},
+            {"role": "assistant", "content": "C", "reasoning": "wins", "reasoning_content": "loses"},
+            {"role": "assistant", "content": "D"}]
+    out = normalize_messages(msgs)
+    assert out[0] == msgs[0]
+    assert [(m.get("reasoning"), m.get("reasoning_content")) for m in out[1:]] == [
+        ("new name", "new name"), ("old name", "old name"), ("wins", "wins"), (None, None)]
+    assert "reasoning_content" not in msgs[1]  # copies: the caller's messages are kept

@@ -126,6 +126,28 @@ def test_forced_choice_calls_validate_against_the_schema(oai, choice):
             assert [c.function.name for c in calls] == ["get_weather"]
 
 
+def test_named_call_of_a_tool_without_parameters_ends(oai):
+    # Issue 37: greedy SmolLM2 writes "{" and then only newlines for this tool and prompt; with
+    # unbounded JSON whitespace it ran to max_tokens and `arguments` was not JSON.
+    if not _structured():
+        pytest.skip("structured outputs are not in this build (forced tool choice -> 400)")
+    tool = {"type": "function", "function": {"name": "get_time", "description": "Get the time"}}
+    kw = dict(model=MODEL, messages=[{"role": "user", "content": "Hi"}], tools=[tool],
+              tool_choice={"type": "function", "function": {"name": "get_time"}},
+              temperature=0, max_tokens=120)
+    c = oai.chat.completions.create(**kw).choices[0]
+    assert c.finish_reason == "stop", c
+    (call,) = c.message.tool_calls
+    assert call.function.name == "get_time" and json.loads(call.function.arguments) == {}
+    args, finish = "", None
+    for chunk in oai.chat.completions.create(stream=True, **kw):
+        for ch in chunk.choices:
+            for tc in ch.delta.tool_calls or []:
+                args += (tc.function.arguments or "") if tc.function else ""
+            finish = ch.finish_reason or finish
+    assert finish == "stop" and args == call.function.arguments
+
+
 def test_full_round_trip_through_a_forced_call(oai):
     if not _structured():
         pytest.skip("structured outputs are not in this build (forced tool choice -> 400)")

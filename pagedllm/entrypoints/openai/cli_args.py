@@ -208,7 +208,9 @@ def add_serve_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                    help='Structured-output settings as JSON (vLLM\'s flag), e.g. \'{"backend": "auto"}\': '
                         'backend auto (xgrammar, llguidance for what it cannot compile) | xgrammar | '
                         'guidance; disable_fallback, disable_any_whitespace, '
-                        'disable_additional_properties (booleans); grammar_cache_size (compiled '
+                        'disable_additional_properties (booleans); max_whitespace_cnt (most '
+                        'whitespace characters in a row in JSON, default 16, null = unbounded); '
+                        'grammar_cache_size (compiled '
                         'grammars kept, default 256); compile_threads (default 2).')
 
     g = parser.add_argument_group("Speculative decoding")

@@ -81,7 +81,7 @@ _KNOWN_PARAMS = (
     "structured_outputs", "guided_json", "guided_regex", "guided_choice", "guided_grammar",
     "guided_decoding_backend", "guided_whitespace_pattern", "structural_tag",
     "chat_template", "chat_template_kwargs", "skip_special_tokens", "input", "dimensions",
-    "use_activation",
+    "use_activation", "max_output_tokens", "background",
 )
 _PARAM_RE = re.compile(r"`?\b(" + "|".join(re.escape(p) for p in _KNOWN_PARAMS) + r")\b`?")
 
@@ -101,22 +101,49 @@ def value_error_to_openai(e: BaseException, default_param: Optional[str] = None)
     return OpenAIError(msg, 400, param)
 
 
-def _format_validation_error(exc: RequestValidationError) -> tuple[str, Optional[str]]:
-    errors = exc.errors()
-    parts = []
+# pydantic names the member of a union a value failed in the error's location ("str",
+# "list[dict[str,any]]", "function-after[...]"): type names, not request fields.
+_UNION_TAG = re.compile(r"(str|int|float|bool|bytes|none|any|list|dict|set|tuple|[a-z-]+\[.*\])")
+
+
+def format_validation_errors(errors: list[dict[str, Any]], skip: tuple[str, ...] = ("body",)
+                             ) -> tuple[str, Optional[str]]:
+    """One client message for pydantic's ``ValidationError.errors()``, and the field it names.
+
+    Each error reads ``field.path: message`` (pydantic's "Value error, " prefix and the
+    union-member names in the path dropped), errors joined with "; ", the messages of one path
+    with " or ". An error without a location (a model validator's) is its message alone, so a
+    message never starts with punctuation.
+
+    Args:
+        errors: ``ValidationError.errors()`` (or ``RequestValidationError.errors()``).
+        skip: location parts that are not fields (FastAPI's "body").
+
+    Returns:
+        (message, param): param is the first location's first field, else the first known
+        request field the message mentions (``guess_param``), else None.
+    """
+    parts: list[tuple[str, list[str]]] = []
     param = None
     for err in errors:
-        loc = [str(x) for x in err.get("loc", ()) if x != "body"]
-        msg = str(err.get("msg", "invalid value"))
-        if msg.startswith("Value error, "):
-            msg = msg[len("Value error, "):]
+        loc = [str(x) for x in err.get("loc", ()) if x not in skip and not _UNION_TAG.fullmatch(str(x))]
+        msg = str(err.get("msg") or "invalid value").removeprefix("Value error, ")
         if param is None:
             param = loc[0] if loc else guess_param(msg)
         where = ".".join(loc)
-        parts.append(f"{where}: {msg}" if where else msg)
+        if parts and parts[-1][0] == where:
+            parts[-1][1].append(msg)
+        else:
+            parts.append((where, [msg]))
     if not parts:
         return "Invalid request", None
-    return "; ".join(parts), param
+    out = []
+    for where, msgs in parts:
+        text = msgs[0]
+        for m in msgs[1:]:
+            text += " or " + (m.removeprefix("Input should be ") if text.startswith("Input should be ") else m)
+        out.append(f"{where}: {text}" if where else text)
+    return "; ".join(out), param
 
 
 def install_exception_handlers(app: FastAPI) -> None:
@@ -133,7 +160,7 @@ def install_exception_handlers(app: FastAPI) -> None:
         if errs and errs[0].get("type") == "json_invalid":
             msg = "Invalid JSON in request body: " + str(errs[0].get("msg", ""))
             return error_response(msg, 400, None)
-        msg, param = _format_validation_error(exc)
+        msg, param = format_validation_errors(exc.errors())
         return error_response(msg, 400, param)
 
     @app.exception_handler(ValueError)

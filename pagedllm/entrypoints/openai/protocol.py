@@ -407,7 +407,10 @@ class ChatMessageParam(OpenAIBaseModel):
     name: Optional[str] = None
     tool_calls: Optional[list[dict[str, Any]]] = None
     tool_call_id: Optional[str] = None
+    # An assistant turn's reasoning, as this server's responses carry it (both names, vLLM's):
+    # a client may send a conversation back unchanged; templates see it under both names.
     reasoning_content: Optional[str] = None
+    reasoning: Optional[str] = None
 
     def text_content(self) -> Optional[str]:
         """The content as a string (text parts joined with newlines, as vLLM does)."""

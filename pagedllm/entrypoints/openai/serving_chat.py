@@ -43,6 +43,8 @@ def messages_to_dicts(messages: list[ChatMessageParam]) -> list[dict[str, Any]]:
             d["tool_call_id"] = m.tool_call_id
         if m.reasoning_content is not None:
             d["reasoning_content"] = m.reasoning_content
+        if m.reasoning is not None:
+            d["reasoning"] = m.reasoning
         out.append(d)
     return out
 

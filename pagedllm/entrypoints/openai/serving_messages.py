@@ -20,7 +20,8 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 from pydantic import ValidationError
 
-from pagedllm.entrypoints.openai.errors import OpenAIError, value_error_to_openai
+from pagedllm.entrypoints.openai.errors import (OpenAIError, format_validation_errors,
+                                                value_error_to_openai)
 from pagedllm.entrypoints.openai.output_parser import OutputDelta
 from pagedllm.entrypoints.openai.protocol import ChatCompletionRequest
 from pagedllm.entrypoints.openai.protocol_anthropic import (AnthropicMessagesRequest,
@@ -45,10 +46,11 @@ def _block_text(content: Any, where: str) -> str:
         raise _err(f"{where}: expected a string or a list of content blocks")
     out = []
     for k, b in enumerate(content):
-        if not isinstance(b, dict) or b.get("type") != "text" or not isinstance(b.get("text"),
-                                                                                 str):
+        if not isinstance(b, dict) or b.get("type") != "text":
             btype = b.get("type") if isinstance(b, dict) else type(b).__name__
             raise _err(f"{where}.{k}: unsupported content block {btype!r} here (text only)")
+        if not isinstance(b.get("text"), str):
+            raise _err(f"{where}.{k}.text: Field required (a string)")
         out.append(b["text"])
     return "\n".join(out)
 
@@ -78,16 +80,19 @@ def messages_to_chat(system: Any, messages: list[dict[str, Any]]) -> list[dict[s
         for k, b in enumerate(content):
             bw = f"{where}.content.{k}"
             btype = b.get("type") if isinstance(b, dict) else None
-            if btype == "text" and isinstance(b.get("text"), str):
+            if btype == "text":
+                if not isinstance(b.get("text"), str):
+                    raise _err(f"{bw}.text: Field required (a string)")
                 texts.append(b["text"])
             elif btype == "tool_use" and role == "assistant":
                 if not isinstance(b.get("id"), str) or not isinstance(b.get("name"), str):
                     raise _err(f"{bw}: a tool_use block needs string `id` and `name`")
-                if not isinstance(b.get("input", {}), dict):
+                if "input" not in b:
+                    raise _err(f"{bw}.input: Field required")  # Anthropic's schema requires it
+                if not isinstance(b["input"], dict):
                     raise _err(f"{bw}.input: must be an object")
                 calls.append({"id": b["id"], "type": "function", "function": {
-                    "name": b["name"], "arguments": json.dumps(b.get("input", {}),
-                                                               ensure_ascii=False)}})
+                    "name": b["name"], "arguments": json.dumps(b["input"], ensure_ascii=False)}})
             elif btype == "tool_result" and role == "user":
                 if not isinstance(b.get("tool_use_id"), str) or not b["tool_use_id"]:
                     raise _err(f"{bw}: a tool_result block needs a string `tool_use_id`")
@@ -162,10 +167,7 @@ class AnthropicServingMessages:
             try:
                 request = AnthropicMessagesRequest.model_validate(body)
             except ValidationError as e:
-                msg = "; ".join(".".join(str(x) for x in err.get("loc", ())) + ": "
-                                + str(err.get("msg", "")).removeprefix("Value error, ")
-                                for err in e.errors())
-                raise _err(msg) from None
+                raise _err(format_validation_errors(e.errors())[0]) from None
             return await self._run(request, raw_request, count_only)
         except OpenAIError as e:
             return JSONResponse(anthropic_error_body(e.message, e.status_code),
@@ -186,10 +188,12 @@ class AnthropicServingMessages:
         if request.thinking is not None:
             body["chat_template_kwargs"] = {
                 "enable_thinking": request.thinking.get("type") == "enabled"}
+        tc, parallel = _chat_tool_choice(request.tool_choice)
         if request.tools:
-            tc, parallel = _chat_tool_choice(request.tool_choice)
             body.update(tools=_chat_tools(request.tools), tool_choice=tc,
                         parallel_tool_calls=parallel)
+        elif tc not in ("auto", "none"):
+            body["tool_choice"] = tc  # any / tool without tools: the chat path's 400
         try:
             chat_req = ChatCompletionRequest(**{k: v for k, v in body.items() if v is not None})
         except ValidationError as e:

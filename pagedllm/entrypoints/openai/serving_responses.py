@@ -135,6 +135,12 @@ def responses_tools_to_chat(tools: list[dict[str, Any]]) -> list[dict[str, Any]]
 
 
 def responses_tool_choice_to_chat(tc: Any) -> Any:
+    """A Responses ``tool_choice`` in Chat Completions form (strings unchanged, ``{"type":
+    "function", "name": N}`` as ``{"type": "function", "function": {"name": N}}``).
+
+    Raises:
+        OpenAIError: 400 (param "tool_choice") for a malformed or unsupported choice.
+    """
     if isinstance(tc, str):
         return tc
     if isinstance(tc, dict) and tc.get("type") == "function":
@@ -190,6 +196,9 @@ class OpenAIServingResponses:
             body["chat_template_kwargs"] = kwargs
         if request.tools:
             body["tools"] = responses_tools_to_chat(request.tools)
+            body["tool_choice"] = responses_tool_choice_to_chat(request.tool_choice)
+        elif request.tool_choice not in ("auto", "none"):
+            # a forced choice without tools: the chat path's 400 (param tool_choice), as OpenAI
             body["tool_choice"] = responses_tool_choice_to_chat(request.tool_choice)
         try:
             return ChatCompletionRequest(**{k: v for k, v in body.items() if v is not None})

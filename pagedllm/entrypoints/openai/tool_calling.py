@@ -6,7 +6,8 @@ naming the field), and builds the JSON schema that constrains a forced call.
 ``"auto"`` (the server's ``--tool-call-parser`` finds calls in free text), ``"required"`` (the
 output is constrained to a non-empty JSON array of ``{"name", "parameters"}`` objects, vLLM's
 schema) or ``{"type": "function", "function": {"name": N}}`` (the output is constrained to
-N's parameters schema). Without ``tool_choice``, requests with tools mean ``"auto"`` (vLLM).
+N's parameters schema). Without ``tool_choice``, requests with tools mean ``"auto"`` (vLLM);
+any choice but ``"none"`` without tools is a 400 (OpenAI, vLLM).
 """
 from __future__ import annotations
 
@@ -17,6 +18,8 @@ from typing import Any, Optional
 from pagedllm.entrypoints.openai.errors import OpenAIError
 
 EMPTY_PARAMETERS: dict[str, Any] = {"type": "object", "properties": {}}
+
+TOOL_CHOICE_WITHOUT_TOOLS_MESSAGE = "When using `tool_choice`, `tools` must be set."  # vLLM's
 
 AUTO_TOOL_CHOICE_FLAGS_MESSAGE = (
     '"auto" tool choice requires --enable-auto-tool-choice and --tool-call-parser to be set '
@@ -99,7 +102,8 @@ def resolve_tool_choice(tool_choice: Any, tools: list[dict[str, Any]], given: bo
     """The request's choice (``given``: whether the request set ``tool_choice``).
 
     Raises:
-        OpenAIError: 400 for a choice without tools, an unknown string, a malformed named
+        OpenAIError: 400 (param "tool_choice") for a choice other than "none" without tools
+            (``tools`` absent or empty), an unknown string, a malformed named
             choice or a name that is not among the tools.
     """
     if not given or tool_choice is None:
@@ -108,10 +112,9 @@ def resolve_tool_choice(tool_choice: Any, tools: list[dict[str, Any]], given: bo
         tool_choice = tool_choice.model_dump()
     if tool_choice == "none":
         return ToolChoice("none")
-    if tool_choice == "required" and not tools:
-        return ToolChoice("none")  # OpenAI: "required" with no tools behaves as "none"
     if not tools:
-        raise OpenAIError("When using `tool_choice`, `tools` must be set.", 400, "tool_choice")
+        # OpenAI and vLLM: 400 for any other choice (a forced one would otherwise be plain text)
+        raise OpenAIError(TOOL_CHOICE_WITHOUT_TOOLS_MESSAGE, 400, "tool_choice")
     if tool_choice in ("auto", "required"):
         return ToolChoice(tool_choice)
     usage = 'Correct usage: `{"type": "function", "function": {"name": "my_function"}}`'
