@@ -108,3 +108,30 @@ def test_errors_keep_the_server_serving(client):
         client.generate(model=MODEL, prompt="word " * 1100)
     assert e.value.status_code == 400 and "context length" in e.value.error
     assert client.chat(model=MODEL, messages=MSGS, options={"num_predict": 2}).eval_count == 2
+
+
+def _metric(base: str, name: str, **labels: str) -> float:
+    total = 0.0
+    for line in httpx.get(base + "/metrics", timeout=30).text.splitlines():
+        head, _, value = line.rpartition(" ")
+        if head.split("{")[0] == f"pagedllm:{name}" and all(f'{k}="{v}"' in head for k, v in labels.items()):
+            total += float(value)
+    return total
+
+
+def test_closing_a_stream_aborts_the_request(server):
+    import time
+
+    before = _metric(server, "request_success_total", finished_reason="abort")
+    body = {"model": MODEL, "prompt": "Count from 1 to 1000, one number per line.",
+            "options": {"temperature": 0, "num_predict": 900}}
+    with httpx.stream("POST", server + "/api/generate", json=body, timeout=300) as r:
+        assert r.headers["content-type"].startswith("application/x-ndjson")
+        lines = r.iter_lines()
+        got = [json.loads(next(lines)) for _ in range(5)]
+    assert all(g["done"] is False and "response" in g for g in got)
+    deadline = time.time() + 10
+    while _metric(server, "request_success_total", finished_reason="abort") != before + 1:
+        assert time.time() < deadline, "the server did not abort the request of the closed stream"
+        time.sleep(0.1)
+    assert _metric(server, "num_requests_running") == 0
