@@ -37,13 +37,14 @@ from __future__ import annotations
 
 import datetime as _dt
 import hashlib
+import inspect
 import json
 import logging
 import os
 import re
 import time
 from dataclasses import dataclass, field
-from typing import Any, AsyncIterator, Awaitable, Callable, Optional
+from typing import Any, AsyncIterator, Callable, Optional
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
@@ -674,12 +675,12 @@ class OllamaServing:
         obj.update(done=True, done_reason="unload" if _keep_alive_zero(keep_alive) else "load")
         return obj
 
-    def _run(self, kind: str, req: Any, raw_request: Request, chat_req: ChatCompletionRequest) -> _Run:
+    def _run(self, kind: str, req: Any, raw_request: Request, chat_req: ChatCompletionRequest,
+             timing: _Timing) -> _Run:
         rid = f"ollama-{kind}-{base_request_id(raw_request)}"
         record_request_id(raw_request, rid)
         setup = self.chat.setup_tools(chat_req)
-        return _Run(kind=kind, model=req.model, request_id=rid, prompt_ids=[], setup=setup,
-                    timing=_Timing())
+        return _Run(kind=kind, model=req.model, request_id=rid, prompt_ids=[], setup=setup, timing=timing)
 
     async def chat_completion(self, req: OllamaChatRequest, raw_request: Request) -> Response:
         """``POST /api/chat``."""
@@ -690,8 +691,7 @@ class OllamaServing:
             return JSONResponse(self._load_response("chat", req.model, req.keep_alive))
         messages = ollama_messages_to_chat(req.messages)
         chat_req = self._chat_request(req, messages, model, tools=req.tools)
-        run = self._run("chat", req, raw_request, chat_req)
-        run.timing = timing
+        run = self._run("chat", req, raw_request, chat_req, timing)
         prompt_text = render_chat(self.chat, chat_req.messages, add_generation_prompt=True,
                                   continue_final_message=False, chat_template=None,
                                   chat_template_kwargs=chat_req.chat_template_kwargs,
@@ -713,8 +713,7 @@ class OllamaServing:
         user = [{"role": "user", "content": prompt}]
         messages = ([{"role": "system", "content": req.system}] if req.system else []) + user
         chat_req = self._chat_request(req, messages, model)
-        run = self._run("generate", req, raw_request, chat_req)
-        run.timing = timing
+        run = self._run("generate", req, raw_request, chat_req, timing)
         run.return_context = not req.raw
         if req.raw:
             ids = self.chat.encode(prompt, True)
@@ -786,9 +785,11 @@ def build_ollama_router(engine: EngineClient, chat: OpenAIServingChat,
     o = OllamaServing(engine, chat, served_model_names)
     router = APIRouter()
 
-    async def guarded(fn: Callable[[], Awaitable[Any]]) -> Any:
+    async def guarded(fn: Callable[[], Any]) -> Any:
         try:
-            out = await fn()
+            out = fn()
+            if inspect.isawaitable(out):
+                out = await out
         except OpenAIError as e:
             return ollama_error(e.message, e.status_code)
         except ValueError as e:
@@ -805,11 +806,11 @@ def build_ollama_router(engine: EngineClient, chat: OpenAIServingChat,
 
     @router.api_route("/api/tags", methods=["GET", "HEAD"])
     async def tags():
-        return await guarded(lambda: _value(o.tags()))
+        return await guarded(o.tags)
 
     @router.get("/api/ps")
     async def ps():
-        return await guarded(lambda: _value(o.ps()))
+        return await guarded(o.ps)
 
     @router.post("/api/show")
     async def show(raw_request: Request):
@@ -879,7 +880,3 @@ def build_ollama_router(engine: EngineClient, chat: OpenAIServingChat,
         return ollama_error(f"404 page not found: /api/{rest}", 404)
 
     return router
-
-
-async def _value(v: Any) -> Any:
-    return v
