@@ -17,3 +17,12 @@ fi
 # Build (once) the C++ CPU kernels so the first `pagedllm serve` starts fast; the
 # engine falls back to the pure-torch path if this fails (no compiler).
 python -c "from pagedllm.kernels.cpu_ops import get_ops, get_quant_ops; get_ops(); get_quant_ops()" || true
+
+# --- Issue 31 (web chat browser test): Chromium and chromedriver from apt, where this runs as
+# root with apt-get; anywhere else nothing happens and that one test skips, saying why.
+if [ "${1:-}" = "--test" ] && ! command -v chromedriver >/dev/null 2>&1; then
+  if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
+    { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium chromium-driver; } \
+      >/dev/null 2>&1 || echo "install.sh: could not install chromium/chromium-driver (the browser test will skip)" >&2
+  fi
+fi

@@ -176,13 +176,18 @@ def build_app(engine: EngineClient, args: Optional[argparse.Namespace] = None) -
         async def authentication(request: Request, call_next):
             # Only the OpenAI routes are protected (as vLLM does). Anthropic clients send the
             # key as `x-api-key`; either header is accepted.
-            if request.method != "OPTIONS" and request.url.path.startswith("/v1"):
+            # The Ollama routes (/api/...) are protected too, but for /api/version (a probe).
+            path = request.url.path
+            protected = path.startswith("/v1") or (path.startswith("/api/") and path != "/api/version")
+            if request.method != "OPTIONS" and protected:
                 got = request.headers.get("Authorization", "").encode()
                 got_x = ("Bearer " + request.headers.get("x-api-key", "")).encode()
                 if not (hmac.compare_digest(got, expected) or hmac.compare_digest(got_x, expected)):
                     msg = "Unauthorized: missing or invalid API key."
                     if request.url.path.startswith("/v1/messages"):
                         return JSONResponse(anthropic_error_body(msg, 401), status_code=401)
+                    if path.startswith("/api/"):
+                        return JSONResponse({"error": msg}, status_code=401)
                     return error_response(msg, 401, None, "AuthenticationError")
             return await call_next(request)
 
@@ -245,6 +250,13 @@ def build_app(engine: EngineClient, args: Optional[argparse.Namespace] = None) -
             @app.post("/v1/unload_lora_adapter")
             async def unload_lora_adapter(request: UnloadLoRAAdapterRequest):
                 return Response(content=await loras.unload(request), status_code=200)
+
+    # Ollama-compatible routes (/api/chat, /api/generate, /api/tags, ...; HEAD /) and the web
+    # chat page (GET /, /ui/...).
+    from pagedllm.entrypoints.openai.serving_ollama import build_ollama_router
+    from pagedllm.entrypoints.web import build_web_router
+    app.include_router(build_ollama_router(engine, serving_chat, served))
+    app.include_router(build_web_router())
 
     @app.get("/health")
     async def health():
@@ -363,7 +375,8 @@ def run_server(args: argparse.Namespace) -> int:
     port = int(getattr(args, "port", 8000))
     served = app.state.served_model_names
     print(f"pagedllm: serving model {served[0]!r} on http://{host}:{port} "
-          f"(OpenAI API at http://{host}:{port}/v1)", flush=True)
+          f"(OpenAI API at http://{host}:{port}/v1, Ollama API at http://{host}:{port}/api, "
+          f"web chat at http://{host}:{port}/)", flush=True)
     print(f"pagedllm: KV cache capacity: {engine.kv_capacity_tokens} tokens; "
           f"max_model_len: {engine.max_model_len}", flush=True)
 
