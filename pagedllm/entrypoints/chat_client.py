@@ -116,7 +116,8 @@ class _OpenAIClient:
 
     def _wrap(self, e: Exception) -> ClientError:
         if isinstance(e, self._openai.APIStatusError):
-            msg = getattr(e, "message", None) or str(e)
+            body = getattr(e, "body", None)
+            msg = _error_text(json.dumps(body).encode()) if body else (getattr(e, "message", None) or str(e))
             return ClientError(f"the server at {self.url} answered {e.status_code}: {msg}")
         return ClientError(f"cannot reach the server at {self.url} ({e}); start one with "
                            f"'pagedllm serve' or pass --url")
