@@ -96,7 +96,7 @@ def _import_so(name: str, path: str) -> Any:
 
 
 # What a failed build costs, said in the one-line warning (decode on the pure-torch path).
-SLOW_PATH_NOTE = "the engine will run ~12x slower on the pure-torch path"
+SLOW_PATH_NOTE = "the engine will run ~11x slower on the pure-torch path"
 
 
 def compile_extension(name: str, so_path: str, srcs: list[str], what: str, cflags: Optional[list[str]] = None) -> Any:

@@ -44,7 +44,7 @@ def test_failed_build_is_one_line(tmp_path, monkeypatch, capfd):
     assert re.fullmatch(r"pagedllm: compiling the C\+\+ CPU kernels \(first run only; cached in .*\) \.\.\. "
                         r"failed after \d+\.\d s", lines[0]), lines[0]
     assert lines[1] == ("pagedllm: WARNING: the C++ CPU kernels could not be built (RuntimeError: Error building "
-                        "extension 'pagedllm_cpu_ops_x'); the engine will run ~12x slower on the pure-torch path "
+                        "extension 'pagedllm_cpu_ops_x'); the engine will run ~11x slower on the pure-torch path "
                         "(install g++ and restart; PAGEDLLM_CPU_KERNELS=0 silences this)")
 
 
