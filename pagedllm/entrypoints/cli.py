@@ -160,8 +160,15 @@ def main(argv: Optional[list[str]] = None) -> int:
         return run_client(args, chat=args.cmd == "chat")
     if args.cmd == "bench":
         if args.bench_cmd == "serve":
+            import httpx
+
             from pagedllm.entrypoints.bench_serve import run_bench_serve
-            return run_bench_serve(args) or 0
+            try:
+                return run_bench_serve(args) or 0
+            except (httpx.HTTPError, OSError) as e:  # no server there, or it refused /v1/models
+                base = args.base_url or f"http://{args.host}:{args.port}"
+                return fail("pagedllm bench serve", f"cannot reach the server at {base} ({e}); start one with "
+                            "'pagedllm serve' or pass --base-url / --host / --port", status=1)
         from pagedllm.entrypoints import bench
         return _run_user_errors_one_line(f"pagedllm bench {args.bench_cmd}", bench.run, args)
     parser.print_help()

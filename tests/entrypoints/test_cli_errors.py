@@ -234,3 +234,14 @@ def test_every_flag_has_help_and_default():
     assert missing == []
     help_text = parser.subcommand_parsers["serve"].format_help()
     assert "(default: 128)" in help_text  # --max-num-seqs: "Max requests scheduled in one step (default: 128)."
+
+
+def test_bench_serve_without_server():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    rc, out, err, _ = _cli("bench", "serve", "--port", str(port), "--num-prompts", "1")
+    assert rc == 1
+    assert err.splitlines() == [
+        f"pagedllm bench serve: error: cannot reach the server at http://127.0.0.1:{port} (All connection attempts "
+        "failed); start one with 'pagedllm serve' or pass --base-url / --host / --port"]
