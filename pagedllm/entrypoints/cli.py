@@ -1,84 +1,188 @@
-"""``pagedllm`` command line: serve, bench, complete, chat (vLLM's flag names)."""
+"""``pagedllm`` command line: serve, chat, complete, bench (vLLM's names and flags).
+
+A user mistake is one line on stderr, ``pagedllm <cmd>: error: ...``, and exit status 2
+(``cli_utils.FlexibleArgumentParser``); ``pagedllm serve --help=<group or keyword>`` shows part
+of the help (``--help=listgroup`` lists the groups).
+"""
 from __future__ import annotations
 
 import argparse
+import logging
 import sys
 from typing import Optional
 
 from pagedllm.config import QUANTIZATION_CHOICES
+from pagedllm.entrypoints.cli_utils import FlexibleArgumentParser, fail, show_filtered_help
+
+logger = logging.getLogger("pagedllm")
 
 
-def _add_bench_parsers(sub: argparse._SubParsersAction) -> None:
+def _add_bench_parsers(sub: argparse._SubParsersAction, subparsers: dict) -> None:
     from pagedllm.entrypoints import bench
 
-    p = sub.add_parser("bench", help="benchmarks: throughput, latency, serve, hardware")
-    bsub = p.add_subparsers(dest="bench_cmd", required=True)
-    bench.add_throughput_parser(bsub)
-    bench.add_latency_parser(bsub)
-    bench.add_prefix_parser(bsub)
-    bench.add_embed_parser(bsub)
-    bench.add_hardware_parser(bsub)
-    sp = bsub.add_parser("serve", help="load-test a running server (request rate / max concurrency)")
+    p = sub.add_parser("bench", help="benchmarks: throughput, latency, prefix-caching, embed, hardware, serve",
+                       description="Benchmarks (vLLM's `vllm bench` names).")
+    subparsers["bench"] = p
+    bsub = p.add_subparsers(dest="bench_cmd", required=True, metavar="{throughput,latency,prefix-caching,"
+                                                                       "embed,hardware,serve}")
+    for add in (bench.add_throughput_parser, bench.add_latency_parser, bench.add_prefix_parser,
+                bench.add_embed_parser, bench.add_hardware_parser):
+        add(bsub)
+    sp = bsub.add_parser("serve", help="load-test a running server (request rate / max concurrency)",
+                         description="Load-test a running server (vLLM's `vllm bench serve`).")
     from pagedllm.entrypoints.bench_serve import add_bench_serve_args
     add_bench_serve_args(sp)
+    for name, action in bsub.choices.items():
+        subparsers[f"bench {name}"] = action
+
+
+def _add_complete_parser(sub: argparse._SubParsersAction, subparsers: dict) -> None:
+    from pagedllm.entrypoints.chat_client import add_client_args
+
+    cp = sub.add_parser(
+        "complete", help="text completions from a running server (or in-process with --offline)",
+        description="Send prompts to a running server's /v1/completions and stream the completions "
+                    "(vLLM's `vllm complete`): -q PROMPT for one, else one prompt per stdin line until "
+                    "EOF or 'exit'. --offline loads the model in this process instead (no server).")
+    subparsers["complete"] = cp
+    add_client_args(cp, chat=False)
+    g = cp.add_argument_group("Offline (--offline: no server, the model loads in this process)")
+    g.add_argument("--offline", action="store_true",
+                   help="Load the model here with LLM() instead of talking to a server (default: off).")
+    g.add_argument("offline_model", nargs="?", default=None, metavar="MODEL",
+                   help="With --offline: the model (as `pagedllm serve`; --model works too; "
+                        "default: SmolLM2-135M-Instruct).")
+    g.add_argument("--chat", action="store_true",
+                   help="With --offline: wrap each prompt as a user chat message (default: off).")
+    g.add_argument("--dtype", default="auto", help="With --offline: weight/activation dtype (default: auto).")
+    g.add_argument("--quantization", default=None, choices=list(QUANTIZATION_CHOICES),
+                   help="With --offline: as `pagedllm serve --quantization` (default: the checkpoint's own).")
+    g.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8", "fp8_e4m3", "fp8_e5m2"],
+                   help="With --offline: KV cache storage (default: auto).")
+    g.add_argument("--num-threads", type=int, default=None,
+                   help="With --offline: torch threads (default: all cores).")
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog="pagedllm", description="pagedllm: paged-KV-cache LLM serving with vLLM's API")
-    parser.add_argument("--version", action="store_true", help="print the version and exit")
-    sub = parser.add_subparsers(dest="cmd")
-    sp = sub.add_parser("serve", help="serve a model behind an OpenAI-compatible HTTP API")
+    """The ``pagedllm`` parser; ``parser.subcommand_parsers`` maps "serve", "chat", "complete",
+    "bench", "bench throughput", ... to their parsers."""
+    from pagedllm.entrypoints.chat_client import add_client_args
     from pagedllm.entrypoints.openai.cli_args import add_serve_args
+
+    parser = FlexibleArgumentParser(
+        prog="pagedllm", description="pagedllm: paged-KV-cache LLM serving with vLLM's API")
+    parser.add_argument("--version", action="store_true", help="Print the version and exit.")
+    subparsers: dict[str, argparse.ArgumentParser] = {}
+    sub = parser.add_subparsers(dest="cmd", metavar="{serve,chat,complete,bench}")
+    sp = sub.add_parser("serve", help="serve a model behind an OpenAI-compatible HTTP API",
+                        description="Serve a model behind an OpenAI-compatible HTTP API (vLLM's `vllm serve` "
+                                    "flags). --help=listgroup lists the flag groups, --help=<group> shows "
+                                    "one, --help=<keyword> the flags whose name contains it.")
+    subparsers["serve"] = sp
     add_serve_args(sp)
-    cp = sub.add_parser("complete", help="one completion from the command line")
-    cp.add_argument("model", nargs="?", default="SmolLM2-135M-Instruct")
-    cp.add_argument("--prompt", required=True)
-    cp.add_argument("--max-tokens", type=int, default=64)
-    cp.add_argument("--temperature", type=float, default=0.0)
-    cp.add_argument("--chat", action="store_true", help="wrap the prompt as a user chat message")
-    cp.add_argument("--dtype", default="auto")
-    cp.add_argument("--quantization", "-q", default=None, choices=list(QUANTIZATION_CHOICES))
-    cp.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8", "fp8_e4m3", "fp8_e5m2"])
-    cp.add_argument("--num-threads", type=int, default=None)
-    _add_bench_parsers(sub)
+    cp = sub.add_parser("chat", help="chat with a running server (interactive, or -q MESSAGE)",
+                        description="Chat with a running server's /v1/chat/completions, streaming the answers "
+                                    "(vLLM's `vllm chat`): -q MESSAGE for one turn, else one message per stdin "
+                                    "line until EOF or 'exit', keeping the conversation.")
+    subparsers["chat"] = cp
+    add_client_args(cp, chat=True)
+    _add_complete_parser(sub, subparsers)
+    _add_bench_parsers(sub, subparsers)
+    parser.subcommand_parsers = subparsers  # type: ignore[attr-defined]
     return parser
 
 
-def _complete(args: argparse.Namespace) -> int:
+def _complete_offline(args: argparse.Namespace) -> int:
+    """The old in-process ``pagedllm complete`` (``--offline``): LLM() + generate/chat."""
     from pagedllm import LLM, SamplingParams
+    from pagedllm.entrypoints.chat_client import _messages_from_stdin
 
-    llm = LLM(args.model, dtype=args.dtype, num_threads=args.num_threads, quantization=args.quantization,
+    model = args.offline_model or args.model or "SmolLM2-135M-Instruct"
+    llm = LLM(model, dtype=args.dtype, num_threads=args.num_threads, quantization=args.quantization,
               kv_cache_dtype=args.kv_cache_dtype)
-    sp = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature)
-    if args.chat:
-        out = llm.chat([{"role": "user", "content": args.prompt}], sp, use_tqdm=False)
-    else:
-        out = llm.generate(args.prompt, sp, use_tqdm=False)
-    print(out[0].outputs[0].text)
+    sp = SamplingParams(max_tokens=args.max_tokens if args.max_tokens is not None else 64,
+                        temperature=args.temperature if args.temperature is not None else 0.0)
+    prompts = [args.quick] if args.quick is not None else _messages_from_stdin("Please enter a prompt to complete:")
+    for prompt in prompts:
+        if args.chat:
+            out = llm.chat([{"role": "user", "content": prompt}], sp, use_tqdm=False)
+        else:
+            out = llm.generate(prompt, sp, use_tqdm=False)
+        print(out[0].outputs[0].text, flush=True)
     return 0
 
 
+def _subcommand_of(parser: argparse.ArgumentParser, tokens: list[str]) -> argparse.ArgumentParser:
+    """The (deepest) subcommand parser named by the leading words of ``tokens``."""
+    subs = parser.subcommand_parsers  # type: ignore[attr-defined]
+    words = [t for t in tokens if not t.startswith("-")]
+    for n in (2, 1):
+        name = " ".join(words[:n])
+        if len(words) >= n and name in subs:
+            return subs[name]
+    return parser
+
+
 def main(argv: Optional[list[str]] = None) -> int:
+    """Run ``pagedllm`` with ``argv`` (default: ``sys.argv[1:]``); returns the exit status."""
+    argv = list(sys.argv[1:] if argv is None else argv)
     parser = build_parser()
-    args = parser.parse_args(argv)
+    for i, tok in enumerate(argv):
+        if tok == "--":
+            break
+        if tok.startswith("--help="):
+            return show_filtered_help(_subcommand_of(parser, argv[:i]), tok.split("=", 1)[1])
+    args, extra = parser.parse_known_args(argv)
+    if extra:  # reported by the subcommand's parser: "pagedllm serve: error: unrecognized arguments"
+        cmd = " ".join(x for x in (args.cmd, getattr(args, "bench_cmd", None)) if x)
+        parser.subcommand_parsers.get(cmd, parser).error(f"unrecognized arguments: {' '.join(extra)}")
     if args.version:
         from pagedllm import __version__
         print(__version__)
         return 0
     if args.cmd == "serve":
+        from pagedllm.entrypoints.openai.preflight import prepare_serve
+
+        try:  # NOTE: before the server module (torch, the engine) is imported: mistakes show at once
+            sock = prepare_serve(args)
+        except ValueError as e:
+            return fail("pagedllm serve", str(e))
         from pagedllm.entrypoints.openai.api_server import run_server
-        return run_server(args) or 0
-    if args.cmd == "complete":
-        return _complete(args)
+        return run_server(args, sock) or 0
+    if args.cmd in ("chat", "complete"):
+        if args.cmd == "complete" and args.offline:
+            return _run_user_errors_one_line("pagedllm complete", _complete_offline, args)
+        if getattr(args, "offline_model", None):
+            parser.subcommand_parsers["complete"].error(
+                f"unrecognized arguments: {args.offline_model} (a model is --model NAME; a positional "
+                "model needs --offline)")
+        from pagedllm.entrypoints.chat_client import run_client
+        return run_client(args, chat=args.cmd == "chat")
     if args.cmd == "bench":
         if args.bench_cmd == "serve":
+            import httpx
+
             from pagedllm.entrypoints.bench_serve import run_bench_serve
-            return run_bench_serve(args) or 0
+            try:
+                return run_bench_serve(args) or 0
+            except (httpx.HTTPError, OSError) as e:  # no server there, or it refused /v1/models
+                base = args.base_url or f"http://{args.host}:{args.port}"
+                return fail("pagedllm bench serve", f"cannot reach the server at {base} ({e}); start one with "
+                            "'pagedllm serve' or pass --base-url / --host / --port", status=1)
         from pagedllm.entrypoints import bench
-        return bench.run(args) or 0
+        return _run_user_errors_one_line(f"pagedllm bench {args.bench_cmd}", bench.run, args)
     parser.print_help()
     return 1
+
+
+def _run_user_errors_one_line(prog: str, fn, args: argparse.Namespace) -> int:
+    """``fn(args)``; a ValueError (a wrong model, a bad option value: what the engine rejects
+    before it runs) is one line ``<prog>: error: ...`` and status 2 (its traceback at DEBUG)."""
+    try:
+        return fn(args) or 0
+    except ValueError as e:
+        logger.debug("%s failed", prog, exc_info=True)
+        return fail(prog, str(e))
 
 
 if __name__ == "__main__":

@@ -22,11 +22,8 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
-import shutil
 import sys
-import tempfile
 import threading
-import time
 from typing import Any, Optional
 
 import torch
@@ -63,19 +60,9 @@ def _module_name() -> str:
 
 
 def _build(name: str, so_path: str) -> Any:
-    from torch.utils.cpp_extension import load
+    from pagedllm.kernels.cpu_ops import compile_extension
 
-    logger.info("pagedllm: compiling the batch-invariant CPU kernels (first run only)")
-    t0 = time.perf_counter()
-    with tempfile.TemporaryDirectory(prefix="pagedllm-bi-build-") as tmp:
-        mod = load(name=name, sources=[_SRC], build_directory=tmp, extra_cflags=_CFLAGS,
-                   extra_ldflags=["-fopenmp"], verbose=False)
-        os.makedirs(os.path.dirname(so_path), exist_ok=True)
-        staged = f"{so_path}.{os.getpid()}.tmp"
-        shutil.copyfile(mod.__file__, staged)
-        os.replace(staged, so_path)
-    logger.info("pagedllm: batch-invariant kernels built in %.1f s (cached at %s)", time.perf_counter() - t0, so_path)
-    return mod
+    return compile_extension(name, so_path, [_SRC], "the batch-invariant CPU kernels", _CFLAGS)
 
 
 def get_bi_ops() -> Any:

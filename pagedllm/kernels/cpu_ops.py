@@ -95,20 +95,66 @@ def _import_so(name: str, path: str) -> Any:
     return mod
 
 
-def _build(name: str, so_path: str, srcs: Optional[list[str]] = None) -> Any:
+# What a failed build costs, said in the one-line warning (decode on the pure-torch path).
+SLOW_PATH_NOTE = "the engine will run ~11x slower on the pure-torch path"
+
+
+def compile_extension(name: str, so_path: str, srcs: list[str], what: str, cflags: Optional[list[str]] = None) -> Any:
+    """Compile ``srcs`` into the extension ``name``, cache it at ``so_path`` and import it.
+
+    Prints one progress line to stderr (shown from scripts/install.sh, ``pagedllm serve`` and
+    ``LLM()`` alike, whatever the logging setup): ``pagedllm: compiling <what> (first run only)
+    ...`` completed with the elapsed time on success, or with ``failed after N s`` (the caller
+    says what that means).
+
+    Args:
+        name: the extension module's name (keyed by source, torch, flags and CPU).
+        so_path: where the built ``.so`` is cached (moved there atomically).
+        srcs: the C++ sources.
+        what: a few words naming the extension in the progress line.
+        cflags: compiler flags (default: this module's ``-O3 -march=native -fopenmp -ffast-math``).
+
+    Raises:
+        Exception: whatever ``torch.utils.cpp_extension.load`` raises (no compiler, no headers,
+            a compile error).
+    """
     from torch.utils.cpp_extension import load
 
-    logger.info("pagedllm: compiling the C++ CPU kernels (first run only, about a minute)")
+    print(f"pagedllm: compiling {what} (first run only; cached in {os.path.dirname(so_path)}) ...",
+          end="", file=sys.stderr, flush=True)
     t0 = time.perf_counter()
-    with tempfile.TemporaryDirectory(prefix="pagedllm-build-") as tmp:
-        mod = load(name=name, sources=_SRCS if srcs is None else srcs, build_directory=tmp, extra_cflags=_CFLAGS,
-                   extra_ldflags=["-fopenmp"], verbose=False)
-        os.makedirs(os.path.dirname(so_path), exist_ok=True)
-        staged = f"{so_path}.{os.getpid()}.tmp"
-        shutil.copyfile(mod.__file__, staged)
-        os.replace(staged, so_path)
-    logger.info("pagedllm: CPU kernels built in %.1f s (cached at %s)", time.perf_counter() - t0, so_path)
+    try:
+        with tempfile.TemporaryDirectory(prefix="pagedllm-build-") as tmp:
+            mod = load(name=name, sources=srcs, build_directory=tmp, extra_cflags=_CFLAGS if cflags is None else cflags,
+                       extra_ldflags=["-fopenmp"], verbose=False)
+            os.makedirs(os.path.dirname(so_path), exist_ok=True)
+            staged = f"{so_path}.{os.getpid()}.tmp"
+            shutil.copyfile(mod.__file__, staged)
+            os.replace(staged, so_path)
+    except BaseException:
+        print(f" failed after {time.perf_counter() - t0:.1f} s", file=sys.stderr, flush=True)
+        raise
+    print(f" done in {time.perf_counter() - t0:.1f} s", file=sys.stderr, flush=True)
     return mod
+
+
+def _build(name: str, so_path: str, srcs: Optional[list[str]] = None) -> Any:
+    what = "the C++ CPU kernels" if srcs is None else "the quantized-weight GEMM kernels"
+    return compile_extension(name, so_path, _SRCS if srcs is None else srcs, what)
+
+
+def build_failed_message(what: str, err: BaseException) -> str:
+    """The one-line warning for a kernel build that failed: what failed, the first line of why,
+    and what it costs (``SLOW_PATH_NOTE``)."""
+    first = next((ln.strip() for ln in str(err).splitlines() if ln.strip()), "")
+    why = f"{type(err).__name__}: {first}"[:200]
+    return (f"pagedllm: WARNING: {what} could not be built ({why}); {SLOW_PATH_NOTE} "
+            f"(install g++ and restart; PAGEDLLM_CPU_KERNELS=0 silences this)")
+
+
+def _warn_build_failed(what: str, err: BaseException) -> None:
+    logger.debug("kernel build failed", exc_info=err)
+    print(build_failed_message(what, err), file=sys.stderr, flush=True)
 
 
 DEFAULT_ALLOCATOR_MIN_BYTES = 1 << 20
@@ -200,7 +246,7 @@ def get_ops() -> Optional[Any]:
                     logger.warning("pagedllm: cached kernel %s unusable (%s); rebuilding", so_path, e)
             _ops = _build(name, so_path)
         except Exception as e:  # no compiler / headers: the torch path still works
-            logger.warning("pagedllm: C++ CPU kernels unavailable (%s); using the torch path", e)
+            _warn_build_failed("the C++ CPU kernels", e)
             _ops = None
         return _ops
 
@@ -241,6 +287,6 @@ def get_quant_ops() -> Optional[Any]:
                     logger.warning("pagedllm: cached kernel %s unusable (%s); rebuilding", so_path, e)
             _quant_ops = _build(name, so_path, _QUANT_SRCS)
         except Exception as e:
-            logger.warning("pagedllm: quantized-weight C++ kernels unavailable (%s); using the torch path", e)
+            _warn_build_failed("the quantized-weight GEMM kernels", e)
             _quant_ops = None
         return _quant_ops

@@ -16,11 +16,12 @@ from __future__ import annotations
 import os
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from .resolve import get_gemma3_gguf_path, get_smollm2_gguf_path, known_models, resolve_model_path
+
+if TYPE_CHECKING:  # NOTE: torch is imported when a model loads, not with the package (fast CLI checks)
+    import torch
 
 __all__ = [
     "LoadedModel",
@@ -83,7 +84,7 @@ def _local_or_hub(name: str, revision: str | None, download_dir: str | None, pat
 
 def load_model(
     model: str,
-    dtype: torch.dtype = torch.float32,
+    dtype: torch.dtype | None = None,
     tokenizer: str | None = None,
     ignore_patterns: list[str] | None = None,
     quantization: str | None = "none",
@@ -99,7 +100,7 @@ def load_model(
     """Resolve `model` (known name, .gguf path, HF directory or Hugging Face Hub id) and load its config and
     tokenizer; weights are read lazily when `LoadedModel.weights()` is iterated.
 
-    dtype: floating dtype of the yielded weights (GGUF tensors are dequantized to float32 first).
+    dtype: floating dtype of the yielded weights (default float32; GGUF tensors are dequantized to float32 first).
     tokenizer: optional tokenizer source (HF directory, Hub id or .gguf file) overriding the model's own;
         `tokenizer_revision` is its Hub revision.
     ignore_patterns: fnmatch patterns of weight file names to skip (HF directories only).
@@ -119,6 +120,10 @@ def load_model(
     cannot load with.
     """
     want_tokenizer = load_tokenizer  # NOTE: before the import below rebinds the name
+    if dtype is None:
+        import torch
+
+        dtype = torch.float32
     from pagedllm.config import apply_hf_overrides
 
     from .hf_loader import load_hf_config

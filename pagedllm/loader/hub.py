@@ -80,6 +80,64 @@ def hub_cache_dir(download_dir: Optional[str] = None) -> str:
     return os.path.join(home, "hub")
 
 
+DEFAULT_ENDPOINT = "https://huggingface.co"
+
+
+def _probe(host: str, port: int, timeout: float) -> Optional[str]:
+    """None if a TCP connection to ``host:port`` opens within ``timeout`` seconds (name lookup
+    included, which ``socket`` cannot time out: it runs in a daemon thread), else why not."""
+    import socket
+    import threading
+
+    result: list[Optional[str]] = ["timed out"]
+
+    def attempt() -> None:
+        try:
+            socket.create_connection((host, port), timeout=timeout).close()
+            result[0] = None
+        except OSError as e:
+            result[0] = e.strerror or str(e) or type(e).__name__
+
+    t = threading.Thread(target=attempt, daemon=True, name="pagedllm-hub-probe")
+    t.start()
+    t.join(timeout + 0.5)
+    return result[0] if not t.is_alive() else f"no answer in {timeout:g} s"
+
+
+def check_hub_reachable(model: str, cache_dir: str) -> None:
+    """Fail fast (a few seconds, ``PAGEDLLM_HUB_CONNECT_TIMEOUT``, default 3) when ``model`` must be
+    downloaded but the Hub (``HF_ENDPOINT``, or the ``HTTPS_PROXY`` in between) cannot be reached,
+    instead of waiting on huggingface_hub's retries.
+
+    Raises:
+        ValueError: naming the model, the cache directory searched, ``HF_HUB_OFFLINE=1`` and the
+            local-path alternative.
+    """
+    from urllib.parse import urlsplit
+
+    endpoint = (os.environ.get("HF_ENDPOINT") or DEFAULT_ENDPOINT).rstrip("/")
+    if endpoint.startswith("https"):
+        proxy = os.environ.get("HTTPS_PROXY") or os.environ.get("https_proxy")
+    else:
+        proxy = os.environ.get("HTTP_PROXY") or os.environ.get("http_proxy")
+    target = urlsplit(proxy if proxy else endpoint)
+    host = target.hostname or ""
+    port = target.port or (443 if target.scheme == "https" else 80)
+    try:
+        timeout = float(os.environ.get("PAGEDLLM_HUB_CONNECT_TIMEOUT", "3"))
+    except ValueError:
+        timeout = 3.0
+    why = _probe(host, port, timeout) if host else "no host in HF_ENDPOINT"
+    if why is None:
+        return
+    via = f" through the proxy {host}:{port}" if proxy else ""
+    raise ValueError(
+        f"model {model!r} is not in the Hugging Face cache ({cache_dir}) and the Hub ({endpoint}) cannot be "
+        f"reached{via} ({why}). Connect to the network, or set HF_HUB_OFFLINE=1 to use only the cache "
+        "(--download-dir or HF_HUB_CACHE names another one), or pass a local path: a .gguf file or a "
+        "model directory with config.json")
+
+
 def _token() -> Optional[str]:
     return os.environ.get("HF_TOKEN") or None
 
@@ -227,6 +285,7 @@ def _download(repo_id: str, revision: Optional[str], cache_dir: str, load_format
               quant: Optional[str]) -> HubModel:
     from huggingface_hub import hf_hub_download, snapshot_download
 
+    check_hub_reachable(repo_id, cache_dir)
     files = _remote_files(repo_id, revision)
     index = None
     if "model.safetensors.index.json" in files and load_format in ("auto", "safetensors") and not (gguf or quant):
@@ -253,6 +312,7 @@ def resolve_hub_files(repo_id: str, revision: Optional[str] = None, download_dir
                          "is set (no download)")
     from huggingface_hub import snapshot_download
 
+    check_hub_reachable(repo_id, cache_dir)
     _remote_files(repo_id, revision)  # NOTE: a clear error for a missing repo or revision
     return snapshot_download(repo_id, revision=revision, cache_dir=cache_dir, allow_patterns=patterns,
                              token=_token())

@@ -14,6 +14,7 @@ import contextlib
 import dataclasses
 import hmac
 import logging
+import socket
 import sys
 from typing import Any, Optional
 
@@ -339,40 +340,49 @@ def _setup_logging() -> None:
     logging.getLogger("pagedllm").setLevel(logging.INFO)
 
 
-def run_server(args: argparse.Namespace) -> int:
-    """Build the engine from ``args``, serve until SIGINT/SIGTERM; returns 0."""
+def run_server(args: argparse.Namespace, sock: Optional[socket.socket] = None) -> int:
+    """Build the engine from ``args``, serve until SIGINT/SIGTERM; returns 0 (2: a user mistake,
+    one line on stderr).
+
+    Args:
+        args: the parsed ``pagedllm serve`` flags.
+        sock: the listening socket from ``preflight.prepare_serve(args)`` (the CLI calls it before
+            importing this module, so mistakes show within a second); None = do that here.
+    """
+    from pagedllm.entrypoints.cli_utils import fail
+
+    _setup_logging()
+    if sock is None:
+        from pagedllm.entrypoints.openai.preflight import prepare_serve
+
+        try:
+            sock = prepare_serve(args)
+        except ValueError as e:
+            return fail("pagedllm serve", str(e))
     import uvicorn
 
     from pagedllm.engine.async_llm import AsyncLLM
 
-    from pagedllm.entrypoints.openai.cli_args import normalize_args, resolve_parsers
-
-    _setup_logging()
-    try:
-        normalize_args(args)
-        resolve_parsers(args)  # bad parser flags fail before the model loads
-        if getattr(args, "lora_modules", None):
-            from pagedllm.lora.peft_loader import read_adapter_config
-            for m in args.lora_modules:  # NOTE: a wrong path fails before the model loads
-                read_adapter_config(m.path, m.name)
-    except ValueError as e:
-        print(f"pagedllm serve: error: {e}", file=sys.stderr, flush=True)
-        return 2
+    host = getattr(args, "host", "127.0.0.1") or "127.0.0.1"
+    port = int(getattr(args, "port", 8000))
     if getattr(args, "reasoning_parser", None):
         # Structured outputs constrain the answer, not the reasoning (vLLM: the reasoning
         # parser is part of the structured-outputs config).
         cfg = dict(getattr(args, "structured_outputs_config", None) or {})
         cfg.setdefault("reasoning_parser", args.reasoning_parser)
         args.structured_outputs_config = cfg
-    engine_args = engine_args_from_namespace(args)
-    if engine_args.data_parallel_size > 1:
-        from pagedllm.engine.dp_async_llm import DPAsyncLLM
-        engine = DPAsyncLLM.from_engine_args(engine_args)
-    else:
-        engine = AsyncLLM.from_engine_args(engine_args)
+    try:
+        engine_args = engine_args_from_namespace(args)
+        if engine_args.data_parallel_size > 1:
+            from pagedllm.engine.dp_async_llm import DPAsyncLLM
+            engine = DPAsyncLLM.from_engine_args(engine_args)
+        else:
+            engine = AsyncLLM.from_engine_args(engine_args)
+    except ValueError as e:  # what the engine rejects at load (KV cache too small, a format, ...)
+        sock.close()
+        logger.debug("engine start-up failed", exc_info=True)
+        return fail("pagedllm serve", str(e))
     app = build_app(engine, args)
-    host = getattr(args, "host", "127.0.0.1") or "127.0.0.1"
-    port = int(getattr(args, "port", 8000))
     served = app.state.served_model_names
     print(f"pagedllm: serving model {served[0]!r} on http://{host}:{port} "
           f"(OpenAI API at http://{host}:{port}/v1, Ollama API at http://{host}:{port}/api, "
@@ -397,8 +407,9 @@ def run_server(args: argparse.Namespace) -> int:
 
     server = _Server(config)
     try:
-        server.run()
+        server.run(sockets=[sock])
     finally:
+        sock.close()
         try:
             engine.shutdown()
         except Exception:
@@ -413,7 +424,7 @@ def run_server(args: argparse.Namespace) -> int:
 def main(argv: Optional[list[str]] = None) -> int:
     from pagedllm.entrypoints.openai.cli_args import make_arg_parser
 
-    parser = make_arg_parser(argparse.ArgumentParser(prog="pagedllm serve"))
+    parser = make_arg_parser()
     return run_server(parser.parse_args(argv))
 
 

@@ -10,6 +10,7 @@ from typing import Any, Optional
 
 from pagedllm.config import QUANTIZATION_CHOICES
 from pagedllm.config import parse_bytes as config_parse_bytes
+from pagedllm.entrypoints.cli_utils import FlexibleArgumentParser, port_number, positive_human_int
 
 logger = logging.getLogger("pagedllm.entrypoints.openai")
 
@@ -37,6 +38,16 @@ def _positive_int(value: str) -> int:
     if n <= 0:
         raise argparse.ArgumentTypeError(f"expected a positive integer, got {value!r}")
     return n
+
+
+def _json_list(value: str) -> list[Any]:
+    try:
+        v = json.loads(value)
+    except json.JSONDecodeError as e:
+        raise argparse.ArgumentTypeError(f"invalid JSON {value!r}: {e}") from None
+    if not isinstance(v, list):
+        raise argparse.ArgumentTypeError(f"expected a JSON list such as '[\"*\"]', got {value!r}")
+    return v
 
 
 def _json_dict(value: str) -> dict[str, Any]:
@@ -96,7 +107,9 @@ def add_serve_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g.add_argument("--host", default="127.0.0.1",
                    help="Address to listen on (default: 127.0.0.1; use 0.0.0.0 for all "
                         "interfaces).")
-    g.add_argument("--port", type=int, default=8000, help="Port to listen on (default: 8000).")
+    g.add_argument("--port", type=port_number, default=8000,
+                   help="Port to listen on (default: 8000). It is bound before the model loads, so a "
+                        "port in use fails at once.")
     g.add_argument("--served-model-name", nargs="+", default=None,
                    help="Model name(s) the API reports and accepts in the `model` field "
                         "(default: the model argument). The first one is used in responses.")
@@ -125,6 +138,16 @@ def add_serve_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                    help="Max number of logprobs a request may ask for (`logprobs`, "
                         "`top_logprobs`, `prompt_logprobs`; default: 20).")
 
+    g = parser.add_argument_group("CORS", "Cross-origin resource sharing headers for browser clients.")
+    g.add_argument("--allowed-origins", type=_json_list, default=["*"],
+                   help='Allowed origins as a JSON list (default: ["*"], as vLLM).')
+    g.add_argument("--allowed-methods", type=_json_list, default=["*"],
+                   help='Allowed methods as a JSON list (default: ["*"]).')
+    g.add_argument("--allowed-headers", type=_json_list, default=["*"],
+                   help='Allowed headers as a JSON list (default: ["*"]).')
+    g.add_argument("--allow-credentials", action="store_true",
+                   help="Allow credentials (cookies, Authorization) in cross-origin requests (default: off).")
+
     g = parser.add_argument_group("Tool calling and reasoning")
     g.add_argument("--enable-auto-tool-choice", action="store_true",
                    help='Let the model decide when to call tools (`tool_choice: "auto"`, the '
@@ -151,8 +174,9 @@ def add_serve_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                                                        "half", "float", "bf16", "fp32", "fp16"],
                    help="Weight and activation dtype. auto = bfloat16 on CPUs with native bf16 "
                         "matmul (float16/bfloat16 on CUDA), else float32.")
-    g.add_argument("--max-model-len", type=_positive_int, default=None,
-                   help="Max tokens per request (prompt + output). Default: the model's context "
+    g.add_argument("--max-model-len", type=positive_human_int, default=None,
+                   help="Max tokens per request (prompt + output); takes suffixes as vLLM: 32k = 32,000, "
+                        "32K = 32,768, 1m = 1,000,000, 1M = 1,048,576. Default: the model's context "
                         "length, capped by what the KV cache can hold.")
     g.add_argument("--generation-config", default="auto",
                    help="'auto': the model's generation config supplies default sampling values "
@@ -245,7 +269,7 @@ def add_serve_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g = parser.add_argument_group("Scheduler and KV cache")
     g.add_argument("--max-num-seqs", type=_positive_int, default=128,
                    help="Max requests scheduled in one step (default: 128).")
-    g.add_argument("--max-num-batched-tokens", type=_positive_int, default=2048,
+    g.add_argument("--max-num-batched-tokens", type=positive_human_int, default=2048,
                    help="Max tokens processed in one step; longer prompts are prefilled in "
                         "chunks (default: 2048).")
     g.add_argument("--block-size", type=_positive_int, default=16,
@@ -276,13 +300,6 @@ def add_serve_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                         "rank, else mp.")
 
     g = parser.add_argument_group("Device")
-    g.add_argument("--allowed-origins", type=json.loads, default=["*"],
-                   help='CORS allowed origins as a JSON list (vLLM default: ["*"]).')
-    g.add_argument("--allowed-methods", type=json.loads, default=["*"],
-                   help="CORS allowed methods as a JSON list.")
-    g.add_argument("--allowed-headers", type=json.loads, default=["*"],
-                   help="CORS allowed headers as a JSON list.")
-    g.add_argument("--allow-credentials", action="store_true", help="CORS: allow credentials.")
     g.add_argument("--attention-backend", default=None, choices=["torch", "triton", "flashinfer"],
                    help="Attention backend (default: torch on CPU, triton on CUDA; also "
                         "PAGEDLLM_ATTENTION_BACKEND).")
@@ -304,9 +321,10 @@ def add_serve_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
 
 
 def make_arg_parser(parser: Optional[argparse.ArgumentParser] = None) -> argparse.ArgumentParser:
+    """``parser`` (default: a new ``pagedllm serve`` FlexibleArgumentParser) with every serve flag."""
     if parser is None:
-        parser = argparse.ArgumentParser(prog="pagedllm serve",
-                                         description="Serve a model with an OpenAI-compatible API.")
+        parser = FlexibleArgumentParser(prog="pagedllm serve",
+                                        description="Serve a model with an OpenAI-compatible API.")
     return add_serve_args(parser)
 
 
