@@ -22,11 +22,18 @@
 // since sum_k (d q_k + m) xd a_k = d xd sum_k q_k a_k + m xd sum_k a_k.
 //
 // Fixed arithmetic (batch invariance by construction): the int32 sum of each block is kept as 8
-// lanes of 4 consecutive k (lane i: k = 4i..4i+3, exact); per lane acc_i = fma(float(lane_i),
-// d * xd, acc_i) over b; then ((acc0+acc4)+(acc2+acc6)) + ((acc1+acc5)+(acc3+acc7)); the min term
-// is a scalar fma chain over b; then + bias. Every ISA path below does exactly these float
+// lanes of 4 consecutive k (lane i: k = 4i..4i+3, exact); per lane, two accumulators (even and
+// odd blocks) acc[b % 2]_i = fma(float(lane_i), d * xd, acc[b % 2]_i) over b in increasing
+// order, then acc_i = acc[0]_i + acc[1]_i; the min term runs in 8 lanes too (lane j: blocks
+// j, j + 8, ..., macc_j = fma(m, xs, macc_j)); each 8-lane sum is ((l0+l4)+(l2+l6)) +
+// ((l1+l5)+(l3+l7)); y = sum(acc) + sum(macc) + bias. Every ISA path does exactly these float
 // operations (the build uses -ffp-contract=off), so a row's result depends neither on M, on which
-// rows share the call, on the thread split over N, nor on the ISA path.
+// rows share the call, on the tiling or thread split over N, nor on the ISA path.
+//
+// Tiling: rows of x in tiles of up to 4, each column's codes unpacked once per tile (the even /
+// odd accumulators give M = 1 two independent fma chains). NOTE: tiles of several weight rows
+// (interleaved column streams) ran 1.5-2.5x slower once 576-byte rows came from DRAM (int8 LM
+// head), so columns run one at a time. Threads split the output columns (at::parallel_for).
 //
 // ISA paths, chosen at run time (__builtin_cpu_supports) from one build without -march flags:
 //   0 portable C++; 1 AVX2 (+FMA): vpmaddubsw + vpmaddwd; 2 AVX512-VNNI (+VL/BW): vpdpbusd on
@@ -61,19 +68,43 @@ enum Kind : int64_t { kInt4 = 0, kInt8 = 1 };
 // One call's operands, shared by the ISA paths.
 struct Ctx {
   const uint8_t* q;     // weight codes, row stride rb bytes
-  const float* wd;      // [N, G]
-  const float* wm;      // [N, G] or nullptr
-  const int32_t* gidx;  // group of each block of 32 k
-  int64_t rb, G, nb, N, M;
+  const float* wd;      // [N, nb]: the scale of each 32-block (groups > 32 expanded)
+  const float* wm;      // [N, nb] or nullptr
+  int64_t rb, nb, nbp, N, M;
   const int8_t* a;   // [M, K]
-  const float* xd;   // [M, nb]
-  const float* xs;   // [M, nb]
+  const float* xd;   // [M, nbp], zero past nb
+  const float* xs;   // [M, nbp], zero past nb
   const float* bias; // [N] or nullptr
   float* y;          // [M, N]
 };
 
+// Columns [n0, n1) for all M rows: per column, tiles of up to 4 rows of x (the column's codes
+// unpacked once per tile, from L1 after the first).
+template <template <int, bool, bool> class T, bool INT4, bool MINS>
+void run_range(const Ctx& c, int64_t n0, int64_t n1) {
+  for (int64_t n = n0; n < n1; ++n) {
+    int64_t m = 0;
+    for (; m + 4 <= c.M; m += 4) T<4, INT4, MINS>::go(c, n, m);
+    switch (c.M - m) {
+      case 3: T<3, INT4, MINS>::go(c, n, m); break;
+      case 2: T<2, INT4, MINS>::go(c, n, m); break;
+      case 1: T<1, INT4, MINS>::go(c, n, m); break;
+      default: break;
+    }
+  }
+}
+
+template <template <int, bool, bool> class T>
+void dispatch_range(const Ctx& c, bool int4, int64_t n0, int64_t n1) {
+  if (int4) {
+    c.wm ? run_range<T, true, true>(c, n0, n1) : run_range<T, true, false>(c, n0, n1);
+  } else {
+    c.wm ? run_range<T, false, true>(c, n0, n1) : run_range<T, false, false>(c, n0, n1);
+  }
+}
+
 // ---------------------------------------------------------------------------------- portable
-void quantize_rows_ref(const float* x, int64_t M, int64_t K, int8_t* a, float* xd, float* xs) {
+void quantize_rows_ref(const float* x, int64_t M, int64_t K, int64_t nbp, int8_t* a, float* xd, float* xs) {
   const int64_t nb = K / QK;
   for (int64_t r = 0; r < M; ++r) {
     for (int64_t b = 0; b < nb; ++b) {
@@ -88,23 +119,24 @@ void quantize_rows_ref(const float* x, int64_t M, int64_t K, int8_t* a, float* x
         a[r * K + b * QK + j] = static_cast<int8_t>(c);
         sum += c;
       }
-      xd[r * nb + b] = d;
-      xs[r * nb + b] = d * static_cast<float>(sum);
+      xd[r * nbp + b] = d;
+      xs[r * nbp + b] = d * static_cast<float>(sum);
     }
   }
 }
 
 inline float hsum8_ref(const float* l) { return ((l[0] + l[4]) + (l[2] + l[6])) + ((l[1] + l[5]) + (l[3] + l[7])); }
 
+// One column n, rows [m0, m0 + MT): the arithmetic every path reproduces (file comment).
 template <int MT, bool INT4, bool MINS>
 void tile_ref(const Ctx& c, int64_t n, int64_t m0) {
   const uint8_t* row = c.q + n * c.rb;
-  const float* wd = c.wd + n * c.G;
-  const float* wm = MINS ? c.wm + n * c.G : nullptr;
-  float acc[MT][8], macc[MT];
+  const float* wd = c.wd + n * c.nb;
+  const float* wm = MINS ? c.wm + n * c.nb : nullptr;
+  const int64_t K = c.nb * QK;
+  float acc[MT][2][8], macc[MT][8];
   for (int r = 0; r < MT; ++r) {
-    macc[r] = 0.f;
-    for (int i = 0; i < 8; ++i) acc[r][i] = 0.f;
+    for (int i = 0; i < 8; ++i) acc[r][0][i] = acc[r][1][i] = macc[r][i] = 0.f;
   }
   int32_t w[QK];
   for (int64_t b = 0; b < c.nb; ++b) {
@@ -118,60 +150,102 @@ void tile_ref(const Ctx& c, int64_t n, int64_t m0) {
       const int8_t* p = reinterpret_cast<const int8_t*>(row) + QK * b;
       for (int j = 0; j < QK; ++j) w[j] = p[j];
     }
-    const float d = wd[c.gidx[b]];
     for (int r = 0; r < MT; ++r) {
-      const int8_t* av = c.a + (m0 + r) * c.nb * QK + b * QK;
-      const float s = d * c.xd[(m0 + r) * c.nb + b];
+      const int8_t* av = c.a + (m0 + r) * K + b * QK;
+      const float s = wd[b] * c.xd[(m0 + r) * c.nbp + b];
       for (int i = 0; i < 8; ++i) {
         int32_t l = 0;
         for (int j = 0; j < 4; ++j) l += w[4 * i + j] * av[4 * i + j];
-        acc[r][i] = std::fma(static_cast<float>(l), s, acc[r][i]);
+        acc[r][b & 1][i] = std::fma(static_cast<float>(l), s, acc[r][b & 1][i]);
       }
-      if (MINS) macc[r] = std::fma(wm[c.gidx[b]], c.xs[(m0 + r) * c.nb + b], macc[r]);
+    }
+  }
+  if (MINS) {  // lane j holds blocks j, j + 8, ... (the padding past nb adds 0 * 0)
+    for (int64_t b = 0; b < c.nbp; ++b) {
+      const float mv = b < c.nb ? wm[b] : 0.f;
+      for (int r = 0; r < MT; ++r) macc[r][b % 8] = std::fma(mv, c.xs[(m0 + r) * c.nbp + b], macc[r][b % 8]);
     }
   }
   for (int r = 0; r < MT; ++r) {
-    float v = hsum8_ref(acc[r]);
-    if (MINS) v += macc[r];
+    float l[8];
+    for (int i = 0; i < 8; ++i) l[i] = acc[r][0][i] + acc[r][1][i];
+    float v = hsum8_ref(l);
+    if (MINS) v += hsum8_ref(macc[r]);
     if (c.bias) v += c.bias[n];
     c.y[(m0 + r) * c.N + n] = v;
   }
 }
-
-// Rows [n0, n1) of the output for all M rows, in tiles of up to 4 rows of x.
-template <template <int, bool, bool> class T>
-struct RangeRunner {
-  template <bool INT4, bool MINS>
-  static void run(const Ctx& c, int64_t n0, int64_t n1) {
-    for (int64_t n = n0; n < n1; ++n) {
-      int64_t m = 0;
-      for (; m + 4 <= c.M; m += 4) T<4, INT4, MINS>::go(c, n, m);
-      switch (c.M - m) {
-        case 3: T<3, INT4, MINS>::go(c, n, m); break;
-        case 2: T<2, INT4, MINS>::go(c, n, m); break;
-        case 1: T<1, INT4, MINS>::go(c, n, m); break;
-        default: break;
-      }
-    }
-  }
-  static void dispatch(const Ctx& c, bool int4, int64_t n0, int64_t n1) {
-    if (int4) {
-      c.wm ? run<true, true>(c, n0, n1) : run<true, false>(c, n0, n1);
-    } else {
-      c.wm ? run<false, true>(c, n0, n1) : run<false, false>(c, n0, n1);
-    }
-  }
-};
 
 template <int MT, bool INT4, bool MINS>
 struct TileRef {
   static void go(const Ctx& c, int64_t n, int64_t m) { tile_ref<MT, INT4, MINS>(c, n, m); }
 };
 
-void range_ref(const Ctx& c, bool int4, int64_t n0, int64_t n1) { RangeRunner<TileRef>::dispatch(c, int4, n0, n1); }
+void range_ref(const Ctx& c, bool int4, int64_t n0, int64_t n1) { dispatch_range<TileRef>(c, int4, n0, n1); }
 
 // ---------------------------------------------------------------------------------- AVX2 / VNNI
 #ifdef PAGEDLLM_ID_X86
+// One column n x MT rows, for one ISA (PRODUCT(u8 x 32, s8 x 32) -> 8 int32 lanes of 4
+// consecutive products each). Per chunk of 8 blocks: the scale products d * xd of every (row,
+// block) go to a small stack array (read back as broadcasts) and the min term advances one vector
+// fma; per block: the codes are unpacked once for all MT rows, and even / odd blocks feed two
+// accumulators (two independent fma chains even at M = 1).
+#define PAGEDLLM_ID_TILE(NAME, PRODUCT, HSUM)                                                                   \
+  template <int MT, bool INT4, bool MINS>                                                                      \
+  void NAME(const Ctx& c, int64_t n, int64_t m0) {                                                             \
+    const int64_t K = c.nb * QK;                                                                               \
+    const uint8_t* row = c.q + n * c.rb;                                                                       \
+    const float* wd = c.wd + n * c.nb;                                                                         \
+    const float* wm = MINS ? c.wm + n * c.nb : nullptr;                                                        \
+    const int8_t* ap[MT];                                                                                      \
+    const float* xdp[MT];                                                                                      \
+    const float* xsp[MT];                                                                                      \
+    __m256 acc[MT][2], macc[MT];                                                                               \
+    for (int r = 0; r < MT; ++r) {                                                                             \
+      ap[r] = c.a + (m0 + r) * K;                                                                              \
+      xdp[r] = c.xd + (m0 + r) * c.nbp;                                                                        \
+      xsp[r] = c.xs + (m0 + r) * c.nbp;                                                                        \
+      acc[r][0] = acc[r][1] = macc[r] = _mm256_setzero_ps();                                                   \
+    }                                                                                                          \
+    alignas(32) float sc[MT][8];                                                                               \
+    const __m128i lo4 = _mm_set1_epi8(0x0F);                                                                   \
+    const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);                                            \
+    for (int64_t b0 = 0; b0 < c.nb; b0 += 8) {                                                                 \
+      const int nbc = static_cast<int>(std::min<int64_t>(8, c.nb - b0));                                       \
+      const __m256i mask = _mm256_cmpgt_epi32(_mm256_set1_epi32(nbc), lane);                                   \
+      const __m256 wdv = _mm256_maskload_ps(wd + b0, mask);                                                    \
+      const __m256 wmv = MINS ? _mm256_maskload_ps(wm + b0, mask) : _mm256_setzero_ps();                       \
+      for (int r = 0; r < MT; ++r) {                                                                           \
+        _mm256_store_ps(sc[r], _mm256_mul_ps(wdv, _mm256_loadu_ps(xdp[r] + b0)));                              \
+        if (MINS) macc[r] = _mm256_fmadd_ps(wmv, _mm256_loadu_ps(xsp[r] + b0), macc[r]);                      \
+      }                                                                                                        \
+      for (int j = 0; j < nbc; ++j) {                                                                          \
+        const int64_t b = b0 + j;                                                                              \
+        __m256i w, wu;                                                                                         \
+        if (INT4) {                                                                                            \
+          const __m128i p = _mm_loadu_si128(reinterpret_cast<const __m128i*>(row + 16 * b));                   \
+          w = _mm256_inserti128_si256(_mm256_castsi128_si256(_mm_and_si128(p, lo4)),                           \
+                                      _mm_and_si128(_mm_srli_epi16(p, 4), lo4), 1);                            \
+          wu = w;                                                                                              \
+        } else {                                                                                               \
+          w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + QK * b));                              \
+          wu = _mm256_abs_epi8(w);                                                                             \
+        }                                                                                                      \
+        for (int r = 0; r < MT; ++r) {                                                                         \
+          const __m256i av = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(ap[r] + QK * b));             \
+          const __m256i l = PRODUCT(wu, INT4 ? av : _mm256_sign_epi8(av, w));                                  \
+          acc[r][j & 1] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(l), _mm256_broadcast_ss(&sc[r][j]), acc[r][j & 1]); \
+        }                                                                                                      \
+      }                                                                                                        \
+    }                                                                                                          \
+    for (int r = 0; r < MT; ++r) {                                                                             \
+      float v = HSUM(_mm256_add_ps(acc[r][0], acc[r][1]));                                                     \
+      if (MINS) v += HSUM(macc[r]);                                                                            \
+      if (c.bias) v += c.bias[n];                                                                              \
+      c.y[(m0 + r) * c.N + n] = v;                                                                             \
+    }                                                                                                          \
+  }
+
 #pragma GCC push_options
 #pragma GCC target("avx2,fma")
 
@@ -184,7 +258,7 @@ inline float hsum8_avx2(__m256 v) {
 
 // AVX2 quantizer: the same float operations as quantize_rows_ref (vcvtps2dq rounds half to even
 // under the default MXCSR, as nearbyint does under the default rounding mode).
-void quantize_rows_avx2(const float* x, int64_t M, int64_t K, int8_t* a, float* xd, float* xs) {
+void quantize_rows_avx2(const float* x, int64_t M, int64_t K, int64_t nbp, int8_t* a, float* xd, float* xs) {
   const int64_t nb = K / QK;
   const __m256 absmask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF));
   const __m256i perm = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
@@ -214,131 +288,43 @@ void quantize_rows_avx2(const float* x, int64_t M, int64_t K, int8_t* a, float* 
       // permute puts the 32 codes back in k order
       const __m256i p = _mm256_packs_epi16(_mm256_packs_epi32(i0, i1), _mm256_packs_epi32(i2, i3));
       _mm256_storeu_si256(reinterpret_cast<__m256i*>(a + r * K + b * QK), _mm256_permutevar8x32_epi32(p, perm));
-      xd[r * nb + b] = d;
-      xs[r * nb + b] = d * static_cast<float>(_mm_cvtsi128_si32(s));
+      xd[r * nbp + b] = d;
+      xs[r * nbp + b] = d * static_cast<float>(_mm_cvtsi128_si32(s));
     }
   }
 }
 
-// 32 weight codes of block b as bytes in k order (u8 for int4, s8 for int8).
-template <bool INT4>
-inline __m256i load_block_avx2(const uint8_t* row, int64_t b) {
-  if (INT4) {
-    const __m128i p = _mm_loadu_si128(reinterpret_cast<const __m128i*>(row + 16 * b));
-    const __m128i m = _mm_set1_epi8(0x0F);
-    const __m128i lo = _mm_and_si128(p, m);
-    const __m128i hi = _mm_and_si128(_mm_srli_epi16(p, 4), m);
-    return _mm256_inserti128_si256(_mm256_castsi128_si256(lo), hi, 1);
-  }
-  return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + QK * b));
-}
-
-template <int MT, bool INT4, bool MINS>
-void tile_avx2(const Ctx& c, int64_t n, int64_t m0) {
-  const uint8_t* row = c.q + n * c.rb;
-  const float* wd = c.wd + n * c.G;
-  const float* wm = MINS ? c.wm + n * c.G : nullptr;
-  const int64_t K = c.nb * QK;
-  const int8_t* ap[MT];
-  const float* xdp[MT];
-  const float* xsp[MT];
-  __m256 acc[MT];
-  float macc[MT];
-  for (int r = 0; r < MT; ++r) {
-    ap[r] = c.a + (m0 + r) * K;
-    xdp[r] = c.xd + (m0 + r) * c.nb;
-    xsp[r] = c.xs + (m0 + r) * c.nb;
-    acc[r] = _mm256_setzero_ps();
-    macc[r] = 0.f;
-  }
-  const __m256i ones = _mm256_set1_epi16(1);
-  for (int64_t b = 0; b < c.nb; ++b) {
-    const __m256i w = load_block_avx2<INT4>(row, b);
-    const __m256i wu = INT4 ? w : _mm256_sign_epi8(w, w);
-    const float d = wd[c.gidx[b]];
-    for (int r = 0; r < MT; ++r) {
-      __m256i av = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(ap[r] + QK * b));
-      if (!INT4) av = _mm256_sign_epi8(av, w);
-      const __m256i l = _mm256_madd_epi16(_mm256_maddubs_epi16(wu, av), ones);
-      acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(l), _mm256_set1_ps(d * xdp[r][b]), acc[r]);
-      if (MINS) macc[r] = std::fma(wm[c.gidx[b]], xsp[r][b], macc[r]);
-    }
-  }
-  for (int r = 0; r < MT; ++r) {
-    float v = hsum8_avx2(acc[r]);
-    if (MINS) v += macc[r];
-    if (c.bias) v += c.bias[n];
-    c.y[(m0 + r) * c.N + n] = v;
-  }
-}
+#define PAGEDLLM_ID_AVX2_PRODUCT(u, s) _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1))
+PAGEDLLM_ID_TILE(tile_avx2, PAGEDLLM_ID_AVX2_PRODUCT, hsum8_avx2)
 
 template <int MT, bool INT4, bool MINS>
 struct TileAvx2 {
   static void go(const Ctx& c, int64_t n, int64_t m) { tile_avx2<MT, INT4, MINS>(c, n, m); }
 };
 
-void range_avx2(const Ctx& c, bool int4, int64_t n0, int64_t n1) { RangeRunner<TileAvx2>::dispatch(c, int4, n0, n1); }
+void range_avx2(const Ctx& c, bool int4, int64_t n0, int64_t n1) { dispatch_range<TileAvx2>(c, int4, n0, n1); }
 
 #pragma GCC pop_options
 
 #pragma GCC push_options
 #pragma GCC target("avx2,fma,avx512f,avx512bw,avx512vl,avx512vnni")
 
-template <int MT, bool INT4, bool MINS>
-void tile_vnni(const Ctx& c, int64_t n, int64_t m0) {
-  const uint8_t* row = c.q + n * c.rb;
-  const float* wd = c.wd + n * c.G;
-  const float* wm = MINS ? c.wm + n * c.G : nullptr;
-  const int64_t K = c.nb * QK;
-  const int8_t* ap[MT];
-  const float* xdp[MT];
-  const float* xsp[MT];
-  __m256 acc[MT];
-  float macc[MT];
-  for (int r = 0; r < MT; ++r) {
-    ap[r] = c.a + (m0 + r) * K;
-    xdp[r] = c.xd + (m0 + r) * c.nb;
-    xsp[r] = c.xs + (m0 + r) * c.nb;
-    acc[r] = _mm256_setzero_ps();
-    macc[r] = 0.f;
-  }
-  const __m256i zero = _mm256_setzero_si256();
-  const __m128i m = _mm_set1_epi8(0x0F);
-  for (int64_t b = 0; b < c.nb; ++b) {
-    __m256i w;
-    if (INT4) {
-      const __m128i p = _mm_loadu_si128(reinterpret_cast<const __m128i*>(row + 16 * b));
-      w = _mm256_inserti128_si256(_mm256_castsi128_si256(_mm_and_si128(p, m)), _mm_and_si128(_mm_srli_epi16(p, 4), m), 1);
-    } else {
-      w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + QK * b));
-    }
-    const __m256i wu = INT4 ? w : _mm256_abs_epi8(w);
-    const float d = wd[c.gidx[b]];
-    for (int r = 0; r < MT; ++r) {
-      __m256i av = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(ap[r] + QK * b));
-      if (!INT4) av = _mm256_sign_epi8(av, w);
-      const __m256i l = _mm256_dpbusd_epi32(zero, wu, av);
-      acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(l), _mm256_set1_ps(d * xdp[r][b]), acc[r]);
-      if (MINS) macc[r] = std::fma(wm[c.gidx[b]], xsp[r][b], macc[r]);
-    }
-  }
-  for (int r = 0; r < MT; ++r) {
-    __m128 s = _mm_add_ps(_mm256_castps256_ps128(acc[r]), _mm256_extractf128_ps(acc[r], 1));
-    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-    s = _mm_add_ss(s, _mm_movehdup_ps(s));
-    float v = _mm_cvtss_f32(s);
-    if (MINS) v += macc[r];
-    if (c.bias) v += c.bias[n];
-    c.y[(m0 + r) * c.N + n] = v;
-  }
+inline float hsum8_vnni(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
 }
+
+#define PAGEDLLM_ID_VNNI_PRODUCT(u, s) _mm256_dpbusd_epi32(_mm256_setzero_si256(), u, s)
+PAGEDLLM_ID_TILE(tile_vnni, PAGEDLLM_ID_VNNI_PRODUCT, hsum8_vnni)
 
 template <int MT, bool INT4, bool MINS>
 struct TileVnni {
   static void go(const Ctx& c, int64_t n, int64_t m) { tile_vnni<MT, INT4, MINS>(c, n, m); }
 };
 
-void range_vnni(const Ctx& c, bool int4, int64_t n0, int64_t n1) { RangeRunner<TileVnni>::dispatch(c, int4, n0, n1); }
+void range_vnni(const Ctx& c, bool int4, int64_t n0, int64_t n1) { dispatch_range<TileVnni>(c, int4, n0, n1); }
 
 #pragma GCC pop_options
 #endif  // PAGEDLLM_ID_X86
@@ -368,12 +354,15 @@ int64_t resolve_isa(int64_t isa) {
   return isa;
 }
 
-void quantize_rows(int64_t isa, const float* x, int64_t M, int64_t K, int8_t* a, float* xd, float* xs) {
+// a [M, K]; xd, xs [M, nbp] (the caller zeroes them past K / 32).
+void quantize_rows(int64_t isa, const float* x, int64_t M, int64_t K, int64_t nbp, int8_t* a, float* xd, float* xs) {
 #ifdef PAGEDLLM_ID_X86
-  if (isa >= kAvx2) return quantize_rows_avx2(x, M, K, a, xd, xs);
+  if (isa >= kAvx2) return quantize_rows_avx2(x, M, K, nbp, a, xd, xs);
 #endif
-  quantize_rows_ref(x, M, K, a, xd, xs);
+  quantize_rows_ref(x, M, K, nbp, a, xd, xs);
 }
+
+inline int64_t padded_blocks(int64_t nb) { return (nb + 7) / 8 * 8; }
 
 at::Tensor as_float_rows(const at::Tensor& x) {
   TORCH_CHECK(x.dim() == 2 && (x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16),
@@ -391,7 +380,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> intdot_quantize(at::Tensor x, int
   at::Tensor a = at::empty({M, K}, xf.options().dtype(at::kChar));
   at::Tensor xd = at::empty({M, K / QK}, xf.options());
   at::Tensor xs = at::empty({M, K / QK}, xf.options());
-  quantize_rows(isa, xf.data_ptr<float>(), M, K, a.data_ptr<int8_t>(), xd.data_ptr<float>(), xs.data_ptr<float>());
+  quantize_rows(isa, xf.data_ptr<float>(), M, K, K / QK, a.data_ptr<int8_t>(), xd.data_ptr<float>(),
+                xs.data_ptr<float>());
   return {a, xd, xs};
 }
 
@@ -423,15 +413,20 @@ at::Tensor intdot_gemm(at::Tensor x, at::Tensor qweight, at::Tensor scales, c10:
   at::Tensor y = at::empty({M, N}, xf.options());
   if (M == 0 || N == 0) return y.to(out_dtype);
 
+  const int64_t nbp = padded_blocks(nb);
   at::Tensor a = at::empty({M, K}, xf.options().dtype(at::kChar));
-  at::Tensor xd = at::empty({M, nb}, xf.options());
-  at::Tensor xs = at::empty({M, nb}, xf.options());
-  quantize_rows(isa, xf.data_ptr<float>(), M, K, a.data_ptr<int8_t>(), xd.data_ptr<float>(), xs.data_ptr<float>());
-  std::vector<int32_t> gidx(nb);
-  for (int64_t b = 0; b < nb; ++b) gidx[b] = static_cast<int32_t>(b * QK / group);
+  at::Tensor xd = at::zeros({M, nbp}, xf.options());
+  at::Tensor xs = at::zeros({M, nbp}, xf.options());
+  quantize_rows(isa, xf.data_ptr<float>(), M, K, nbp, a.data_ptr<int8_t>(), xd.data_ptr<float>(), xs.data_ptr<float>());
+  // groups wider than 32: one scale (and min) per 32-block, expanded for this call
+  at::Tensor wd = scales, wm = mins.has_value() ? *mins : at::Tensor();
+  if (group != QK) {
+    wd = scales.repeat_interleave(group / QK, 1).narrow(1, 0, nb).contiguous();
+    if (wm.defined()) wm = wm.repeat_interleave(group / QK, 1).narrow(1, 0, nb).contiguous();
+  }
 
-  Ctx c{static_cast<const uint8_t*>(qweight.data_ptr()), scales.data_ptr<float>(),
-        mins.has_value() ? mins->data_ptr<float>() : nullptr, gidx.data(), rb, G, nb, N, M,
+  Ctx c{static_cast<const uint8_t*>(qweight.data_ptr()), wd.data_ptr<float>(),
+        wm.defined() ? wm.data_ptr<float>() : nullptr, rb, nb, nbp, N, M,
         a.data_ptr<int8_t>(), xd.data_ptr<float>(), xs.data_ptr<float>(),
         bf.defined() ? bf.data_ptr<float>() : nullptr, y.data_ptr<float>()};
   void (*range)(const Ctx&, bool, int64_t, int64_t) = range_ref;
