@@ -10,7 +10,7 @@ Stated bounds:
 * SmolLM2 Q4_1 and Gemma 3 Q4_K_M: greedy tokens with native blocks equal those of the same file
   dequantized at load (``quantization="none"``), float32 math (integer-dot kernel off); resident
   weight bytes within 1.25x of the file size.
-* integer-dot kernel (the default for GGUF at M <= 16; int8 activations): taken exactly for the
+* integer-dot kernel (opt-in, PAGEDLLM_GGUF_INTDOT=1; GGUF at M <= 16; int8 activations): taken exactly for the
   int4/int8 group-32 kinds at M <= 16 and only by GGUF methods; the real models' perplexity within
   1% (SmolLM2) / 3% (Gemma 3) of float32 (``test_intdot_close_to_float`` states the rest).
 """
@@ -169,8 +169,8 @@ def _greedy(llm, prompts, n):
 @pytest.mark.slow
 @pytest.mark.parametrize("which", ["smollm2", "gemma3"])
 def test_native_blocks_same_greedy_tokens_and_memory(which, smollm2_path, gemma3_path, monkeypatch):
-    """Float32 activations (the integer-dot kernel off: it quantizes activations to int8, see
-    test_intdot_close_to_float): native blocks give exactly the float model's greedy tokens."""
+    """Float32 activations (the integer-dot kernel off, as by default: it quantizes activations
+    to int8, see test_intdot_close_to_float): native blocks give the float model's greedy tokens."""
     from pagedllm import LLM
 
     monkeypatch.setattr(gq, "INTDOT", False)
@@ -247,11 +247,12 @@ def _ppl_decode_sized(llm, ids) -> float:
 
 @pytest.mark.skipif(cpu_ops.get_intdot_ops() is None, reason="integer-dot C++ kernel not built here")
 def test_gguf_linear_takes_intdot_at_decode_sizes(monkeypatch):
-    """GGUF methods run the integer-dot kernel for M <= 16 on int4/int8 group-32 layers (Q4_1,
-    Q8_0), the old kernel above 16 rows, for group 16 (Q6_K) and with PAGEDLLM_GGUF_INTDOT off;
-    other group-layout methods (GPTQ, ...) never take it."""
+    """With PAGEDLLM_GGUF_INTDOT on, GGUF methods run the integer-dot kernel for M <= 16 on
+    int4/int8 group-32 layers (Q4_1, Q8_0), the old kernel above 16 rows, for group 16 (Q6_K) and
+    with it off; other group-layout methods (GPTQ, ...) never take it."""
     from pagedllm.quantization.gguf import GGUFLinearMethod
 
+    monkeypatch.setattr(gq, "INTDOT", True)
     real = cpu_ops.get_intdot_ops().intdot_gemm
     calls = _count_intdot(monkeypatch)
     n, k = 40, 256
@@ -285,7 +286,7 @@ def test_gguf_linear_takes_intdot_at_decode_sizes(monkeypatch):
 @pytest.mark.skipif(cpu_ops.get_intdot_ops() is None, reason="integer-dot C++ kernel not built here")
 @pytest.mark.parametrize("which", ["smollm2", "gemma3"])
 def test_intdot_close_to_float(which, smollm2_path, gemma3_path, monkeypatch):
-    """The default engine (integer-dot kernel, int8 activations) against the same file dequantized
+    """The engine with PAGEDLLM_GGUF_INTDOT on (int8 activations) against the same file dequantized
     to float32, a 400-token text scored 16 tokens a step (every call M <= 16) and greedy decode of
     4 prompts x 24 tokens. SmolLM2 Q4_1: perplexity within 1% (measured +0.57%), greedy identical.
     Gemma 3 Q4_K_M (Q4_K/Q5_0/Q8_0 take the kernel, Q6_K keeps group_gemm): perplexity within 3%
@@ -294,6 +295,7 @@ def test_intdot_close_to_float(which, smollm2_path, gemma3_path, monkeypatch):
     from pagedllm import LLM
     from pagedllm.entrypoints.bench import _SENTENCES
 
+    monkeypatch.setattr(gq, "INTDOT", True)
     calls = _count_intdot(monkeypatch)
     path = smollm2_path if which == "smollm2" else gemma3_path
     prompts = ["The capital of France is", "Question: What is the largest planet?\nAnswer:", "1, 2, 3, 4,",
