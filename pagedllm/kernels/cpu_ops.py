@@ -60,7 +60,8 @@ def _cache_dir() -> str:
     return os.path.join(base, "kernels")
 
 
-def _module_name(srcs: Optional[list[str]] = None, prefix: str = "pagedllm_cpu_ops") -> str:
+def _module_name(srcs: Optional[list[str]] = None, prefix: str = "pagedllm_cpu_ops",
+                 cflags: Optional[list[str]] = None) -> str:
     import torch
 
     h = hashlib.sha256()
@@ -69,7 +70,7 @@ def _module_name(srcs: Optional[list[str]] = None, prefix: str = "pagedllm_cpu_o
         with open(src, "rb") as f:
             h.update(f.read())
     h.update(torch.__version__.encode())
-    h.update(" ".join(_CFLAGS).encode())
+    h.update(" ".join(_CFLAGS if cflags is None else cflags).encode())
     h.update(sys.version.encode())
     h.update(_cpu_model().encode())  # -march=native code is only valid on this CPU model
     return f"{prefix}_{h.hexdigest()[:16]}"
@@ -290,3 +291,46 @@ def get_quant_ops() -> Optional[Any]:
             _warn_build_failed("the quantized-weight GEMM kernels", e)
             _quant_ops = None
         return _quant_ops
+
+
+# ----------------------------------------------------------------------------- integer-dot GEMM
+# A third small module (``csrc/intdot_gemm.cpp``): the decode-sized GEMM on the group layout's int4 /
+# int8 kinds (groups of 32) with int8-quantized activations and integer block dots. NOTE: built
+# without -march=native (and without -ffast-math, with -ffp-contract=off): its AVX2 and AVX512-VNNI
+# paths are compiled per function and chosen at run time, so one build serves every x86 CPU and all
+# paths do the same float operations.
+_INTDOT_SRCS = [os.path.join(os.path.dirname(__file__), "csrc", "intdot_gemm.cpp")]
+_INTDOT_CFLAGS = ["-O3", "-fopenmp", "-ffp-contract=off"]
+_intdot_ops: Any = None
+_intdot_tried = False
+
+
+def get_intdot_ops() -> Optional[Any]:
+    """The compiled ``intdot_gemm`` extension (``intdot_gemm``, ``intdot_quantize``,
+    ``intdot_isa_supported``, ``intdot_best_isa``, ``intdot_isa_name``), or None when disabled
+    (``PAGEDLLM_CPU_KERNELS=0``) or it failed to build (callers then use ``group_gemm``)."""
+    global _intdot_ops, _intdot_tried
+    if _intdot_tried:
+        return _intdot_ops
+    with _lock:
+        if _intdot_tried:
+            return _intdot_ops
+        _intdot_tried = True
+        if os.environ.get("PAGEDLLM_CPU_KERNELS", "1") == "0":
+            return None
+        try:
+            import torch  # noqa: F401
+
+            name = _module_name(_INTDOT_SRCS, "pagedllm_intdot_ops", _INTDOT_CFLAGS)
+            so_path = os.path.join(_cache_dir(), name + ".so")
+            if os.path.exists(so_path):
+                try:
+                    _intdot_ops = _import_so(name, so_path)
+                    return _intdot_ops
+                except ImportError as e:
+                    logger.warning("pagedllm: cached kernel %s unusable (%s); rebuilding", so_path, e)
+            _intdot_ops = compile_extension(name, so_path, _INTDOT_SRCS, "the integer-dot GEMM kernel", _INTDOT_CFLAGS)
+        except Exception as e:
+            logger.warning("pagedllm: integer-dot C++ kernel unavailable (%s); group_gemm runs instead", e)
+            _intdot_ops = None
+        return _intdot_ops

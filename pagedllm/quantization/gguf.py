@@ -208,7 +208,10 @@ class GGUFLinearMethod(gq.GroupQuantLinearMethod):
     shard (converted to the group layout at once, so the mapped file pages are not needed after
     loading); ``process_weights_after_loading`` stacks the shards. Float shards (F32/F16 tensors)
     and block types without a mapping make the whole layer float (dequantized by gguf-py, logged).
+    Decode-sized calls on int4 / int8 group-32 layers run the integer-dot kernel (``group_quant``).
     """
+
+    intdot = True
 
     def create_weights(self, layer, prefix: str = "", params_dtype: torch.dtype = torch.float32, **kwargs):
         layer.gguf_prefix, layer.gguf_dtype = prefix, params_dtype
@@ -325,7 +328,10 @@ class GGUFConfig(QuantizationConfig):
 
 
 class _SharedHeadMethod(gq.GroupQuantLinearMethod):
-    """The tied LM head: the group GEMM on the embedding's own quantized tensors (float32 logits)."""
+    """The tied LM head: the group GEMM on the embedding's own quantized tensors (float32 logits;
+    the integer-dot kernel at decode sizes, as the other GGUF linears)."""
+
+    intdot = True
 
     def __init__(self, embed: nn.Module) -> None:
         super().__init__(out_dtype=torch.float32)

@@ -18,9 +18,18 @@ Kernel: ``group_gemm`` (``kernels/csrc/group_gemm.cpp``): dequantization in regi
 FMA for decode-sized M (the weight read once, in its packed size), dequantized tiles + ATen GEMM
 above ``LARGE_M`` rows. Without the C++ kernels, on CUDA, or for shapes it does not take (K not a
 multiple of 32, group not a multiple of 16) the torch path dequantizes and calls ``F.linear``.
+
+Integer-dot path (methods with ``intdot = True``: GGUF's): for M <= ``INTDOT_MAX_M`` rows on int4 /
+int8 codes with groups of 32 (Q4_0, Q4_1, Q4_K, Q8_0, Q5_0, Q5_1, Q5_K), ``intdot_gemm``
+(``kernels/csrc/intdot_gemm.cpp``) quantizes the activations to int8 per 32-block (llama.cpp's
+Q8_1 scheme) and sums exact int32 block dots with the block scales in float, as llama.cpp's CPU
+backend does: a row's result is independent of M and of the other rows. Its ISA path (AVX512-VNNI,
+AVX2, portable) is chosen from the CPU at run time and logged once. Opt-in for now:
+``PAGEDLLM_GGUF_INTDOT=1`` turns it on (off: ``group_gemm`` runs those shapes, float32 activations).
 """
 from __future__ import annotations
 
+import logging
 import os
 from typing import Optional
 
@@ -30,10 +39,20 @@ from torch import nn
 
 from pagedllm.quantization.base import EmbeddingMethodBase, LinearMethodBase
 
+logger = logging.getLogger("pagedllm")
+
 KIND_INT4, KIND_INT8, KIND_FP8 = 0, 1, 2
 KIND_NAMES = {KIND_INT4: "int4", KIND_INT8: "int8", KIND_FP8: "fp8"}
 #: rows above which the C++ kernel dequantizes tiles for ATen's GEMM instead of its register path
 LARGE_M = int(os.environ.get("PAGEDLLM_GROUP_GEMM_LARGE_M", "16"))
+#: the integer-dot kernel for GGUF's int4 / int8 group-32 layers at M <= INTDOT_MAX_M, opt-in
+#: (``PAGEDLLM_GGUF_INTDOT=1``). NOTE: off by default for now: with int8 activations only at M <= 16,
+#: a prompt's result depends on how it was scheduled (prefix caching on/off, chunked prefill), and
+#: greedy output drifts from the float model's (Gemma 3 Q4_K_M after ~11 tokens on one prompt),
+#: which the engine's real-model tests pin (test_generate_real, test_prefix_caching_real)
+INTDOT = os.environ.get("PAGEDLLM_GGUF_INTDOT", "0") == "1"
+INTDOT_MAX_M = 16
+_intdot_logged = False
 #: rows of weight dequantized at a time on the torch path (bounds its temporary)
 _TORCH_TILE_ELEMS = 1 << 22
 
@@ -178,16 +197,49 @@ def _kernel_ok(x: torch.Tensor, layer: nn.Module, k: int) -> bool:
             and layer.gq_group % 16 == 0)
 
 
+def intdot_path() -> Optional[str]:
+    """The ISA path the integer-dot kernel takes on this CPU ("avx512vnni", "avx2", "portable"),
+    or None when it is off (``PAGEDLLM_GGUF_INTDOT`` not 1) or not built."""
+    from pagedllm.kernels.cpu_ops import get_intdot_ops
+
+    ops = get_intdot_ops() if INTDOT else None
+    return None if ops is None else ops.intdot_isa_name(ops.intdot_best_isa())
+
+
+def _intdot_ops_for(layer: nn.Module, x2: torch.Tensor, k: int, dtype: torch.dtype):
+    """The integer-dot extension when it takes this call (else None); logs its ISA path once."""
+    global _intdot_logged
+    if not (INTDOT and x2.shape[0] <= INTDOT_MAX_M and layer.gq_kind in (KIND_INT4, KIND_INT8)
+            and layer.gq_group == 32 and dtype in (torch.float32, torch.bfloat16)):
+        return None
+    from pagedllm.kernels.cpu_ops import get_intdot_ops
+
+    ops = get_intdot_ops()
+    if ops is not None and not _intdot_logged:
+        _intdot_logged = True
+        logger.info("pagedllm: GGUF integer-dot GEMM (int8 activations per 32-block) for M <= %d: %s path",
+                    INTDOT_MAX_M, ops.intdot_isa_name(ops.intdot_best_isa()))
+    return ops
+
+
 def group_linear(layer: nn.Module, x: torch.Tensor, bias: Optional[torch.Tensor],
-                 out_dtype: Optional[torch.dtype] = None) -> torch.Tensor:
-    """``x [..., K] @ dequant(w).T (+ bias)`` -> ``[..., N]`` in ``out_dtype`` (default x's dtype)."""
+                 out_dtype: Optional[torch.dtype] = None, intdot: bool = False) -> torch.Tensor:
+    """``x [..., K] @ dequant(w).T (+ bias)`` -> ``[..., N]`` in ``out_dtype`` (default x's dtype).
+
+    ``intdot``: the caller allows the integer-dot kernel (int8-quantized activations; module
+    docstring) for the shapes it takes."""
     from pagedllm.kernels.cpu_ops import get_quant_ops
 
     k, n = layer.in_features, layer.out_features
     lead = x.shape[:-1]
     x2 = x.reshape(-1, k)
     dtype = out_dtype or x.dtype
-    ops = get_quant_ops() if _kernel_ok(x2, layer, k) else None
+    kernel_ok = _kernel_ok(x2, layer, k)
+    iops = _intdot_ops_for(layer, x2, k, dtype) if intdot and kernel_ok else None
+    if iops is not None:
+        return iops.intdot_gemm(x2.contiguous(), layer.qweight, layer.scales, layer.mins, bias, layer.gq_kind,
+                                layer.gq_group, dtype).reshape(*lead, n)
+    ops = get_quant_ops() if kernel_ok else None
     if ops is not None and dtype in (torch.float32, torch.bfloat16):
         y = ops.group_gemm(x2.contiguous(), layer.qweight, layer.scales, layer.mins, bias, layer.gq_kind,
                            layer.gq_group, LARGE_M, dtype)
@@ -219,13 +271,19 @@ class GroupQuantLinearMethod(LinearMethodBase):
 
     Args:
         out_dtype: fixed output dtype (float32 for an LM head) or None (the activation's).
+
+    Attributes:
+        intdot: whether decode-sized calls may take the integer-dot kernel (int8 activations, as
+            llama.cpp runs GGUF); False here (GPTQ / AWQ / ... keep float activations), True for GGUF.
     """
+
+    intdot = False
 
     def __init__(self, out_dtype: Optional[torch.dtype] = None) -> None:
         self.out_dtype = out_dtype
 
     def apply(self, layer, x, bias=None):
-        return group_linear(layer, x, bias, self.out_dtype)
+        return group_linear(layer, x, bias, self.out_dtype, intdot=self.intdot)
 
     def dequantize(self, layer):
         return layer_dequantize(layer)

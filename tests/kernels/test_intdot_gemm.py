@@ -1,0 +1,188 @@
+"""The integer-dot GEMM (``csrc/intdot_gemm.cpp``) for decode-sized M on the group layout's int4 /
+int8 kinds with groups of 32 (GGUF Q4_0 / Q4_1 / Q4_K / Q8_0 / Q5_0 / Q5_1 / Q5_K).
+
+Stated bounds:
+* activation quantization (per 32-block int8, llama.cpp Q8_1-style scale and scaled code sum):
+  codes and scales equal (``torch.equal``) to the torch reference ``_quantize_ref`` on every ISA
+  path.
+* each ISA path (portable, AVX2, AVX512-VNNI; paths the CPU lacks are skipped naming the flag)
+  against ``_intdot_ref``, the same arithmetic in exact integers (int64 block dots) and float64
+  scales: max abs error <= 1e-5 * (sum |terms| + 1) per output (float32 accumulation only).
+* all ISA paths bit-identical to each other (same int32 lanes, same float operations in the same
+  order; the module is built with -ffp-contract=off).
+* against float64 ``F.linear`` on the dequantized weight: relative L2 error < 2e-2 (int8
+  activations: llama.cpp's own trade; measured ~5e-3 on random data).
+* M-invariance: each row's output bit-identical whether computed alone or inside a batch of
+  M = 1..16 (any position), and for any thread count.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import pagedllm.kernels.cpu_ops as cpu_ops
+from pagedllm.quantization import group_quant as gq
+
+torch.set_num_threads(1)
+
+OPS = cpu_ops.get_intdot_ops()
+pytestmark = pytest.mark.skipif(OPS is None, reason="integer-dot C++ kernel not built here")
+
+ISAS = {0: ("portable", None), 1: ("avx2", "avx2 + fma"), 2: ("avx512vnni", "avx512f/bw/vl + avx512_vnni")}
+
+
+def _require(isa: int) -> None:
+    if not OPS.intdot_isa_supported(isa):
+        pytest.skip(f"CPU lacks {ISAS[isa][1]} (ISA path {ISAS[isa][0]})")
+
+
+def _quantize_ref(x: torch.Tensor):
+    """x [M, K] -> (a int8 [M, K], xd f32 [M, K/32], xs f32 [M, K/32]) in float32 torch ops:
+    xd = amax / 127, a = round_half_even(x * (1 / xd)), xs = xd * sum(a) (llama.cpp Q8_1's d, qs, s)."""
+    m, k = x.shape
+    xb = x.float().reshape(m, k // 32, 32)
+    amax = xb.abs().amax(-1)
+    d = amax / 127.0
+    inv = torch.where(d != 0, 1.0 / d, torch.zeros_like(d))
+    a = torch.round(xb * inv.unsqueeze(-1))
+    xs = d * a.sum(-1)
+    return a.to(torch.int8).reshape(m, k), d, xs
+
+
+def _intdot_ref(x, qweight, scales, mins, bias, kind, group):
+    """float64 [M, N]: sum_b d[n,g] xd[r,b] sum_k q a (int64) + sum_b m[n,g] xs[r,b] + bias; also
+    the sum of the terms' magnitudes (for the error bound)."""
+    a, xd, xs = _quantize_ref(x)
+    m, k = a.shape
+    nb = k // 32
+    q = (gq.unpack_int4(qweight) if kind == gq.KIND_INT4 else qweight).to(torch.int64)
+    n = q.shape[0]
+    g = torch.arange(nb) * 32 // group
+    isum = torch.einsum("rbk,nbk->rnb", a.to(torch.int64).reshape(m, nb, 32), q.reshape(n, nb, 32))
+    terms = isum.double() * scales[:, g].double().unsqueeze(0) * xd.double().unsqueeze(1)
+    if mins is not None:
+        terms = torch.cat([terms, mins[:, g].double().unsqueeze(0) * xs.double().unsqueeze(1)], -1)
+    y = terms.sum(-1)
+    if bias is not None:
+        y = y + bias.double()
+    return y, terms.abs().sum(-1)
+
+
+def _weight(kind: int, n: int, k: int, group: int = 32, with_mins: bool = True, seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    if kind == gq.KIND_INT4:
+        codes = torch.randint(0, 16, (n, k), generator=g, dtype=torch.uint8)
+        q = gq.pack_int4(codes)
+    else:
+        q = torch.randint(-128, 128, (n, k), generator=g, dtype=torch.int8)
+    ng = -(-k // group)
+    scales = (torch.rand(n, ng, generator=g) + 0.1) * 0.01
+    mins = -(torch.rand(n, ng, generator=g)) * 0.08 if with_mins else None
+    return q.contiguous(), scales.contiguous(), None if mins is None else mins.contiguous()
+
+
+CASES = [(gq.KIND_INT4, True), (gq.KIND_INT4, False), (gq.KIND_INT8, False), (gq.KIND_INT8, True)]
+
+
+@pytest.mark.parametrize("isa", [0, 1, 2])
+def test_quantize_matches_reference(isa):
+    _require(isa)
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(7, 256, generator=g) * torch.linspace(0.01, 10, 256)
+    x[2, 32:64] = 0  # an all-zero block: scale 0, codes 0
+    x[3, :8] = torch.tensor([0.5, -0.5, 1.5, -1.5, 2.5, 127.0, -127.0, 0.0])  # ties at scale 1: half to even
+    a, xd, xs = OPS.intdot_quantize(x, isa)
+    ra, rxd, rxs = _quantize_ref(x)
+    assert torch.equal(a, ra) and torch.equal(xd, rxd) and torch.equal(xs, rxs)
+    assert int(a.abs().max()) <= 127
+    # bfloat16 input quantizes its float32 value
+    ab, _, _ = OPS.intdot_quantize(x.bfloat16(), isa)
+    assert torch.equal(ab, _quantize_ref(x.bfloat16().float())[0])
+
+
+@pytest.mark.parametrize("isa", [0, 1, 2])
+@pytest.mark.parametrize("kind,with_mins", CASES)
+@pytest.mark.parametrize("m", [1, 2, 3, 4, 5, 8, 16])
+def test_matches_same_arithmetic_reference(isa, kind, with_mins, m):
+    _require(isa)
+    n, k = 37, 320  # odd N, K = 10 blocks
+    q, scales, mins = _weight(kind, n, k, with_mins=with_mins, seed=m)
+    g = torch.Generator().manual_seed(100 + m)
+    x = torch.randn(m, k, generator=g)
+    bias = torch.randn(n, generator=g) * 0.1
+    y = OPS.intdot_gemm(x, q, scales, mins, bias, kind, 32, torch.float32, isa)
+    ref, mag = _intdot_ref(x, q, scales, mins, bias, kind, 32)
+    assert y.dtype == torch.float32 and y.shape == (m, n)
+    assert bool(((y.double() - ref).abs() <= 1e-5 * (mag + 1)).all()), float((y.double() - ref).abs().max())
+    # and within the format's tolerance of float math on the dequantized weight
+    w = gq.dequantize(q, scales, mins, kind, 32, k)
+    lin = F.linear(x.double(), w.double(), bias.double())
+    assert float((y.double() - lin).norm() / lin.norm()) < 2e-2
+    # bfloat16 activations / outputs
+    yb = OPS.intdot_gemm(x.bfloat16(), q, scales, mins, None, kind, 32, torch.bfloat16, isa)
+    refb, _ = _intdot_ref(x.bfloat16().float(), q, scales, mins, None, kind, 32)
+    assert yb.dtype == torch.bfloat16 and float((yb.double() - refb).norm() / refb.norm()) < 1e-2
+
+
+@pytest.mark.parametrize("kind,with_mins", CASES)
+def test_isa_paths_bit_identical(kind, with_mins):
+    have = [i for i in ISAS if OPS.intdot_isa_supported(i)]
+    if len(have) < 2:
+        pytest.skip("only the portable path runs on this CPU")
+    n, k = 51, 576
+    q, scales, mins = _weight(kind, n, k, with_mins=with_mins, seed=7)
+    x = torch.randn(6, k, generator=torch.Generator().manual_seed(8))
+    outs = [OPS.intdot_gemm(x, q, scales, mins, None, kind, 32, torch.float32, i) for i in have]
+    for i, o in zip(have[1:], outs[1:]):
+        assert torch.equal(o, outs[0]), (ISAS[have[0]][0], ISAS[i][0])
+
+
+@pytest.mark.parametrize("isa", [0, 1, 2])
+@pytest.mark.parametrize("kind,with_mins", CASES[:3])
+def test_rows_independent_of_batch(isa, kind, with_mins):
+    """A row's result is bit-identical alone and at any position of a batch of 1..16 rows."""
+    _require(isa)
+    n, k = 65, 192
+    q, scales, mins = _weight(kind, n, k, with_mins=with_mins, seed=3)
+    x = torch.randn(16, k, generator=torch.Generator().manual_seed(4))
+    alone = torch.cat([OPS.intdot_gemm(x[r:r + 1], q, scales, mins, None, kind, 32, torch.float32, isa)
+                       for r in range(16)])
+    for m in range(1, 17):
+        for start in sorted({0, 16 - m, (16 - m) // 2}):
+            y = OPS.intdot_gemm(x[start:start + m], q, scales, mins, None, kind, 32, torch.float32, isa)
+            assert torch.equal(y, alone[start:start + m]), (m, start)
+
+
+def test_thread_count_does_not_change_results():
+    kind = gq.KIND_INT4
+    n, k = 4099, 64  # many tasks
+    q, scales, mins = _weight(kind, n, k, seed=11)
+    x = torch.randn(3, k, generator=torch.Generator().manual_seed(12))
+    old = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        y1 = OPS.intdot_gemm(x, q, scales, mins, None, kind, 32, torch.float32)
+        torch.set_num_threads(2)
+        y2 = OPS.intdot_gemm(x, q, scales, mins, None, kind, 32, torch.float32)
+    finally:
+        torch.set_num_threads(old)
+    assert torch.equal(y1, y2)
+
+
+def test_wider_groups_and_errors():
+    """group 64 (two 32-blocks share a scale), and the shapes it refuses."""
+    n, k = 9, 128
+    q, scales, mins = _weight(gq.KIND_INT4, n, k, group=64, seed=2)
+    x = torch.randn(2, k)
+    y = OPS.intdot_gemm(x, q, scales, mins, None, gq.KIND_INT4, 64, torch.float32)
+    ref, mag = _intdot_ref(x, q, scales, mins, None, gq.KIND_INT4, 64)
+    assert bool(((y.double() - ref).abs() <= 1e-5 * (mag + 1)).all())
+    with pytest.raises(RuntimeError):
+        OPS.intdot_gemm(x, q, scales, mins, None, gq.KIND_INT4, 16, torch.float32)
+    with pytest.raises(RuntimeError):
+        OPS.intdot_gemm(torch.randn(2, 100), q, scales, mins, None, gq.KIND_INT4, 64, torch.float32)
+    with pytest.raises(RuntimeError):
+        OPS.intdot_gemm(x, q, scales, mins, None, 2, 64, torch.float32)
+    assert OPS.intdot_gemm(x[:0], q, scales, mins, None, gq.KIND_INT4, 64, torch.float32).shape == (0, n)
+    assert OPS.intdot_isa_name(OPS.intdot_best_isa()) in ("portable", "avx2", "avx512vnni")
