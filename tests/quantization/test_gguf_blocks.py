@@ -82,7 +82,7 @@ HAS_QOPS = cpu_ops.get_quant_ops() is not None
 
 
 @pytest.mark.parametrize("name", ["Q4_0", "Q4_K", "Q8_0", "Q6_K", "Q5_1"])
-@pytest.mark.parametrize("m", [1, 3, 5, 16, 40])
+@pytest.mark.parametrize("m", [1, 3, 5, 16, 40, 257, 600])  # > 256: bf16 row chunks, padded tail
 @pytest.mark.parametrize("path", ["cpp", "torch"])
 def test_group_gemm_matches_float(name, m, path, monkeypatch):
     if path == "cpp" and not HAS_QOPS:

@@ -20,7 +20,9 @@
 // codes (dequantized 32 at a time into registers, float32 FMA against up to 4 rows of x at once;
 // for M > 4 the row is dequantized once into an L1-resident buffer that every 4-row tile reads):
 // the weight is read from memory once per call, in its packed size. M > large_m (prefill): tiles
-// of rows are dequantized into a float buffer and multiplied by ATen's GEMM (at::mm).
+// of rows are dequantized into a float buffer and multiplied by ATen's GEMM (at::mm); in bf16 the
+// rows go in chunks of 256, the last padded to a multiple of 16 (a bounded set of GEMM shapes for
+// oneDNN's per-shape kernel cache).
 //
 //   group_dequantize(qweight, scales, mins?, kind, group, K, row0, row1, dtype) -> [row1 - row0, K]
 #include <torch/extension.h>
@@ -344,8 +346,28 @@ at::Tensor group_gemm(at::Tensor x, at::Tensor qweight, at::Tensor scales, c10::
       } else {
         dequant_rows<at::BFloat16>(o, n0, n1, w.data_ptr<at::BFloat16>());
       }
-      at::Tensor part = b.defined() ? at::addmm(b.narrow(0, n0, n1 - n0).to(cdt), xc, w.t()) : at::mm(xc, w.t());
-      y.narrow(1, n0, n1 - n0).copy_(part);
+      if (cdt == at::kFloat) {
+        at::Tensor part = b.defined() ? at::addmm(b.narrow(0, n0, n1 - n0).to(cdt), xc, w.t()) : at::mm(xc, w.t());
+        y.narrow(1, n0, n1 - n0).copy_(part);
+        continue;
+      }
+      // bf16: oneDNN JIT-compiles and caches a kernel per GEMM shape (its primitive cache holds
+      // 1,024), so every new prefill length grew the server's resident memory (~0.4 MiB per new
+      // length: +177 MiB over a 240-request mixed soak). Rows go in chunks of kRowChunk with the
+      // last one padded to a multiple of kRowPad: at most kRowChunk / kRowPad shapes per tile.
+      constexpr int64_t kRowChunk = 256, kRowPad = 16;
+      for (int64_t m0 = 0; m0 < M; m0 += kRowChunk) {
+        const int64_t m = std::min(kRowChunk, M - m0);
+        const int64_t mp = (m + kRowPad - 1) / kRowPad * kRowPad;
+        at::Tensor xs = xc.narrow(0, m0, m);
+        if (mp != m) {
+          at::Tensor xp = at::zeros({mp, K}, xc.options());
+          xp.narrow(0, 0, m).copy_(xs);
+          xs = xp;
+        }
+        at::Tensor part = b.defined() ? at::addmm(b.narrow(0, n0, n1 - n0).to(cdt), xs, w.t()) : at::mm(xs, w.t());
+        y.narrow(0, m0, m).narrow(1, n0, n1 - n0).copy_(part.narrow(0, 0, m));
+      }
     }
     return y;
   }
