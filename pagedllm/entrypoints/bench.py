@@ -100,7 +100,7 @@ def _engine_kwargs(args: argparse.Namespace) -> dict:
         kw["num_threads"] = args.num_threads
     if args.max_model_len:
         kw["max_model_len"] = args.max_model_len
-    if args.kv_cache_memory:
+    if args.kv_cache_memory is not None:
         kw["kv_cache_memory"] = int(args.kv_cache_memory)
     if getattr(args, "quantization", None):
         kw["quantization"] = args.quantization

@@ -39,6 +39,20 @@ def _positive_int(value: str) -> int:
     return n
 
 
+def _max_model_len(value: str) -> Optional[int]:
+    """``--max-model-len``: a positive integer, or "auto" / -1 (None: fit to the KV cache)."""
+    if value.strip().lower() == "auto" or value.strip() == "-1":
+        return None
+    return _positive_int(value)
+
+
+def _size_or_zero(value: str) -> int:
+    """``--kv-prefix-cache-memory``: a size like ``parse_bytes``, or 0."""
+    if value.strip() in ("0", "0B", "0b"):
+        return 0
+    return parse_bytes(value)
+
+
 def _json_dict(value: str) -> dict[str, Any]:
     try:
         d = json.loads(value)
@@ -151,9 +165,9 @@ def add_serve_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                                                        "half", "float", "bf16", "fp32", "fp16"],
                    help="Weight and activation dtype. auto = bfloat16 on CPUs with native bf16 "
                         "matmul (float16/bfloat16 on CUDA), else float32.")
-    g.add_argument("--max-model-len", type=_positive_int, default=None,
-                   help="Max tokens per request (prompt + output). Default: the model's context "
-                        "length, capped by what the KV cache can hold.")
+    g.add_argument("--max-model-len", type=_max_model_len, default=None,
+                   help="Max tokens per request (prompt + output), or 'auto' (also -1; the "
+                        "default): the model's context length, capped by what the KV cache can hold.")
     g.add_argument("--generation-config", default="auto",
                    help="'auto': the model's generation config supplies default sampling values "
                         "(temperature, top_p, ...); 'vllm': ignore it; or a directory holding a "
@@ -249,8 +263,15 @@ def add_serve_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g.add_argument("--block-size", type=_positive_int, default=16,
                    help="Tokens per KV cache block (default: 16).")
     g.add_argument("--kv-cache-memory", type=parse_bytes, default=None,
-                   help="KV cache budget in bytes; accepts suffixes like 2GiB, 512MiB, 1.5G "
-                        "(default: 2GiB on CPU).")
+                   help="KV cache budget in bytes; accepts suffixes like 2GiB, 512MiB, 1.5G. "
+                        "Default on CPU: half of the free memory (MemAvailable) after the weights "
+                        "load, at most what --max-num-seqs sequences of --max-model-len tokens fill. "
+                        "Its pages are committed as blocks are first written, so this is a bound "
+                        "(pagedllm:kv_cache_committed_bytes is what is in use).")
+    g.add_argument("--kv-prefix-cache-memory", type=_size_or_zero, default=None,
+                   help="Free KV blocks holding cached prefixes kept resident (default 64MiB; 0 = "
+                        "none): past this, least recently used prefixes are reused before fresh "
+                        "blocks are committed, and an idle server gives the rest back to the OS.")
     g.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8", "fp8_e4m3", "fp8_e5m2"],
                    help="KV cache storage: auto (the model dtype) or 8-bit floats (fp8 = fp8_e4m3, "
                         "or fp8_e5m2): half the bytes per token of bf16 (CPU only).")
