@@ -116,7 +116,8 @@ class EngineArgs:
             (None = DEFAULT_KV_PREFIX_CACHE_BYTES, 64 MiB; 0 = none): past this, the least
             recently used cached block is reused before a never-used block is committed, and an
             idle server gives the pages of the rest back (``PAGEDLLM_IDLE_RELEASE_S``).
-        kv_cache_dtype: "auto" (the model dtype), "fp8" / "fp8_e4m3" (float8_e4m3fn) or
+        kv_cache_dtype: "auto" (the model dtype; bfloat16 on CPU where dtype "auto" runs the model
+            in float32 because the CPU lacks native bf16), "bfloat16", "fp8" / "fp8_e4m3" (float8_e4m3fn) or
             "fp8_e5m2": 8-bit K/V, half the bytes of bf16, so the same budget holds twice the
             tokens and decode attention reads half the memory (CPU only; see
             ``pagedllm.platforms.resolve_kv_cache_dtype``).

@@ -123,7 +123,7 @@ def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", default="auto")
     p.add_argument("--quantization", default=None, choices=list(QUANTIZATION_CHOICES),
                    help="int8/int4: weight-only; w8a8: int8 weights and dynamic per-token int8 activations")
-    p.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8", "fp8_e4m3", "fp8_e5m2"],
+    p.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "bfloat16", "fp8", "fp8_e4m3", "fp8_e5m2"],
                    help="KV cache storage (fp8: 8-bit floats, CPU only)")
     p.add_argument("--num-threads", type=int, default=None)
     p.add_argument("--max-num-seqs", type=int, default=128)

@@ -39,7 +39,7 @@ def build_parser() -> argparse.ArgumentParser:
     cp.add_argument("--chat", action="store_true", help="wrap the prompt as a user chat message")
     cp.add_argument("--dtype", default="auto")
     cp.add_argument("--quantization", "-q", default=None, choices=list(QUANTIZATION_CHOICES))
-    cp.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8", "fp8_e4m3", "fp8_e5m2"])
+    cp.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "bfloat16", "fp8", "fp8_e4m3", "fp8_e5m2"])
     cp.add_argument("--num-threads", type=int, default=None)
     _add_bench_parsers(sub)
     return parser

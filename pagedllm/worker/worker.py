@@ -161,7 +161,9 @@ class Worker:
         if self.device.type == "cpu":
             from pagedllm.kernels.cpu_ops import install_cpu_allocator
             install_cpu_allocator()  # before the weights and KV cache are allocated
-        self.kv_cache_dtype = resolve_kv_cache_dtype(args.kv_cache_dtype, self.dtype, self.device)
+        from pagedllm.worker.batch_invariant import batch_invariant_requested
+        self.kv_cache_dtype = resolve_kv_cache_dtype(args.kv_cache_dtype, self.dtype, self.device, args.dtype,
+                                                     batch_invariant_requested(args))
         if self.world_size > 1:
             from pagedllm.distributed.parallel_state import init_distributed
 

@@ -272,9 +272,10 @@ def add_serve_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                    help="Free KV blocks holding cached prefixes kept resident (default 64MiB; 0 = "
                         "none): past this, least recently used prefixes are reused before fresh "
                         "blocks are committed, and an idle server gives the rest back to the OS.")
-    g.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8", "fp8_e4m3", "fp8_e5m2"],
-                   help="KV cache storage: auto (the model dtype) or 8-bit floats (fp8 = fp8_e4m3, "
-                        "or fp8_e5m2): half the bytes per token of bf16 (CPU only).")
+    g.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "bfloat16", "fp8", "fp8_e4m3", "fp8_e5m2"],
+                   help="KV cache storage: auto (the model dtype; bfloat16 on CPUs without native "
+                        "bf16, where --dtype auto runs the model in float32), bfloat16, or 8-bit floats "
+                        "(fp8 = fp8_e4m3, or fp8_e5m2): half the bytes per token of bf16 (CPU only).")
     g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
                    default=True,
                    help="Reuse the KV cache of shared prompt prefixes (default: on).")
