@@ -371,17 +371,20 @@ class EngineCore:
 
     def release_idle_memory(self) -> int:
         """Between bursts of work: hand finished requests' ids to the workers (they drop their
-        state), then have every rank return its free allocator blocks and heap to the OS
+        state), give the KV pages of free blocks beyond the kept prefixes back (``release_kv_pages``),
+        then have every rank return its free allocator blocks and heap to the OS
         (``Worker.release_idle_memory``); call from the thread that steps the engine.
 
         Returns:
-            resident bytes released, summed over the ranks.
+            resident bytes released, summed over the ranks (the KV pages counted per rank 0's
+            block size).
         """
         if self.scheduler.has_finished_requests() and not self.scheduler.has_unfinished_requests():
             self.step()
+        kv = 0
         if not self.scheduler.has_unfinished_requests() and not self._batch_queue:
-            self.release_kv_pages()
-        released = sum(self.executor.collective_rpc("release_idle_memory"))
+            kv = self.release_kv_pages() * self.kv_block_bytes
+        released = kv + sum(self.executor.collective_rpc("release_idle_memory"))
         if self.executor.get_memory_stats().get("resident_memory_bytes"):  # workers elsewhere: this one too
             from pagedllm.platforms import trim_heap
             trim_heap()
@@ -453,10 +456,11 @@ class EngineCore:
     def get_memory_stats(self) -> dict:
         """Memory now, in bytes: ``resident_memory_bytes`` (RSS of this process plus that of the
         executor's worker processes on this machine), ``weight_bytes``, ``kv_cache_bytes`` (the
-        output rank's weights; the KV cache of one rank, reserved) and ``kv_cache_committed_bytes``
-        (of which committed: blocks handed out since start-up or the last idle release) and, where the workers run in this process,
-        the caching CPU allocator's ``cpu_allocator_cached_bytes`` (free blocks kept for reuse,
-        at most ``cpu_allocator_cache_limit_bytes``) and ``cpu_allocator_live_bytes``.
+        output rank's weights; the KV cache of one rank, reserved), ``kv_cache_committed_bytes``
+        (of which committed: blocks handed out since start-up or the last idle release) and,
+        where the workers run in this process, the caching CPU allocator's
+        ``cpu_allocator_cached_bytes`` (free blocks kept for reuse, at most
+        ``cpu_allocator_cache_limit_bytes``) and ``cpu_allocator_live_bytes``.
 
         Reads ``/proc`` only (no call to the workers), so any thread may call it."""
         from pagedllm.metrics.memory import resident_memory_bytes
