@@ -111,12 +111,14 @@ def _free_port() -> int:
 def test_server_resident_memory_stays_flat_under_the_mixed_soak():
     """``pagedllm bench serve --dataset-name mixed`` against ``pagedllm serve`` (default dtype):
     the server's resident memory (its /metrics process_resident_memory_bytes) after 200 more
-    requests is within the margin of its value after 40 warm-up requests, and every request
-    succeeded."""
+    requests is within the margin of its value after 40 warm-up requests, not counting the KV
+    pages committed meanwhile (issue 30: they are committed as blocks are first used, at most the
+    128 MiB reserved), and every request succeeded; idle, committed KV falls back to the kept
+    prefixes."""
     from pagedllm.entrypoints.bench_serve import add_bench_serve_args, benchmark
 
     port = _free_port()
-    env = dict(os.environ, PAGEDLLM_NUM_THREADS="1", OMP_NUM_THREADS="1", PAGEDLLM_IDLE_RELEASE_S="1")
+    env = dict(os.environ, PAGEDLLM_NUM_THREADS="1", OMP_NUM_THREADS="1", PAGEDLLM_IDLE_RELEASE_S="3")
     proc = subprocess.Popen(
         [sys.executable, "-m", "pagedllm.entrypoints.cli", "serve", "--port", str(port),
          "--max-model-len", "2048", "--kv-cache-memory", "128MiB", "--max-num-batched-tokens", "512",
@@ -140,14 +142,17 @@ def test_server_resident_memory_stays_flat_under_the_mixed_soak():
         m = asyncio.run(benchmark(args))
         assert m["failed"] == 0, [e for e in m["errors"] if e][:3]
         assert [x["requests_done"] for x in m["memory_samples"]] == [40, 90, 140, 190, 240]
-        grown = m["resident_memory_end_bytes"] - m["resident_memory_after_warmup_bytes"]
-        assert grown < SOAK_MARGIN, (f"server resident memory grew by {grown / MiB:.1f} MiB",
-                                     m["memory_samples"])
+        samples = m["memory_samples"]
+        kv_grown = samples[-1]["kv_cache_committed_bytes"] - samples[0]["kv_cache_committed_bytes"]
+        assert 0 <= samples[-1]["kv_cache_committed_bytes"] <= 128 * MiB, samples
+        grown = m["resident_memory_end_bytes"] - m["resident_memory_after_warmup_bytes"] - kv_grown
+        assert grown < SOAK_MARGIN, (f"server resident memory grew by {grown / MiB:.1f} MiB besides "
+                                     f"{kv_grown / MiB:.1f} MiB of KV pages", samples)
         metrics = httpx.get(base + "/metrics").text
         assert "pagedllm:cpu_allocator_cached_bytes" in metrics
         assert "process_resident_memory_bytes" in metrics
-        # Idle (release after 1 s): committed KV is back within the 16 MiB of kept prefixes.
-        time.sleep(4)
+        # Idle (release after 3 s): committed KV is back within the 16 MiB of kept prefixes.
+        time.sleep(6)
         metrics = httpx.get(base + "/metrics").text
         reserved = _gauge(metrics, "pagedllm:kv_cache_bytes")
         committed = _gauge(metrics, "pagedllm:kv_cache_committed_bytes")
