@@ -145,9 +145,6 @@ def test_server_resident_memory_stays_flat_under_the_mixed_soak():
         samples = m["memory_samples"]
         kv_grown = samples[-1]["kv_cache_committed_bytes"] - samples[0]["kv_cache_committed_bytes"]
         assert 0 <= samples[-1]["kv_cache_committed_bytes"] <= 128 * MiB, samples
-        grown = m["resident_memory_end_bytes"] - m["resident_memory_after_warmup_bytes"] - kv_grown
-        assert grown < SOAK_MARGIN, (f"server resident memory grew by {grown / MiB:.1f} MiB besides "
-                                     f"{kv_grown / MiB:.1f} MiB of KV pages", samples)
         metrics = httpx.get(base + "/metrics").text
         assert "pagedllm:cpu_allocator_cached_bytes" in metrics
         assert "process_resident_memory_bytes" in metrics
@@ -157,6 +154,10 @@ def test_server_resident_memory_stays_flat_under_the_mixed_soak():
         reserved = _gauge(metrics, "pagedllm:kv_cache_bytes")
         committed = _gauge(metrics, "pagedllm:kv_cache_committed_bytes")
         assert reserved >= 127 * MiB and 0 < committed <= 16 * MiB, (reserved, committed)
+        # NOTE: checked last: this also failed on main (30fde32) on an AVX512-BF16 host (+156 MiB).
+        grown = m["resident_memory_end_bytes"] - m["resident_memory_after_warmup_bytes"] - kv_grown
+        assert grown < SOAK_MARGIN, (f"server resident memory grew by {grown / MiB:.1f} MiB besides "
+                                     f"{kv_grown / MiB:.1f} MiB of KV pages", samples)
     finally:
         proc.terminate()
         try:
