@@ -6,9 +6,17 @@ from dataclasses import dataclass, field
 import re
 from typing import Any, Optional
 
-# Default KV cache budget on CPU (bytes). vLLM's CPU backend uses VLLM_CPU_KVCACHE_SPACE (GiB);
-# we take an explicit byte budget (--kv-cache-memory) and default to 2 GiB.
+# KV cache budget on CPU when --kv-cache-memory is not given (vLLM's CPU backend uses
+# VLLM_CPU_KVCACHE_SPACE, GiB): KV_AUTO_MEMORY_FRACTION of MemAvailable (/proc/meminfo) after the
+# weights are loaded, split between the ranks and replicas on the machine, and never more than
+# max_num_seqs x max_model_len tokens can fill. The cache's pages are committed on first write
+# (pagedllm.worker.kv_memory), so the budget is a bound, not what start-up takes.
+# DEFAULT_CPU_KV_CACHE_BYTES is the fallback where /proc/meminfo is unavailable.
 DEFAULT_CPU_KV_CACHE_BYTES = 2 * 1024**3
+KV_AUTO_MEMORY_FRACTION = 0.5
+# Free KV blocks holding cached prefixes kept resident, ahead of never-used blocks and across the
+# idle release (--kv-prefix-cache-memory).
+DEFAULT_KV_PREFIX_CACHE_BYTES = 64 * 1024**2
 
 #: ``--quantization`` values: re-quantize float weights at load (int8, int4, w8a8), a checkpoint
 #: format (gguf, gptq, awq, compressed-tensors, fp8: the default is the checkpoint's own), or
@@ -95,14 +103,21 @@ class EngineArgs:
         tokenizer: optional tokenizer path (defaults to the model's).
         dtype: "auto" (bfloat16 on CPUs with native bf16 matmul, else float32), "float32",
             "bfloat16", "float16".
-        max_model_len: max prompt + output tokens per request; None = the model's context length
-            capped by what the KV cache holds.
+        max_model_len: max prompt + output tokens per request; None or "auto" (or -1) = the
+            model's context length capped by what the KV cache holds.
         max_num_seqs: max requests per step.
         max_num_batched_tokens: token budget per step (chunked prefill splits longer prompts).
         block_size: tokens per KV cache block.
         kv_cache_memory: KV cache budget in bytes, or a size string such as "512MiB" / "2GiB"
-            (None = DEFAULT_CPU_KV_CACHE_BYTES on CPU).
-        kv_cache_dtype: "auto" (the model dtype), "fp8" / "fp8_e4m3" (float8_e4m3fn) or
+            (None: on CPU KV_AUTO_MEMORY_FRACTION of MemAvailable, at most what max_num_seqs x
+            max_model_len tokens fill; on CUDA what gpu_memory_utilization leaves). On CPU the
+            cache's pages are committed as blocks are first written, so this is a bound.
+        kv_prefix_cache_memory: bytes of free KV blocks holding cached prefixes kept resident
+            (None = DEFAULT_KV_PREFIX_CACHE_BYTES, 64 MiB; 0 = none): past this, the least
+            recently used cached block is reused before a never-used block is committed, and an
+            idle server gives the pages of the rest back (``PAGEDLLM_IDLE_RELEASE_S``).
+        kv_cache_dtype: "auto" (the model dtype; bfloat16 on CPU where dtype "auto" runs the model
+            in float32 because the CPU lacks native bf16), "bfloat16", "fp8" / "fp8_e4m3" (float8_e4m3fn) or
             "fp8_e5m2": 8-bit K/V, half the bytes of bf16, so the same budget holds twice the
             tokens and decode attention reads half the memory (CPU only; see
             ``pagedllm.platforms.resolve_kv_cache_dtype``).
@@ -182,12 +197,13 @@ class EngineArgs:
     model: str = "SmolLM2-135M-Instruct"
     tokenizer: Optional[str] = None
     dtype: str = "auto"
-    max_model_len: Optional[int] = None
+    max_model_len: Optional[int | str] = None
     max_num_seqs: int = 128
     max_num_batched_tokens: int = 2048
     block_size: int = 16
     kv_cache_memory: Optional[int | str] = None
     kv_cache_dtype: str = "auto"
+    kv_prefix_cache_memory: Optional[int | str] = None
     seed: int = 0
     enable_prefix_caching: bool = True
     prefix_caching_hash_algo: str = "sha256"
@@ -226,6 +242,82 @@ class EngineArgs:
     max_loras: int = 1
     max_lora_rank: int = 16
     max_cpu_loras: Optional[int] = None
+
+    def __post_init__(self) -> None:
+        # NOTE: "auto" (vLLM's spelling, also -1) = the model's context length capped by what the
+        # KV cache holds, which is what None means.
+        mml = self.max_model_len
+        if isinstance(mml, str):
+            s = mml.strip().lower()
+            if s == "auto":
+                mml = None
+            else:
+                try:
+                    mml = int(s)
+                except ValueError:
+                    raise ValueError(f"max_model_len: expected a positive integer or 'auto', got {self.max_model_len!r}") from None
+        if mml == -1:
+            mml = None
+        self.max_model_len = mml
+
+    def kv_prefix_cache_bytes(self) -> int:
+        """``kv_prefix_cache_memory`` in bytes (None = DEFAULT_KV_PREFIX_CACHE_BYTES; 0 = keep no
+        free cached block resident).
+
+        Raises:
+            ValueError: not a size (naming the field and the flag).
+        """
+        v = self.kv_prefix_cache_memory
+        if v is None:
+            return DEFAULT_KV_PREFIX_CACHE_BYTES
+        if str(v).strip() in ("0", "0B", "0b"):
+            return 0
+        try:
+            return parse_bytes(v)
+        except ValueError as e:
+            raise ValueError(f"kv_prefix_cache_memory (--kv-prefix-cache-memory): {e}") from None
+
+    def check_memory_args(self, device_type: str = "cpu") -> Optional[int]:
+        """Check the memory settings before anything is loaded; returns ``kv_cache_memory`` in
+        bytes (None when not given).
+
+        On CPU a ``kv_cache_memory`` larger than the machine's memory (MemTotal in /proc/meminfo)
+        is refused, naming the flag and what would fit; one larger than MemAvailable is allowed
+        (pages are committed on use) with a warning.
+
+        Raises:
+            ValueError: ``kv_cache_memory`` or ``kv_prefix_cache_memory`` is not a positive size,
+                or ``kv_cache_memory`` exceeds the machine's memory.
+        """
+        import logging
+
+        from pagedllm.metrics.memory import format_bytes, read_meminfo
+
+        self.kv_prefix_cache_bytes()
+        if self.kv_cache_memory is None:
+            return None
+        try:
+            n = parse_bytes(self.kv_cache_memory)
+        except ValueError as e:
+            raise ValueError(f"kv_cache_memory (--kv-cache-memory): {e}; give a positive size such as "
+                             f"512MiB or 4GiB, or leave it unset to size the cache from free memory") from None
+        if device_type != "cpu":
+            return n
+        mi = read_meminfo()
+        total, avail = mi.get("MemTotal"), mi.get("MemAvailable")
+        if total and n > total:
+            fit = int((avail or total) * KV_AUTO_MEMORY_FRACTION)
+            raise ValueError(
+                f"kv_cache_memory (--kv-cache-memory): {format_bytes(n)} is more than this machine's memory "
+                f"(MemTotal {format_bytes(total)}, MemAvailable {format_bytes(avail or 0)} in /proc/meminfo); "
+                f"use at most {format_bytes(avail or total)} (what is free now), e.g. {fit // 1024**2}MiB, "
+                f"or leave it unset to size the cache from free memory")
+        if avail and n > avail:
+            logging.getLogger("pagedllm").warning(
+                "pagedllm: kv_cache_memory %s is more than the memory available now (MemAvailable %s): "
+                "the cache's pages are committed as they are written, and filling it would swap or "
+                "exhaust memory", format_bytes(n), format_bytes(avail))
+        return n
 
     @property
     def world_size(self) -> int:

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import functools
 import os
+from typing import Optional
 
 import torch
 
@@ -69,25 +70,41 @@ def resolve_dtype(dtype: str | torch.dtype, device: torch.device) -> torch.dtype
         raise ValueError(f"dtype: must be one of 'auto', {sorted(_DTYPES)}, got {dtype!r}") from None
 
 
-KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2")
+KV_CACHE_DTYPES = ("auto", "bfloat16", "fp8", "fp8_e4m3", "fp8_e5m2")
 
 
-def resolve_kv_cache_dtype(kv_cache_dtype: str, model_dtype: torch.dtype, device: torch.device) -> torch.dtype:
+def resolve_kv_cache_dtype(kv_cache_dtype: str, model_dtype: torch.dtype, device: torch.device,
+                           dtype_setting: Optional[str | torch.dtype] = None,
+                           batch_invariant: bool = False) -> torch.dtype:
     """Map the ``kv_cache_dtype`` setting (vLLM's names) to the KV cache's torch dtype.
 
-    "auto" stores K/V in the model dtype. "fp8" (= "fp8_e4m3") stores ``torch.float8_e4m3fn``
-    and "fp8_e5m2" ``torch.float8_e5m2``: one byte per element, half of bf16, with a scale of 1.0
-    (vLLM's default when no scales are given); values beyond the format's largest finite value
-    (448 for E4M3, 57344 for E5M2) saturate to it. Attention reads the 8-bit values widened to
-    float32 (exact).
+    "auto" stores K/V in the model dtype, except on CPU when the model runs in float32 only
+    because ``dtype`` was "auto" on a CPU without native bf16 matmul (``dtype_setting == "auto"``):
+    then K/V are stored in bfloat16 (half the bytes per token; the C++ store rounds to nearest even
+    and the decode kernel widens each row back to float32; ``tests/attention/test_kv_half.py``
+    measures the difference against a float32 cache). An explicit ``dtype="float32"`` and
+    batch-invariant mode keep a float32 cache. "bfloat16" asks for that cache under any model dtype
+    on CPU (the model dtype's own on CUDA, bf16 models only). "fp8" (= "fp8_e4m3") stores
+    ``torch.float8_e4m3fn`` and "fp8_e5m2" ``torch.float8_e5m2``: one byte per element, half of
+    bf16, with a scale of 1.0 (vLLM's default when no scales are given); values beyond the format's
+    largest finite value (448 for E4M3, 57344 for E5M2) saturate to it. Attention reads the 8-bit
+    values widened to float32 (exact).
 
     Raises:
-        ValueError: an unknown name, or fp8 on a device whose kernels do not read it (CUDA).
+        ValueError: an unknown name, or a dtype the device's kernels do not read (CUDA).
     """
     if kv_cache_dtype == "auto":
+        if (device.type == "cpu" and model_dtype == torch.float32 and dtype_setting == "auto"
+                and not batch_invariant):
+            return torch.bfloat16
         return model_dtype
     if kv_cache_dtype not in KV_CACHE_DTYPES:
         raise ValueError(f"kv_cache_dtype: must be one of {list(KV_CACHE_DTYPES)}, got {kv_cache_dtype!r}")
+    if kv_cache_dtype == "bfloat16":
+        if device.type != "cpu" and model_dtype != torch.bfloat16:
+            raise ValueError(f"kv_cache_dtype: 'bfloat16' under a {str(model_dtype).replace('torch.', '')} model is "
+                             f"supported on the CPU backend only (device {device.type!r}); use 'auto'")
+        return torch.bfloat16
     if device.type != "cpu":
         raise ValueError(f"kv_cache_dtype: {kv_cache_dtype!r} is supported on the CPU backend only "
                          f"(device {device.type!r}); use 'auto'")

@@ -10,7 +10,10 @@ bf16 prefill attention on CPUs with AVX512-BF16; the torch code here stays the o
 
 An 8-bit cache (``kv_cache_dtype`` fp8: ``torch.float8_e4m3fn`` / ``torch.float8_e5m2``) stores
 ``to_cache_dtype(k)`` and is read widened to the query dtype (exact), by the C++ kernels for bf16
-queries with head size 64/128/256, else by the torch path here.
+queries with head size 64/128/256, else by the torch path here. A bf16 (or fp16) cache under a
+float32 model (``kv_cache_dtype`` "bfloat16", the CPU default where the model runs in float32
+because the CPU lacks native bf16) is stored rounded to nearest even and read widened to float32,
+by the C++ store and decode kernels, and by the gather path here for prefill.
 """
 from __future__ import annotations
 
@@ -83,13 +86,18 @@ def to_cache_dtype(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return x.to(dtype)
 
 
+HALF_DTYPES = (torch.bfloat16, torch.float16)
+
+
 def kernel_reads_cache(ops, q: torch.Tensor, kv_cache: torch.Tensor) -> bool:
-    """Whether the C++ attention kernels read ``kv_cache`` for queries ``q`` (same dtype, or an fp8
-    cache with bf16 q where the build supports it)."""
+    """Whether the C++ attention kernels read ``kv_cache`` for queries ``q``: the same dtype, an fp8
+    cache with bf16 q where the build supports it, or a bf16/fp16 cache with float32 q (decode)."""
     if ops is None or q.device.type != "cpu":
         return False
     if q.dtype == kv_cache.dtype:
         return True
+    if q.dtype == torch.float32 and kv_cache.dtype in HALF_DTYPES:
+        return hasattr(ops, "kv_half_f32_supported")
     return kv_cache.dtype in FP8_DTYPES and hasattr(ops, "kv_fp8_supported") and ops.kv_fp8_supported(q)
 
 
@@ -100,8 +108,10 @@ def write_kv(kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapp
     ``ops``: the C++ CPU kernels (``reshape_and_cache``, one pass) or None for the torch path.
     An fp8 cache stores ``to_cache_dtype(k)`` (round to nearest even, saturating) either way.
     """
-    same = k.dtype == kv_cache.dtype or (kv_cache.dtype in FP8_DTYPES and hasattr(ops, "kv_fp8_supported")
-                                         and k.dtype in (torch.float32, torch.bfloat16))
+    same = (k.dtype == kv_cache.dtype
+            or (kv_cache.dtype in FP8_DTYPES and hasattr(ops, "kv_fp8_supported")
+                and k.dtype in (torch.float32, torch.bfloat16))
+            or (kv_cache.dtype in HALF_DTYPES and k.dtype == torch.float32 and hasattr(ops, "kv_half_f32_supported")))
     if (ops is not None and same and v.dtype == k.dtype and kv_cache.is_contiguous()
             and k.stride(-1) == 1 and v.stride(-1) == 1 and kv_cache.device.type == "cpu"
             and slot_mapping.dtype == torch.int64):

@@ -1,14 +1,28 @@
-"""KV-cache blocks, their LRU free list and the prefix-cache hash map (pure Python).
+"""KV-cache blocks, their free lists and the prefix-cache hash map (pure Python).
 
 Block 0 is reserved as the *null block*: it is never handed out, never freed and
 never cached, so runners may pad block tables with id 0 (writes there are
 harmless). Usable blocks are therefore ``num_blocks - 1``.
 
-Free list: a doubly-linked list threaded through the blocks themselves (vLLM v1).
-Blocks are taken from the head (least recently freed) and returned to the tail.
-A freed block keeps its hash and stays findable in the hash map until it is
-taken again (lazy eviction); a prefix-cache hit on a free block unlinks it from
-the middle of the list in O(1).
+Committed blocks: on CPU the KV cache's pages become resident only when first written
+(``pagedllm.worker.kv_memory``), so a block is *committed* from the moment it is first handed
+out (its pages are about to be written) until the worker gives its pages back to the OS
+(``mark_uncommitted``, after an idle period). The pool hands out committed blocks before
+never-used (or given-back) ones, so the resident KV cache follows the peak of live blocks plus
+the cached prefixes kept, not the whole pool.
+
+Free lists: doubly-linked lists threaded through the blocks themselves (vLLM v1), one per kind
+of free block; a block is in exactly one of them while its ``ref_cnt`` is 0:
+
+* plain: committed, no cached prefix (a request's partial tail, a duplicate, caching off);
+* cached: committed and findable by hash, least recently freed at the head (LRU eviction);
+* uncommitted: never written since start-up or since its pages were given back.
+
+``get_new_blocks`` takes, for each block: a plain one; else the LRU cached one if more than
+``max_free_cached_blocks`` cached blocks are free; else an uncommitted one; else the LRU cached
+one. A freed block keeps its hash and stays findable in the hash map until it is taken again
+(lazy eviction); a prefix-cache hit on a free block unlinks it from the middle of its list in
+O(1).
 """
 from __future__ import annotations
 
@@ -27,9 +41,12 @@ class KVCacheBlock:
         block_hash: chained hash of the block's tokens once full and cached, else None.
         prev_free_block / next_free_block: free-list links (None when not in the list).
         is_null: True for the reserved null block (id 0).
+        committed: handed out at least once since start-up or since its pages were last given
+            back (its KV pages may be resident).
     """
 
-    __slots__ = ("block_id", "ref_cnt", "block_hash", "prev_free_block", "next_free_block", "is_null")
+    __slots__ = ("block_id", "ref_cnt", "block_hash", "prev_free_block", "next_free_block", "is_null",
+                 "committed")
 
     def __init__(self, block_id: int) -> None:
         self.block_id = block_id
@@ -38,6 +55,7 @@ class KVCacheBlock:
         self.prev_free_block: Optional[KVCacheBlock] = None
         self.next_free_block: Optional[KVCacheBlock] = None
         self.is_null = False
+        self.committed = False
 
     def __repr__(self) -> str:
         h = self.block_hash.hex()[:8] if self.block_hash is not None else None
@@ -111,23 +129,60 @@ class PrefixCacheStats:
         self.hits += num_hit_tokens
 
 
+class _FreeBlocksView:
+    """``BlockPool.free_block_queue``: every free block, in the order ``get_new_blocks`` takes
+    them (``get_all_free_blocks``), and their count (``num_free_blocks``, ``len``)."""
+
+    def __init__(self, pool: "BlockPool") -> None:
+        self._pool = pool
+
+    @property
+    def num_free_blocks(self) -> int:
+        return self._pool.get_num_free_blocks()
+
+    def __len__(self) -> int:
+        return self.num_free_blocks
+
+    def get_all_free_blocks(self) -> list[KVCacheBlock]:
+        p = self._pool
+        cached = p.free_cached.get_all_free_blocks()
+        over = p._num_cached_over_budget()
+        return (p.free_plain.get_all_free_blocks() + cached[:over]
+                + p.free_uncommitted.get_all_free_blocks() + cached[over:])
+
+
 class BlockPool:
-    """Owns every ``KVCacheBlock``: allocation, ref counts, the free list, the hash map.
+    """Owns every ``KVCacheBlock``: allocation, ref counts, the free lists, the hash map.
 
     Args:
         num_blocks: total blocks in the KV cache tensors, including the null block 0.
         enable_caching: keep full blocks findable by hash (prefix caching).
+        max_free_cached_blocks: free blocks holding a cached prefix that are kept ahead of
+            never-used ones: past this many, the least recently used cached block is reused before
+            an uncommitted block is drawn (so resident KV is at most the peak of live blocks plus
+            this many). None = no limit (cached blocks are evicted only when nothing else is free).
     """
 
-    def __init__(self, num_blocks: int, enable_caching: bool = True) -> None:
+    def __init__(self, num_blocks: int, enable_caching: bool = True,
+                 max_free_cached_blocks: Optional[int] = None) -> None:
         if num_blocks < 2:
             raise ValueError(f"num_blocks must be >= 2 (block 0 is reserved), got {num_blocks}")
+        if max_free_cached_blocks is not None and max_free_cached_blocks < 0:
+            raise ValueError(f"max_free_cached_blocks must be >= 0, got {max_free_cached_blocks}")
         self.num_blocks = num_blocks
         self.enable_caching = enable_caching
+        self.max_free_cached_blocks = max_free_cached_blocks
         self.blocks = [KVCacheBlock(i) for i in range(num_blocks)]
         self.null_block = self.blocks[0]
         self.null_block.is_null = True
-        self.free_block_queue = FreeKVCacheBlockQueue(self.blocks[1:])
+        self.free_plain = FreeKVCacheBlockQueue([])
+        self.free_cached = FreeKVCacheBlockQueue([])
+        self.free_uncommitted = FreeKVCacheBlockQueue(self.blocks[1:])
+        self.free_block_queue = _FreeBlocksView(self)
+        #: usable blocks with ``committed`` set (the null block is not counted).
+        self.num_committed_blocks = 0
+        #: blocks given back to the OS so far (``mark_uncommitted``), a running total.
+        self.num_released_blocks_total = 0
         self.cached_block_hash_to_block: dict[BlockHash, KVCacheBlock] = {}
         self.prefix_cache_stats = PrefixCacheStats()
 
@@ -136,7 +191,8 @@ class BlockPool:
         return self.num_blocks - 1
 
     def get_num_free_blocks(self) -> int:
-        return self.free_block_queue.num_free_blocks
+        return (self.free_plain.num_free_blocks + self.free_cached.num_free_blocks
+                + self.free_uncommitted.num_free_blocks)
 
     def get_usage(self) -> float:
         """Fraction (0..1) of usable blocks held by at least one request."""
@@ -148,8 +204,30 @@ class BlockPool:
         """The block cached under ``block_hash`` (possibly free, i.e. ref 0), or None."""
         return self.cached_block_hash_to_block.get(block_hash)
 
+    def _num_cached_over_budget(self) -> int:
+        if self.max_free_cached_blocks is None:
+            return 0
+        return max(0, self.free_cached.num_free_blocks - self.max_free_cached_blocks)
+
+    def _queue_of(self, block: KVCacheBlock) -> FreeKVCacheBlockQueue:
+        """The free list a free ``block`` belongs in (by its hash and committed flag)."""
+        if block.block_hash is not None:
+            return self.free_cached
+        return self.free_plain if block.committed else self.free_uncommitted
+
+    def _take_one(self) -> KVCacheBlock:
+        if self.free_plain.num_free_blocks:
+            return self.free_plain.popleft()
+        if self._num_cached_over_budget() > 0 or not self.free_uncommitted.num_free_blocks:
+            return self.free_cached.popleft()
+        block = self.free_uncommitted.popleft()
+        block.committed = True
+        self.num_committed_blocks += 1
+        return block
+
     def get_new_blocks(self, num_blocks: int) -> list[KVCacheBlock]:
-        """Take ``num_blocks`` from the free-list head (LRU), evicting their hashes.
+        """Take ``num_blocks`` free blocks, committed ones first (see the module docstring),
+        evicting the hashes of cached blocks taken.
 
         Returns blocks with ``ref_cnt == 1``. Raises ValueError if not enough are free.
         """
@@ -157,7 +235,7 @@ class BlockPool:
             raise ValueError(f"cannot get {num_blocks} free blocks ({self.get_num_free_blocks()} free)")
         out = []
         for _ in range(num_blocks):
-            block = self.free_block_queue.popleft()
+            block = self._take_one()
             self._maybe_evict_cached_block(block)
             assert block.ref_cnt == 0, block
             block.ref_cnt = 1
@@ -177,19 +255,19 @@ class BlockPool:
         """Add a reference to each block (prefix hit); unlink blocks that were free."""
         for block in blocks:
             if block.ref_cnt == 0 and not block.is_null:
-                self.free_block_queue.remove(block)
+                self._queue_of(block).remove(block)
             block.ref_cnt += 1
 
     def free_blocks(self, ordered_blocks: Iterable[KVCacheBlock]) -> None:
-        """Drop one reference from each block; blocks reaching 0 go to the free-list
-        tail in the given order (so the first given is evicted first)."""
+        """Drop one reference from each block; blocks reaching 0 go to the tail of their free
+        list (cached or plain) in the given order (so the first given is evicted first)."""
         for block in ordered_blocks:
             if block.is_null:
                 continue
             block.ref_cnt -= 1
             assert block.ref_cnt >= 0, block
             if block.ref_cnt == 0:
-                self.free_block_queue.append(block)
+                self._queue_of(block).append(block)
 
     def cache_full_blocks(
         self,
@@ -198,7 +276,8 @@ class BlockPool:
         num_cached_blocks: int,
         num_full_blocks: int,
     ) -> None:
-        """Register ``blocks[num_cached_blocks:num_full_blocks]`` under their hashes.
+        """Register ``blocks[num_cached_blocks:num_full_blocks]`` (held by a request) under
+        their hashes.
 
         If another block already holds the same hash (two requests computed the same
         prefix concurrently), the existing one stays in the map and the new block stays
@@ -211,6 +290,7 @@ class BlockPool:
             block = blocks[i]
             if block.block_hash is not None or block.is_null:
                 continue
+            assert block.ref_cnt > 0, block  # NOTE: a free block's list depends on its hash
             h = block_hashes[i]
             if h in self.cached_block_hash_to_block:
                 continue
@@ -221,18 +301,68 @@ class BlockPool:
         """Forget every cached hash. Only allowed when no block is in use; returns success."""
         if self.get_num_free_blocks() != self.num_usable_blocks:
             return False
+        for block in self.free_cached.get_all_free_blocks():
+            self.free_cached.remove(block)
+            block.block_hash = None
+            self.free_plain.append(block)
         for block in self.blocks:
             block.block_hash = None
         self.cached_block_hash_to_block.clear()
         # NOTE: stats stay monotonic totals (metrics take deltas of them).
         return True
 
+    # ---- giving pages back ---------------------------------------------------------
+
+    def release_candidates(self, max_cached_kept: Optional[int] = None) -> list[int]:
+        """Ids of the free committed blocks whose pages may go back to the OS: every plain free
+        block, and the least recently used cached ones beyond the ``max_cached_kept`` most
+        recently used (None = ``max_free_cached_blocks``; None there too = keep every cached
+        block). Changes nothing: the worker drops pages, then ``mark_uncommitted`` records it."""
+        keep = self.max_free_cached_blocks if max_cached_kept is None else max_cached_kept
+        cached = self.free_cached.get_all_free_blocks()
+        n_cached = 0 if keep is None else max(0, len(cached) - keep)
+        return [b.block_id for b in self.free_plain.get_all_free_blocks()] + [b.block_id for b in cached[:n_cached]]
+
+    def mark_uncommitted(self, block_ids: Iterable[int]) -> int:
+        """Record that the worker dropped (some of) the pages of these free blocks (their contents
+        now read as zeros): each loses its cached hash and moves to the uncommitted list.
+
+        Raises:
+            ValueError: a block that is in use or the null block (its contents are live).
+        Returns:
+            blocks that were committed and now are not.
+        """
+        n = 0
+        for bid in block_ids:
+            block = self.blocks[bid]
+            if block.is_null or block.ref_cnt > 0:
+                raise ValueError(f"mark_uncommitted: {block} is in use")
+            if not block.committed:
+                continue
+            self._queue_of(block).remove(block)
+            self._maybe_evict_cached_block(block)
+            block.committed = False
+            self.free_uncommitted.append(block)
+            n += 1
+        self.num_committed_blocks -= n
+        self.num_released_blocks_total += n
+        return n
+
     def check_invariants(self) -> None:
-        """Assert free-list/ref-count/hash-map consistency (debug and tests)."""
-        free = self.free_block_queue.get_all_free_blocks()
+        """Assert free-list/ref-count/hash-map/committed consistency (debug and tests)."""
+        plain = self.free_plain.get_all_free_blocks()
+        cached = self.free_cached.get_all_free_blocks()
+        unc = self.free_uncommitted.get_all_free_blocks()
+        free = plain + cached + unc
         assert len(free) == self.get_num_free_blocks()
+        assert len({b.block_id for b in free}) == len(free), "block in two free lists"
         assert all(b.ref_cnt == 0 for b in free), "free block with references"
+        assert all(b.committed and b.block_hash is None for b in plain), "plain list: committed, no hash"
+        assert all(b.committed and b.block_hash is not None for b in cached), "cached list: committed, hashed"
+        assert all(not b.committed and b.block_hash is None for b in unc), "uncommitted list: no hash"
         used = sum(1 for b in self.blocks[1:] if b.ref_cnt > 0)
         assert len(free) + used == self.num_usable_blocks, (len(free), used, self.num_usable_blocks)
+        assert all(b.committed for b in self.blocks[1:] if b.ref_cnt > 0), "block in use but not committed"
+        assert self.num_committed_blocks == sum(b.committed for b in self.blocks[1:])
         for h, b in self.cached_block_hash_to_block.items():
             assert b.block_hash == h, (b, h)

@@ -32,6 +32,8 @@ class KVCacheManager:
         hash_algo: "sha256" (default) or "xxhash".
         hash_seed: seed for the root block hash (None: random per manager).
         max_model_len: if given, checked to fit in the pool (ValueError saying what fits).
+        max_free_cached_blocks: free cached-prefix blocks kept ahead of never-used blocks
+            (``BlockPool``); None = no limit.
     """
 
     def __init__(
@@ -42,6 +44,7 @@ class KVCacheManager:
         hash_algo: str = "sha256",
         hash_seed: Optional[int | str | bytes] = None,
         max_model_len: Optional[int] = None,
+        max_free_cached_blocks: Optional[int] = None,
     ) -> None:
         if block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {block_size}")
@@ -49,7 +52,7 @@ class KVCacheManager:
         self.num_blocks = num_blocks
         self.enable_caching = enable_caching
         self.max_model_len = max_model_len
-        self.block_pool = BlockPool(num_blocks, enable_caching)
+        self.block_pool = BlockPool(num_blocks, enable_caching, max_free_cached_blocks)
         self.hash_fn = get_hash_fn(hash_algo)
         self.hash_algo = hash_algo
         self.root_hash = make_root_hash(self.hash_fn, hash_seed)

@@ -46,6 +46,11 @@ class EngineCore:
         for name in ("tensor_parallel_size", "pipeline_parallel_size", "data_parallel_size"):
             if int(getattr(args, name)) < 1:
                 raise ValueError(f"{name}: must be >= 1, got {getattr(args, name)}")
+        if args.max_model_len is not None and int(args.max_model_len) < 1:
+            raise ValueError(f"max_model_len: must be >= 1 or 'auto', got {args.max_model_len}")
+        from pagedllm.platforms import resolve_device
+        # NOTE: before any weight is read: a KV budget of 0 or larger than RAM fails here.
+        args.check_memory_args(resolve_device(args.device).type)
         from pagedllm.spec_decode.config import SpeculativeConfig
         self.spec_config = SpeculativeConfig.from_any(args.speculative_config)
         if self.spec_config is not None:
@@ -71,7 +76,8 @@ class EngineCore:
         self.kv_cache_manager = KVCacheManager(
             num_blocks=self.num_blocks, block_size=args.block_size,
             enable_caching=args.enable_prefix_caching,
-            hash_algo=args.prefix_caching_hash_algo, max_model_len=self.max_model_len)
+            hash_algo=args.prefix_caching_hash_algo, max_model_len=self.max_model_len,
+            max_free_cached_blocks=self.kv_prefix_keep_blocks)
         sc = self.spec_config
         self.scheduler = Scheduler(
             max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
@@ -139,6 +145,10 @@ class EngineCore:
         self.kv_capacity_tokens = capacity_tokens
         self.executor.initialize(num_blocks, max_model_len)
         self.kv_cache_bytes = num_blocks * args.block_size * bytes_per_token
+        self.kv_block_bytes = args.block_size * bytes_per_token
+        # Free blocks holding cached prefixes kept resident (ahead of never-used blocks, and
+        # across the idle release): kv_prefix_cache_memory in whole blocks.
+        self.kv_prefix_keep_blocks = args.kv_prefix_cache_bytes() // self.kv_block_bytes
         self.startup_seconds = time.perf_counter() - t0
         ranks = f" x {len(fits)} ranks" if len(fits) > 1 else ""
         logger.info(
@@ -166,13 +176,30 @@ class EngineCore:
         elem = 4 if str(self.dtype) == "torch.float32" else 2
         workspace = args.max_num_batched_tokens * (6 * hidden + 2 * inter) * elem // max(1, args.tensor_parallel_size)
         cache_cap = mem.get("cpu_allocator_cache_limit_bytes")
-        rest = rss - self.weight_bytes - self.kv_cache_bytes - mem.get("cpu_allocator_cached_bytes", 0)
+        committed = self._kv_committed_bytes(0)
+        rest = rss - self.weight_bytes - committed - mem.get("cpu_allocator_cached_bytes", 0)
         logger.info(
-            "pagedllm: memory plan: weights %s + KV cache %s + step workspace ~%s (%d tokens) + allocator "
+            "pagedllm: memory plan: weights %s + KV cache %s reserved (%s committed now; pages committed "
+            "on first write, cached prefixes kept up to %s) + step workspace ~%s (%d tokens) + allocator "
             "cache up to %s; resident now %s (of which Python, torch, tokenizer and buffers ~%s)",
-            _fmt_bytes(self.weight_bytes), _fmt_bytes(self.kv_cache_bytes), _fmt_bytes(workspace),
+            _fmt_bytes(self.weight_bytes), _fmt_bytes(self.kv_cache_bytes), _fmt_bytes(committed),
+            _fmt_bytes(self.kv_prefix_keep_blocks * self.kv_block_bytes), _fmt_bytes(workspace),
             args.max_num_batched_tokens, _fmt_bytes(cache_cap) if cache_cap is not None else "n/a",
             _fmt_bytes(rss), _fmt_bytes(max(rest, 0)))
+
+    def _kv_committed_bytes(self, num_committed_blocks: Optional[int] = None) -> int:
+        """Bytes of the KV cache (one rank) that may be resident: the block pool's committed blocks
+        (handed out since start-up or the last idle release) x bytes per block on CPU, where pages
+        are committed on first write; the whole cache where it was allocated up front (CUDA,
+        ``PAGEDLLM_KV_LAZY=0``)."""
+        from pagedllm.worker.kv_memory import lazy_kv_enabled
+
+        if not lazy_kv_enabled(self.device):
+            return self.kv_cache_bytes
+        if num_committed_blocks is None:
+            kvm = getattr(self, "kv_cache_manager", None)
+            num_committed_blocks = kvm.block_pool.num_committed_blocks if kvm is not None else 0
+        return num_committed_blocks * self.kv_block_bytes
 
     # ------------------------------------------------------------------ in-process worker
     @property
@@ -344,19 +371,60 @@ class EngineCore:
 
     def release_idle_memory(self) -> int:
         """Between bursts of work: hand finished requests' ids to the workers (they drop their
-        state), then have every rank return its free allocator blocks and heap to the OS
+        state), give the KV pages of free blocks beyond the kept prefixes back (``release_kv_pages``),
+        then have every rank return its free allocator blocks and heap to the OS
         (``Worker.release_idle_memory``); call from the thread that steps the engine.
 
         Returns:
-            resident bytes released, summed over the ranks.
+            resident bytes released, summed over the ranks (the KV pages counted per rank 0's
+            block size).
         """
         if self.scheduler.has_finished_requests() and not self.scheduler.has_unfinished_requests():
             self.step()
-        released = sum(self.executor.collective_rpc("release_idle_memory"))
+        kv = 0
+        if not self.scheduler.has_unfinished_requests() and not self._batch_queue:
+            kv = self.release_kv_pages() * self.kv_block_bytes
+        released = kv + sum(self.executor.collective_rpc("release_idle_memory"))
         if self.executor.get_memory_stats().get("resident_memory_bytes"):  # workers elsewhere: this one too
             from pagedllm.platforms import trim_heap
             trim_heap()
         return released
+
+    def release_kv_pages(self, max_cached_kept: Optional[int] = None) -> int:
+        """Give the KV pages of free blocks back to the OS: every free block that holds no cached
+        prefix, and the least recently used cached ones beyond ``max_cached_kept`` blocks (None =
+        ``kv_prefix_cache_memory``'s). Each rank drops whole pages (madvise(2) MADV_DONTNEED) of
+        those blocks, the never-used ones and the null block (contents not needed either, so
+        pages shared with them go too); blocks that lost a page forget their prefix and count as
+        uncommitted again. Call between steps, from the thread that steps the engine.
+
+        Returns:
+            blocks that went from committed to uncommitted.
+        """
+        import bisect
+
+        from pagedllm.worker.kv_memory import block_runs, merge_runs
+
+        pool = self.kv_cache_manager.block_pool
+        candidates = pool.release_candidates(max_cached_kept)
+        if not candidates:
+            return 0
+        unc = [b.block_id for b in pool.free_uncommitted.get_all_free_blocks()]
+        runs = block_runs([0] + candidates + unc)
+        touched: list[tuple[int, int]] = []
+        for r in self.executor.collective_rpc("release_kv_blocks", args=(runs,)):
+            touched.extend(tuple(x) for x in (r or ()))
+        touched = merge_runs(touched)  # disjoint, sorted: the union over the ranks
+        ends = [e for _, e in touched]
+        lost = []
+        for b in candidates:
+            i = bisect.bisect_right(ends, b)  # the first range ending after b
+            if i < len(touched) and touched[i][0] <= b:
+                lost.append(b)
+        n = pool.mark_uncommitted(lost)
+        logger.debug("pagedllm: gave back the KV pages of %d free blocks (%s)", n,
+                     _fmt_bytes(n * self.kv_block_bytes))
+        return n
 
     def _spec_decode_stats(self) -> dict:
         """Speculative decoding totals (empty when off): the scheduler's draft counters and, for
@@ -387,16 +455,19 @@ class EngineCore:
 
     def get_memory_stats(self) -> dict:
         """Memory now, in bytes: ``resident_memory_bytes`` (RSS of this process plus that of the
-        executor's worker processes on this machine), ``weight_bytes`` and ``kv_cache_bytes`` (the
-        output rank's weights; the KV cache of one rank) and, where the workers run in this process,
-        the caching CPU allocator's ``cpu_allocator_cached_bytes`` (free blocks kept for reuse,
-        at most ``cpu_allocator_cache_limit_bytes``) and ``cpu_allocator_live_bytes``.
+        executor's worker processes on this machine), ``weight_bytes``, ``kv_cache_bytes`` (the
+        output rank's weights; the KV cache of one rank, reserved), ``kv_cache_committed_bytes``
+        (of which committed: blocks handed out since start-up or the last idle release) and,
+        where the workers run in this process, the caching CPU allocator's
+        ``cpu_allocator_cached_bytes`` (free blocks kept for reuse, at most
+        ``cpu_allocator_cache_limit_bytes``) and ``cpu_allocator_live_bytes``.
 
         Reads ``/proc`` only (no call to the workers), so any thread may call it."""
         from pagedllm.metrics.memory import resident_memory_bytes
 
         out = {"resident_memory_bytes": resident_memory_bytes(), "weight_bytes": self.weight_bytes,
-               "kv_cache_bytes": getattr(self, "kv_cache_bytes", 0)}
+               "kv_cache_bytes": getattr(self, "kv_cache_bytes", 0),
+               "kv_cache_committed_bytes": self._kv_committed_bytes() if hasattr(self, "kv_block_bytes") else 0}
         extra = self.executor.get_memory_stats()
         out["resident_memory_bytes"] += extra.pop("resident_memory_bytes", 0)
         out.update(extra)

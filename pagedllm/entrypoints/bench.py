@@ -100,7 +100,7 @@ def _engine_kwargs(args: argparse.Namespace) -> dict:
         kw["num_threads"] = args.num_threads
     if args.max_model_len:
         kw["max_model_len"] = args.max_model_len
-    if args.kv_cache_memory:
+    if args.kv_cache_memory is not None:
         kw["kv_cache_memory"] = int(args.kv_cache_memory)
     if getattr(args, "quantization", None):
         kw["quantization"] = args.quantization
@@ -126,7 +126,7 @@ def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--quantization", default=None, choices=list(QUANTIZATION_CHOICES),
                    help="int8/int4: weight-only; w8a8: int8 weights and dynamic per-token int8 activations "
                         "(default: the checkpoint's own format)")
-    p.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8", "fp8_e4m3", "fp8_e5m2"],
+    p.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "bfloat16", "fp8", "fp8_e4m3", "fp8_e5m2"],
                    help="KV cache storage (fp8: 8-bit floats, CPU only)")
     p.add_argument("--num-threads", type=int, default=None,
                    help="torch threads for the engine (default: all cores)")

@@ -214,16 +214,20 @@ def mixed_requests(num: int, seed: int, max_tokens: int) -> list[tuple[str, dict
     return out
 
 
-async def _resident_memory(client, base: str, headers: dict) -> Optional[int]:
-    """The server's ``process_resident_memory_bytes`` from /metrics, or None."""
+async def _resident_memory(client, base: str, headers: dict) -> tuple[Optional[int], Optional[int]]:
+    """The server's ``process_resident_memory_bytes`` and committed KV cache bytes (the gauge
+    ``*:kv_cache_committed_bytes``, any prefix) from /metrics; None for a figure it lacks."""
+    rss = kv = None
     try:
         r = await client.get(base + "/metrics", headers=headers)
         for line in r.text.splitlines():
             if line.startswith("process_resident_memory_bytes "):
-                return int(float(line.split()[1]))
+                rss = int(float(line.split()[1]))
+            elif line.startswith(("pagedllm:kv_cache_committed_bytes", "vllm:kv_cache_committed_bytes")):
+                kv = int(float(line.split()[-1]))
     except Exception:  # a server without /metrics: no memory figures
         pass
-    return None
+    return rss, kv
 
 
 def _pct(xs: list[float], q: float) -> float:
@@ -453,17 +457,19 @@ async def benchmark(args: argparse.Namespace) -> dict[str, Any]:
             cuts = sorted(set(cuts + [warm + rest * (k + 1) // n_samples for k in range(n_samples)]))
         start = time.perf_counter()
         results: list[RequestResult] = []
-        memory: list[tuple[int, Optional[int]]] = []
+        memory: list[tuple[int, Optional[int], Optional[int]]] = []
         prev = 0
         for cut in cuts + ([len(work)] if not cuts or cuts[-1] != len(work) else []):
             results += await send(prev, cut)
             prev = cut
             if n_samples and cut >= warm:
-                memory.append((cut, await _resident_memory(client, base, headers)))
+                memory.append((cut, *await _resident_memory(client, base, headers)))
         duration = time.perf_counter() - start
     m = compute_metrics(list(results), duration)
     if memory:
-        m["memory_samples"] = [{"requests_done": k, "resident_memory_bytes": v} for k, v in memory]
+        m["memory_samples"] = [{"requests_done": k, "resident_memory_bytes": v,
+                                **({"kv_cache_committed_bytes": kv} if kv is not None else {})}
+                               for k, v, kv in memory]
         first, last = memory[0][1], memory[-1][1]
         if first and last:
             m["resident_memory_after_warmup_bytes"] = first

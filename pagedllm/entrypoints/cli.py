@@ -57,7 +57,7 @@ def _add_complete_parser(sub: argparse._SubParsersAction, subparsers: dict) -> N
     g.add_argument("--dtype", default="auto", help="With --offline: weight/activation dtype (default: auto).")
     g.add_argument("--quantization", default=None, choices=list(QUANTIZATION_CHOICES),
                    help="With --offline: as `pagedllm serve --quantization` (default: the checkpoint's own).")
-    g.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8", "fp8_e4m3", "fp8_e5m2"],
+    g.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "bfloat16", "fp8", "fp8_e4m3", "fp8_e5m2"],
                    help="With --offline: KV cache storage (default: auto).")
     g.add_argument("--num-threads", type=int, default=None,
                    help="With --offline: torch threads (default: all cores).")

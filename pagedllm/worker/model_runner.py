@@ -1,7 +1,7 @@
 """Turns a SchedulerOutput into one forward pass: inputs, KV cache, model, sampler, pooler.
 
 The runner owns the KV cache tensors (one per layer, ``[num_blocks, 2, block_size,
-num_kv_heads, head_dim]``) and per-request state that must outlive a step (seeded
+num_kv_heads, head_dim]``; on CPU committed on first write, ``pagedllm.worker.kv_memory``) and per-request state that must outlive a step (seeded
 generators, MEAN-pooling partial sums, and the persistent :class:`InputBatch`: block tables
 and sampling parameters kept from step to step so a step's inputs and sampling metadata are
 a few numpy gathers instead of per-request conversions).
@@ -61,9 +61,10 @@ class ModelRunner:
         self.vocab_size = vocab_size
         self.eos_token_id = eos_token_id
         num_layers, num_kv_heads, head_dim = kv_spec
+        from pagedllm.worker.kv_memory import new_kv_cache
+        # NOTE: on CPU the pages are committed on first write (kv_memory.py): start-up touches none.
         self.kv_caches = [
-            torch.zeros(num_blocks, 2, block_size, num_kv_heads, head_dim, dtype=kv_cache_dtype or dtype,
-                        device=device)
+            new_kv_cache((num_blocks, 2, block_size, num_kv_heads, head_dim), kv_cache_dtype or dtype, device)
             for _ in range(num_layers)
         ]
         if attn_impl is None:

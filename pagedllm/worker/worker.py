@@ -166,7 +166,9 @@ class Worker:
             # NOTE: the team shrinks while other processes hold cores (cpu_threads.py: a busy
             # neighbour otherwise stalls every parallel region of a step)
             self.thread_controller = make_thread_controller(n)
-        self.kv_cache_dtype = resolve_kv_cache_dtype(args.kv_cache_dtype, self.dtype, self.device)
+        from pagedllm.worker.batch_invariant import batch_invariant_requested
+        self.kv_cache_dtype = resolve_kv_cache_dtype(args.kv_cache_dtype, self.dtype, self.device, args.dtype,
+                                                     batch_invariant_requested(args))
         if self.world_size > 1:
             from pagedllm.distributed.parallel_state import init_distributed
 
@@ -401,7 +403,8 @@ class Worker:
 
     def determine_available_memory(self) -> int:
         """Bytes this rank may spend on its KV cache: ``kv_cache_memory`` when given, else on
-        CUDA what a profiling forward leaves of ``gpu_memory_utilization``, else the CPU default.
+        CUDA what a profiling forward leaves of ``gpu_memory_utilization``, else on CPU a share of
+        the free memory (``_kv_bytes_from_free_memory``) capped by ``_kv_bytes_usable``.
 
         Raises:
             ValueError: an unparsable ``kv_cache_memory``, or no GPU memory left for the cache.
@@ -414,7 +417,25 @@ class Worker:
                 raise ValueError(f"kv_cache_memory: {e}") from None
         if self.device.type == "cuda":
             return self._profile_gpu_kv_bytes()
-        return min(DEFAULT_CPU_KV_CACHE_BYTES, self._kv_bytes_usable())
+        return min(self._kv_bytes_from_free_memory(), self._kv_bytes_usable())
+
+    def _kv_bytes_from_free_memory(self) -> int:
+        """The CPU default budget: ``KV_AUTO_MEMORY_FRACTION`` of MemAvailable (/proc/meminfo, read
+        after this rank's weights are loaded), split evenly between the ranks of this machine and
+        the data-parallel replicas (assumed on this machine too); DEFAULT_CPU_KV_CACHE_BYTES where
+        /proc/meminfo is unavailable."""
+        from pagedllm.config import KV_AUTO_MEMORY_FRACTION
+        from pagedllm.metrics.memory import read_meminfo
+
+        avail = read_meminfo().get("MemAvailable")
+        if not avail:
+            return DEFAULT_CPU_KV_CACHE_BYTES
+        sharers = max(1, self.local_world_size) * max(1, int(self.args.data_parallel_size))
+        kv = int(avail * KV_AUTO_MEMORY_FRACTION) // sharers
+        logger.info("pagedllm: KV cache budget from free memory: %.0f%% of MemAvailable %s%s = %s (at most "
+                    "what max_num_seqs x max_model_len tokens fill)", 100 * KV_AUTO_MEMORY_FRACTION,
+                    fmt_bytes(avail), f" / {sharers} ranks" if sharers > 1 else "", fmt_bytes(kv))
+        return kv
 
     def _kv_bytes_usable(self) -> int:
         """KV bytes that ``max_num_seqs`` requests of ``max_model_len`` tokens can fill (the
@@ -423,7 +444,7 @@ class Worker:
         args = self.args
         mml = args.max_model_len or int(getattr(self.info.loaded.hf_config, "max_position_embeddings", 0) or 0)
         if mml <= 0:
-            return DEFAULT_CPU_KV_CACHE_BYTES
+            return self._kv_bytes_from_free_memory()
         blocks = args.max_num_seqs * -(-int(mml) // args.block_size) + 1
         return blocks * args.block_size * self.get_kv_cache_spec().bytes_per_token
 
@@ -507,6 +528,37 @@ class Worker:
             cpu_allocator_empty_cache()
         trim_heap()
         return max(0, before - resident_memory_bytes())
+
+    def kv_caches(self) -> list[torch.Tensor]:
+        """Every KV cache tensor of this rank that the block tables index: the runner's, and a
+        model-based speculative proposer's (draft model, EAGLE head)."""
+        if self.runner is None:
+            return []
+        caches = list(self.runner.kv_caches)
+        sd = self.runner.spec_decoder
+        if sd is not None:
+            caches += list(getattr(sd.proposer, "kv_caches", None) or [])
+        return caches
+
+    def release_kv_blocks(self, runs: list[tuple[int, int]]) -> list[tuple[int, int]]:
+        """Give the pages of the KV blocks in ``runs`` (``[b0, b1)`` ranges of block ids whose
+        contents are not needed: free blocks, the null block) back to the OS, in every cache of
+        this rank (``pagedllm.worker.kv_memory.release_kv_ranges``: madvise(2) MADV_DONTNEED on
+        whole pages; nothing on CUDA).
+
+        Returns:
+            ranges of the blocks that lost at least one page (their contents now read as zeros).
+        """
+        from pagedllm.worker.kv_memory import release_kv_ranges
+
+        return release_kv_ranges(self.kv_caches(), [tuple(r) for r in runs])
+
+    def kv_resident_bytes(self) -> int:
+        """Resident bytes of this rank's lazily committed KV caches (their mappings' Rss in
+        /proc/self/smaps); 0 on CUDA. For tests and diagnostics."""
+        from pagedllm.worker.kv_memory import kv_resident_bytes
+
+        return kv_resident_bytes(self.kv_caches())
 
     def _build_spec_decoder(self, num_blocks: int, attn_impl: Any) -> Any:
         """The runner's ``SpecDecoder`` (``speculative_config``), or None."""

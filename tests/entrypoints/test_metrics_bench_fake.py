@@ -111,6 +111,19 @@ def test_memory_gauges_and_log_line():
     assert "Resident memory" not in broken.log()  # a failed reading never stops the line
 
 
+def test_kv_cache_committed_gauge_and_log_line():
+    """Issue 30: the KV cache's committed bytes beside the reserved ones."""
+    p = PrometheusStatLogger("m", 128)
+    p.record_memory({"kv_cache_bytes": 2 << 30, "kv_cache_committed_bytes": 96 << 20})
+    text = p.render().decode()
+    assert _sample(text, 'pagedllm:kv_cache_bytes{model_name="m"}') == 2 << 30
+    assert _sample(text, 'pagedllm:kv_cache_committed_bytes{model_name="m"}') == 96 << 20
+    lg = LoggingStatLogger(interval=1000, log_fn=[].append,
+                           memory_fn=lambda: {"resident_memory_bytes": 1 << 30, "kv_cache_bytes": 2 << 30,
+                                              "kv_cache_committed_bytes": 96 << 20})
+    assert lg.log().endswith(", Resident memory: 1.00 GiB, KV cache committed: 96.0 MiB of 2.00 GiB")
+
+
 def test_server_metrics_carry_memory_and_mixed_soak_samples_it():
     engine = FakeAsyncLLM(max_model_len=4096)
     app = build_app(engine, argparse.Namespace(disable_log_requests=True, disable_log_stats=True))

@@ -183,6 +183,8 @@ def test_engine_installs_it_unless_disabled():
         stats = json.loads(out.stdout.strip().splitlines()[-1])
         if installed:
             assert stats["max_cached_bytes"] == DEFAULT_ALLOCATOR_CACHE_BYTES and stats["huge_pages"] == 1
-            assert stats["live_bytes"] >= 64 * MiB  # the KV cache lives in its blocks
+            # NOTE: the KV cache is its own mmap (committed on use, worker/kv_memory.py), not in these
+            # blocks; loading and the first steps went through the allocator
+            assert stats["misses"] > 0 and stats["hits"] + stats["misses"] >= 10, stats
         else:
             assert stats == {}

@@ -50,6 +50,20 @@ def _json_list(value: str) -> list[Any]:
     return v
 
 
+def _max_model_len(value: str) -> Optional[int]:
+    """``--max-model-len``: a positive integer, or "auto" / -1 (None: fit to the KV cache)."""
+    if value.strip().lower() == "auto" or value.strip() == "-1":
+        return None
+    return positive_human_int(value)
+
+
+def _size_or_zero(value: str) -> int:
+    """``--kv-prefix-cache-memory``: a size like ``parse_bytes``, or 0."""
+    if value.strip() in ("0", "0B", "0b"):
+        return 0
+    return parse_bytes(value)
+
+
 def _json_dict(value: str) -> dict[str, Any]:
     try:
         d = json.loads(value)
@@ -174,10 +188,10 @@ def add_serve_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                                                        "half", "float", "bf16", "fp32", "fp16"],
                    help="Weight and activation dtype. auto = bfloat16 on CPUs with native bf16 "
                         "matmul (float16/bfloat16 on CUDA), else float32.")
-    g.add_argument("--max-model-len", type=positive_human_int, default=None,
+    g.add_argument("--max-model-len", type=_max_model_len, default=None,
                    help="Max tokens per request (prompt + output); takes suffixes as vLLM: 32k = 32,000, "
-                        "32K = 32,768, 1m = 1,000,000, 1M = 1,048,576. Default: the model's context "
-                        "length, capped by what the KV cache can hold.")
+                        "32K = 32,768, 1m = 1,000,000, 1M = 1,048,576; or 'auto' (also -1; the default): "
+                        "the model's context length, capped by what the KV cache can hold.")
     g.add_argument("--generation-config", default="auto",
                    help="'auto': the model's generation config supplies default sampling values "
                         "(temperature, top_p, ...); 'vllm': ignore it; or a directory holding a "
@@ -275,11 +289,19 @@ def add_serve_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g.add_argument("--block-size", type=_positive_int, default=16,
                    help="Tokens per KV cache block (default: 16).")
     g.add_argument("--kv-cache-memory", type=parse_bytes, default=None,
-                   help="KV cache budget in bytes; accepts suffixes like 2GiB, 512MiB, 1.5G "
-                        "(default: 2GiB on CPU).")
-    g.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8", "fp8_e4m3", "fp8_e5m2"],
-                   help="KV cache storage: auto (the model dtype) or 8-bit floats (fp8 = fp8_e4m3, "
-                        "or fp8_e5m2): half the bytes per token of bf16 (CPU only).")
+                   help="KV cache budget in bytes; accepts suffixes like 2GiB, 512MiB, 1.5G. "
+                        "Default on CPU: half of the free memory (MemAvailable) after the weights "
+                        "load, at most what --max-num-seqs sequences of --max-model-len tokens fill. "
+                        "Its pages are committed as blocks are first written, so this is a bound "
+                        "(pagedllm:kv_cache_committed_bytes is what is in use).")
+    g.add_argument("--kv-prefix-cache-memory", type=_size_or_zero, default=None,
+                   help="Free KV blocks holding cached prefixes kept resident (default 64MiB; 0 = "
+                        "none): past this, least recently used prefixes are reused before fresh "
+                        "blocks are committed, and an idle server gives the rest back to the OS.")
+    g.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "bfloat16", "fp8", "fp8_e4m3", "fp8_e5m2"],
+                   help="KV cache storage: auto (the model dtype; bfloat16 on CPUs without native "
+                        "bf16, where --dtype auto runs the model in float32), bfloat16, or 8-bit floats "
+                        "(fp8 = fp8_e4m3, or fp8_e5m2): half the bytes per token of bf16 (CPU only).")
     g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
                    default=True,
                    help="Reuse the KV cache of shared prompt prefixes (default: on).")

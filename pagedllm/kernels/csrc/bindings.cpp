@@ -9,6 +9,7 @@ torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor kv_cache, to
                                      torch::Tensor seq_lens, double scale, int64_t window, double soft_cap);
 bool prefill_supported(torch::Tensor q);
 bool kv_fp8_supported(torch::Tensor q);
+bool kv_half_f32_supported();
 torch::Tensor paged_prefill_attention(torch::Tensor q, torch::Tensor kv_cache, torch::Tensor block_table,
                                       int64_t q_offset, double scale, int64_t window, double soft_cap);
 std::tuple<at::Tensor, at::Tensor> quantize_rows_int8(at::Tensor x);
@@ -41,6 +42,8 @@ at::Tensor llama_decode_dense(at::Tensor x, at::Tensor positions, std::vector<at
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode_attention", &paged_decode_attention, "paged decode attention (CPU)", py::call_guard<py::gil_scoped_release>());
   m.def("prefill_supported", &prefill_supported, "whether paged_prefill_attention handles q here");
+  m.def("kv_half_f32_supported", &kv_half_f32_supported,
+        "whether paged_decode_attention / reshape_and_cache take a bf16/fp16 cache with float32 q/k/v");
   m.def("kv_fp8_supported", &kv_fp8_supported,
         "whether the attention kernels read an fp8 (float8_e4m3fn / float8_e5m2) KV cache for this q");
   m.def("paged_prefill_attention", &paged_prefill_attention, "causal paged prefill attention (CPU, bf16)", py::call_guard<py::gil_scoped_release>());

@@ -6,7 +6,8 @@
 //   reshape_and_cache(k [T, Hkv, D], v [T, Hkv, D], kv_cache [NB, 2, BS, Hkv, D], slots [T])
 //       kv_cache[s / BS, 0, s % BS] = k[t]; kv_cache[s / BS, 1, s % BS] = v[t]; slot -1 = skip.
 //       An fp8 cache (float8_e4m3fn / float8_e5m2) takes float32/bf16 k, v, encoded with
-//       round-to-nearest-even and saturation (cpu_utils.h fp8_encode).
+//       round-to-nearest-even and saturation (cpu_utils.h fp8_encode). A bf16/fp16 cache takes
+//       float32 k, v, rounded to nearest even.
 //   rms_norm(x [T, K], residual? [T, K], w f32 [K], eps) -> out [T, K] in x's dtype
 //       with a residual: residual += x in place (rounded to its dtype), then out = RMSNorm(residual) * w.
 //
@@ -114,15 +115,44 @@ static void reshape_and_cache_fp8(const at::Tensor& k, const at::Tensor& v, at::
   });
 }
 
+// float32 k/v rows stored into a 16-bit cache (c10::BFloat16 / c10::Half from float: round to
+// nearest even).
+template <typename dst_t>
+static void store_rounded(const at::Tensor& k, const at::Tensor& v, at::Tensor& kv_cache, const int64_t* sl,
+                          int64_t T, int64_t H, int64_t D, int64_t BS) {
+  dst_t* cache = static_cast<dst_t*>(kv_cache.data_ptr());
+  const float* kp = k.data_ptr<float>();
+  const float* vp = v.data_ptr<float>();
+  const int64_t tok = H * D;
+  at::parallel_for(0, T, pagedllm_cpu::row_grain(2 * H * D), [&](int64_t b, int64_t e) {
+    for (int64_t t = b; t < e; ++t) {
+      const int64_t s = sl[t];
+      if (s < 0) continue;
+      dst_t* kdst = cache + (((s / BS) * 2 * BS) + (s % BS)) * tok;
+      dst_t* vdst = kdst + BS * tok;
+      for (int64_t h = 0; h < H; ++h) {
+        const float* ks = kp + t * k.stride(0) + h * k.stride(1);
+        const float* vs = vp + t * v.stride(0) + h * v.stride(1);
+        for (int64_t d = 0; d < D; ++d) {
+          kdst[h * D + d] = static_cast<dst_t>(ks[d]);
+          vdst[h * D + d] = static_cast<dst_t>(vs[d]);
+        }
+      }
+    }
+  });
+}
+
 void reshape_and_cache(at::Tensor k, at::Tensor v, at::Tensor kv_cache, at::Tensor slots) {
   TORCH_CHECK(kv_cache.dim() == 5 && kv_cache.is_contiguous(), "kv_cache must be contiguous [NB, 2, BS, Hkv, D]");
   TORCH_CHECK(k.dim() == 3 && v.sizes() == k.sizes() && k.size(1) == kv_cache.size(3) && k.size(2) == kv_cache.size(4),
               "k/v must be [T, Hkv, D] matching the cache");
   TORCH_CHECK(k.scalar_type() == v.scalar_type(), "k/v dtypes differ");
   const bool fp8 = kv_cache.scalar_type() == at::kFloat8_e4m3fn || kv_cache.scalar_type() == at::kFloat8_e5m2;
-  TORCH_CHECK(k.scalar_type() == kv_cache.scalar_type() ||
+  const bool f32_to_half = k.scalar_type() == at::kFloat &&
+                           (kv_cache.scalar_type() == at::kBFloat16 || kv_cache.scalar_type() == at::kHalf);
+  TORCH_CHECK(k.scalar_type() == kv_cache.scalar_type() || f32_to_half ||
               (fp8 && (k.scalar_type() == at::kBFloat16 || k.scalar_type() == at::kFloat)),
-              "k/v must have the cache's dtype (or be float32/bfloat16 for an fp8 cache)");
+              "k/v must have the cache's dtype (or be float32/bfloat16 for an fp8 cache, float32 for bf16/fp16)");
   TORCH_CHECK(k.stride(2) == 1 && v.stride(2) == 1, "k/v last dim must be contiguous");
   TORCH_CHECK(slots.scalar_type() == at::kLong && slots.is_contiguous() && slots.numel() == k.size(0), "slots");
   const int64_t T = k.size(0), H = k.size(1), D = k.size(2), BS = kv_cache.size(2), NB = kv_cache.size(0);
@@ -130,6 +160,11 @@ void reshape_and_cache(at::Tensor k, at::Tensor v, at::Tensor kv_cache, at::Tens
   for (int64_t t = 0; t < T; ++t) TORCH_CHECK(sl[t] < NB * BS, "slot out of the cache");
   if (fp8) {
     reshape_and_cache_fp8(k, v, kv_cache, sl, T, H, D, BS);
+    return;
+  }
+  if (f32_to_half) {  // round to nearest even, as torch's .to(bfloat16 / float16)
+    if (kv_cache.scalar_type() == at::kBFloat16) store_rounded<c10::BFloat16>(k, v, kv_cache, sl, T, H, D, BS);
+    else store_rounded<c10::Half>(k, v, kv_cache, sl, T, H, D, BS);
     return;
   }
   const int64_t es = kv_cache.element_size();

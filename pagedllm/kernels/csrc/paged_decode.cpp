@@ -29,8 +29,8 @@ inline void to_float<c10::BFloat16>(const c10::BFloat16* __restrict src, float* 
 
 // One (request, kv head) work item. DIM > 0 fixes the head size at compile time (full
 // unrolling and vectorization of the d loops); DIM == 0 handles any head size.
-template <int DIM, typename scalar_t>
-static void decode_one(const scalar_t* q, const scalar_t* kv, const int64_t* bt, int64_t L, int64_t b,
+template <int DIM, typename scalar_t, typename kv_t = scalar_t>
+static void decode_one(const scalar_t* q, const kv_t* kv, const int64_t* bt, int64_t L, int64_t b,
                        int64_t h, scalar_t* out, int64_t Hq, int64_t G, int64_t D_rt, int64_t block_size,
                        int64_t kv_block_stride, int64_t tok_stride, int64_t v_offset, float scale,
                        int64_t window, float soft_cap, std::vector<float>& qf, std::vector<float>& acc,
@@ -46,7 +46,7 @@ static void decode_one(const scalar_t* q, const scalar_t* kv, const int64_t* bt,
   float* __restrict kb = kf.data();
   // Pass 1: scores.
   for (int64_t p = first; p < L; ++p) {
-    const scalar_t* kp = kv + bt[p / block_size] * kv_block_stride + (p % block_size) * tok_stride + h * D;
+    const kv_t* kp = kv + bt[p / block_size] * kv_block_stride + (p % block_size) * tok_stride + h * D;
     to_float(kp, kb, D);
     for (int64_t g = 0; g < G; ++g) {
       const float* __restrict qg = qf.data() + g * D;
@@ -62,7 +62,7 @@ static void decode_one(const scalar_t* q, const scalar_t* kv, const int64_t* bt,
   // Pass 2: weighted sum of V.
   std::fill(acc.begin(), acc.begin() + G * D, 0.f);
   for (int64_t p = first; p < L; ++p) {
-    const scalar_t* vp = kv + bt[p / block_size] * kv_block_stride + v_offset + (p % block_size) * tok_stride + h * D;
+    const kv_t* vp = kv + bt[p / block_size] * kv_block_stride + v_offset + (p % block_size) * tok_stride + h * D;
     to_float(vp, kb, D);
     for (int64_t g = 0; g < G; ++g) {
       const float wgt = scores[g * n + (p - first)];
@@ -311,8 +311,8 @@ static void decode_kernel_bf16(const c10::BFloat16* q, const typename KV::T* kv,
 }
 #endif
 
-template <typename scalar_t>
-static void decode_kernel(const scalar_t* q, const scalar_t* kv, const int64_t* block_tables,
+template <typename scalar_t, typename kv_t = scalar_t>
+static void decode_kernel(const scalar_t* q, const kv_t* kv, const int64_t* block_tables,
                           const int64_t* seq_lens, scalar_t* out, int64_t B, int64_t Hq, int64_t Hkv,
                           int64_t D, int64_t block_size, int64_t max_blocks, int64_t kv_block_stride,
                           float scale, int64_t window, float soft_cap) {
@@ -330,7 +330,7 @@ static void decode_kernel(const scalar_t* q, const scalar_t* kv, const int64_t* 
       const int64_t b = w / Hkv, h = w % Hkv;
       const int64_t* bt = block_tables + b * max_blocks;
 #define PAGEDLLM_DECODE(DIMV)                                                                       \
-  decode_one<DIMV, scalar_t>(q, kv, bt, seq_lens[b], b, h, out, Hq, G, D, block_size, kv_block_stride, \
+  decode_one<DIMV, scalar_t, kv_t>(q, kv, bt, seq_lens[b], b, h, out, Hq, G, D, block_size, kv_block_stride, \
                              tok_stride, v_offset, scale, window, soft_cap, qf, acc, kf, scores)
       switch (D) {
         case 64: PAGEDLLM_DECODE(64); break;
@@ -343,7 +343,8 @@ static void decode_kernel(const scalar_t* q, const scalar_t* kv, const int64_t* 
   });
 }
 
-// q: [B, Hq, D]; kv_cache: [NB, 2, BS, Hkv, D] (same dtype as q); block_tables: int64 [B, M];
+// q: [B, Hq, D]; kv_cache: [NB, 2, BS, Hkv, D] (q's dtype; bf16/fp16 for float32 q; fp8 for bf16 q);
+// block_tables: int64 [B, M];
 // seq_lens: int64 [B] (context length incl. the new token). window <= 0: none; soft_cap <= 0: none.
 static bool is_fp8(const torch::Tensor& t) {
   return t.scalar_type() == at::kFloat8_e4m3fn || t.scalar_type() == at::kFloat8_e5m2;
@@ -356,8 +357,11 @@ bool kv_fp8_supported(torch::Tensor q);
 torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor kv_cache, torch::Tensor block_tables,
                                      torch::Tensor seq_lens, double scale, int64_t window, double soft_cap) {
   TORCH_CHECK(q.dim() == 3 && kv_cache.dim() == 5, "bad ranks");
-  TORCH_CHECK(q.scalar_type() == kv_cache.scalar_type() || (is_fp8(kv_cache) && kv_fp8_supported(q)),
-              "q and kv_cache dtypes differ (an fp8 cache needs bf16 q with head size 64/128/256 and AVX512-BF16)");
+  const bool f32q_half_kv = q.scalar_type() == at::kFloat &&
+                            (kv_cache.scalar_type() == at::kBFloat16 || kv_cache.scalar_type() == at::kHalf);
+  TORCH_CHECK(q.scalar_type() == kv_cache.scalar_type() || f32q_half_kv || (is_fp8(kv_cache) && kv_fp8_supported(q)),
+              "q and kv_cache dtypes differ (an fp8 cache needs bf16 q with head size 64/128/256 and AVX512-BF16; "
+              "a bf16/fp16 cache float32 q)");
   TORCH_CHECK(kv_cache.is_contiguous() && block_tables.scalar_type() == at::kLong && seq_lens.scalar_type() == at::kLong);
   q = q.contiguous();
   block_tables = block_tables.contiguous();
@@ -381,6 +385,19 @@ torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor kv_cache, to
     return out;
   }
 #endif
+  if (f32q_half_kv) {  // float32 model, 16-bit cache: K/V widened to float32 per row (exact)
+    if (kv_cache.scalar_type() == at::kBFloat16)
+      decode_kernel<float, c10::BFloat16>(q.data_ptr<float>(), kv_cache.data_ptr<c10::BFloat16>(),
+                                          block_tables.data_ptr<int64_t>(), seq_lens.data_ptr<int64_t>(),
+                                          out.data_ptr<float>(), B, Hq, Hkv, D, BS, block_tables.size(1),
+                                          kv_cache.stride(0), (float)scale, window, (float)soft_cap);
+    else
+      decode_kernel<float, c10::Half>(q.data_ptr<float>(), kv_cache.data_ptr<c10::Half>(),
+                                      block_tables.data_ptr<int64_t>(), seq_lens.data_ptr<int64_t>(),
+                                      out.data_ptr<float>(), B, Hq, Hkv, D, BS, block_tables.size(1),
+                                      kv_cache.stride(0), (float)scale, window, (float)soft_cap);
+    return out;
+  }
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "paged_decode_attention", [&] {
     decode_kernel<scalar_t>(q.data_ptr<scalar_t>(), kv_cache.data_ptr<scalar_t>(), block_tables.data_ptr<int64_t>(),
                             seq_lens.data_ptr<int64_t>(), out.data_ptr<scalar_t>(), B, Hq, Hkv, D, BS,
@@ -581,6 +598,9 @@ bool prefill_supported(torch::Tensor q) {
 }
 
 bool kv_fp8_supported(torch::Tensor q) { return prefill_supported(q); }
+
+// Whether paged_decode_attention and reshape_and_cache take a bf16/fp16 cache with float32 q/k/v.
+bool kv_half_f32_supported() { return true; }
 
 torch::Tensor paged_prefill_attention(torch::Tensor q, torch::Tensor kv_cache, torch::Tensor block_table,
                                       int64_t q_offset, double scale, int64_t window, double soft_cap) {

@@ -1,0 +1,155 @@
+"""Resident memory of ``pagedllm serve`` (issue 30): idle after start, after a mixed burst, after
+the idle release.
+
+Starts ``python -m pagedllm.entrypoints.cli serve [FLAGS] --port P`` (default flags: the embedded
+SmolLM2-135M-Instruct Q4_1 GGUF), then reads the server's resident memory at four points:
+
+  start       5 s after /health first answers
+  burst       right after 32 mixed /v1/completions requests (8 at a time): 28 short prompts of
+              3-40 words with 8-64 output tokens (greedy and sampled), and 4 prompts of ~2,500
+              words (~3,300 tokens) with 16 output tokens
+  idle        ``--idle-wait`` seconds later (the server's idle release runs after
+              PAGEDLLM_IDLE_RELEASE_S, default 10 s)
+  peak        VmHWM
+
+Resident figures come from ``/proc/<pid>/status`` (VmRSS, VmHWM; proc(5)), in MiB, and the KV
+figures from the server's own ``/metrics`` (``pagedllm:kv_cache_bytes``, and
+``pagedllm:kv_cache_committed_bytes`` where the server has it).
+
+    python benchmarks/memory_lazykv.py [--json out.json] [--label NAME] [-- serve flags...]
+
+RSS figures do not depend on the machine's load; nothing here is a timing.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import random
+import re
+import subprocess
+import sys
+import time
+
+import httpx
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))
+from server_helpers import free_port  # noqa: E402
+
+MiB = 1 << 20
+
+
+def proc_status(pid: int) -> dict[str, int]:
+    """``VmRSS`` / ``VmHWM`` / ``RssAnon`` of ``pid`` in bytes (``/proc/<pid>/status``, proc(5))."""
+    out = {}
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            k, _, v = line.partition(":")
+            if k in ("VmRSS", "VmHWM", "RssAnon", "RssFile"):
+                out[k] = int(v.split()[0]) * 1024
+    return out
+
+
+def metric(text: str, name: str) -> float | None:
+    m = re.search(rf"^pagedllm:{name}(?:{{[^}}]*}})? ([0-9.e+]+)$", text, re.M)
+    return float(m.group(1)) if m else None
+
+
+def snapshot(pid: int, base: str) -> dict:
+    st = proc_status(pid)
+    text = httpx.get(base + "/metrics", timeout=10).text
+    out = {"rss_mib": round(st["VmRSS"] / MiB, 1), "rss_anon_mib": round(st.get("RssAnon", 0) / MiB, 1),
+           "peak_rss_mib": round(st["VmHWM"] / MiB, 1)}
+    for name in ("kv_cache_bytes", "kv_cache_committed_bytes", "weight_bytes"):
+        v = metric(text, name)
+        if v is not None:
+            out[name.replace("_bytes", "_mib")] = round(v / MiB, 1)
+    return out
+
+
+def requests_32(seed: int = 0) -> list[dict]:
+    rng = random.Random(seed)
+    words = ("river mountain garden music story city light water history science market bridge "
+             "winter forest ocean library engine signal harvest").split()
+    reqs = []
+    for i in range(32):
+        if i % 8 == 3:  # 4 long prompts
+            prompt = " ".join(rng.choice(words) for _ in range(2500))
+            reqs.append({"prompt": prompt, "max_tokens": 16, "temperature": 0})
+        else:
+            prompt = " ".join(rng.choice(words) for _ in range(rng.randint(3, 40)))
+            reqs.append({"prompt": prompt, "max_tokens": rng.choice([8, 16, 32, 64]),
+                         "temperature": rng.choice([0, 0.8]), "seed": i})
+    return reqs
+
+
+async def burst(base: str, reqs: list[dict], concurrency: int = 8) -> int:
+    sem = asyncio.Semaphore(concurrency)
+    ok = 0
+    async with httpx.AsyncClient(timeout=600) as c:
+        async def one(body):
+            nonlocal ok
+            async with sem:
+                r = await c.post(base + "/v1/completions", json={"model": model_name(base), **body})
+                r.raise_for_status()
+                ok += 1
+        await asyncio.gather(*(one(b) for b in reqs))
+    return ok
+
+
+def model_name(base: str, _cache: dict = {}) -> str:
+    if base not in _cache:
+        _cache[base] = httpx.get(base + "/v1/models", timeout=10).json()["data"][0]["id"]
+    return _cache[base]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--json", default=None)
+    ap.add_argument("--label", default="run")
+    ap.add_argument("--idle-wait", type=float, default=16.0)
+    ap.add_argument("flags", nargs="*")
+    a = ap.parse_args()
+    port = free_port()
+    cmd = [sys.executable, "-m", "pagedllm.entrypoints.cli", "serve", *a.flags, "--port", str(port)]
+    log = open(f"/tmp/memory_lazykv_{a.label}.log", "w")
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, text=True)
+    base = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.time() + 300
+        while True:
+            if proc.poll() is not None:
+                raise SystemExit(open(log.name).read())
+            try:
+                if httpx.get(base + "/health", timeout=1).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            if time.time() > deadline:
+                raise SystemExit("server did not start")
+            time.sleep(0.5)
+        time.sleep(5)
+        res = {"label": a.label, "command": " ".join(["pagedllm", "serve", *a.flags]), "start": snapshot(proc.pid, base)}
+        n = asyncio.run(burst(base, requests_32()))
+        res["requests_ok"] = n
+        res["after_32_requests"] = snapshot(proc.pid, base)
+        time.sleep(a.idle_wait)
+        res["after_idle_release"] = snapshot(proc.pid, base)
+        plan = [ln.strip() for ln in open(log.name)
+                if "memory plan" in ln or "KV cache budget" in ln or "loaded in" in ln]
+        res["startup_log"] = plan[:3]
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+    print(json.dumps(res, indent=1))
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump(res, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
