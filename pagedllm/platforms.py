@@ -53,7 +53,7 @@ def resolve_dtype(dtype: str | torch.dtype, device: torch.device) -> torch.dtype
     """Map the ``dtype`` setting to a torch dtype.
 
     "auto" is bfloat16 on CUDA and on CPUs with native bf16 matmul (4.5x fp32 throughput
-    on AVX512_BF16, FACTS.md section 5), else float32.
+    on AVX512_BF16, docs/hardware-and-models.md "Measured ceilings"), else float32.
 
     Raises:
         ValueError: unknown dtype name.

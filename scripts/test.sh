@@ -4,6 +4,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/install.sh --test
 . .venv/bin/activate
-# Tests use one torch thread: two threads collapse when another process is busy (FACTS.md section 3).
+# Tests use one torch thread: two threads collapse when another process is busy
+# (docs/hardware-and-models.md, "OpenMP thread oversubscription").
 export PAGEDLLM_NUM_THREADS=1 OMP_NUM_THREADS=1 TOKENIZERS_PARALLELISM=false
 exec python -m pytest -q "$@"

@@ -1,7 +1,8 @@
 """CPU paged attention in plain torch; also the reference oracle for other backends.
 
 Decodes (one query token each) use a batched manual grouped matmul -> float32 softmax ->
-matmul, which on CPU is much faster than SDPA at q_len=1 (FACTS §5). Prefill chunks use
+matmul, which on CPU is much faster than SDPA at q_len=1 (docs/hardware-and-models.md,
+"Which torch ops are fast or slow"). Prefill chunks use
 ``F.scaled_dot_product_attention`` per request over the context gathered from the cache,
 except with a logit soft-cap, which SDPA cannot express (manual path then).
 

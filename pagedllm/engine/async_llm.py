@@ -106,7 +106,7 @@ class AsyncLLM:
         # of them than cores it spins only ~100 times before sleeping, so each of a step's
         # hundreds of parallel regions paid a futex wake-up: loading the model on the caller's
         # thread and stepping on another made a batch-16 decode step 29 ms instead of 20.5 ms
-        # (docs/performance.md, step 24).
+        # (benchmarks/results/performance-history-2026-11.md, step 24).
         built = threading.Event()
         init_error: list = []
         self._thread = threading.Thread(target=self._thread_main, args=(args, built, init_error),

@@ -167,7 +167,8 @@ def install_cpu_allocator() -> bool:
 
     glibc maps every allocation above 32 MiB afresh and unmaps it on free, so such a tensor
     pays ~0.4 s/GB of page faults on first touch; W8A8 prefill of 8,192 tokens spent ~1.1 s of
-    5.5 s that way (docs/performance.md, step 22). At most ``PAGEDLLM_CPU_ALLOCATOR_CACHE``
+    5.5 s that way (benchmarks/results/performance-history-2026-11.md,
+    step 22). At most ``PAGEDLLM_CPU_ALLOCATOR_CACHE``
     bytes (a size string such as ``512MiB``; default 1 GiB) of free blocks are kept;
     ``PAGEDLLM_CPU_ALLOCATOR=0`` leaves torch's allocator in place.
     ``PAGEDLLM_CPU_ALLOCATOR_HUGEPAGES=1`` advises new blocks for transparent huge pages

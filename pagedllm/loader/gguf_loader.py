@@ -7,7 +7,8 @@ Sources:
 - Config keys follow transformers' own GGUF config mapping (`integrations/ggml.py`), so `hf_config` equals
   `AutoConfig.from_pretrained(dir, gguf_file=name)` on the fields a model needs.
 
-Per-architecture fixes (see FACTS.md §4):
+Per-architecture fixes (see docs/hardware-and-models.md, "GGUF tensor names",
+"Norm offsets" and "llama.cpp Q/K un-permutation"):
 - llama (and Mixtral, which llama.cpp writes as "llama" with experts), granite: llama.cpp's convert script
   permutes q/k rows for its rope layout; `_unpermute` undoes it (n_head for Q, n_head_kv for K), after which HF
   rope (rotate_half) applies.

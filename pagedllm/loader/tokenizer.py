@@ -1,7 +1,7 @@
 """Tokenizers: HF directories, and GGUF files via transformers' GGUF conversion with an on-disk cache.
 
 Converting a GGUF vocab with transformers takes ~3 s (SmolLM2) / ~13 s (Gemma 3); the saved result reloads in
-~0.3 s / ~2 s with identical ids (FACTS.md §3). The cache lives in
+~0.3 s / ~2 s with identical ids (docs/hardware-and-models.md "Tokenizers"). The cache lives in
 `<cache_dir>/tokenizers/<file stem>-<file size>-<sha256 of the first MiB, 16 hex>/`.
 
 Reloading the saved files is itself slow for Gemma 3 (~3 s: transformers parses the 33 MB tokenizer.json three

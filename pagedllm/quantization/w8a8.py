@@ -43,7 +43,8 @@ from pagedllm.quantization.weight_only import _param, _standalone, quantize_int8
 
 #: Largest number of rows run by the packed VNNI kernel; larger GEMMs run ``torch._int_mm``. The
 #: kernel was 1.1-2x faster than oneDNN up to M = 256 on the 2-core AVX512-VNNI machine
-#: (docs/performance.md, step 18). ``PAGEDLLM_W8A8_PACKED_MAX_M=0`` turns it off (for A/B runs).
+#: (benchmarks/results/performance-history-2026-11.md, step 18).
+#: ``PAGEDLLM_W8A8_PACKED_MAX_M=0`` turns it off (for A/B runs).
 PACKED_GEMM_MAX_M = int(os.environ.get("PAGEDLLM_W8A8_PACKED_MAX_M", "256"))
 
 

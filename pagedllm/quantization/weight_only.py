@@ -6,7 +6,8 @@ usual and ``process_weights_after_loading`` quantizes it, replacing ``weight`` b
 tensors below. The LM head is quantized too; for tied embeddings a separate quantized head
 (``model.quantized_lm_head``) is added and the embedding table stays in the model dtype for lookups.
 
-Kernels (torch CPU, see FACTS.md §5 and docs/performance.md "Low-bit weights"):
+Kernels (torch CPU, see docs/hardware-and-models.md "Which torch ops are fast or slow" and
+docs/performance.md "Low-bit weights"):
 
 * int8: per-output-channel symmetric, ``aten._weight_int8pack_mm(x, w[N, K] int8, scales[N])``.
 * int4: group-wise (``group_size`` along K, default 32) asymmetric,

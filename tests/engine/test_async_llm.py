@@ -19,7 +19,8 @@ KW = dict(num_threads=1, kv_cache_memory="64MiB", max_model_len=256)
 
 def test_engine_built_and_stepped_on_one_thread(monkeypatch):
     """One thread holds all of the engine's torch work (OpenMP gives each thread its own worker
-    team; two teams on two cores made every step ~40% slower, docs/performance.md step 24)."""
+    team; two teams on two cores made every step ~40% slower,
+    benchmarks/results/performance-history-2026-11.md step 24)."""
     seen: dict = {"init": set(), "step": set()}
     init, step = LLMEngine.__init__, LLMEngine.step
 

@@ -3,9 +3,11 @@
 //
 // Why: glibc serves every allocation above its mmap threshold (at most 32 MiB, see mallopt(3),
 // M_MMAP_THRESHOLD) with a fresh mmap and returns it with munmap on free, so every such tensor
-// pays a page fault per 4 KiB page on first touch (~0.4 s per GB here, FACTS.md section 5). A
+// pays a page fault per 4 KiB page on first touch (~0.4 s per GB here, docs/hardware-and-models.md,
+// "Measured ceilings"). A
 // prefill step of 8,192 tokens allocates a 100 MB int32 GEMM output per layer: 1.1 million page
-// faults and ~1.1 s of a 5.5 s prefill (docs/performance.md, step 22). This allocator keeps freed
+// faults and ~1.1 s of a 5.5 s prefill (benchmarks/results/performance-history-2026-11.md, step 22).
+// This allocator keeps freed
 // large blocks (up to a byte cap) and hands them out again, so a block's pages are faulted once.
 // Its blocks are mmaps of whole 4 KiB pages; with huge_pages they are whole 2 MiB pages, 2 MiB-
 // aligned and advised MADV_HUGEPAGE, so where transparent huge pages are enabled ("madvise" or

@@ -5,7 +5,8 @@
 // The Python model runs each layer as ~10 kernel calls (norm+quantize, qkv GEMM, rope, K/V store,
 // decode attention, quantize, o GEMM, norm+quantize, gate/up GEMM, SiLU*up+quantize, down GEMM);
 // at decode batch sizes each call's Python and dispatcher overhead (~7 us) adds up to 2-3 ms per
-// step for SmolLM2's 30 layers (docs/performance.md, step 26). This file calls the same kernels
+// step for SmolLM2's 30 layers (benchmarks/results/performance-history-2026-11.md, step 26).
+// This file calls the same kernels
 // (the float linears through the same ATen / oneDNN operators), in the same order and on the same
 // operands, from one loop, so the result is bit-identical to the Python path (tested in
 // tests/kernels/test_fused_decode.py).
@@ -31,7 +32,7 @@ at::Tensor int8_gemm_packed_dequant(at::Tensor x, at::Tensor packed, at::Tensor 
 
 namespace {
 
-// Per layer, in this order (FUSED_W8A8_TENSORS_PER_LAYER in pagedllm/models/fused_decode.py):
+// Per layer, in this order (FUSED_W8A8_TENSORS_PER_LAYER in pagedllm/worker/fused_decode.py):
 enum LayerTensor {
   kInNorm,                                // float32 [H]: input_layernorm's effective weight
   kQkvPacked, kQkvComp, kQkvScale, kQkvBias,  // qkv_proj: packed int8, comp, w_scales [N], bias or empty
@@ -79,7 +80,7 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& w, const at::Tensor& bi
   return at::linear(x, w, opt(bias));
 }
 
-// Per layer for llama_decode_dense (FUSED_DENSE_TENSORS_PER_LAYER in pagedllm/models/fused_decode.py):
+// Per layer for llama_decode_dense (FUSED_DENSE_TENSORS_PER_LAYER in pagedllm/worker/fused_decode.py):
 enum DenseTensor {
   dInNorm, dQkvW, dQkvBias, dOW, dOBias, dPostNorm, dGuW, dGuBias, dDownW, dDownBias, dPerLayer
 };

@@ -22,7 +22,8 @@
 // Why: torch._int_mm (oneDNN) streamed the SmolLM2 decode weights at 7-13 GB/s for M = 1..16 and
 // reached ~480 GOP/s at M = 64; this kernel keeps a 6 x 64 tile of accumulators in registers
 // (the accumulation is written as inline asm because GCC 12 copies the intrinsic's accumulator
-// through extra registers) and was 1.3-2x faster for M <= 256 (docs/performance.md, step 18).
+// through extra registers) and was 1.3-2x faster for M <= 256
+// (benchmarks/results/performance-history-2026-11.md, step 18).
 // Above that oneDNN is as fast or faster, and pagedllm calls it instead.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
