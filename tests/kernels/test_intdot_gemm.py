@@ -154,11 +154,12 @@ def test_rows_independent_of_batch(isa, kind, with_mins):
             assert torch.equal(y, alone[start:start + m]), (m, start)
 
 
-def test_thread_count_does_not_change_results():
+@pytest.mark.parametrize("m", [3, 40])
+def test_thread_count_does_not_change_results(m):
     kind = gq.KIND_INT4
     n, k = 4099, 64  # many tasks
     q, scales, mins = _weight(kind, n, k, seed=11)
-    x = torch.randn(3, k, generator=torch.Generator().manual_seed(12))
+    x = torch.randn(m, k, generator=torch.Generator().manual_seed(12))
     old = torch.get_num_threads()
     try:
         torch.set_num_threads(1)
@@ -186,3 +187,37 @@ def test_wider_groups_and_errors():
         OPS.intdot_gemm(x, q, scales, mins, None, 2, 64, torch.float32)
     assert OPS.intdot_gemm(x[:0], q, scales, mins, None, gq.KIND_INT4, 64, torch.float32).shape == (0, n)
     assert OPS.intdot_isa_name(OPS.intdot_best_isa()) in ("portable", "avx2", "avx512vnni")
+
+
+@pytest.mark.parametrize("isa", [0, 1, 2])
+@pytest.mark.parametrize("kind,with_mins", CASES)
+def test_prefill_sized_rows_match_single_row_calls(isa, kind, with_mins):
+    """M > 16 (the prefill order: column panels x row tiles of 8 / 4, activations packed per tile)
+    gives every row bit-identical to its M = 1 call, at any position; N = 400 with K = 1024 spans
+    two or three column panels (~192 KB of codes + scales each) and odd row tails."""
+    _require(isa)
+    n, k = 400, 1024
+    q, scales, mins = _weight(kind, n, k, with_mins=with_mins, seed=21)
+    g = torch.Generator().manual_seed(22)
+    x = torch.randn(70, k, generator=g) * torch.linspace(0.1, 3, k)
+    bias = torch.randn(n, generator=g) * 0.1
+    alone = torch.cat([OPS.intdot_gemm(x[r:r + 1], q, scales, mins, bias, kind, 32, torch.float32, isa)
+                       for r in range(70)])
+    for m, start in [(17, 0), (23, 5), (37, 33), (64, 3), (70, 0)]:
+        y = OPS.intdot_gemm(x[start:start + m], q, scales, mins, bias, kind, 32, torch.float32, isa)
+        assert torch.equal(y, alone[start:start + m]), (m, start)
+    ref, mag = _intdot_ref(x, q, scales, mins, bias, kind, 32)
+    assert bool(((alone.double() - ref).abs() <= 1e-5 * (mag + 1)).all())
+
+
+@pytest.mark.parametrize("kind,with_mins", CASES)
+def test_isa_paths_bit_identical_prefill_sized(kind, with_mins):
+    have = [i for i in ISAS if OPS.intdot_isa_supported(i)]
+    if len(have) < 2:
+        pytest.skip("only the portable path runs on this CPU")
+    n, k = 300, 1024
+    q, scales, mins = _weight(kind, n, k, with_mins=with_mins, seed=9)
+    x = torch.randn(45, k, generator=torch.Generator().manual_seed(10))
+    outs = [OPS.intdot_gemm(x, q, scales, mins, None, kind, 32, torch.float32, i) for i in have]
+    for i, o in zip(have[1:], outs[1:]):
+        assert torch.equal(o, outs[0]), (ISAS[have[0]][0], ISAS[i][0])
