@@ -36,7 +36,10 @@ def isa_paths() -> list[tuple[str, bool, str]]:
     from pagedllm.models.layers import pack_bf16_weight
 
     flags = _cpu_flags()
+    from pagedllm.kernels.cpu_ops import get_intdot_ops
+
     ops = get_ops()
+    idot = get_intdot_ops()
     bf16 = torch.empty(1, 1, 64, dtype=torch.bfloat16)
     built = ops is not None
     return [
@@ -48,6 +51,8 @@ def isa_paths() -> list[tuple[str, bool, str]]:
          "needs avx512_bf16"),
         ("oneDNN bf16 weight prepack", pack_bf16_weight(torch.zeros(16, 16, dtype=torch.bfloat16)) is not None,
          "needs avx512bw/vl/dq or avx_ne_convert"),
+        *[(f"integer-dot GGUF GEMM, {name} path", idot is not None and idot.intdot_isa_supported(i), f"needs {need}")
+          for i, name, need in ((1, "AVX2", "avx2, fma"), (2, "AVX512-VNNI", "avx512_vnni, avx512bw"))],
         ("AMX tiles (oneDNN bf16/int8)", bool({"amx_bf16", "amx_int8"} & flags), "needs amx_bf16 / amx_int8"),
     ]
 
