@@ -19,10 +19,8 @@ the environment (``PAGEDLLM_BATCH_INVARIANT=1``, or vLLM's ``VLLM_BATCH_INVARIAN
 """
 from __future__ import annotations
 
-import hashlib
 import logging
 import os
-import sys
 import threading
 from typing import Any, Optional
 
@@ -48,23 +46,6 @@ def batch_invariant_from_env() -> bool:
     return any((os.environ.get(v) or "").strip().lower() in ("1", "true", "yes", "on") for v in ENV_VARS)
 
 
-def _module_name() -> str:
-    from pagedllm.kernels.cpu_ops import _cpu_model
-
-    h = hashlib.sha256()
-    with open(_SRC, "rb") as f:
-        h.update(f.read())
-    for part in (torch.__version__, " ".join(_CFLAGS), sys.version, _cpu_model()):
-        h.update(part.encode())
-    return f"pagedllm_bi_ops_{h.hexdigest()[:16]}"
-
-
-def _build(name: str, so_path: str) -> Any:
-    from pagedllm.kernels.cpu_ops import compile_extension
-
-    return compile_extension(name, so_path, [_SRC], "the batch-invariant CPU kernels", _CFLAGS)
-
-
 def get_bi_ops() -> Any:
     """The compiled module (``linear``, ``attention``, ``act_mul``, ``isa``).
 
@@ -77,17 +58,9 @@ def get_bi_ops() -> Any:
         with _lock:
             if not _tried:
                 try:
-                    from pagedllm.kernels.cpu_ops import _cache_dir, _import_so
+                    from pagedllm.kernels.cpu_ops import load_extension
 
-                    name = _module_name()
-                    so_path = os.path.join(_cache_dir(), name + ".so")
-                    if os.path.exists(so_path):
-                        try:
-                            _ops = _import_so(name, so_path)
-                        except ImportError as e:
-                            logger.warning("pagedllm: cached kernel %s unusable (%s); rebuilding", so_path, e)
-                    if _ops is None:
-                        _ops = _build(name, so_path)
+                    _ops = load_extension([_SRC], "pagedllm_bi_ops", "the batch-invariant CPU kernels", _CFLAGS)
                 except Exception as e:  # no compiler / headers
                     _error = f"{type(e).__name__}: {e}"
                 _tried = True

@@ -139,9 +139,26 @@ def compile_extension(name: str, so_path: str, srcs: list[str], what: str, cflag
     return mod
 
 
-def _build(name: str, so_path: str, srcs: Optional[list[str]] = None) -> Any:
-    what = "the C++ CPU kernels" if srcs is None else "the quantized-weight GEMM kernels"
-    return compile_extension(name, so_path, _SRCS if srcs is None else srcs, what)
+def load_extension(srcs: list[str], prefix: str, what: str, cflags: Optional[list[str]] = None) -> Any:
+    """The extension built from ``srcs``: imported from the kernel cache when a build of these
+    exact sources, flags, torch, Python and CPU is there, else compiled (``compile_extension``).
+
+    Args:
+        srcs: the C++ sources. prefix: the module name's prefix (the cache key's hash follows).
+        what: a few words naming it in the progress line. cflags: compiler flags (default
+            ``_CFLAGS``).
+
+    Raises:
+        Exception: whatever the build raises (the callers warn once and use the torch path).
+    """
+    name = _module_name(srcs, prefix, cflags)
+    so_path = os.path.join(_cache_dir(), name + ".so")
+    if os.path.exists(so_path):
+        try:
+            return _import_so(name, so_path)
+        except ImportError as e:  # corrupt or foreign file: rebuild
+            logger.warning("pagedllm: cached kernel %s unusable (%s); rebuilding", so_path, e)
+    return compile_extension(name, so_path, srcs, what, cflags)
 
 
 def build_failed_message(what: str, err: BaseException) -> str:
@@ -238,15 +255,7 @@ def get_ops() -> Optional[Any]:
         try:
             import torch  # noqa: F401  (the extension links against libtorch)
 
-            name = _module_name()
-            so_path = os.path.join(_cache_dir(), name + ".so")
-            if os.path.exists(so_path):
-                try:
-                    _ops = _import_so(name, so_path)
-                    return _ops
-                except ImportError as e:  # corrupt or foreign file: rebuild
-                    logger.warning("pagedllm: cached kernel %s unusable (%s); rebuilding", so_path, e)
-            _ops = _build(name, so_path)
+            _ops = load_extension(_SRCS, "pagedllm_cpu_ops", "the C++ CPU kernels")
         except Exception as e:  # no compiler / headers: the torch path still works
             _warn_build_failed("the C++ CPU kernels", e)
             _ops = None
@@ -279,15 +288,7 @@ def get_quant_ops() -> Optional[Any]:
         try:
             import torch  # noqa: F401
 
-            name = _module_name(_QUANT_SRCS, "pagedllm_quant_ops")
-            so_path = os.path.join(_cache_dir(), name + ".so")
-            if os.path.exists(so_path):
-                try:
-                    _quant_ops = _import_so(name, so_path)
-                    return _quant_ops
-                except ImportError as e:
-                    logger.warning("pagedllm: cached kernel %s unusable (%s); rebuilding", so_path, e)
-            _quant_ops = _build(name, so_path, _QUANT_SRCS)
+            _quant_ops = load_extension(_QUANT_SRCS, "pagedllm_quant_ops", "the quantized-weight GEMM kernels")
         except Exception as e:
             _warn_build_failed("the quantized-weight GEMM kernels", e)
             _quant_ops = None
@@ -322,15 +323,8 @@ def get_intdot_ops() -> Optional[Any]:
         try:
             import torch  # noqa: F401
 
-            name = _module_name(_INTDOT_SRCS, "pagedllm_intdot_ops", _INTDOT_CFLAGS)
-            so_path = os.path.join(_cache_dir(), name + ".so")
-            if os.path.exists(so_path):
-                try:
-                    _intdot_ops = _import_so(name, so_path)
-                    return _intdot_ops
-                except ImportError as e:
-                    logger.warning("pagedllm: cached kernel %s unusable (%s); rebuilding", so_path, e)
-            _intdot_ops = compile_extension(name, so_path, _INTDOT_SRCS, "the integer-dot GEMM kernel", _INTDOT_CFLAGS)
+            _intdot_ops = load_extension(_INTDOT_SRCS, "pagedllm_intdot_ops", "the integer-dot GEMM kernel",
+                                         _INTDOT_CFLAGS)
         except Exception as e:
             logger.warning("pagedllm: integer-dot C++ kernel unavailable (%s); group_gemm runs instead", e)
             _intdot_ops = None
