@@ -19,6 +19,20 @@ def resident_memory_bytes(pid: Optional[int] = None) -> int:
         return 0
 
 
+def anon_resident_bytes() -> int:
+    """This process's resident anonymous memory in bytes (``RssAnon`` of ``/proc/self/status``,
+    proc(5); kB x 1024): heap and anonymous mmaps such as the KV cache, without file-backed pages.
+
+    Raises:
+        RuntimeError: the kernel reports no ``RssAnon`` (not Linux, or before 4.5).
+    """
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("RssAnon:"):
+                return int(line.split()[1]) * 1024
+    raise RuntimeError("no RssAnon in /proc/self/status")
+
+
 def read_meminfo() -> dict[str, int]:
     """``/proc/meminfo`` (proc(5)) in bytes: ``{"MemTotal": ..., "MemAvailable": ..., ...}``
     (its ``kB`` figures x 1024); empty where the file is unavailable."""

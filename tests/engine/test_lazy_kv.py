@@ -8,16 +8,10 @@ from arch_cases import PROMPTS, make_checkpoint
 
 from pagedllm import LLM, SamplingParams
 
+from pagedllm.metrics.memory import anon_resident_bytes as rss_anon
+
 MiB = 1 << 20
 
-
-def rss_anon() -> int:
-    """This process's resident anonymous memory in bytes (/proc/self/status RssAnon, proc(5))."""
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith("RssAnon:"):
-                return int(line.split()[1]) * 1024
-    raise AssertionError("no RssAnon")
 
 
 def _run(llm, prompts, release_between: bool):

@@ -13,16 +13,10 @@ import torch
 
 from pagedllm.worker.kv_memory import PAGE_SIZE, kv_resident_bytes, new_kv_cache, release_kv_pages
 
+from pagedllm.metrics.memory import anon_resident_bytes as rss_anon
+
 MiB = 1 << 20
 
-
-def rss_anon() -> int:
-    """This process's resident anonymous memory in bytes (/proc/self/status RssAnon)."""
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith("RssAnon:"):
-                return int(line.split()[1]) * 1024
-    raise AssertionError("no RssAnon in /proc/self/status")
 
 
 def test_fresh_cache_is_zero_and_not_resident_until_written():
