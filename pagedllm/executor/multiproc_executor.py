@@ -467,7 +467,7 @@ def _worker_main(args: EngineArgs, rank: int, init_method: str, local_world_size
                 method, a, kw = payload
                 try:
                     fn = getattr(worker, method) if isinstance(method, str) else (
-                        lambda *x, **y: method(worker, *x, **y))
+                        lambda *x, **y: method(worker, *x, **y))  # noqa: B023 (called right below)
                     result = fn(*a, **kw)
                     if method == "load_model":
                         result = None  # NOTE: the LoadedModel is not picklable; see model_info

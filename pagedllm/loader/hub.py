@@ -181,7 +181,8 @@ def _remote_files(repo_id: str, revision: Optional[str]) -> list[str]:
     except RevisionNotFoundError:
         raise ValueError(f"model {repo_id!r}: revision {revision!r} not found on the Hugging Face Hub") from None
     except GatedRepoError:
-        raise ValueError(f"model {repo_id!r} is gated on the Hugging Face Hub: accept its terms and set HF_TOKEN")
+        raise ValueError(f"model {repo_id!r} is gated on the Hugging Face Hub: accept its terms and set HF_TOKEN"
+                         ) from None
     except RepositoryNotFoundError:
         raise ValueError(f"model {repo_id!r}: no such repository on the Hugging Face Hub (a private repo needs "
                          "HF_TOKEN)") from None
