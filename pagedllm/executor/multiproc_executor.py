@@ -41,6 +41,7 @@ from pagedllm.config import EngineArgs
 from pagedllm.core.sched_output import ModelRunnerOutput, SchedulerOutput
 from pagedllm.executor.abstract import Executor, ExecutorDeadError
 from pagedllm.executor.sched_codec import SchedulerOutputDecoder, SchedulerOutputEncoder
+from pagedllm import envs
 
 logger = logging.getLogger("pagedllm")
 
@@ -48,10 +49,13 @@ HEARTBEAT_INTERVAL_S = 1.0
 
 
 def _env_float(name: str, default: float) -> float:
-    try:
-        return float(os.environ.get(name, default))
-    except ValueError:
-        return default
+    """The declared float variable ``name`` (pagedllm/envs.py; ``default`` is its declared default).
+
+    Raises:
+        ValueError: a value that is not a number (naming the variable).
+    """
+    assert envs.ENV_VARS[name].default == default, f"{name}: default differs from pagedllm/envs.py"
+    return float(envs.get(name))
 
 
 def get_open_port() -> int:
