@@ -79,9 +79,21 @@ BUILDS=("from pagedllm.kernels.cpu_ops import get_ops; get_ops()"
         "from pagedllm.kernels.cpu_ops import get_intdot_ops; get_intdot_ops()")
 # --test: the batch-invariant kernels too, so parallel test workers never build them at once
 [ "${1:-}" = "--test" ] && BUILDS+=("from pagedllm.kernels.batch_invariant import get_bi_ops; get_bi_ops()")
-PIDS=()
-for code in "${BUILDS[@]}"; do python -c "$code" & PIDS+=($!); done
-for pid in "${PIDS[@]}"; do wait "$pid" || true; done
+# Each build's progress line is held back and printed whole when it ends (side by side, their
+# halves would interleave); nothing is printed at all when every extension is already cached.
+# A cached build imports in a few seconds; only a real build gets the notice.
+( sleep 8; echo "install.sh: compiling the C++ CPU kernels, ${#BUILDS[@]} extensions side by side (first run only; about 1.5 min on 2 cores) ..." >&2 ) &
+NOTICE=$!
+PIDS=(); LOGS=()
+for code in "${BUILDS[@]}"; do
+  log=$(mktemp); LOGS+=("$log")
+  python -c "$code" 2>"$log" & PIDS+=($!)
+done
+for i in "${!PIDS[@]}"; do
+  wait "${PIDS[$i]}" || true
+  cat "${LOGS[$i]}" >&2; rm -f "${LOGS[$i]}"
+done
+kill "$NOTICE" 2>/dev/null || true
 
 # --- Issue 31 (web chat browser test): Chromium and chromedriver from apt, where this runs as
 # root with apt-get; anywhere else nothing happens and that one test skips, saying why.
