@@ -309,7 +309,10 @@ class _SamplingFields(OpenAIBaseModel):
 
 
 class CompletionRequest(_SamplingFields):
-    prompt: Union[str, list[str], list[int], list[list[int]]]
+    # vLLM: prompt may be left out when prompt_embeds are given (both: the embeddings prompts first).
+    prompt: Optional[Union[str, list[str], list[int], list[list[int]]]] = None
+    # base64 of torch.save(tensor (seq_len, hidden_size)), or a list of them (--enable-prompt-embeds).
+    prompt_embeds: Optional[Union[str, list[str]]] = None
     echo: bool = False
     logprobs: Optional[int] = None
     max_tokens: Optional[int] = 16
@@ -320,6 +323,8 @@ class CompletionRequest(_SamplingFields):
     def _check_completion(self):
         if self.logprobs is not None and self.logprobs < 0:
             raise ValueError("`logprobs` must be a positive value.")
+        if self.prompt is None and self.prompt_embeds is None:
+            raise ValueError("At least one of `prompt` or `prompt_embeds` must be set.")
         return self
 
     def to_sampling_params(self, default_max_tokens: int, max_model_len: int,

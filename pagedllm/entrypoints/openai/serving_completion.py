@@ -83,6 +83,11 @@ class OpenAIServingCompletion(OpenAIServing):
         Raises:
             OpenAIError: 400 naming the field.
         """
+        out: list = []
+        if request.prompt_embeds is not None:
+            out = self._embeds_prompts(request)
+            if request.prompt is None:
+                return out
         p = request.prompt
         if isinstance(p, str):
             items: list = [p]
@@ -93,13 +98,55 @@ class OpenAIServingCompletion(OpenAIServing):
         if not items:
             raise OpenAIError("The prompt cannot be empty.", 400, "prompt")
         if request.suffix:
-            return [self._fim_prompt(item, request) for item in items]
-        out = []
+            return out + [self._fim_prompt(item, request) for item in items]
         for item in items:
             prompt = item if isinstance(item, str) else {"prompt_token_ids": list(item)}
             pp = self.process_prompt(prompt, truncate_prompt_tokens=request.truncate_prompt_tokens,
                                      add_special_tokens=request.add_special_tokens)
-            out.append((pp.prompt if isinstance(item, str) else None, pp.prompt_token_ids))
+            out.append((pp.prompt if isinstance(item, str) else None, pp.prompt_token_ids, pp))
+        return out
+
+    def _embeds_prompts(self, request: CompletionRequest) -> list[tuple[None, list[int], ProcessedPrompt]]:
+        """The ``prompt_embeds`` prompts: each base64 of a ``torch.save``'d float tensor
+        ``(seq_len, hidden_size)`` (vLLM's encoding; loaded with ``weights_only=True``), checked by
+        the input processor (``check_prompt_embeds``) and truncated like a prompt.
+
+        Raises:
+            OpenAIError: 400 naming ``prompt_embeds``: prompt embeddings not enabled
+                (``--enable-prompt-embeds``), not base64, not a saved tensor, a wrong shape or
+                dtype, NaN/inf values, too long; 400 naming ``suffix`` / ``echo`` with them.
+        """
+        import base64
+        import binascii
+        import io
+
+        import torch
+
+        if self.input_processor.prompt_embeds_spec is None:
+            raise OpenAIError("You must set `--enable-prompt-embeds` to input `prompt_embeds`.", 400,
+                              "prompt_embeds")
+        if request.suffix:
+            raise OpenAIError("suffix: not available with prompt_embeds", 400, "suffix")
+        if request.echo:
+            raise OpenAIError("echo: not available with prompt_embeds (they have no text)", 400, "echo")
+        items = [request.prompt_embeds] if isinstance(request.prompt_embeds, str) else list(request.prompt_embeds)
+        if not items:
+            raise OpenAIError("prompt_embeds: the list is empty", 400, "prompt_embeds")
+        out = []
+        for i, b64 in enumerate(items):
+            where = "" if len(items) == 1 else f" (item {i})"
+            try:
+                raw = base64.b64decode(b64, validate=True)
+            except (binascii.Error, ValueError):
+                raise OpenAIError(f"prompt_embeds: not valid base64{where}", 400, "prompt_embeds") from None
+            try:
+                tensor = torch.load(io.BytesIO(raw), weights_only=True, map_location="cpu")
+            except Exception as e:  # not a torch.save file, or not only tensors inside
+                raise OpenAIError(f"prompt_embeds: not a torch.save'd tensor{where} ({type(e).__name__}: "
+                                  f"{str(e)[:200]})", 400, "prompt_embeds") from None
+            pp = self.process_prompt({"prompt_embeds": tensor}, truncate_prompt_tokens=request.truncate_prompt_tokens,
+                                     rename={"prompt": "prompt_embeds"})
+            out.append((None, pp.prompt_token_ids, pp))
         return out
 
     def _fim_prompt(self, item: Any, request: CompletionRequest) -> tuple[Optional[str], list[int]]:
@@ -121,7 +168,7 @@ class OpenAIServingCompletion(OpenAIServing):
         ids = encode_fim(self.tokenizer, item, request.suffix,
                          add_special_tokens=request.add_special_tokens)
         pp = self.process_prompt({"prompt_token_ids": ids}, truncate_prompt_tokens=request.truncate_prompt_tokens)
-        return item, pp.prompt_token_ids
+        return item, pp.prompt_token_ids, pp
 
     async def create_completion(self, request: CompletionRequest,
                                 raw_request: Optional[Request] = None) -> Response:
@@ -133,19 +180,22 @@ class OpenAIServingCompletion(OpenAIServing):
         prompts = self._normalize_prompts(request)
 
         engine_requests, rids, prompt_texts = [], [], []
-        for i, (text, ids) in enumerate(prompts):
+        for i, (text, ids, pp) in enumerate(prompts):
             try:
                 sp = request.to_sampling_params(self.max_model_len - len(ids), self.max_model_len,
                                                 self.default_sampling_params)
             except ValueError as e:
                 raise value_error_to_openai(e) from e
             rid = f"{request_id}-{i}"
-            req = self.process_inputs(rid, ProcessedPrompt(text, ids), sp, cache_salt=request.cache_salt,
-                                      lora_request=self.lora_request(request.model))
-            self.log_request(rid, text if text is not None else ids, ids, req.sampling_params)
+            embeds = pp.prompt_embeds is not None
+            req = self.process_inputs(rid, pp if embeds else ProcessedPrompt(text, ids), sp,
+                                      cache_salt=request.cache_salt, lora_request=self.lora_request(request.model),
+                                      rename={"prompt": "prompt_embeds"} if embeds else None)
+            self.log_request(rid, f"<prompt_embeds {tuple(pp.prompt_embeds.shape)}>" if embeds
+                             else text if text is not None else ids, ids, req.sampling_params)
             engine_requests.append(req)
             rids.append(rid)
-            prompt_texts.append(text if text is not None else self.tokenizer.decode(ids))
+            prompt_texts.append("" if embeds else text if text is not None else self.tokenizer.decode(ids))
 
         try:
             merged = await self.start(engine_requests, prime=bool(request.stream))
