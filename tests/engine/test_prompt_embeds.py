@@ -181,3 +181,12 @@ def test_served_prompt_embeds(tiny_dir, llm):
             assert asyncio.run(run(engine, body))
         finally:
             engine.shutdown()
+
+
+def test_transformers_backend_embeds(tiny_dir):
+    """The transformers fallback (``model_impl="transformers"``) takes them as ``inputs_embeds``."""
+    llm = LLM(tiny_dir, enable_prompt_embeds=True, model_impl="transformers", max_num_batched_tokens=6, **KW)
+    ref = llm.generate({"prompt_token_ids": IDS}, SP, use_tqdm=False)[0]
+    w = llm.llm_engine.core.model.decoder.get_input_embeddings().weight
+    got = llm.generate({"prompt_embeds": w[torch.tensor(IDS)].detach().clone()}, SP, use_tqdm=False)[0]
+    assert _toks(got) == _toks(ref)

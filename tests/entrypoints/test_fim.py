@@ -126,6 +126,10 @@ def test_suffix_completion_prompt_ids(fim_dirs, family):
         r = await client.post("/v1/completions", json={"prompt": "w10 w11", "suffix": "w12", "max_tokens": 1,
                                                        "add_special_tokens": False, "return_token_ids": True})
         assert r.json()["choices"][0]["prompt_token_ids"] == [pre, w["w10"], w["w11"], suf, w["w12"], mid]
+        # Ollama's /api/generate suffix: the same layout, no chat template
+        r = await client.post("/api/generate", json={"model": "tiny", "prompt": "w10 w11", "suffix": "w12",
+                                                     "stream": False, "options": {"num_predict": 2}})
+        assert r.status_code == 200 and r.json()["prompt_eval_count"] == len(expected), r.text
         # a token-id prompt cannot be split around a gap
         r = await client.post("/v1/completions", json={"prompt": [10, 11], "suffix": "w12"})
         assert r.status_code == 400 and r.json()["error"]["param"] == "suffix", r.text
@@ -173,6 +177,9 @@ def test_no_fim_tokens_400(fim_dirs):
         assert r.status_code == 400 and e["param"] == "suffix" and "fill-in-the-middle" in e["message"], e
         r = await client.post("/infill", json={"input_prefix": "w10", "input_suffix": "w11"})
         assert r.status_code == 400 and r.json()["error"]["param"] == "input_suffix", r.text
+        r = await client.post("/api/generate", json={"model": "tiny", "prompt": "w10", "suffix": "w11",
+                                                     "stream": False})
+        assert r.status_code == 400 and "suffix" in r.text, r.text
         # no suffix (or an empty one): a plain completion
         r = await client.post("/v1/completions", json={"prompt": "w10", "suffix": "", "max_tokens": 2})
         assert r.status_code == 200, r.text
