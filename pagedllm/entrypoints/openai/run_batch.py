@@ -303,7 +303,9 @@ async def run_batch(engine: Any, args: argparse.Namespace) -> dict[str, int]:
                 f.writelines(kept)
             os.replace(tmp, path)
     counts = {"total": len(lines), "skipped": skipped, "ok": 0, "errors": 0}
-    limit = asyncio.Semaphore(2 * int(getattr(engine, "max_num_seqs", 0) or getattr(args, "max_num_seqs", 0) or 128))
+    from pagedllm.config import EngineArgs
+    max_num_seqs = getattr(args, "max_num_seqs", None) or EngineArgs.__dataclass_fields__["max_num_seqs"].default
+    limit = asyncio.Semaphore(2 * int(max_num_seqs))  # vLLM's bound on requests in flight
     with open(path, "a", encoding="utf-8") as f, tqdm(total=len(todo), unit="req", desc="Running batch",
                                                       disable=not getattr(args, "progress", True),
                                                       file=sys.stderr) as bar:
