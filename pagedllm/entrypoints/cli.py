@@ -1,4 +1,4 @@
-"""``pagedllm`` command line: serve, chat, complete, run-batch, bench (vLLM's names and flags).
+"""``pagedllm`` command line: serve, chat, complete, run, run-batch, bench (vLLM's names and flags).
 
 A user mistake is one line on stderr, ``pagedllm <cmd>: error: ...``, and exit status 2
 (``cli_utils.FlexibleArgumentParser``); ``pagedllm serve --help=<group or keyword>`` shows part
