@@ -60,8 +60,8 @@ def fim_tokens(tokenizer: Any) -> Optional[FIMTokens]:
     """The tokenizer's FIM tokens (the first family of ``FIM_FAMILIES`` whose prefix, suffix and
     middle tokens are all in its vocabulary, added tokens included), or None. Cached on the
     tokenizer object."""
-    cached = getattr(tokenizer, _CACHE_ATTR, False)
-    if cached is not False:
+    if hasattr(tokenizer, _CACHE_ATTR):
+        cached: Optional[FIMTokens] = getattr(tokenizer, _CACHE_ATTR)
         return cached
     vocab = tokenizer.get_vocab()
     found = None

@@ -104,7 +104,7 @@ def read_existing_output(path: str) -> tuple[list[str], dict[str, int], int]:
             if i == len(lines) - 1:
                 logger.info("dropping a torn last line of %s", path)
                 continue
-            raise ValueError(f"--output-file {path}: line {i + 1} is not JSON (not a batch output file?)")
+            raise ValueError(f"--output-file {path}: line {i + 1} is not JSON (not a batch output file?)") from None
         if not line.endswith("\n") or not isinstance(rec, dict) or "response" not in rec:
             if i == len(lines) - 1:
                 continue
