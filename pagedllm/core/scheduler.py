@@ -322,6 +322,7 @@ class Scheduler:
                 is_new=is_new,
                 spec_token_ids=spec,
                 lora_request=req.lora_request,
+                prompt_embeds=req.prompt_embeds if start < len(req.prompt_token_ids) else None,
             ))
             req.num_computed_tokens = start + n
             total += n

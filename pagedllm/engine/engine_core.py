@@ -68,6 +68,13 @@ class EngineCore:
         if args.enable_lora:
             args.lora_limits()  # NOTE: bad limits fail before any worker starts
         executor_cls = Executor.get_class(args)
+        if args.enable_prompt_embeds:
+            if args.runner != "generate":
+                raise ValueError("enable_prompt_embeds: only for runner='generate'")
+            if executor_cls.__name__ != "UniProcExecutor":
+                # NOTE: the embeddings ride on the SchedulerOutput by reference (no codec for them).
+                raise ValueError("enable_prompt_embeds: needs the in-process worker (tensor_parallel_size=1, "
+                                 "pipeline_parallel_size=1, distributed_executor_backend='uni')")
         self.executor = executor_cls(args)
         try:
             self._init_cache(args, t0)

@@ -237,6 +237,10 @@ def add_serve_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g.add_argument("--enable-expert-parallel", action="store_true",
                    help="vLLM's expert-parallel flag; accepted, but every rank still holds all MoE experts "
                         "(tensor parallelism splits attention and dense MLPs only).")
+    g.add_argument("--enable-prompt-embeds", action="store_true", default=None,
+                   help="Accept `prompt_embeds` on /v1/completions: base64 of a torch.save'd float tensor "
+                        "(seq_len, hidden_size) fed to the model in place of the token embeddings (vLLM's "
+                        "flag; default: off, such a request is a 400).")
     g.add_argument("--model-impl", default="auto", choices=["auto", "pagedllm", "transformers"],
                    help="auto: pagedllm's native implementation when the architecture has one, else the "
                         "transformers fallback (slower); pagedllm: native only; transformers: always the fallback.")
