@@ -117,7 +117,8 @@ class OpenAIServingCompletion(OpenAIServing):
                 raise value_error_to_openai(e) from e
             rid = f"{request_id}-{i}"
             req = self.process_inputs(rid, ProcessedPrompt(text, ids), sp, cache_salt=request.cache_salt,
-                                      lora_request=self.lora_request(request.model))
+                                      lora_request=self.lora_request(request.model),
+                                      priority=request.priority, raw_request=raw_request)
             self.log_request(rid, text if text is not None else ids, ids, req.sampling_params)
             engine_requests.append(req)
             rids.append(rid)
