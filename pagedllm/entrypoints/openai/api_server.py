@@ -303,14 +303,12 @@ def build_app(engine: EngineClient, args: Optional[argparse.Namespace] = None) -
             prom.record_memory(engine.get_memory_stats())
         except Exception:
             logger.debug("get_memory_stats failed", exc_info=True)
-        kv_events = getattr(engine, "get_kv_events_stats", None)
-        if kv_events is not None:
-            try:
-                st = kv_events()
-                if st:
-                    prom.record_kv_events(st)
-            except Exception:
-                logger.debug("get_kv_events_stats failed", exc_info=True)
+        try:
+            st = engine.get_kv_events_stats()
+            if st:
+                prom.record_kv_events(st)
+        except Exception:
+            logger.debug("get_kv_events_stats failed", exc_info=True)
         return Response(prom.render(), media_type=prom.content_type)
 
     @app.post("/reset_prefix_cache")
