@@ -250,7 +250,7 @@ class KVEventPublisher:
                 import zmq
             except ImportError as e:
                 raise ImportError(f"kv_events_config: publisher 'zmq' needs the pyzmq and msgspec packages "
-                                  f"(pip install pyzmq msgspec): {e}") from None
+                                  f"(pip install pyzmq msgspec, or pip install 'pagedllm[kv-events]'): {e}") from None
             event_structs()
             ctx = zmq.Context.instance()
             self._pub = ctx.socket(zmq.PUB)

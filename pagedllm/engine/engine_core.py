@@ -78,7 +78,7 @@ class EngineCore:
                 import zmq  # noqa: F401
             except ImportError as e:
                 raise ValueError(f"kv_events_config: publisher 'zmq' needs the pyzmq and msgspec packages "
-                                 f"(pip install pyzmq msgspec): {e}") from None
+                                 f"(pip install pyzmq msgspec, or pip install 'pagedllm[kv-events]'): {e}") from None
         executor_cls = Executor.get_class(args)
         self.executor = executor_cls(args)
         try:

@@ -85,3 +85,47 @@ def test_unknown_protocol(monkeypatch):
     monkeypatch.setenv("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL", "http/protobuf")
     from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
     assert isinstance(tracing.get_span_exporter("http://127.0.0.1:4318/v1/traces"), OTLPSpanExporter)
+
+
+def test_real_otlp_http_export(tiny_model, monkeypatch):
+    """The real OTLP/HTTP exporter (OTEL_EXPORTER_OTLP_TRACES_PROTOCOL=http/protobuf) posting to an
+    in-process collector: the protobuf body decodes to one ``llm_request`` span per request."""
+    import http.server
+    import threading
+
+    from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
+
+    bodies: list[bytes] = []
+
+    class Collector(http.server.BaseHTTPRequestHandler):
+        def do_POST(self):  # noqa: N802
+            bodies.append(self.rfile.read(int(self.headers["Content-Length"])))
+            self.send_response(200)
+            self.send_header("Content-Type", "application/x-protobuf")
+            self.end_headers()
+
+        def log_message(self, *a):
+            pass
+
+    srv = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Collector)
+    threading.Thread(target=srv.serve_forever, daemon=True).start()
+    monkeypatch.setenv("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL", "http/protobuf")
+    from pagedllm import LLM, SamplingParams
+    llm = LLM(tiny_model, otlp_traces_endpoint=f"http://127.0.0.1:{srv.server_address[1]}/v1/traces", **TINY_KW)
+    try:
+        outs = llm.generate([{"prompt_token_ids": [5, 17, 3]}, {"prompt_token_ids": [9, 8]}],
+                            SamplingParams(max_tokens=4, ignore_eos=True), use_tqdm=False)
+    finally:
+        llm.llm_engine.shutdown()  # flushes the batch
+        srv.shutdown()
+    spans = []
+    for body in bodies:
+        req = ExportTraceServiceRequest.FromString(body)
+        spans += [s for rs in req.resource_spans for ss in rs.scope_spans for s in ss.spans]
+    assert sorted(s.name for s in spans) == ["llm_request", "llm_request"]
+    ids = set()
+    for s in spans:
+        attrs = {a.key: a.value for a in s.attributes}
+        ids.add(attrs["gen_ai.request.id"].string_value)
+        assert attrs["gen_ai.usage.completion_tokens"].int_value == 4
+    assert ids == {o.request_id for o in outs}
