@@ -39,7 +39,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
-import os
 import queue
 import threading
 import time
@@ -131,9 +130,8 @@ def offset_endpoint_port(endpoint: Optional[str], data_parallel_rank: int) -> Op
 
 
 def _int_hashes() -> bool:
-    v = os.environ.get("PAGEDLLM_KV_EVENTS_USE_INT_BLOCK_HASHES",
-                       os.environ.get("VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES", "1"))
-    return v.strip().lower() not in ("0", "false", "no", "off")
+    from pagedllm import envs
+    return bool(envs.get("PAGEDLLM_KV_EVENTS_USE_INT_BLOCK_HASHES"))
 
 
 _STRUCTS: Optional[dict] = None

@@ -346,13 +346,15 @@ class BlockPool:
         lora_id = lora.lora_int_id if lora is not None else None
         lora_name = lora.lora_name if lora is not None else None
         bs = self.kv_event_block_size
+        events = self.kv_events
+        assert events is not None
         run = [indices[0]]
         for i in indices[1:] + [None]:
             if i is not None and i == run[-1] + 1:
                 run.append(i)
                 continue
             first, last = run[0], run[-1]
-            self.kv_events.append((
+            events.append((
                 "stored", [block_hashes[j] for j in run], block_hashes[first - 1] if first > 0 else None,
                 list(tokens[first * bs:(last + 1) * bs]), bs, lora_id, lora_name))
             if i is not None:

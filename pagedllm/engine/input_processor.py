@@ -315,7 +315,7 @@ class InputProcessor:
                               strict_length)
             sampling_params = self.process_sampling_params(params, len(pp.prompt_token_ids), strict_length)
             pooling_params = None
-        kw = {} if arrival_time is None else {"arrival_time": arrival_time}
+        kw: dict[str, Any] = {} if arrival_time is None else {"arrival_time": arrival_time}
         return EngineCoreRequest(
             request_id=request_id, prompt_token_ids=list(pp.prompt_token_ids), sampling_params=sampling_params,
             pooling_params=pooling_params, eos_token_id=self.eos_token_id, prompt=pp.prompt,
