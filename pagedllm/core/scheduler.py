@@ -309,20 +309,13 @@ class Scheduler:
                     req.spec_token_ids = []
             if req.structured_output_request is not None and start + n >= len(tokens):
                 grammar_rows[req.request_id] = len(grammar_rows)
+            # NOTE: the block table by reference, not a copy (a copy per request per step was a
+            # visible share of a decode step's host time): the runner reads it within this step
+            # (executors serialize it when they send it), before a later schedule() appends.
             scheduled_reqs.append(ScheduledRequest(
-                req_id=req.request_id,
-                token_ids=tokens,
-                start_pos=start,
-                num_tokens=n,
-                block_ids=block_ids[req.request_id].copy(),
-                is_last_chunk=start + n >= len(tokens),
-                sampling_params=req.sampling_params,
-                pooling_params=req.pooling_params,
-                prompt_len=len(req.prompt_token_ids),
-                is_new=is_new,
-                spec_token_ids=spec,
-                lora_request=req.lora_request,
-            ))
+                req.request_id, tokens, start, n, block_ids[req.request_id], start + n >= len(tokens),
+                req.sampling_params, req.pooling_params, len(req.prompt_token_ids), is_new, spec,
+                req.lora_request))
             req.num_computed_tokens = start + n
             total += n
         out.total_num_scheduled_tokens = total
@@ -408,19 +401,28 @@ class Scheduler:
                 req.num_computed_tokens -= len(spec) - num_accepted
                 if self.spec_stats is not None:
                     self.spec_stats.observe_draft(len(spec), num_accepted)
-            appended: list[int] = []
             if new_ids:
-                for tok in new_ids:
+                if len(new_ids) == 1:  # (the common case: one token, no copy of the list)
+                    tok = new_ids[0]
                     req.output_token_ids.append(tok)
                     req.all_token_ids.append(tok)
-                    appended.append(tok)
-                    if self._check_stop(req):
-                        break
+                    appended = new_ids
+                    self._check_stop(req)
+                else:
+                    appended = []
+                    for tok in new_ids:
+                        req.output_token_ids.append(tok)
+                        req.all_token_ids.append(tok)
+                        appended.append(tok)
+                        if self._check_stop(req):
+                            break
                 sor = req.structured_output_request
                 if sor is not None:
                     self._advance_grammar(req, sor, appended)
             elif not prompt_lps:
                 continue
+            else:
+                appended = []
             lps = all_logprobs.get(req_id) if all_logprobs else None
             if lps is not None:
                 lps = lps[:len(appended)]
@@ -429,15 +431,10 @@ class Scheduler:
             any_finished |= finished
             if not finished and new_ids:
                 req.spec_token_ids = runner_output.spec_token_ids.get(req_id) or []
+            ncached = req.num_cached_tokens
             outputs.append(EngineCoreOutput(
-                req_id=req_id,
-                new_token_ids=appended,
-                new_logprobs=lps,
-                new_prompt_logprobs=prompt_lps,
-                finish_reason=RequestStatus.finish_reason(status) if finished else None,
-                stop_reason=req.stop_reason,
-                num_cached_tokens=max(req.num_cached_tokens, 0),
-            ))
+                req_id, appended, lps, prompt_lps, RequestStatus.finish_reason(status) if finished else None,
+                req.stop_reason, None, ncached if ncached > 0 else 0))
         if any_finished:
             still = []
             for req in self.running:
