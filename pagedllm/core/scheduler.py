@@ -309,13 +309,20 @@ class Scheduler:
                     req.spec_token_ids = []
             if req.structured_output_request is not None and start + n >= len(tokens):
                 grammar_rows[req.request_id] = len(grammar_rows)
-            # NOTE: the block table by reference, not a copy (a copy per request per step was a
-            # visible share of a decode step's host time): the runner reads it within this step
-            # (executors serialize it when they send it), before a later schedule() appends.
             scheduled_reqs.append(ScheduledRequest(
-                req.request_id, tokens, start, n, block_ids[req.request_id], start + n >= len(tokens),
-                req.sampling_params, req.pooling_params, len(req.prompt_token_ids), is_new, spec,
-                req.lora_request))
+                req_id=req.request_id,
+                token_ids=tokens,
+                start_pos=start,
+                num_tokens=n,
+                block_ids=block_ids[req.request_id].copy(),
+                is_last_chunk=start + n >= len(tokens),
+                sampling_params=req.sampling_params,
+                pooling_params=req.pooling_params,
+                prompt_len=len(req.prompt_token_ids),
+                is_new=is_new,
+                spec_token_ids=spec,
+                lora_request=req.lora_request,
+            ))
             req.num_computed_tokens = start + n
             total += n
         out.total_num_scheduled_tokens = total
