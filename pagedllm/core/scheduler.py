@@ -473,19 +473,28 @@ class Scheduler:
                 req.num_computed_tokens -= len(spec) - num_accepted
                 if self.spec_stats is not None:
                     self.spec_stats.observe_draft(len(spec), num_accepted)
-            appended: list[int] = []
             if new_ids:
-                for tok in new_ids:
+                if len(new_ids) == 1:  # (the common case: one token, no copy of the list)
+                    tok = new_ids[0]
                     req.output_token_ids.append(tok)
                     req.all_token_ids.append(tok)
-                    appended.append(tok)
-                    if self._check_stop(req):
-                        break
+                    appended = new_ids
+                    self._check_stop(req)
+                else:
+                    appended = []
+                    for tok in new_ids:
+                        req.output_token_ids.append(tok)
+                        req.all_token_ids.append(tok)
+                        appended.append(tok)
+                        if self._check_stop(req):
+                            break
                 sor = req.structured_output_request
                 if sor is not None:
                     self._advance_grammar(req, sor, appended)
             elif not prompt_lps:
                 continue
+            else:
+                appended = []
             lps = all_logprobs.get(req_id) if all_logprobs else None
             if lps is not None:
                 lps = lps[:len(appended)]
@@ -494,15 +503,10 @@ class Scheduler:
             any_finished |= finished
             if not finished and new_ids:
                 req.spec_token_ids = runner_output.spec_token_ids.get(req_id) or []
+            ncached = req.num_cached_tokens
             outputs.append(EngineCoreOutput(
-                req_id=req_id,
-                new_token_ids=appended,
-                new_logprobs=lps,
-                new_prompt_logprobs=prompt_lps,
-                finish_reason=RequestStatus.finish_reason(status) if finished else None,
-                stop_reason=req.stop_reason,
-                num_cached_tokens=max(req.num_cached_tokens, 0),
-            ))
+                req_id, appended, lps, prompt_lps, RequestStatus.finish_reason(status) if finished else None,
+                req.stop_reason, None, ncached if ncached > 0 else 0))
         if any_finished:
             still = []
             for req in self.running:

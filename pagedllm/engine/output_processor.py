@@ -216,7 +216,8 @@ class RequestState:
 
         new_ids = eco.new_token_ids
         if new_ids:
-            new_ids = [int(t) for t in new_ids]
+            if not (type(new_ids) is list and len(new_ids) == 1 and type(new_ids[0]) is int):
+                new_ids = [int(t) for t in new_ids]  # (one int, the common case, is used as is)
             if self.first_token_time is None:
                 self.first_token_time = time.time()
             self.token_ids.extend(new_ids)
