@@ -304,6 +304,33 @@ class LLM:
         """
         return self.llm_engine.core.reset_prefix_cache()
 
+    # ------------------------------------------------------------------ sleep mode
+    def sleep(self, level: int = 1) -> None:
+        """Put the engine to sleep (vLLM's sleep mode; needs ``enable_sleep_mode=True``): the
+        prefix cache is reset and the KV cache's memory given back; level 1 moves the weights to
+        a temporary file (``PAGEDLLM_SLEEP_DIR``, else the temp directory) and frees them, level
+        2 frees them with no copy (``wake_up`` reloads the checkpoint). Generation calls raise
+        ``EngineSleepingError`` until ``wake_up``. A no-op when already asleep.
+
+        Raises:
+            ValueError: sleep mode not enabled, or ``level`` not 1 or 2.
+        """
+        self.llm_engine.sleep(level)
+
+    def wake_up(self, tags: Optional[list[str]] = None) -> None:
+        """Wake the engine up: ``tags`` "weights" and/or "kv_cache" (None = both, vLLM's
+        default); generation works again once both are awake. Greedy outputs after a wake are
+        those before the sleep (level 1: the same bytes; level 2: the checkpoint loaded again).
+
+        Raises:
+            ValueError: sleep mode not enabled, or an unknown tag.
+        """
+        self.llm_engine.wake_up(tags)
+
+    def is_sleeping(self) -> bool:
+        """True while the engine (any tag of it) is asleep."""
+        return self.llm_engine.is_sleeping()
+
     # ------------------------------------------------------------------ internals
     def _params_list(self, sampling_params: Any, n: int) -> list:
         if sampling_params is None:
