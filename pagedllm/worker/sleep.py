@@ -104,22 +104,28 @@ def _module_tensors(modules: Iterable[nn.Module]) -> list[tuple[torch.Tensor, An
             for x in vars(v).values():
                 scan(x, depth - 1)
 
+    mods: list = []
     done: set[int] = set()
     for root in modules:
         if root is None:
             continue
         for mod in root.modules():
-            if id(mod) in done:
-                continue
-            done.add(id(mod))
-            for k, v in vars(mod).items():
-                if k in ("_parameters", "_buffers"):
-                    for x in v.values():
-                        add(x)
-                elif isinstance(v, torch.Tensor):
-                    add(v, mod, k)
-                elif k != "_modules":
-                    scan(v, 1)
+            if id(mod) not in done:
+                done.add(id(mod))
+                mods.append(mod)
+    # NOTE: direct attributes first, so a tensor also listed in a container elsewhere (the fused
+    # decode step's operand lists) is recorded with its owning module.
+    for mod in mods:
+        for k, v in vars(mod).items():
+            if k in ("_parameters", "_buffers"):
+                for x in v.values():
+                    add(x)
+            elif isinstance(v, torch.Tensor):
+                add(v, mod, k)
+    for mod in mods:
+        for k, v in vars(mod).items():
+            if k not in ("_parameters", "_buffers", "_modules") and not isinstance(v, torch.Tensor):
+                scan(v, 1)
     return out
 
 
