@@ -16,10 +16,11 @@ def word_tokenizer():
     return PreTrainedTokenizerFast(tokenizer_object=tk, unk_token="<unk>", bos_token="<s>", eos_token="</s>")
 
 
-def write_tiny_llama(path: str, seed: int = 0, head_scale: float = 4.0):
+def write_tiny_llama(path: str, seed: int = 0, head_scale: float = 4.0, eos_boost: float = 1.0):
     """Save a random ``LlamaForCausalLM`` (vocab 256, hidden 64, 2 layers, 4 query / 2 KV heads,
-    untied head scaled by ``head_scale`` so logits are spread: no near ties) and the word
-    tokenizer to ``path``; returns the transformers model (eager attention, float32, eval)."""
+    untied head scaled by ``head_scale`` so logits are spread: no near ties; the EOS row by
+    ``eos_boost`` more, so that EOS wins sometimes) and the word tokenizer to ``path``; returns the
+    transformers model (eager attention, float32, eval)."""
     import transformers as tf
 
     torch.manual_seed(seed)
@@ -33,6 +34,7 @@ def write_tiny_llama(path: str, seed: int = 0, head_scale: float = 4.0):
             if "norm" in n:
                 p.add_(0.1 * torch.randn_like(p))
         hf.lm_head.weight.mul_(head_scale)
+        hf.lm_head.weight[2].mul_(eos_boost)
     hf.save_pretrained(path)
     word_tokenizer().save_pretrained(path)
     hf.config._attn_implementation = "eager"
