@@ -100,6 +100,7 @@ class EngineCore:
         # Sleep mode: the tags asleep ("weights", "kv_cache") and the level they went to sleep at.
         self.sleeping_tags: set[str] = set()
         self.sleep_level = 0
+        self.sleep_backup_bytes = 0  # the level-1 copy of the weights (temporary files), all ranks
 
     def _init_cache(self, args: EngineArgs, t0: float) -> None:
         """Size the KV cache from every rank's budget and shape (the smallest fit wins), then
@@ -386,7 +387,9 @@ class EngineCore:
             self.step()  # NOTE: hands finished requests' ids to the workers (they drop their state)
         self.reset_prefix_cache()
         kv = self.release_kv_pages(max_cached_kept=0) * self.kv_block_bytes
-        released = kv + sum(self.executor.collective_rpc("sleep", args=(level,)))
+        results = self.executor.collective_rpc("sleep", args=(level,))
+        released = kv + sum(r[0] for r in results)
+        self.sleep_backup_bytes = sum(r[1] for r in results)
         self.sleeping_tags = {"weights", "kv_cache"}
         self.sleep_level = level
         logger.info("pagedllm: asleep (level %d): released %s of resident memory", level, _fmt_bytes(released))
@@ -412,6 +415,8 @@ class EngineCore:
             self.loras.clear()
             self.pooler = self.executor.get_pooler()
         self.sleeping_tags -= set(todo)
+        if "weights" in todo:
+            self.sleep_backup_bytes = 0
         if not self.sleeping_tags:
             self.sleep_level = 0
         logger.info("pagedllm: woke up %s%s", ", ".join(todo),
@@ -537,6 +542,8 @@ class EngineCore:
         from pagedllm.metrics.memory import resident_memory_bytes
 
         out = {"resident_memory_bytes": resident_memory_bytes(), "weight_bytes": self.weight_bytes,
+               "sleep_level": getattr(self, "sleep_level", 0),
+               "sleep_weights_backup_bytes": getattr(self, "sleep_backup_bytes", 0),
                "kv_cache_bytes": getattr(self, "kv_cache_bytes", 0),
                "kv_cache_committed_bytes": self._kv_committed_bytes() if hasattr(self, "kv_block_bytes") else 0}
         extra = self.executor.get_memory_stats()

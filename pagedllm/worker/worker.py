@@ -588,7 +588,8 @@ class Worker:
         core through ``release_kv_blocks`` before this call). A no-op when already asleep.
 
         Returns:
-            resident bytes released (this process's RSS before minus after).
+            ``(resident bytes released (this process's RSS before minus after), bytes of the
+            level-1 copy in its temporary file)``.
 
         Raises:
             ValueError: a level other than 1 or 2.
@@ -599,7 +600,7 @@ class Worker:
 
         level = S.check_level(level)
         if self._sleep:
-            return 0
+            return 0, 0
         before = resident_memory_bytes()
         mods = [self.model, self.draft_model]
         extra = [] if self.pooler is None else [t for t in vars(self.pooler).values() if isinstance(t, torch.Tensor)]
@@ -609,7 +610,8 @@ class Worker:
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
         self.release_idle_memory()
-        return max(0, before - resident_memory_bytes())
+        backup = self._sleep["weights"].nbytes if level == 1 else 0
+        return max(0, before - resident_memory_bytes()), backup
 
     def wake_up(self, tags: Optional[list[str]] = None) -> None:
         """Undo ``sleep`` for ``tags`` ("weights", "kv_cache"; None = both): level 1 reads the

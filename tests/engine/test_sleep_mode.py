@@ -214,6 +214,12 @@ def test_server_sleep_routes(sleepy_client):
     for level in (1, 2):
         assert c.post(f"/sleep?level={level}").status_code == 200
         assert c.get("/is_sleeping").json() == {"is_sleeping": True}
+        metrics = c.get("/metrics").text
+        assert f'pagedllm:sleep_level{{model_name="' in metrics
+        lv = [ln for ln in metrics.splitlines() if ln.startswith("pagedllm:sleep_level{")]
+        assert float(lv[0].split()[-1]) == level
+        bk = [ln for ln in metrics.splitlines() if ln.startswith("pagedllm:sleep_weights_backup_bytes{")]
+        assert (float(bk[0].split()[-1]) > 0) == (level == 1)
         for path, payload in (("/v1/completions", body),
                               ("/v1/chat/completions", {"messages": [{"role": "user", "content": "w1"}]})):
             r = c.post(path, json=payload)
@@ -225,6 +231,8 @@ def test_server_sleep_routes(sleepy_client):
         assert c.get("/is_sleeping").json() == {"is_sleeping": True}
         assert c.post("/wake_up").status_code == 200
         assert c.get("/is_sleeping").json() == {"is_sleeping": False}
+        lv = [ln for ln in c.get("/metrics").text.splitlines() if ln.startswith("pagedllm:sleep_level{")]
+        assert float(lv[0].split()[-1]) == 0
         r = c.post("/v1/completions", json=body)
         assert r.status_code == 200 and r.json()["choices"][0]["text"] == ref.json()["choices"][0]["text"]
 
