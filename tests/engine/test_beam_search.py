@@ -226,3 +226,19 @@ def test_beam_search_server_errors(client):
     r = client.post("/v1/completions", json={"prompt": "w1", "use_beam_search": True, "n": 2, "max_tokens": 2,
                                              "structured_outputs": {"choice": ["w1", "w2"]}})
     assert r.status_code == 400 and r.json()["error"]["param"] == "use_beam_search"
+
+
+@pytest.mark.slow
+def test_real_smollm2_equals_transformers(smollm2_llm, hf_smollm2):
+    """SmolLM2 (float32, the GGUF dequantized: transformers' weights), ignore_eos: the same beams
+    as transformers' beam search."""
+    from pagedllm import BeamSearchParams
+
+    hf, tok = hf_smollm2
+    prompt = tok("The capital of France is")["input_ids"]
+    bw, n = 3, 6
+    out = smollm2_llm.beam_search([{"prompt_token_ids": prompt}],
+                                  BeamSearchParams(beam_width=bw, max_tokens=n, ignore_eos=True))[0]
+    seqs, cums = _hf_beams(hf, prompt, bw, n, 1.0, True)
+    assert [s.tokens[len(prompt):] for s in out.sequences] == seqs
+    assert [s.cum_logprob for s in out.sequences] == pytest.approx(cums, abs=1e-3)

@@ -426,6 +426,8 @@ def run_server(args: argparse.Namespace, sock: Optional[socket.socket] = None) -
         args.structured_outputs_config = cfg
     try:
         engine_args = engine_args_from_namespace(args)
+        if engine_args.enable_sleep_mode and engine_args.data_parallel_size > 1:
+            raise ValueError("--enable-sleep-mode: not supported with --data-parallel-size > 1 yet")
         if engine_args.data_parallel_size > 1:
             from pagedllm.engine.dp_async_llm import DPAsyncLLM
             engine = DPAsyncLLM.from_engine_args(engine_args)
