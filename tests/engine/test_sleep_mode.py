@@ -291,3 +291,21 @@ def test_real_model_sleep_releases_weights_and_outputs_identical():
         assert before - asleep >= 0.7 * weights, (level, before, asleep, weights)
         llm.wake_up()
         assert [o.outputs[0].text for o in llm.generate(prompts, sp, use_tqdm=False)] == ref
+
+
+def test_sleep_two_tensor_parallel_ranks(tiny_dir):
+    """Both levels over two worker processes (``mp`` executor, tensor parallelism): every rank
+    sleeps and wakes, greedy outputs unchanged."""
+    from pagedllm import LLM, SamplingParams
+
+    llm = LLM(tiny_dir, enable_sleep_mode=True, kv_cache_memory="8MiB", dtype="float32", tensor_parallel_size=2)
+    try:
+        sp = SamplingParams(temperature=0, max_tokens=8)
+        ref = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, sp, use_tqdm=False)]
+        for level in (1, 2):
+            llm.sleep(level)
+            assert llm.llm_engine.core.executor.collective_rpc("is_sleeping") == [["kv_cache", "weights"]] * 2
+            llm.wake_up()
+            assert [o.outputs[0].token_ids for o in llm.generate(PROMPTS, sp, use_tqdm=False)] == ref
+    finally:
+        llm.shutdown()
