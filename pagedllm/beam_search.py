@@ -27,7 +27,7 @@ keeps only ``num_beams`` finished hypotheses, accepts an EOS only when it ranks 
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
 

@@ -5,7 +5,6 @@ through the prefix cache, errors, and ``use_beam_search`` on /v1/completions and
 /v1/chat/completions."""
 from __future__ import annotations
 
-import argparse
 import os
 import sys
 

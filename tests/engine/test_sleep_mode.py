@@ -215,7 +215,7 @@ def test_server_sleep_routes(sleepy_client):
         assert c.post(f"/sleep?level={level}").status_code == 200
         assert c.get("/is_sleeping").json() == {"is_sleeping": True}
         metrics = c.get("/metrics").text
-        assert f'pagedllm:sleep_level{{model_name="' in metrics
+        assert 'pagedllm:sleep_level{model_name="' in metrics
         lv = [ln for ln in metrics.splitlines() if ln.startswith("pagedllm:sleep_level{")]
         assert float(lv[0].split()[-1]) == level
         bk = [ln for ln in metrics.splitlines() if ln.startswith("pagedllm:sleep_weights_backup_bytes{")]
