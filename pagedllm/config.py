@@ -192,6 +192,9 @@ class EngineArgs:
         max_lora_rank: largest adapter rank accepted (vLLM's default 16).
         max_cpu_loras: adapters kept loaded in CPU memory (least recently used evicted and read
             from disk again when needed); None = ``max_loras``; must be >= ``max_loras``.
+        enable_prompt_embeds: accept prompts given as embeddings (``{"prompt_embeds": tensor}``
+            offline, ``prompt_embeds`` on ``/v1/completions``; vLLM's flag); off by default.
+            Generation only, one in-process worker.
         enable_sleep_mode: allow ``sleep(level)`` / ``wake_up(tags)`` (vLLM's sleep mode; on CPU
             it gives resident memory back: ``pagedllm.worker.sleep``); off by default.
     """
@@ -244,6 +247,7 @@ class EngineArgs:
     max_loras: int = 1
     max_lora_rank: int = 16
     max_cpu_loras: Optional[int] = None
+    enable_prompt_embeds: bool = False
     enable_sleep_mode: bool = False
 
     def __post_init__(self) -> None:
