@@ -250,7 +250,7 @@ def offload(modules: Iterable[nn.Module], level: int, extra: Iterable[torch.Tens
             if isinstance(getattr(mod, "_fused", None), tuple):
                 mod._fused = (None, None)
                 state.fused_owners.append(mod)
-    for owner, name, nb, shape, dtype, off in packed:
+    for owner, name, nb, _shape, _dtype, _off in packed:
         setattr(owner, name, None)
         state.nbytes += nb
     state.packed = packed
