@@ -195,6 +195,18 @@ class EngineArgs:
         enable_prompt_embeds: accept prompts given as embeddings (``{"prompt_embeds": tensor}``
             offline, ``prompt_embeds`` on ``/v1/completions``; vLLM's flag); off by default.
             Generation only, one in-process worker.
+        scheduling_policy: "fcfs" (first come, first served) or "priority" (vLLM's
+            ``--scheduling-policy``): waiting requests run in order of their ``priority`` (lower
+            first, ties by arrival) and preemption takes the lowest-priority running request;
+            with "fcfs" a request's priority must be 0 (``pagedllm.core.scheduler``).
+        otlp_traces_endpoint: OpenTelemetry collector address (vLLM's
+            ``--otlp-traces-endpoint``): one span per request is exported to it over OTLP
+            (``OTEL_EXPORTER_OTLP_TRACES_PROTOCOL`` "http/protobuf", the default, or "grpc"); needs
+            ``opentelemetry-sdk`` and an OTLP exporter package (``pagedllm.tracing``). None = off.
+        kv_events_config: KV cache events (vLLM's ``--kv-events-config``, its ``KVEventsConfig``
+            fields: a dict, a JSON object string or a ``pagedllm.kv_events.KVEventsConfig``):
+            BlockStored / BlockRemoved / AllBlocksCleared of the prefix cache published over ZMQ
+            (``pagedllm.kv_events``). None = off.
         enable_sleep_mode: allow ``sleep(level)`` / ``wake_up(tags)`` (vLLM's sleep mode; on CPU
             it gives resident memory back: ``pagedllm.worker.sleep``); off by default.
     """
@@ -248,6 +260,9 @@ class EngineArgs:
     max_lora_rank: int = 16
     max_cpu_loras: Optional[int] = None
     enable_prompt_embeds: bool = False
+    scheduling_policy: str = "fcfs"
+    otlp_traces_endpoint: Optional[str] = None
+    kv_events_config: Optional[Any] = None
     enable_sleep_mode: bool = False
 
     def __post_init__(self) -> None:

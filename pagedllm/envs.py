@@ -83,6 +83,9 @@ ENV_VARS: dict[str, EnvVar] = {v.name: v for v in (
        "1 asks for transparent huge pages for large CPU tensors."),
     # Serving
     _v("PAGEDLLM_API_KEY", "str", None, "Default of --api-key (unset = no authentication)."),
+    _v("PAGEDLLM_KV_EVENTS_USE_INT_BLOCK_HASHES", "bool", True,
+       "--kv-events-config: block hashes as the low 64 bits (unsigned int, vLLM's default); 0 sends "
+       "the full hash bytes.", aliases=("VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES",)),
     _v("PAGEDLLM_ALLOW_RUNTIME_LORA_UPDATING", "bool", False,
        "1 serves /v1/load_lora_adapter and /v1/unload_lora_adapter.",
        aliases=("VLLM_ALLOW_RUNTIME_LORA_UPDATING",)),

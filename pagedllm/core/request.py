@@ -115,6 +115,8 @@ class Request:
         self.stop_reason: Optional[int | str] = None
         self.first_scheduled_time: Optional[float] = None
         self.structured_output_request: Any = None
+        # The HTTP request's W3C trace-context headers (tracing; set by the front end).
+        self.trace_headers: Optional[dict] = None
         if sampling_params is not None:
             self.max_tokens = sampling_params.max_tokens
         else:

@@ -524,6 +524,12 @@ class AsyncLLM:
         """Process memory in bytes (``EngineCore.get_memory_stats``); safe from any thread."""
         return self.engine.core.get_memory_stats()
 
+    def get_kv_events_stats(self) -> dict:
+        """The KV event publisher's counters (``KVEventPublisher.stats``), {} when events are off;
+        safe from any thread."""
+        pub = self.engine.core.kv_events
+        return pub.stats() if pub is not None else {}
+
     def make_prometheus_logger(self, model_name: str, max_model_len: int, prefix: str = "pagedllm") -> Any:
         """The server's Prometheus stat logger for this engine (metric names ``{prefix}:...``)."""
         from pagedllm.metrics.prometheus import PrometheusStatLogger

@@ -196,6 +196,15 @@ class DPAsyncLLM:
             out["resident_memory_bytes"] += r.engine.core.executor.get_memory_stats().get("resident_memory_bytes", 0)
         return out
 
+    def get_kv_events_stats(self) -> dict:
+        """The replicas' KV event publishers' counters, summed ({} when events are off); each
+        replica publishes on its own endpoint (the port offset by its rank)."""
+        out: dict = {}
+        for r in self.replicas:
+            for k, v in r.get_kv_events_stats().items():
+                out[k] = out.get(k, 0) + v
+        return out
+
     async def check_health(self) -> None:
         """Raises ``EngineDeadError`` naming the first unhealthy replica (and its rank)."""
         for i, r in enumerate(self.replicas):

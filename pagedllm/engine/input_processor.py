@@ -60,10 +60,13 @@ class InputProcessor:
         pooler: the model's Pooler (``prepare_params(params, task)``, ``task``), None for a
             generation model.
         eos_token_id: the tokenizer's EOS id, copied into every EngineCoreRequest.
+        scheduling_policy: the engine's "fcfs" or "priority" (a nonzero ``priority`` needs the latter).
     """
 
     def __init__(self, tokenizer: Any, max_model_len: int, vocab_size: int, max_logprobs: int = 20, *,
-                 runner: str = "generate", pooler: Any = None, eos_token_id: Optional[int] = None) -> None:
+                 runner: str = "generate", pooler: Any = None, eos_token_id: Optional[int] = None,
+                 scheduling_policy: str = "fcfs") -> None:
+        self.scheduling_policy = scheduling_policy
         self.tokenizer = tokenizer
         self.max_model_len = max_model_len
         self.vocab_size = vocab_size
@@ -345,7 +348,8 @@ class InputProcessor:
             arrival_time: ``time.time()`` seconds (default: now).
             cache_salt: prefix-cache salt (overrides the prompt dict's).
             lora_request: the LoRA adapter, passed through.
-            priority: only 0 (first-come-first-served scheduling).
+            priority: scheduling priority, an int (lower runs first); must be 0 unless
+                ``scheduling_policy`` is "priority".
             task: pooling task ("embed", "classify", "score", "encode", "token_embed",
                 "token_classify"); default ``params.task``, else the model's.
             add_special_tokens: tokenizer flag for text prompts.
@@ -359,10 +363,13 @@ class InputProcessor:
         """
         from pagedllm.pooling_params import PoolingParams
 
-        if priority != 0:
+        if isinstance(priority, bool) or not isinstance(priority, int):
+            raise InputValidationError(f"priority: expected an integer, got {priority!r}", "priority")
+        if priority != 0 and self.scheduling_policy != "priority":
             raise InputValidationError(
-                f"priority: got {priority}, but priority scheduling is not enabled (the scheduler is "
-                "first-come-first-served; leave priority at 0)", "priority")
+                f"priority: got {priority}, but priority scheduling is not enabled (the scheduling policy "
+                "is first-come-first-served; start the engine with --scheduling-policy priority, or "
+                "leave priority at 0)", "priority")
         if cache_salt is not None:
             check_cache_salt(cache_salt)
         pooling = isinstance(params, PoolingParams) or (params is None and task is not None)
@@ -386,7 +393,7 @@ class InputProcessor:
                                            "(it has no token ids)", "prompt_logprobs")
             sampling_params = self.process_sampling_params(params, len(pp.prompt_token_ids), strict_length)
             pooling_params = None
-        kw = {} if arrival_time is None else {"arrival_time": arrival_time}
+        kw: dict[str, Any] = {} if arrival_time is None else {"arrival_time": arrival_time}
         return EngineCoreRequest(
             request_id=request_id, prompt_token_ids=list(pp.prompt_token_ids), sampling_params=sampling_params,
             pooling_params=pooling_params, eos_token_id=self.eos_token_id, prompt=pp.prompt,

@@ -209,6 +209,8 @@ class _SamplingFields(OpenAIBaseModel):
     cache_salt: Optional[str] = None
     request_id: Optional[str] = None
     echo: bool = False
+    # vLLM: scheduling priority (lower runs first); nonzero needs --scheduling-policy priority.
+    priority: int = 0
 
     @model_validator(mode="after")
     def _check_common(self):

@@ -190,7 +190,8 @@ class OpenAIServingCompletion(OpenAIServing):
             embeds = pp.prompt_embeds is not None
             req = self.process_inputs(rid, pp if embeds else ProcessedPrompt(text, ids), sp,
                                       cache_salt=request.cache_salt, lora_request=self.lora_request(request.model),
-                                      rename={"prompt": "prompt_embeds"} if embeds else None)
+                                      rename={"prompt": "prompt_embeds"} if embeds else None,
+                                      priority=request.priority, raw_request=raw_request)
             self.log_request(rid, f"<prompt_embeds {tuple(pp.prompt_embeds.shape)}>" if embeds
                              else text if text is not None else ids, ids, req.sampling_params)
             engine_requests.append(req)
