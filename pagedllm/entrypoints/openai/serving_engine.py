@@ -450,7 +450,8 @@ class OpenAIServing:
 
         async def one(rid: str, tokens: list[int]) -> Any:
             req = self.process_inputs(rid, ProcessedPrompt(None, tokens, getattr(request, "cache_salt", None)),
-                                      sp.clone(), lora_request=request.lora_request)
+                                      sp.clone(), lora_request=request.lora_request,
+                                      priority=int(getattr(request, "priority", 0) or 0))
             live.add(rid)
             gen = self.engine.generate(req, req.sampling_params, rid)
             last = None
