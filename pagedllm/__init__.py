@@ -8,7 +8,8 @@ __version__ = "0.1.0"
 
 __all__ = ["LLM", "SamplingParams", "PoolingParams", "RequestOutput", "CompletionOutput",
            "PoolingRequestOutput", "EngineArgs", "RequestOutputKind", "PoolerConfig", "StructuredOutputsParams",
-           "TextPrompt", "TokensPrompt", "PromptType", "LoRARequest", "__version__"]
+           "TextPrompt", "TokensPrompt", "PromptType", "LoRARequest", "BeamSearchParams", "BeamSearchOutput",
+           "BeamSearchSequence", "__version__"]
 
 
 def __getattr__(name: str):
@@ -16,9 +17,12 @@ def __getattr__(name: str):
     if name == "LLM":
         from pagedllm.entrypoints.llm import LLM
         return LLM
-    if name in ("SamplingParams", "RequestOutputKind", "StructuredOutputsParams"):
+    if name in ("SamplingParams", "RequestOutputKind", "StructuredOutputsParams", "BeamSearchParams"):
         from pagedllm import sampling_params
         return getattr(sampling_params, name)
+    if name in ("BeamSearchOutput", "BeamSearchSequence"):
+        from pagedllm import beam_search
+        return getattr(beam_search, name)
     if name == "PoolingParams":
         from pagedllm.pooling_params import PoolingParams
         return PoolingParams

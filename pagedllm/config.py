@@ -207,6 +207,8 @@ class EngineArgs:
             fields: a dict, a JSON object string or a ``pagedllm.kv_events.KVEventsConfig``):
             BlockStored / BlockRemoved / AllBlocksCleared of the prefix cache published over ZMQ
             (``pagedllm.kv_events``). None = off.
+        enable_sleep_mode: allow ``sleep(level)`` / ``wake_up(tags)`` (vLLM's sleep mode; on CPU
+            it gives resident memory back: ``pagedllm.worker.sleep``); off by default.
     """
 
     model: str = "SmolLM2-135M-Instruct"
@@ -261,6 +263,7 @@ class EngineArgs:
     scheduling_policy: str = "fcfs"
     otlp_traces_endpoint: Optional[str] = None
     kv_events_config: Optional[Any] = None
+    enable_sleep_mode: bool = False
 
     def __post_init__(self) -> None:
         # NOTE: "auto" (vLLM's spelling, also -1) = the model's context length capped by what the

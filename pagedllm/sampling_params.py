@@ -539,3 +539,40 @@ def validate_logprobs(params: SamplingParams, max_logprobs: int) -> None:
             raise ValueError(
                 f"Requested {name} of {val}, which is greater than max allowed: "
                 f"{max_logprobs}.")
+
+
+@dataclass
+class BeamSearchParams:
+    """Beam search parameters (vLLM's ``BeamSearchParams``; ``LLM.beam_search`` and
+    ``use_beam_search`` on the server, where ``n`` is the beam width).
+
+    Attributes:
+        beam_width: beams kept per prompt, and sequences returned (>= 1).
+        max_tokens: tokens generated per beam at most (>= 1; capped by ``max_model_len``).
+        ignore_eos: EOS is an ordinary token (no beam finishes early).
+        temperature: for each step's one sampled token, which joins the ``2 * beam_width`` most
+            likely ones as a candidate (0 = greedy: adds nothing). Scores use raw logprobs.
+        length_penalty: final ranking by ``cumulative_logprob / len(tokens) ** length_penalty``
+            (``tokens``: prompt + generated, without a final EOS; vLLM's definition).
+        include_stop_str_in_output: keep the EOS token in a finished beam's server output.
+
+    Raises:
+        ValueError: an out-of-range value (the message names the field).
+    """
+
+    beam_width: int
+    max_tokens: int
+    ignore_eos: bool = False
+    temperature: float = 0.0
+    length_penalty: float = 1.0
+    include_stop_str_in_output: bool = False
+
+    def __post_init__(self) -> None:
+        if not _is_int(self.beam_width) or self.beam_width < 1:
+            raise ValueError(f"beam_width must be an integer >= 1, got {self.beam_width!r}.")
+        if not _is_int(self.max_tokens) or self.max_tokens < 1:
+            raise ValueError(f"max_tokens must be at least 1, got {self.max_tokens!r}.")
+        if not _is_number(self.temperature) or self.temperature < 0:
+            raise ValueError(f"temperature must be non-negative, got {self.temperature!r}.")
+        if not _is_number(self.length_penalty):
+            raise ValueError(f"length_penalty must be a number, got {self.length_penalty!r}.")

@@ -291,6 +291,9 @@ class AsyncLLM:
         self._ensure_started()
         if request_id in self._ids_in_use:
             raise ValueError(f"request_id: {request_id!r} is already in use")
+        if self.engine.core.sleeping_tags:
+            from pagedllm.worker.sleep import EngineSleepingError
+            raise EngineSleepingError()
 
     def _add(self, request: EngineCoreRequest) -> asyncio.Queue:
         """Hand a validated request to the engine thread; its outputs arrive on the returned queue."""
@@ -464,6 +467,54 @@ class AsyncLLM:
     async def list_loras(self) -> set[int]:
         """Ids of the adapters loaded on the workers."""
         return await self._call(self.engine.list_loras)
+
+    # ------------------------------------------------------------------ sleep mode
+    async def sleep(self, level: int = 1) -> None:
+        """Sleep mode (``LLMEngine.sleep``), on the engine thread between steps: requests still in
+        flight end with ``EngineSleepingError`` (the server has already aborted its own), then
+        the prefix cache is reset and the KV cache and weights are released.
+
+        Raises:
+            ValueError: sleep mode not enabled, or ``level`` not 1 or 2.
+        """
+        from pagedllm.worker.sleep import check_level
+
+        self.engine.core._check_sleep_mode()
+        check_level(level)
+        await self._call(self._sleep_now, level)
+
+    def _sleep_now(self, level: int) -> int:
+        from pagedllm.worker.sleep import EngineSleepingError
+
+        err = EngineSleepingError("The request was aborted: the model was put to sleep.")
+        ids = list(self._queues)
+        for rid in ids:
+            self._queues[rid].put_nowait(err)
+        self._queues.clear()
+        released = self.engine.sleep(level)
+        self._record_stats()
+        return released
+
+    async def wake_up(self, tags: Optional[list[str]] = None) -> None:
+        """``LLMEngine.wake_up(tags)`` on the engine thread.
+
+        Raises:
+            ValueError: sleep mode not enabled, or an unknown tag.
+        """
+        self.engine.core._check_sleep_mode()
+        from pagedllm.worker.sleep import check_tags
+        check_tags(tags)
+        await self._call(self.engine.wake_up, tags)
+        self.pooler = self.engine.pooler
+
+    async def is_sleeping(self) -> bool:
+        """True while any tag is asleep."""
+        return self.engine.core.is_sleeping()
+
+    @property
+    def sleeping(self) -> bool:
+        """``is_sleeping()`` without awaiting (safe from any thread)."""
+        return bool(self.engine.core.sleeping_tags)
 
     def get_scheduler_stats(self) -> dict:
         with self._stats_lock:

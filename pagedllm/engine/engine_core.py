@@ -133,6 +133,10 @@ class EngineCore:
         # Steps in flight (pipeline parallelism): (SchedulerOutput, Future of its output).
         self.batch_queue_size = self.executor.max_concurrent_batches
         self._batch_queue: deque = deque()
+        # Sleep mode: the tags asleep ("weights", "kv_cache") and the level they went to sleep at.
+        self.sleeping_tags: set[str] = set()
+        self.sleep_level = 0
+        self.sleep_backup_bytes = 0  # the level-1 copy of the weights (temporary files), all ranks
 
     def _init_cache(self, args: EngineArgs, t0: float) -> None:
         """Size the KV cache from every rank's budget and shape (the smallest fit wins), then
@@ -269,6 +273,9 @@ class EngineCore:
             ValueError: structured outputs on a pooling engine, a duplicate id, LoRA not
                 enabled, or an adapter that cannot be loaded (``LoRAAdapterError``).
         """
+        if self.sleeping_tags:
+            from pagedllm.worker.sleep import EngineSleepingError
+            raise EngineSleepingError()
         if request.lora_request is not None:
             self.ensure_lora(request.lora_request)
         so_params = getattr(request.sampling_params, "structured_outputs", None)
@@ -409,6 +416,75 @@ class EngineCore:
         self.flush_kv_events()
         return ok
 
+    # ------------------------------------------------------------------ sleep mode
+    def sleep(self, level: int = 1) -> int:
+        """vLLM's ``sleep``: reset the prefix cache, give every KV page back (the cache's contents
+        are forgotten), then have each rank free its weights (level 1: to a temporary file;
+        level 2: dropped, reloaded from the checkpoint on wake; ``Worker.sleep``). A no-op when
+        already asleep. Call with no unfinished requests (``LLMEngine.sleep`` aborts them).
+
+        Returns:
+            resident bytes released (summed over the ranks; KV pages per rank 0's block size).
+
+        Raises:
+            ValueError: sleep mode not enabled, a level other than 1 or 2, or unfinished requests.
+        """
+        from pagedllm.worker.sleep import check_level
+
+        self._check_sleep_mode()
+        level = check_level(level)
+        if self.sleeping_tags:
+            return 0
+        if self.scheduler.has_unfinished_requests() or self._batch_queue:
+            raise ValueError("sleep: requests are still running; abort them first")
+        if self.scheduler.has_finished_requests():
+            self.step()  # NOTE: hands finished requests' ids to the workers (they drop their state)
+        self.reset_prefix_cache()
+        kv = self.release_kv_pages(max_cached_kept=0) * self.kv_block_bytes
+        results = self.executor.collective_rpc("sleep", args=(level,))
+        released = kv + sum(r[0] for r in results)
+        self.sleep_backup_bytes = sum(r[1] for r in results)
+        self.sleeping_tags = {"weights", "kv_cache"}
+        self.sleep_level = level
+        logger.info("pagedllm: asleep (level %d): released %s of resident memory", level, _fmt_bytes(released))
+        return released
+
+    def wake_up(self, tags: Optional[list[str]] = None) -> None:
+        """vLLM's ``wake_up``: restore ``tags`` ("weights", "kv_cache"; None = both) on every
+        rank; requests are accepted again once nothing is asleep. Tags not asleep are ignored.
+
+        Raises:
+            ValueError: sleep mode not enabled, or an unknown tag.
+        """
+        from pagedllm.worker.sleep import check_tags
+
+        self._check_sleep_mode()
+        tags = check_tags(tags)
+        todo = [t for t in tags if t in self.sleeping_tags]
+        if not todo:
+            return
+        self.executor.collective_rpc("wake_up", args=(todo,))
+        if "weights" in todo and self.sleep_level == 2:
+            # NOTE: the workers rebuilt their models: adapters are loaded again on first use.
+            self.loras.clear()
+            self.pooler = self.executor.get_pooler()
+        self.sleeping_tags -= set(todo)
+        if "weights" in todo:
+            self.sleep_backup_bytes = 0
+        if not self.sleeping_tags:
+            self.sleep_level = 0
+        logger.info("pagedllm: woke up %s%s", ", ".join(todo),
+                    "" if not self.sleeping_tags else f" ({', '.join(sorted(self.sleeping_tags))} still asleep)")
+
+    def is_sleeping(self) -> bool:
+        """True while any tag is asleep."""
+        return bool(self.sleeping_tags)
+
+    def _check_sleep_mode(self) -> None:
+        if not self.args.enable_sleep_mode:
+            raise ValueError("sleep mode is not enabled; start the engine with enable_sleep_mode=True "
+                             "(pagedllm serve --enable-sleep-mode)")
+
     def get_scheduler_stats(self) -> dict:
         s = self.scheduler
         return {
@@ -523,6 +599,8 @@ class EngineCore:
         from pagedllm.metrics.memory import resident_memory_bytes
 
         out = {"resident_memory_bytes": resident_memory_bytes(), "weight_bytes": self.weight_bytes,
+               "sleep_level": getattr(self, "sleep_level", 0),
+               "sleep_weights_backup_bytes": getattr(self, "sleep_backup_bytes", 0),
                "kv_cache_bytes": getattr(self, "kv_cache_bytes", 0),
                "kv_cache_committed_bytes": self._kv_committed_bytes() if hasattr(self, "kv_block_bytes") else 0}
         extra = self.executor.get_memory_stats()

@@ -247,6 +247,36 @@ class LLMEngine:
     def has_unfinished_requests(self) -> bool:
         return self.core.has_unfinished_requests()
 
+    # ------------------------------------------------------------------ sleep mode
+    def sleep(self, level: int = 1) -> int:
+        """Abort every unfinished request, then ``EngineCore.sleep(level)``; returns the resident
+        bytes released.
+
+        Raises:
+            ValueError: sleep mode not enabled, or a level other than 1 or 2.
+        """
+        from pagedllm.worker.sleep import check_level
+
+        self.core._check_sleep_mode()
+        check_level(level)
+        ids = list(self.core.scheduler.requests)
+        if ids:
+            self.core.abort_requests(ids)
+            self.output_processor.abort_requests(ids)
+            self._observe_finished(ids, "abort")
+            self._children.clear()
+        return self.core.sleep(level)
+
+    def wake_up(self, tags: Optional[list[str]] = None) -> None:
+        """``EngineCore.wake_up(tags)``; a level-2 wake also refreshes the pooler the input
+        processor checks pooling requests against."""
+        self.core.wake_up(tags)
+        self.pooler = self.core.pooler
+        self.input_processor.pooler = self.pooler
+
+    def is_sleeping(self) -> bool:
+        return self.core.is_sleeping()
+
     # ------------------------------------------------------------------ LoRA
     def add_lora(self, lora_request: Any) -> bool:
         """Load a LoRA adapter on the workers (``EngineCore.add_lora``)."""

@@ -139,6 +139,94 @@ class LLM:
         ids = self.llm_engine.input_processor.tokenize(text, add_special_tokens=False)
         return {"prompt": text, "prompt_token_ids": ids}
 
+    def beam_search(self, prompts: Union[PromptType, Sequence[PromptType]], params: Any,
+                    lora_request: Any = None, use_tqdm: bool = False,
+                    concurrency_limit: Optional[int] = None) -> list:
+        """Beam search (vLLM's ``LLM.beam_search``; algorithm and its relation to transformers'
+        in ``pagedllm.beam_search``): each step runs every live beam as a one-token request
+        (``2 * beam_width`` candidate logprobs), so the prompt's KV blocks are shared across the
+        beams through prefix caching.
+
+        Args:
+            prompts: strings, ``TextPrompt`` / ``TokensPrompt`` dicts, or lists of token ids.
+            params: ``BeamSearchParams(beam_width, max_tokens, ignore_eos, temperature,
+                length_penalty, include_stop_str_in_output)``; ``max_tokens`` is capped by what
+                ``max_model_len`` leaves after each prompt.
+            lora_request: one ``LoRARequest`` for every prompt, or a list (one per prompt).
+            use_tqdm: a progress bar over the steps.
+            concurrency_limit: prompts searched at once (None = all).
+
+        Returns:
+            one ``BeamSearchOutput`` per prompt: ``sequences`` (``BeamSearchSequence``: ``tokens``
+            = prompt + generated, a finished one ending with EOS; ``cum_logprob``; ``logprobs``;
+            ``text`` = ``tokenizer.decode(tokens)``), the best ``beam_width``, best first.
+
+        Raises:
+            ValueError: an invalid prompt, a prompt that leaves no room in ``max_model_len``,
+                ``2 * beam_width`` over ``max_logprobs``, or a bad LoRA request (nothing runs then).
+        """
+        from pagedllm.beam_search import BeamSearch, BeamSearchInstance, BeamSearchOutput, beam_width_error
+        from pagedllm.sampling_params import SamplingParams
+
+        eng = self.llm_engine
+        if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts
+                                                and all(isinstance(x, int) for x in prompts)):
+            prompts = [prompts]
+        prompts = [{"prompt_token_ids": list(p)} if isinstance(p, (list, tuple)) else p for p in prompts]
+        msg = beam_width_error(params, self.engine_args.max_logprobs)
+        if msg:
+            raise ValueError(msg)
+        loras = self._lora_list(lora_request, len(prompts))
+        instances = []
+        probe = SamplingParams(max_tokens=1)
+        for i, (p, lr) in enumerate(zip(prompts, loras)):
+            try:
+                req = eng.process_inputs(eng.next_request_id(), p, probe, lora_request=lr)
+            except ValueError as e:
+                raise _at_index(e, i) from None
+            ids = list(req.prompt_token_ids)
+            room = eng.max_model_len - len(ids)
+            if room < 1:
+                raise _at_index(ValueError(f"prompt: {len(ids)} tokens leave no room for a generated token "
+                                           f"in max_model_len {eng.max_model_len}"), i)
+            text = p if isinstance(p, str) else (p.get("prompt") if isinstance(p, dict) else None)
+            instances.append(BeamSearchInstance({"prompt_token_ids": ids, "prompt": text}, lora_request=lr,
+                                                max_new_tokens=min(int(params.max_tokens), room)))
+        tok = eng.tokenizer
+        eos = getattr(tok, "eos_token_id", None)
+        if eos is None:
+            eos = eng.core.eos_token_id
+        limit = concurrency_limit or max(1, len(instances))
+        pbar = None
+        if use_tqdm:
+            from tqdm.auto import tqdm
+            pbar = tqdm(total=len(instances), desc="Beam search", dynamic_ncols=True)
+        try:
+            for start in range(0, len(instances), limit):
+                batch = instances[start:start + limit]
+                bs = BeamSearch(batch, params, eos)
+                sp = bs.step_params()
+                while True:
+                    beams = bs.pending()
+                    if not beams:
+                        break
+                    outs = self._run([(b.get_prompt(), sp, b.lora_request) for b in beams], False)
+                    bs.update([o.outputs[0].logprobs[0] if o.outputs and o.outputs[0].logprobs else None
+                               for o in outs])
+                for inst in batch:
+                    inst.best = bs.best(inst)
+                if pbar is not None:
+                    pbar.update(len(batch))
+        finally:
+            if pbar is not None:
+                pbar.close()
+        results = []
+        for inst in instances:
+            for b in inst.best:
+                b.text = tok.decode(b.tokens)
+            results.append(BeamSearchOutput(sequences=inst.best))
+        return results
+
     # ------------------------------------------------------------------ pooling
     def encode(self, prompts: Union[PromptType, Sequence[PromptType]], pooling_params: Any = None,
                *, truncate_prompt_tokens: Optional[int] = None, use_tqdm: bool = True,
@@ -312,6 +400,33 @@ class LLM:
             True when the cache was reset.
         """
         return self.llm_engine.core.reset_prefix_cache()
+
+    # ------------------------------------------------------------------ sleep mode
+    def sleep(self, level: int = 1) -> None:
+        """Put the engine to sleep (vLLM's sleep mode; needs ``enable_sleep_mode=True``): the
+        prefix cache is reset and the KV cache's memory given back; level 1 moves the weights to
+        a temporary file (``PAGEDLLM_SLEEP_DIR``, else the temp directory) and frees them, level
+        2 frees them with no copy (``wake_up`` reloads the checkpoint). Generation calls raise
+        ``EngineSleepingError`` until ``wake_up``. A no-op when already asleep.
+
+        Raises:
+            ValueError: sleep mode not enabled, or ``level`` not 1 or 2.
+        """
+        self.llm_engine.sleep(level)
+
+    def wake_up(self, tags: Optional[list[str]] = None) -> None:
+        """Wake the engine up: ``tags`` "weights" and/or "kv_cache" (None = both, vLLM's
+        default); generation works again once both are awake. Greedy outputs after a wake are
+        those before the sleep (level 1: the same bytes; level 2: the checkpoint loaded again).
+
+        Raises:
+            ValueError: sleep mode not enabled, or an unknown tag.
+        """
+        self.llm_engine.wake_up(tags)
+
+    def is_sleeping(self) -> bool:
+        """True while the engine (any tag of it) is asleep."""
+        return self.llm_engine.is_sleeping()
 
     # ------------------------------------------------------------------ internals
     def _params_list(self, sampling_params: Any, n: int) -> list:

@@ -127,6 +127,9 @@ class PrometheusStatLogger:
                  "release (on CPU pages become resident on first write; the whole cache on CUDA)."),
                 ("cpu_compute_threads", "Engine compute threads now (CPU; fewer while other processes keep "
                  "cores busy, PAGEDLLM_THREAD_POLICY)."),
+                ("sleep_level", "Sleep mode: 0 awake, else the level the engine sleeps at (1 or 2)."),
+                ("sleep_weights_backup_bytes", "Sleep mode level 1: bytes of the weights' copy in the "
+                 "temporary file (at most the weights' bytes; 0 when awake or at level 2)."),
             )}
         self.counter_preemptions = Counter(p + "num_preemptions",
                                            "Cumulative number of preemption from the engine.",

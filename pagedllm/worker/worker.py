@@ -136,6 +136,9 @@ class Worker:
         self.draft_model: Any = None  # speculative decoding's draft model (method draft_model)
         self.lora_manager: Any = None  # pagedllm.lora.model_manager.LoRAModelManager (enable_lora)
         self.thread_controller: Any = None  # pagedllm.worker.cpu_threads.AdaptiveThreads (CPU, >1 thread)
+        self._cache_shape: Optional[tuple[int, int]] = None  # (num_blocks, max_model_len) of initialize_cache
+        self._sleep: dict = {}  # sleep mode: tag -> what wake_up restores (pagedllm.worker.sleep)
+        self._sleep_level = 0
 
     @property
     def is_output_rank(self) -> bool:
@@ -487,6 +490,7 @@ class Worker:
         from pagedllm.models.rope import set_rope_max_model_len
 
         args = self.args
+        self._cache_shape = (num_blocks, max_model_len)
         set_rope_max_model_len(self.model, max_model_len)  # longrope: long factors iff max_model_len > original (vLLM)
         spec = self.get_kv_cache_spec()
         if self.batch_invariant:
@@ -575,6 +579,74 @@ class Worker:
             if cfg.method == "eagle":
                 kw["target"] = self.model
         return SpecDecoder(cfg, build_proposer(cfg, **kw))
+
+    # ------------------------------------------------------------------ sleep mode
+    def sleep(self, level: int) -> int:
+        """Sleep mode (``pagedllm.worker.sleep``): free the weights (level 1: a copy goes to a
+        temporary file first; level 2: no copy, ``wake_up`` reloads the checkpoint) and the KV
+        caches allocated up front (lazily committed ones are released page by page by the engine
+        core through ``release_kv_blocks`` before this call). A no-op when already asleep.
+
+        Returns:
+            ``(resident bytes released (this process's RSS before minus after), bytes of the
+            level-1 copy in its temporary file)``.
+
+        Raises:
+            ValueError: a level other than 1 or 2.
+            OSError: the level-1 copy cannot be written (nothing is freed then).
+        """
+        from pagedllm.metrics.memory import resident_memory_bytes
+        from pagedllm.worker import sleep as S
+
+        level = S.check_level(level)
+        if self._sleep:
+            return 0, 0
+        before = resident_memory_bytes()
+        mods = [self.model, self.draft_model]
+        extra = [] if self.pooler is None else [t for t in vars(self.pooler).values() if isinstance(t, torch.Tensor)]
+        self._sleep["weights"] = S.offload(mods, level, extra)
+        self._sleep["kv_cache"] = S.free_eager_kv(self.kv_caches())
+        self._sleep_level = level
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+        self.release_idle_memory()
+        backup = self._sleep["weights"].nbytes if level == 1 else 0
+        return max(0, before - resident_memory_bytes()), backup
+
+    def wake_up(self, tags: Optional[list[str]] = None) -> None:
+        """Undo ``sleep`` for ``tags`` ("weights", "kv_cache"; None = both): level 1 reads the
+        weights back into the same tensors (bit-identical), level 2 reloads the checkpoint and
+        rebuilds the runner (``load_model`` + ``initialize_cache``: a fresh, empty KV cache, and
+        LoRA adapters loaded again on first use). Tags not asleep are ignored.
+
+        Raises:
+            ValueError: an unknown tag.
+        """
+        from pagedllm.worker import sleep as S
+
+        tags = S.check_tags(tags)
+        if "weights" in tags and "weights" in self._sleep:
+            state = self._sleep.pop("weights")
+            if self._sleep_level == 1:
+                S.restore(state)
+            else:
+                # NOTE: the old model's storages are already freed; the rebuild replaces the model,
+                # its runner (and KV caches), the pooler, draft model and LoRA wrappers.
+                self._sleep.pop("kv_cache", None)
+                self.model = self.runner = self.pooler = self.draft_model = self.lora_manager = None
+                del state
+                import gc
+                gc.collect()
+                self.load_model()
+                self.initialize_cache(*self._cache_shape)
+        if "kv_cache" in tags and "kv_cache" in self._sleep:
+            S.restore_eager_kv(self._sleep.pop("kv_cache"))
+        if not self._sleep:
+            self._sleep_level = 0
+
+    def is_sleeping(self) -> list[str]:
+        """The tags asleep on this rank ("weights", "kv_cache")."""
+        return sorted(self._sleep)
 
     # ------------------------------------------------------------------ steps
     def execute_model(self, so: SchedulerOutput) -> Optional[ModelRunnerOutput]:

@@ -195,6 +195,9 @@ def build_app(engine: EngineClient, args: Optional[argparse.Namespace] = None) -
                     return error_response(msg, 401, None, "AuthenticationError")
             return await call_next(request)
 
+    if get("enable_sleep_mode", False) and hasattr(engine, "sleep"):
+        _add_sleep_routes(app, engine)
+
     def _check_generate_runner() -> None:
         if engine.runner != "generate":
             raise OpenAIError("This model does not support text generation (it was started "
@@ -327,6 +330,56 @@ def build_app(engine: EngineClient, args: Optional[argparse.Namespace] = None) -
     return app
 
 
+#: Routes that need the model's weights: answered 503 while the model sleeps (vLLM's list, plus
+#: the Responses, Messages and Ollama generation routes).
+SLEEP_PROTECTED_PATHS = frozenset((
+    "/v1/completions", "/v1/chat/completions", "/v1/responses", "/v1/messages", "/v1/embeddings",
+    "/pooling", "/classify", "/score", "/v1/score", "/rerank", "/v1/rerank", "/v2/rerank",
+    "/invocations", "/api/chat", "/api/generate", "/api/embed", "/api/embeddings"))
+
+
+def _add_sleep_routes(app: FastAPI, engine: Any) -> None:
+    """vLLM's sleep-mode routes (``--enable-sleep-mode``): ``POST /sleep?level=1|2``, ``POST
+    /wake_up[?tags=weights&tags=kv_cache]``, ``GET /is_sleeping`` -> ``{"is_sleeping": bool}``;
+    while asleep the generation routes (``SLEEP_PROTECTED_PATHS``) answer 503."""
+    from pagedllm.worker.sleep import EngineSleepingError, check_level, check_tags
+
+    @app.middleware("http")
+    async def sleeping_guard(request: Request, call_next):
+        if request.method == "POST" and request.url.path in SLEEP_PROTECTED_PATHS and engine.sleeping:
+            return error_response(str(EngineSleepingError()), 503)
+        return await call_next(request)
+
+    @app.post("/sleep")
+    async def sleep(raw_request: Request):
+        q = raw_request.query_params
+        try:
+            level = check_level(q.get("level", "1"))
+        except ValueError as e:
+            raise OpenAIError(str(e), 400, "level") from None
+        mode = q.get("mode", "abort")
+        if mode != "abort":
+            raise OpenAIError(f"mode: only 'abort' (vLLM's default) is supported, got {mode!r}", 400, "mode")
+        # NOTE: requests in flight end now (streams with finish_reason "abort", others 503).
+        await app.state.abort_all()
+        await engine.sleep(level)
+        return Response(status_code=200)
+
+    @app.post("/wake_up")
+    async def wake_up(raw_request: Request):
+        tags = raw_request.query_params.getlist("tags") or None
+        try:
+            tags = check_tags(tags) if tags is not None else None
+        except ValueError as e:
+            raise OpenAIError(str(e), 400, "tags") from None
+        await engine.wake_up(tags)
+        return Response(status_code=200)
+
+    @app.get("/is_sleeping")
+    async def is_sleeping():
+        return JSONResponse({"is_sleeping": await engine.is_sleeping()})
+
+
 # ------------------------------------------------------------------------------------------
 # run_server
 # ------------------------------------------------------------------------------------------
@@ -388,6 +441,8 @@ def run_server(args: argparse.Namespace, sock: Optional[socket.socket] = None) -
         args.structured_outputs_config = cfg
     try:
         engine_args = engine_args_from_namespace(args)
+        if engine_args.enable_sleep_mode and engine_args.data_parallel_size > 1:
+            raise ValueError("--enable-sleep-mode: not supported with --data-parallel-size > 1 yet")
         if engine_args.data_parallel_size > 1:
             from pagedllm.engine.dp_async_llm import DPAsyncLLM
             engine = DPAsyncLLM.from_engine_args(engine_args)

@@ -367,6 +367,11 @@ def add_serve_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                    help="torch intra-op threads for the engine (default: PAGEDLLM_NUM_THREADS or OMP_NUM_THREADS if set, else all cores; on a host shared with other CPU-busy processes use fewer: an OpenMP team that loses a core slows sharply).")
     g.add_argument("--enforce-eager", action="store_true",
                    help="Never use CUDA graphs.")
+    g.add_argument("--enable-sleep-mode", action="store_true", default=None,
+                   help="Serve POST /sleep?level=1|2, POST /wake_up and GET /is_sleeping (vLLM's sleep "
+                        "mode: level 1 drops the KV cache and moves the weights to a temporary file, "
+                        "level 2 drops both and reloads the checkpoint on wake; resident memory goes "
+                        "back to the OS). Off by default.")
     g.add_argument("--batch-invariant", action="store_true", default=None,
                    help="Outputs (greedy tokens, logits, logprobs) independent of batch composition, "
                         "chunked-prefill splits, prefix-cache hits and preemption, at a throughput cost "

@@ -177,6 +177,13 @@ def install_exception_handlers(app: FastAPI) -> None:
         return JSONResponse(error_body(detail, exc.status_code), status_code=exc.status_code,
                             headers=getattr(exc, "headers", None))
 
+    from pagedllm.worker.sleep import EngineSleepingError
+
+    @app.exception_handler(EngineSleepingError)
+    async def _sleeping(_: Request, exc: EngineSleepingError):
+        # vLLM's answer to a generation request while the model sleeps.
+        return error_response(str(exc), 503)
+
     @app.exception_handler(NotImplementedError)
     async def _not_implemented(_: Request, exc: NotImplementedError):
         return error_response(str(exc) or "Not implemented", 501)

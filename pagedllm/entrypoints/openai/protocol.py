@@ -190,6 +190,7 @@ class _SamplingFields(OpenAIBaseModel):
 
     # vLLM extra sampling fields
     use_beam_search: bool = False
+    length_penalty: float = 1.0
     top_k: Optional[int] = None
     min_p: Optional[float] = None
     repetition_penalty: Optional[float] = None
@@ -219,8 +220,6 @@ class _SamplingFields(OpenAIBaseModel):
             raise ValueError("`prompt_logprobs` are not available when `stream=True`.")
         if self.prompt_logprobs is not None and self.prompt_logprobs < 0:
             raise ValueError("`prompt_logprobs` must be a positive value.")
-        if self.use_beam_search:
-            raise ValueError("`use_beam_search` is not supported.")
         if isinstance(self.n, int) and self.n > MAX_N:
             raise ValueError(f"n must be at most {MAX_N}, got {self.n}.")
         if self.best_of is not None and self.best_of != self.n:

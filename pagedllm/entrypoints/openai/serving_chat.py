@@ -194,7 +194,11 @@ class OpenAIServingChat(OpenAIServing):
         self.log_request(request_id, pp.prompt, ids, engine_request.sampling_params)
         rids = [request_id]
         try:
-            merged = await self.start([engine_request], prime=bool(request.stream))
+            if request.use_beam_search:  # vLLM's extra field: n is the beam width
+                merged = await self.start_beam_search([engine_request], request.length_penalty,
+                                                      prime=bool(request.stream))
+            else:
+                merged = await self.start([engine_request], prime=bool(request.stream))
         except ValueError as e:
             raise value_error_to_openai(e) from e
         if request.stream:

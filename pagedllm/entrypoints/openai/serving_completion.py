@@ -199,7 +199,11 @@ class OpenAIServingCompletion(OpenAIServing):
             prompt_texts.append("" if embeds else text if text is not None else self.tokenizer.decode(ids))
 
         try:
-            merged = await self.start(engine_requests, prime=bool(request.stream))
+            if request.use_beam_search:  # vLLM's extra field: n is the beam width
+                merged = await self.start_beam_search(engine_requests, request.length_penalty,
+                                                      prime=bool(request.stream))
+            else:
+                merged = await self.start(engine_requests, prime=bool(request.stream))
         except ValueError as e:
             raise value_error_to_openai(e) from e
 

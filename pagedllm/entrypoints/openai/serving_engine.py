@@ -387,6 +387,106 @@ class OpenAIServing:
             raise
         return merged
 
+    async def start_beam_search(self, requests: list[EngineCoreRequest], length_penalty: float,
+                                prime: bool = True) -> MergedGenerators:
+        """``start`` for ``use_beam_search`` (vLLM's online beam search): each processed request
+        (its ``n`` is the beam width; ``max_tokens``, ``temperature``, ``ignore_eos``,
+        ``include_stop_str_in_output`` as given) runs as a beam search (``pagedllm.beam_search``)
+        whose one output, yielded when it ends, holds the ``n`` best beams, best first.
+
+        Raises:
+            OpenAIError: 400 for a beam width over what ``max_logprobs`` allows, or structured
+                outputs (not combined with beam search here).
+        """
+        from pagedllm.beam_search import beam_width_error
+        from pagedllm.sampling_params import BeamSearchParams
+
+        searches = []
+        for r in requests:
+            sp = r.sampling_params
+            if getattr(sp, "structured_outputs", None) is not None:
+                raise OpenAIError("use_beam_search: structured outputs (response_format, guided_*, forced "
+                                  "tool calls) cannot be combined with beam search", 400, "use_beam_search")
+            try:
+                params = BeamSearchParams(beam_width=sp.n, max_tokens=sp.max_tokens, ignore_eos=sp.ignore_eos,
+                                          temperature=sp.temperature, length_penalty=length_penalty,
+                                          include_stop_str_in_output=sp.include_stop_str_in_output)
+            except ValueError as e:
+                raise OpenAIError(str(e).replace("beam_width", "n"), 400,
+                                  "length_penalty" if "length_penalty" in str(e) else "n") from None
+            msg = beam_width_error(params, int(getattr(self.input_processor, "max_logprobs", 20)))
+            if msg:
+                raise OpenAIError(msg.replace("beam_width", "n"), 400, "n")
+            searches.append((r, params))
+        merged = MergedGenerators([self._beam_search(r, params) for r, params in searches])
+        ids = [r.request_id for r in requests]
+        self.inflight.update(ids)
+        self.inflight_streams.add(merged)
+        if prime:
+            try:
+                await merged.prime()
+            except BaseException:
+                self.inflight.difference_update(ids)
+                self.inflight_streams.discard(merged)
+                raise
+        return merged
+
+    async def _beam_search(self, request: EngineCoreRequest, params: Any) -> AsyncIterator[Any]:
+        """One prompt's beam search over the engine; yields one final RequestOutput."""
+        from pagedllm.beam_search import BeamSearch, BeamSearchInstance
+        from pagedllm.outputs import CompletionOutput, RequestOutput
+        from pagedllm.sampling_params import RequestOutputKind
+
+        tok = self.tokenizer
+        eos = getattr(tok, "eos_token_id", None)
+        ids = list(request.prompt_token_ids)
+        plen = len(ids)
+        inst = BeamSearchInstance({"prompt_token_ids": ids, "prompt": request.prompt},
+                                  lora_request=request.lora_request, max_new_tokens=params.max_tokens)
+        bs = BeamSearch([inst], params, eos, online=True)
+        sp = bs.step_params()
+        sp.output_kind = RequestOutputKind.FINAL_ONLY
+        live: set[str] = set()
+
+        async def one(rid: str, tokens: list[int]) -> Any:
+            req = self.process_inputs(rid, ProcessedPrompt(None, tokens, getattr(request, "cache_salt", None)),
+                                      sp.clone(), lora_request=request.lora_request,
+                                      priority=int(getattr(request, "priority", 0) or 0))
+            live.add(rid)
+            gen = self.engine.generate(req, req.sampling_params, rid)
+            last = None
+            try:
+                async for out in gen:
+                    last = out
+            finally:
+                live.discard(rid)
+                await gen.aclose()
+            return last
+
+        step = 0
+        try:
+            while True:
+                beams = bs.pending()
+                if not beams:
+                    break
+                outs = await asyncio.gather(*[one(f"{request.request_id}-beam{step}-{i}", b.tokens)
+                                              for i, b in enumerate(beams)])
+                bs.update([o.outputs[0].logprobs[0] if o is not None and o.outputs and o.outputs[0].logprobs
+                           else None for o in outs])
+                step += 1
+        finally:
+            if live:
+                await self.abort_requests(list(live))
+        outputs = []
+        for i, b in enumerate(bs.best(inst)):
+            gen_ids = b.tokens[plen:]
+            text_ids = gen_ids[:-1] if gen_ids and gen_ids[-1] == eos and not params.ignore_eos else gen_ids
+            outputs.append(CompletionOutput(index=i, text=tok.decode(text_ids), token_ids=list(gen_ids),
+                                            cumulative_logprob=b.cum_logprob, logprobs=b.logprobs,
+                                            finish_reason=b.finish_reason or "length", stop_reason=b.stop_reason))
+        yield RequestOutput(request_id=request.request_id, prompt=request.prompt, prompt_token_ids=ids,
+                            prompt_logprobs=None, outputs=outputs, finished=True)
+
     async def abort_requests(self, request_ids: Sequence[str]) -> None:
         for rid in request_ids:
             try:
