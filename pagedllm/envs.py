@@ -76,6 +76,8 @@ ENV_VARS: dict[str, EnvVar] = {v.name: v for v in (
     _v("PAGEDLLM_IDLE_RELEASE_S", "float", 10.0,
        "Idle seconds after which free allocator blocks, free KV pages and glibc's heap go back to the OS "
        "(0 = never)."),
+    _v("PAGEDLLM_SLEEP_DIR", "str", None,
+       "Directory of the temporary file level-1 sleep writes the weights to (default: TMPDIR, else /tmp)."),
     _v("PAGEDLLM_CPU_ALLOCATOR", "bool", True, "0 keeps torch's CPU allocator instead of pagedllm's caching one."),
     _v("PAGEDLLM_CPU_ALLOCATOR_CACHE", "bytes", 1 << 30,
        "Most free blocks the caching CPU allocator keeps mapped (e.g. 512MiB)."),

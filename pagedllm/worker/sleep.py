@@ -32,6 +32,9 @@ from typing import Any, Iterable, Optional
 import torch
 from torch import nn
 
+from pagedllm import envs
+
+
 class EngineSleepingError(RuntimeError):
     """A request reached an engine that is asleep (the server answers 503, as vLLM does)."""
 
@@ -219,7 +222,7 @@ def offload(modules: Iterable[nn.Module], level: int, extra: Iterable[torch.Tens
         g.tensors.append((t, t.storage_offset(), tuple(t.shape), tuple(t.stride())))
     state = WeightSleep(level=level)
     if level == 1:
-        d = os.environ.get("PAGEDLLM_SLEEP_DIR") or None
+        d = envs.get("PAGEDLLM_SLEEP_DIR")
         f = tempfile.TemporaryFile(dir=d, prefix="pagedllm-sleep-")
         try:
             pos = 0

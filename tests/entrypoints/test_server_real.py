@@ -244,6 +244,20 @@ def test_tokenize_detokenize_metrics(server):
     assert _metric(base, "pagedllm:generation_tokens_total") > 0
 
 
+def test_use_beam_search_ranked_choices(server):
+    """vLLM's use_beam_search on the real model: n choices, distinct, ranked by cumulative logprob
+    (ignore_eos and a fixed length: the length penalty cannot reorder them)."""
+    body = {"model": MODEL, "prompt": "The capital of France is", "use_beam_search": True, "n": 3,
+            "max_tokens": 6, "temperature": 0, "ignore_eos": True, "logprobs": 1}
+    r = httpx.post(server[0] + "/v1/completions", json=body, headers=_h(), timeout=120)
+    assert r.status_code == 200, r.text
+    ch = r.json()["choices"]
+    assert len(ch) == 3 and len({c["text"] for c in ch}) == 3
+    cums = [sum(c["logprobs"]["token_logprobs"]) for c in ch]
+    assert all(len(c["logprobs"]["token_logprobs"]) == 6 for c in ch)
+    assert cums == sorted(cums, reverse=True)
+
+
 def test_sigterm_aborts_streams_and_exits_zero(server):
     base, proc = server
     finishes = []
@@ -275,17 +289,3 @@ def test_sigterm_aborts_streams_and_exits_zero(server):
     err = r.json()["error"]
     assert err["code"] == 503 and err["type"] == "ServiceUnavailableError" and "shutting down" in err["message"]
     assert proc.wait(timeout=30) == 0
-
-
-def test_use_beam_search_ranked_choices(server):
-    """vLLM's use_beam_search on the real model: n choices, distinct, ranked by cumulative logprob
-    (ignore_eos and a fixed length: the length penalty cannot reorder them)."""
-    body = {"model": MODEL, "prompt": "The capital of France is", "use_beam_search": True, "n": 3,
-            "max_tokens": 6, "temperature": 0, "ignore_eos": True, "logprobs": 1}
-    r = httpx.post(server[0] + "/v1/completions", json=body, headers=_h(), timeout=120)
-    assert r.status_code == 200, r.text
-    ch = r.json()["choices"]
-    assert len(ch) == 3 and len({c["text"] for c in ch}) == 3
-    cums = [sum(c["logprobs"]["token_logprobs"]) for c in ch]
-    assert all(len(c["logprobs"]["token_logprobs"]) == 6 for c in ch)
-    assert cums == sorted(cums, reverse=True)
