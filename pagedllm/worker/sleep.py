@@ -24,7 +24,6 @@ made on wake, so views of it held outside the modules keep the old memory alive 
 """
 from __future__ import annotations
 
-import os
 import tempfile
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Optional
