@@ -64,12 +64,14 @@ def write_tiny_gemma3(d: str, seed: int = 0) -> str:
                            num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=512,
                            sliding_window=8, query_pre_attn_scalar=16,
                            layer_types=["sliding_attention", "full_attention", "sliding_attention", "full_attention"],
-                           bos_token_id=1, eos_token_id=2, pad_token_id=0)
+                           bos_token_id=1, eos_token_id=2, pad_token_id=0, tie_word_embeddings=False)
     model = Gemma3ForCausalLM(cfg).float().eval()
     with torch.no_grad():
         for n, p in model.named_parameters():
             if p.dim() > 1:
-                p.normal_(0, 0.15 if "embed" in n else 0.1)
+                # NOTE: an untied head and small layer weights: varied continuations with some
+                # repeats (a tied random Gemma repeats one token forever).
+                p.normal_(0, 1.0 if "embed" in n else (0.25 if "lm_head" in n else 0.1))
     model.save_pretrained(d)
     tiny_tokenizer().save_pretrained(d)
     return d
@@ -179,3 +181,118 @@ def write_eagle3_head(d: str, target_dir: str, seed: int = 0, **kw) -> str:
 
     cfg = eagle3_head_config(AutoConfig.from_pretrained(target_dir), **kw)
     return _save_head(d, eagle3_head_weights(cfg, seed), cfg)
+
+
+# ------------------------------------------------------------------ training a drafter in a test
+def target_features(model, seqs: list[list[int]], block_size: int = 16):
+    """Run the pagedllm ``model`` (a CausalLM) over each token sequence as one prefill with a
+    paged cache; returns per sequence ``(hidden [N, H], K, V)`` with K/V per layer dense
+    ``[N, Hkv, D]`` float32: exactly what the engine's cache holds and what the runner feeds the
+    proposer."""
+    from pagedllm.attention.backend import ForwardContext, set_forward_context
+    from pagedllm.attention.torch_paged import TorchPagedAttention, build_metadata
+    from pagedllm.spec_decode.mtp import gather_paged_kv
+
+    layers, nkv, hd = model.get_kv_cache_spec()
+    out = []
+    for s in seqs:
+        nb = -(-len(s) // block_size)
+        caches = [torch.zeros(nb + 1, 2, block_size, nkv, hd) for _ in range(layers)]
+        blocks = list(range(1, nb + 1))
+        meta = build_metadata([(0, len(s), blocks)], block_size)
+        with torch.inference_mode(), set_forward_context(ForwardContext(meta, caches, TorchPagedAttention())):
+            h = model(torch.tensor(s), torch.arange(len(s)))
+        bt = torch.tensor([blocks])
+        kv = [gather_paged_kv(c, bt, len(s)) for c in caches]
+        out.append((h.clone(), [k[0].clone() for k, _ in kv], [v[0].clone() for _, v in kv]))
+    return out
+
+
+def _rope(x, pos, theta):
+    d = x.shape[-1]
+    inv = 1.0 / theta ** (torch.arange(0, d, 2).float() / d)
+    f = pos.float()[:, None] * inv[None]
+    emb = torch.cat([f, f], -1)
+    cos, sin = emb.cos()[:, None], emb.sin()[:, None]
+    x1, x2 = x.chunk(2, -1)
+    return x * cos + torch.cat([-x2, x1], -1) * sin
+
+
+def _grms(x, w, eps=1e-6):
+    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * (1 + w)
+
+
+def mtp_train_forward(W: dict, cfg: dict, kv_layers: list[int], emb_in, h, K, V, qpos):
+    """Differentiable MTP step for ``M`` queries of one sequence (mirrors ``MTPHead``):
+    ``emb_in [M, Hb]`` the target's scaled embedding of the input token, ``h [M, Hb]``,
+    ``K/V`` per target layer ``[N, Hkv, D]``, ``qpos int64 [M]`` the query positions (keys
+    ``< qpos``). Returns ``(logits [M, V], h_next [M, Hb])``."""
+    t = cfg["text_config"]
+    nh, nkv, hd = t["num_attention_heads"], t["num_key_value_heads"], t["head_dim"]
+    rp = t["rope_parameters"]
+    x = torch.cat([emb_in, h], -1) @ W["pre_projection.weight"].T
+    M, N = x.shape[0], K[0].shape[0]
+    keys = torch.arange(N)
+    for i, (lt, kvl) in enumerate(zip(t["layer_types"], kv_layers)):
+        p = f"model.layers.{i}."
+        theta = (rp[lt] if lt in rp else rp)["rope_theta"]
+        a = _grms(x, W[p + "input_layernorm.weight"])
+        q = _grms((a @ W[p + "self_attn.q_proj.weight"].T).view(M, nh, hd), W[p + "self_attn.q_norm.weight"])
+        q = _rope(q, qpos, theta)
+        k = K[kvl].repeat_interleave(nh // nkv, 1)
+        v = V[kvl].repeat_interleave(nh // nkv, 1)
+        s = torch.einsum("mhd,nhd->mhn", q, k) * t["query_pre_attn_scalar"] ** -0.5
+        valid = keys[None] < qpos[:, None]
+        if lt == "sliding_attention":
+            valid &= keys[None] > (qpos - t["sliding_window"])[:, None]
+        s = s.masked_fill(~valid[:, None], float("-inf"))
+        o = torch.einsum("mhn,nhd->mhd", s.softmax(-1), v).reshape(M, nh * hd) @ W[p + "self_attn.o_proj.weight"].T
+        x = x + _grms(o, W[p + "post_attention_layernorm.weight"])
+        m = _grms(x, W[p + "pre_feedforward_layernorm.weight"])
+        m = (torch.nn.functional.gelu(m @ W[p + "mlp.gate_proj.weight"].T, approximate="tanh")
+             * (m @ W[p + "mlp.up_proj.weight"].T)) @ W[p + "mlp.down_proj.weight"].T
+        x = x + _grms(m, W[p + "post_feedforward_layernorm.weight"])
+    normed = _grms(x, W["model.norm.weight"])
+    return normed @ W["model.embed_tokens.weight"].T, normed @ W["post_projection.weight"].T
+
+
+def train_mtp_head(d: str, target_dir: str, model, seqs: list[list[int]], prompt_lens: list[int],
+                   steps: int = 300, k: int = 2, seed: int = 0, **cfg_kw) -> str:
+    """Train a random MTP drafter for ``steps`` Adam steps on the target's own sequences (prompt +
+    greedy continuation): draft ``j`` (teacher-forced input, fed-back hidden) at query position
+    ``c`` learns token ``c + j``, for every ``c`` whose targets are generated tokens. Saves it in
+    the checkpoint layout under ``d``."""
+    from transformers import AutoConfig
+
+    from pagedllm.spec_decode.mtp import default_mtp_kv_layers
+
+    tcfg = AutoConfig.from_pretrained(target_dir)
+    cfg = mtp_head_config(tcfg, **cfg_kw)
+    t = cfg["text_config"]
+    kv_layers = default_mtp_kv_layers(getattr(tcfg, "layer_types", None) or ["full_attention"] *
+                                      tcfg.num_hidden_layers, t["layer_types"])
+    torch.manual_seed(seed)
+    W = {n: v.clone().float().requires_grad_(v.is_floating_point())
+         for n, v in mtp_head_weights(cfg, seed).items()}
+    feats = target_features(model, seqs)
+    emb = model.model.embed_tokens.weight.detach().float()
+    scale = float(getattr(model.model, "embed_scale", torch.tensor(1.0)))
+    data = []
+    for s, P, (h, K, V) in zip(seqs, prompt_lens, feats):
+        ids = torch.tensor(s)
+        c = torch.arange(max(1, P - 1), len(s) - k)  # query positions; token at c is the input
+        data.append((ids, c, h.float(), K, V))
+    opt = torch.optim.Adam([v for v in W.values() if v.requires_grad], lr=3e-3)
+    with torch.enable_grad():
+        for it in range(steps):
+            ids, c, h, K, V = data[it % len(data)]
+            hid, tok = h[c - 1], ids[c]
+            loss = 0.0
+            for j in range(1, k + 1):
+                logits, hid = mtp_train_forward(W, cfg, kv_layers, emb[tok] * scale, hid, K, V, c)
+                loss = loss + torch.nn.functional.cross_entropy(logits, ids[c + j])
+                tok = ids[c + j]  # teacher forcing
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+    return _save_head(d, {n: v.detach() for n, v in W.items()}, cfg)
