@@ -430,7 +430,8 @@ class EngineCore:
             return {}
         out = {"spec_decode_num_drafts": st.num_drafts, "spec_decode_num_draft_tokens": st.num_draft_tokens,
                "spec_decode_num_accepted_tokens": st.num_accepted_tokens,
-               "spec_decode_num_accepted_tokens_per_pos": list(st.num_accepted_tokens_per_pos)}
+               "spec_decode_num_accepted_tokens_per_pos": list(st.num_accepted_tokens_per_pos),
+               "spec_decode_method": self.spec_config.method}
         w = getattr(self.executor, "driver_worker", None)
         sd = getattr(getattr(w, "runner", None), "spec_decoder", None)
         if sd is not None:

@@ -131,3 +131,35 @@ def test_bad_drafter_configs_name_the_field(targets, heads, tmp_path):
     for target, method, head, field in cases:
         with pytest.raises(ValueError, match=field):
             LLM(target, speculative_config=spec(method, head), **KW)
+
+
+@pytest.mark.parametrize("method", ["mtp", "eagle3"])
+def test_acceptance_per_method_in_metrics_and_bench(targets, heads, method):
+    import argparse
+    import re
+
+    from pagedllm.entrypoints.bench import add_latency_parser, run_latency
+    from pagedllm.metrics.prometheus import PrometheusStatLogger
+
+    llm = LLM(targets["gemma3"], speculative_config=spec(method, heads["gemma3", method]), **KW)
+    core = llm.llm_engine.core
+    prom = PrometheusStatLogger("tiny")
+    prom.record(core.get_scheduler_stats(), None)
+    gen(llm, tiny_prompts(4, seed=13), SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True))
+    stats = core.get_scheduler_stats()
+    assert stats["spec_decode_method"] == method
+    prom.record(stats, None)
+    text = prom.render().decode()
+    st = core.scheduler.spec_stats
+    for name, want in (("spec_decode_acceptance_rate", st.acceptance_rate),
+                       ("spec_decode_method_mean_acceptance_length", st.mean_acceptance_length)):
+        m = re.search(rf'^pagedllm:{name}{{.*method="{method}".*}} ([0-9.e+-]+)$', text, re.M)
+        assert m and abs(float(m.group(1)) - want) < 1e-9, name
+    p = argparse.ArgumentParser()
+    add_latency_parser(p.add_subparsers())
+    args = p.parse_args(["latency", targets["gemma3"], "--dtype", "float32", "--num-threads", "1",
+                         "--input-len", "16", "--output-len", "16", "--num-iters", "1",
+                         "--speculative-config", json.dumps(spec(method, heads["gemma3", method]))])
+    res = run_latency(args)
+    assert res["spec_decode_method"] == method and res["spec_decode_num_drafts"] > 0
+    assert 0.0 <= res["spec_decode_acceptance_rate"] <= 1.0 and res["spec_decode_mean_acceptance_length"] >= 1.0
