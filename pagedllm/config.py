@@ -192,6 +192,21 @@ class EngineArgs:
         max_lora_rank: largest adapter rank accepted (vLLM's default 16).
         max_cpu_loras: adapters kept loaded in CPU memory (least recently used evicted and read
             from disk again when needed); None = ``max_loras``; must be >= ``max_loras``.
+        enable_prompt_embeds: accept prompts given as embeddings (``{"prompt_embeds": tensor}``
+            offline, ``prompt_embeds`` on ``/v1/completions``; vLLM's flag); off by default.
+            Generation only, one in-process worker.
+        scheduling_policy: "fcfs" (first come, first served) or "priority" (vLLM's
+            ``--scheduling-policy``): waiting requests run in order of their ``priority`` (lower
+            first, ties by arrival) and preemption takes the lowest-priority running request;
+            with "fcfs" a request's priority must be 0 (``pagedllm.core.scheduler``).
+        otlp_traces_endpoint: OpenTelemetry collector address (vLLM's
+            ``--otlp-traces-endpoint``): one span per request is exported to it over OTLP
+            (``OTEL_EXPORTER_OTLP_TRACES_PROTOCOL`` "http/protobuf", the default, or "grpc"); needs
+            ``opentelemetry-sdk`` and an OTLP exporter package (``pagedllm.tracing``). None = off.
+        kv_events_config: KV cache events (vLLM's ``--kv-events-config``, its ``KVEventsConfig``
+            fields: a dict, a JSON object string or a ``pagedllm.kv_events.KVEventsConfig``):
+            BlockStored / BlockRemoved / AllBlocksCleared of the prefix cache published over ZMQ
+            (``pagedllm.kv_events``). None = off.
     """
 
     model: str = "SmolLM2-135M-Instruct"
@@ -242,6 +257,10 @@ class EngineArgs:
     max_loras: int = 1
     max_lora_rank: int = 16
     max_cpu_loras: Optional[int] = None
+    enable_prompt_embeds: bool = False
+    scheduling_policy: str = "fcfs"
+    otlp_traces_endpoint: Optional[str] = None
+    kv_events_config: Optional[Any] = None
 
     def __post_init__(self) -> None:
         # NOTE: "auto" (vLLM's spelling, also -1) = the model's context length capped by what the

@@ -18,6 +18,14 @@ of free block; a block is in exactly one of them while its ``ref_cnt`` is 0:
 * cached: committed and findable by hash, least recently freed at the head (LRU eviction);
 * uncommitted: never written since start-up or since its pages were given back.
 
+KV cache events (``--kv-events-config``): with ``enable_kv_cache_events`` the pool records, in
+``kv_events``, each hash registered (``("stored", [hash, ...], parent_hash | None, token_ids,
+block_size, lora_id, lora_name)``, one entry per contiguous run of newly registered blocks of
+one request), each hash dropped from the map (``("removed", [hash, ...])``: an evicted cached
+block, or one whose pages were given back) and each successful reset (``("cleared",)``).
+``take_kv_events()`` hands them over (the engine core publishes them after every step), so the
+list holds at most one step's events.
+
 ``get_new_blocks`` takes, for each block: a plain one; else the LRU cached one if more than
 ``max_free_cached_blocks`` cached blocks are free; else an uncommitted one; else the LRU cached
 one. A freed block keeps its hash and stays findable in the hash map until it is taken again
@@ -27,7 +35,7 @@ O(1).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Iterable, Optional
+from typing import Any, Iterable, Optional
 
 from pagedllm.core.kv_cache_utils import BlockHash
 
@@ -79,7 +87,7 @@ class FreeKVCacheBlockQueue:
 
     def popleft(self) -> KVCacheBlock:
         block = self._head.next_free_block
-        if block is self._tail:
+        if block is None or block is self._tail:
             raise ValueError("no free blocks")
         self.remove(block)
         return block
@@ -95,6 +103,7 @@ class FreeKVCacheBlockQueue:
 
     def append(self, block: KVCacheBlock) -> None:
         last = self._tail.prev_free_block
+        assert last is not None, "the free list's tail sentinel lost its link"
         last.next_free_block = block
         block.prev_free_block = last
         block.next_free_block = self._tail
@@ -103,9 +112,9 @@ class FreeKVCacheBlockQueue:
 
     def get_all_free_blocks(self) -> list[KVCacheBlock]:
         """Free blocks head (next evicted) to tail."""
-        out = []
+        out: list[KVCacheBlock] = []
         b = self._head.next_free_block
-        while b is not self._tail:
+        while b is not None and b is not self._tail:
             out.append(b)
             b = b.next_free_block
         return out
@@ -185,6 +194,24 @@ class BlockPool:
         self.num_released_blocks_total = 0
         self.cached_block_hash_to_block: dict[BlockHash, KVCacheBlock] = {}
         self.prefix_cache_stats = PrefixCacheStats()
+        #: KV cache events since the last ``take_kv_events`` (None = not recorded).
+        self.kv_events: Optional[list[tuple]] = None
+        self.kv_event_block_size = 0
+
+    def enable_kv_events(self, block_size: int) -> None:
+        """Start recording KV cache events (see the module docstring); ``block_size``: tokens per
+        block (the token ids of a "stored" event)."""
+        self.kv_event_block_size = block_size
+        if self.kv_events is None:
+            self.kv_events = []
+
+    def take_kv_events(self) -> list[tuple]:
+        """The events recorded since the last call (oldest first); [] when not recording."""
+        ev = self.kv_events
+        if not ev:
+            return []
+        self.kv_events = []
+        return ev
 
     @property
     def num_usable_blocks(self) -> int:
@@ -249,6 +276,12 @@ class BlockPool:
         block.block_hash = None
         if self.cached_block_hash_to_block.get(h) is block:
             del self.cached_block_hash_to_block[h]
+            if self.kv_events is not None:
+                ev = self.kv_events
+                if ev and ev[-1][0] == "removed":
+                    ev[-1][1].append(h)  # one event per run of evictions
+                else:
+                    ev.append(("removed", [h]))
         return True
 
     def touch(self, blocks: Iterable[KVCacheBlock]) -> None:
@@ -275,6 +308,7 @@ class BlockPool:
         block_hashes: list[BlockHash],
         num_cached_blocks: int,
         num_full_blocks: int,
+        request: Any = None,
     ) -> None:
         """Register ``blocks[num_cached_blocks:num_full_blocks]`` (held by a request) under
         their hashes.
@@ -282,10 +316,14 @@ class BlockPool:
         If another block already holds the same hash (two requests computed the same
         prefix concurrently), the existing one stays in the map and the new block stays
         unhashed (it is freed as a plain block).
+
+        ``request`` (its ``all_token_ids``, ``lora_request``) feeds the "stored" KV events
+        when they are recorded (``enable_kv_events``).
         """
         if not self.enable_caching or num_full_blocks <= num_cached_blocks:
             return
         assert len(block_hashes) >= num_full_blocks, (len(block_hashes), num_full_blocks)
+        stored: Optional[list[int]] = [] if self.kv_events is not None and request is not None else None
         for i in range(num_cached_blocks, num_full_blocks):
             block = blocks[i]
             if block.block_hash is not None or block.is_null:
@@ -296,6 +334,31 @@ class BlockPool:
                 continue
             block.block_hash = h
             self.cached_block_hash_to_block[h] = block
+            if stored is not None:
+                stored.append(i)
+        if stored:
+            self._record_stored(stored, block_hashes, request)
+
+    def _record_stored(self, indices: list[int], block_hashes: list[BlockHash], request: Any) -> None:
+        """One "stored" event per contiguous run of newly registered block indices."""
+        tokens = request.all_token_ids
+        lora = getattr(request, "lora_request", None)
+        lora_id = lora.lora_int_id if lora is not None else None
+        lora_name = lora.lora_name if lora is not None else None
+        bs = self.kv_event_block_size
+        events = self.kv_events
+        assert events is not None
+        run = [indices[0]]
+        for i in indices[1:] + [None]:
+            if i is not None and i == run[-1] + 1:
+                run.append(i)
+                continue
+            first, last = run[0], run[-1]
+            events.append((
+                "stored", [block_hashes[j] for j in run], block_hashes[first - 1] if first > 0 else None,
+                list(tokens[first * bs:(last + 1) * bs]), bs, lora_id, lora_name))
+            if i is not None:
+                run = [i]
 
     def reset_prefix_cache(self) -> bool:
         """Forget every cached hash. Only allowed when no block is in use; returns success."""
@@ -308,6 +371,8 @@ class BlockPool:
         for block in self.blocks:
             block.block_hash = None
         self.cached_block_hash_to_block.clear()
+        if self.kv_events is not None:
+            self.kv_events.append(("cleared",))
         # NOTE: stats stay monotonic totals (metrics take deltas of them).
         return True
 

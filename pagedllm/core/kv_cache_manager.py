@@ -192,7 +192,8 @@ class KVCacheManager:
         num_cached = self.num_cached_block[req_id]
         if num_full > num_cached:
             update_block_hashes(request, self.block_size, self.hash_fn, self.root_hash)
-            self.block_pool.cache_full_blocks(req_blocks, request.block_hashes, num_cached, num_full)
+            self.block_pool.cache_full_blocks(req_blocks, request.block_hashes, num_cached, num_full,
+                                              request)
             self.num_cached_block[req_id] = num_full
         return new_blocks
 

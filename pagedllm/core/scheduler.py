@@ -3,10 +3,16 @@
 Every request has ``num_tokens`` (prompt + output) and ``num_computed_tokens``; each
 ``schedule()`` spends up to ``max_num_batched_tokens`` tokens (and at most
 ``max_num_seqs`` running requests) letting the second catch up with the first:
-running requests first (in admission order), then waiting ones (FCFS). A decode is
+running requests first (in admission order), then waiting ones. A decode is
 the one-token case, a chunked prefill a request that still needs many. When a
-running request cannot get blocks, the newest running request is preempted (blocks
+running request cannot get blocks, a running request is preempted (blocks
 freed, recomputed later from scratch — prompt and output so far).
+
+Scheduling policy (vLLM's ``--scheduling-policy``): "fcfs" admits waiting requests in arrival
+order and preempts the newest running request; "priority" keeps the waiting queue ordered by
+``(Request.priority, arrival_time)`` (lower value first, ties in arrival order) and preempts the
+running request with the largest ``(priority, arrival_time)`` (the lowest priority, latest
+arrival); a preempted request goes back to the waiting queue at its place in that order.
 
 ``num_computed_tokens`` is advanced at the end of ``schedule()`` (as vLLM v1 does):
 the scheduled tokens count as computed as soon as they are handed to the runner.
@@ -26,7 +32,6 @@ a grammar that has ended finishes the request ("stop").
 from __future__ import annotations
 
 import logging
-import os
 import time
 from collections import deque
 from typing import Any, Iterable, Optional
@@ -36,8 +41,17 @@ from pagedllm.core.request import Request, RequestStatus
 from pagedllm.core.sched_output import (EngineCoreOutput, ModelRunnerOutput, ScheduledRequest,
                                         SchedulerOutput)
 from pagedllm.core.spec_decode_stats import SpecDecodingStats
+from pagedllm import envs
 
 logger = logging.getLogger("pagedllm")
+
+#: ``--scheduling-policy`` values (vLLM's).
+SCHEDULING_POLICIES = ("fcfs", "priority")
+
+
+def _priority_key(req: Request) -> tuple[int, float]:
+    """Order of the priority policy: lower ``priority`` first, then earlier arrival."""
+    return (req.priority, req.arrival_time)
 
 
 class Scheduler:
@@ -72,16 +86,21 @@ class Scheduler:
         num_spec_tokens: int = 0,
         num_lookahead_tokens: int = 0,
         max_loras: int = 0,
+        policy: str = "fcfs",
     ) -> None:
         if max_num_seqs < 1 or max_num_batched_tokens < 1:
             raise ValueError("max_num_seqs and max_num_batched_tokens must be >= 1")
+        if policy not in SCHEDULING_POLICIES:
+            raise ValueError(f"scheduling_policy: expected one of {list(SCHEDULING_POLICIES)}, got {policy!r}")
+        self.policy = policy
+        self._priority = policy == "priority"
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_model_len = max_model_len
         self.kv_cache_manager = kv_cache_manager
         self.long_prefill_token_threshold = long_prefill_token_threshold
         self.max_loras = max_loras
-        self.debug = os.environ.get("PAGEDLLM_DEBUG", "0") == "1" if debug is None else debug
+        self.debug = bool(envs.get("PAGEDLLM_DEBUG")) if debug is None else debug
         self.requests: dict[str, Request] = {}
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
@@ -144,7 +163,21 @@ class Scheduler:
         request.status = (RequestStatus.WAITING if request.structured_output_request is None
                           else RequestStatus.WAITING_FOR_FSM)
         self.requests[request.request_id] = request
-        self.waiting.append(request)
+        if self._priority:
+            self._insert_waiting(request)
+        else:
+            self.waiting.append(request)
+
+    def _insert_waiting(self, request: Request) -> None:
+        """Priority policy: put ``request`` into ``waiting`` after every request whose
+        ``(priority, arrival_time)`` is not larger (so equal keys stay in insertion order).
+        O(len(waiting)) from the back: new arrivals usually belong near the end."""
+        waiting = self.waiting
+        key = _priority_key(request)
+        i = len(waiting)
+        while i > 0 and _priority_key(waiting[i - 1]) > key:
+            i -= 1
+        waiting.insert(i, request)
 
     def finish_requests(self, request_ids: str | Iterable[str], finished_status: RequestStatus) -> None:
         """Finish requests from outside the step (abort, stop string). Frees their blocks.
@@ -181,7 +214,24 @@ class Scheduler:
         request.spec_token_ids = []
         request.num_preemptions += 1
         self.num_preemptions_total += 1
-        self.waiting.appendleft(request)
+        if self._priority:
+            self._insert_waiting(request)
+        else:
+            self.waiting.appendleft(request)
+
+    def _pick_victim(self) -> int:
+        """Index in ``running`` of the request to preempt: the newest (fcfs), or the one with the
+        largest ``(priority, arrival_time)``, the newest admitted among equals (priority)."""
+        running = self.running
+        if not self._priority:
+            return len(running) - 1
+        best = len(running) - 1
+        best_key = _priority_key(running[best])
+        for j in range(best - 1, -1, -1):
+            k = _priority_key(running[j])
+            if k > best_key:
+                best, best_key = j, k
+        return best
 
     def _cap(self, num_new: int) -> int:
         t = self.long_prefill_token_threshold
@@ -199,7 +249,8 @@ class Scheduler:
         order: list[tuple[Request, int, bool]] = []
         preempted: set[str] = set()
 
-        # 1. Running requests, oldest first; preempt the newest when out of blocks.
+        # 1. Running requests, oldest first; preempt (the newest, or the lowest priority) when out
+        # of blocks.
         running = self.running
         i = 0
         while i < len(running) and budget > 0:
@@ -230,19 +281,29 @@ class Scheduler:
                 if mgr.allocate_slots(req, num_new + lookahead) is not None:
                     scheduled = True
                     break
-                victim = running.pop()
+                vi = self._pick_victim()
+                victim = running.pop(vi)
+                if vi < i:
+                    # Priority policy: already scheduled this step; give its tokens back.
+                    for k, (r, n, _) in enumerate(order):
+                        if r is victim:
+                            budget += n
+                            del order[k]
+                            break
+                    i -= 1
                 self._preempt(victim)
                 preempted.add(victim.request_id)
                 if victim is req:
                     scheduled = False
                     break
             if not scheduled:
-                break
+                continue  # running[i] is now the next request (fcfs: none left)
             order.append((req, num_new, False))
             budget -= num_new
             i += 1
 
-        # 2. Waiting requests, FCFS (not in a step that had to preempt: no thrashing).
+        # 2. Waiting requests in queue order: FCFS, or (priority, arrival) (not in a step that had
+        # to preempt: no thrashing).
         if not preempted:
             skipped: list[Request] = []  # grammars still compiling: they keep their place
             # LoRA: adapters of the running set (at most max_loras distinct ones).
@@ -322,6 +383,7 @@ class Scheduler:
                 is_new=is_new,
                 spec_token_ids=spec,
                 lora_request=req.lora_request,
+                prompt_embeds=req.prompt_embeds if start < len(req.prompt_token_ids) else None,
             ))
             req.num_computed_tokens = start + n
             total += n
@@ -355,6 +417,9 @@ class Scheduler:
             assert req.status in (RequestStatus.WAITING, RequestStatus.WAITING_FOR_FSM,
                                   RequestStatus.PREEMPTED), req
             assert req.num_computed_tokens == 0, req
+        if self._priority:
+            keys = [_priority_key(r) for r in self.waiting]
+            assert keys == sorted(keys), "priority policy: waiting queue out of order"
         assert len(self.requests) == len(self.running) + len(self.waiting)
         if self.max_loras:
             assert len(self._running_loras()) <= self.max_loras, (self._running_loras(), self.max_loras)
@@ -408,19 +473,28 @@ class Scheduler:
                 req.num_computed_tokens -= len(spec) - num_accepted
                 if self.spec_stats is not None:
                     self.spec_stats.observe_draft(len(spec), num_accepted)
-            appended: list[int] = []
             if new_ids:
-                for tok in new_ids:
+                if len(new_ids) == 1:  # (the common case: one token, no copy of the list)
+                    tok = new_ids[0]
                     req.output_token_ids.append(tok)
                     req.all_token_ids.append(tok)
-                    appended.append(tok)
-                    if self._check_stop(req):
-                        break
+                    appended = new_ids
+                    self._check_stop(req)
+                else:
+                    appended = []
+                    for tok in new_ids:
+                        req.output_token_ids.append(tok)
+                        req.all_token_ids.append(tok)
+                        appended.append(tok)
+                        if self._check_stop(req):
+                            break
                 sor = req.structured_output_request
                 if sor is not None:
                     self._advance_grammar(req, sor, appended)
             elif not prompt_lps:
                 continue
+            else:
+                appended = []
             lps = all_logprobs.get(req_id) if all_logprobs else None
             if lps is not None:
                 lps = lps[:len(appended)]
@@ -429,15 +503,10 @@ class Scheduler:
             any_finished |= finished
             if not finished and new_ids:
                 req.spec_token_ids = runner_output.spec_token_ids.get(req_id) or []
+            ncached = req.num_cached_tokens
             outputs.append(EngineCoreOutput(
-                req_id=req_id,
-                new_token_ids=appended,
-                new_logprobs=lps,
-                new_prompt_logprobs=prompt_lps,
-                finish_reason=RequestStatus.finish_reason(status) if finished else None,
-                stop_reason=req.stop_reason,
-                num_cached_tokens=max(req.num_cached_tokens, 0),
-            ))
+                req_id, appended, lps, prompt_lps, RequestStatus.finish_reason(status) if finished else None,
+                req.stop_reason, None, ncached if ncached > 0 else 0))
         if any_finished:
             still = []
             for req in self.running:

@@ -29,7 +29,13 @@ class EngineCoreRequest:
             the text of the kept ids.
         cache_salt: optional non-empty string mixed into the first prefix-cache block hash.
         lora_request: the LoRA adapter to apply (None = the base model).
-        priority: scheduling priority (only 0: the scheduler is first-come-first-served).
+        priority: scheduling priority (lower runs first; nonzero only under
+            ``scheduling_policy="priority"``).
+        trace_headers: the W3C trace-context headers (``traceparent``, ``tracestate``) of the
+            HTTP request, the parent of the request's span when tracing is on; None otherwise.
+        prompt_embeds: for a prompt given as embeddings, the ``[len(prompt_token_ids), hidden]``
+            tensor in the model dtype (``prompt_token_ids`` are placeholder zeros then), else None.
+        prompt_embeds_hash: sha256 hex digest of ``prompt_embeds`` (prefix-cache key), or None.
     """
 
     request_id: str
@@ -42,6 +48,9 @@ class EngineCoreRequest:
     cache_salt: Optional[str] = None
     lora_request: Optional[Any] = None
     priority: int = 0
+    trace_headers: Optional[dict] = None
+    prompt_embeds: Optional[Any] = None
+    prompt_embeds_hash: Optional[str] = None
 
     @property
     def params(self) -> Any:

@@ -103,7 +103,10 @@ class IncrementalDetokenizer:
         """
         if not new_token_ids:
             return ""
-        self._ids.extend(map(int, new_token_ids))
+        if type(new_token_ids) is list and len(new_token_ids) == 1 and type(new_token_ids[0]) is int:
+            self._ids.append(new_token_ids[0])  # (the common case: one int per step)
+        else:
+            self._ids.extend(map(int, new_token_ids))
         return self._step(force=False)
 
     def flush(self) -> str:

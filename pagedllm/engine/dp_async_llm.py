@@ -52,7 +52,9 @@ class DPAsyncLLM:
         backend = args.distributed_executor_backend or "mp"
         self.args = args
         self.stat_loggers: list[Any] = []
-        self.replicas: list[Optional[AsyncLLM]] = [None] * n
+        # NOTE: every entry is set once the loop below has built them all (shutdown() skips the
+        # None entries of a failed build); typed as built.
+        self.replicas: list[AsyncLLM] = [None] * n  # type: ignore[list-item]
         errors: list[BaseException] = []
 
         def build(i: int) -> None:
@@ -192,6 +194,15 @@ class DPAsyncLLM:
         out = self.replicas[0].get_memory_stats()
         for r in self.replicas[1:]:
             out["resident_memory_bytes"] += r.engine.core.executor.get_memory_stats().get("resident_memory_bytes", 0)
+        return out
+
+    def get_kv_events_stats(self) -> dict:
+        """The replicas' KV event publishers' counters, summed ({} when events are off); each
+        replica publishes on its own endpoint (the port offset by its rank)."""
+        out: dict = {}
+        for r in self.replicas:
+            for k, v in r.get_kv_events_stats().items():
+                out[k] = out.get(k, 0) + v
         return out
 
     async def check_health(self) -> None:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import logging
 import time
 from collections import OrderedDict, deque
+from concurrent.futures import Future
 from typing import Any, Optional
 
 from pagedllm.config import EngineArgs
@@ -43,6 +44,10 @@ class EngineCore:
             raise ValueError(f"max_num_seqs: must be >= 1, got {args.max_num_seqs}")
         if args.max_num_batched_tokens < 1:
             raise ValueError(f"max_num_batched_tokens: must be >= 1, got {args.max_num_batched_tokens}")
+        from pagedllm.core.scheduler import SCHEDULING_POLICIES
+        if args.scheduling_policy not in SCHEDULING_POLICIES:
+            raise ValueError(f"scheduling_policy: expected one of {list(SCHEDULING_POLICIES)}, "
+                             f"got {args.scheduling_policy!r}")
         for name in ("tensor_parallel_size", "pipeline_parallel_size", "data_parallel_size"):
             if int(getattr(args, name)) < 1:
                 raise ValueError(f"{name}: must be >= 1, got {getattr(args, name)}")
@@ -62,7 +67,23 @@ class EngineCore:
                 raise ValueError("speculative_config: not supported with pipeline_parallel_size > 1")
         if args.enable_lora:
             args.lora_limits()  # NOTE: bad limits fail before any worker starts
+        from pagedllm.kv_events import KVEventsConfig
+        kv_events_cfg = KVEventsConfig.from_any(args.kv_events_config)
+        if kv_events_cfg is not None and kv_events_cfg.enable_kv_cache_events and kv_events_cfg.publisher == "zmq":
+            try:
+                import msgspec  # noqa: F401
+                import zmq  # noqa: F401
+            except ImportError as e:
+                raise ValueError(f"kv_events_config: publisher 'zmq' needs the pyzmq and msgspec packages "
+                                 f"(pip install pyzmq msgspec, or pip install 'pagedllm[kv-events]'): {e}") from None
         executor_cls = Executor.get_class(args)
+        if args.enable_prompt_embeds:
+            if args.runner != "generate":
+                raise ValueError("enable_prompt_embeds: only for runner='generate'")
+            if executor_cls.__name__ != "UniProcExecutor":
+                # NOTE: the embeddings ride on the SchedulerOutput by reference (no codec for them).
+                raise ValueError("enable_prompt_embeds: needs the in-process worker (tensor_parallel_size=1, "
+                                 "pipeline_parallel_size=1, distributed_executor_backend='uni')")
         self.executor = executor_cls(args)
         try:
             self._init_cache(args, t0)
@@ -74,13 +95,28 @@ class EngineCore:
             enable_caching=args.enable_prefix_caching,
             hash_algo=args.prefix_caching_hash_algo, max_model_len=self.max_model_len,
             max_free_cached_blocks=self.kv_prefix_keep_blocks)
+        # KV cache events (--kv-events-config): the block pool records, step() publishes.
+        # NOTE: the config is checked before the model loads (below only the sockets open).
+        self.kv_events = None
+        if kv_events_cfg is not None and kv_events_cfg.enable_kv_cache_events:
+            if not args.enable_prefix_caching:
+                logger.warning("pagedllm: kv_events_config: prefix caching is off, so no block is ever "
+                               "stored and no KV cache event is published")
+            from pagedllm.kv_events import KVEventPublisher
+            try:
+                self.kv_events = KVEventPublisher(kv_events_cfg, args.data_parallel_rank)
+            except BaseException:
+                self.executor.shutdown()
+                raise
+            self.kv_cache_manager.block_pool.enable_kv_events(args.block_size)
         sc = self.spec_config
         self.scheduler = Scheduler(
             max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
             max_model_len=self.max_model_len, kv_cache_manager=self.kv_cache_manager,
-            num_spec_tokens=sc.num_speculative_tokens if sc else 0,
+            num_spec_tokens=(sc.num_speculative_tokens or 0) if sc else 0,
             num_lookahead_tokens=sc.num_lookahead_tokens if sc else 0,
-            max_loras=args.max_loras if args.enable_lora else 0)
+            max_loras=args.max_loras if args.enable_lora else 0,
+            policy=args.scheduling_policy)
         # LoRA: the adapters in the workers' CPU caches, least recently used first (add_lora).
         self.loras: "OrderedDict[int, Any]" = OrderedDict()
         self.max_cpu_loras = args.lora_limits()[2] if args.enable_lora else 0
@@ -215,7 +251,9 @@ class EngineCore:
         return w
 
     def shutdown(self) -> None:
-        """Stop the executor's workers (processes / actors); idempotent."""
+        """Stop the executor's workers (processes / actors) and the KV event publisher; idempotent."""
+        if self.kv_events is not None:
+            self.kv_events.shutdown()
         self.executor.shutdown()
 
     # ------------------------------------------------------------------ requests
@@ -303,7 +341,19 @@ class EngineCore:
         return self.scheduler.has_unfinished_requests()
 
     def step(self) -> list[EngineCoreOutput]:
-        """Schedule, run the model and update request states once."""
+        """Schedule, run the model and update request states once (then publish the step's KV
+        cache events, ``--kv-events-config``)."""
+        out = self._step()
+        if self.kv_events is not None:
+            self.flush_kv_events()
+        return out
+
+    def flush_kv_events(self) -> None:
+        """Hand the block pool's recorded KV cache events to the publisher (one batch)."""
+        if self.kv_events is not None:
+            self.kv_events.publish(self.kv_cache_manager.block_pool.take_kv_events())
+
+    def _step(self) -> list[EngineCoreOutput]:
         if self.batch_queue_size > 1:
             return self._step_with_batch_queue()
         so = self._schedule()
@@ -314,12 +364,14 @@ class EngineCore:
             time.sleep(0.002)
         # NOTE: an empty step too: it returns the outputs of requests finished inside
         # schedule() (a grammar that failed to compile).
+        assert not isinstance(runner_out, Future), "execute_model without non_block returns the output"
         return self.scheduler.update_from_output(so, runner_out or ModelRunnerOutput())
 
     def _schedule(self) -> SchedulerOutput:
         """``scheduler.schedule()`` plus the step's grammar bitmask for constrained rows."""
         so = self.scheduler.schedule()
         if so.structured_output_request_ids:
+            assert self.structured_output_manager is not None, "constrained rows need the manager"
             reqs = self.scheduler.requests
             so.grammar_bitmask = self.structured_output_manager.grammar_bitmask(
                 [reqs[rid].structured_output_request for rid in so.structured_output_request_ids])
@@ -349,7 +401,9 @@ class EngineCore:
         return self.scheduler.update_from_output(so, fut.result())
 
     def reset_prefix_cache(self) -> bool:
-        return self.kv_cache_manager.reset_prefix_cache()
+        ok = self.kv_cache_manager.reset_prefix_cache()
+        self.flush_kv_events()
+        return ok
 
     def get_scheduler_stats(self) -> dict:
         s = self.scheduler
@@ -363,6 +417,7 @@ class EngineCore:
             **(self.structured_output_manager.stats() if self.structured_output_manager else {}),
             **self._spec_decode_stats(),
             **(self._lora_stats() if self.args.enable_lora else {}),
+            **(self.kv_events.stats() if self.kv_events is not None else {}),
         }
 
     def release_idle_memory(self) -> int:
@@ -418,6 +473,7 @@ class EngineCore:
             if i < len(touched) and touched[i][0] <= b:
                 lost.append(b)
         n = pool.mark_uncommitted(lost)
+        self.flush_kv_events()
         logger.debug("pagedllm: gave back the KV pages of %d free blocks (%s)", n,
                      _fmt_bytes(n * self.kv_block_bytes))
         return n
@@ -439,7 +495,8 @@ class EngineCore:
             if "suffix_cached_requests" in ps:
                 out["spec_decode_suffix_cached_requests"] = ps["suffix_cached_requests"]
                 out["spec_decode_suffix_tree_nodes"] = ps["suffix_global_tree_nodes"]
-                out["spec_decode_suffix_cache_capacity"] = self.spec_config.suffix_decoding_max_cached_requests
+                out["spec_decode_suffix_cache_capacity"] = getattr(
+                    self.spec_config, "suffix_decoding_max_cached_requests", None)
         return out
 
     def _lora_stats(self) -> dict:

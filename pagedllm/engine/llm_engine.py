@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import itertools
+import logging
 import time
 from typing import Any, Optional
 
@@ -12,7 +13,8 @@ from pagedllm.engine.core_request import EngineCoreRequest
 from pagedllm.engine.engine_core import EngineCore
 from pagedllm.engine.input_processor import InputProcessor
 from pagedllm.metrics.stats import IterationStats, RequestStateStats
-from pagedllm.outputs import RequestOutput
+
+logger = logging.getLogger("pagedllm")
 
 
 def child_request_id(index: int, parent_id: str) -> str:
@@ -31,6 +33,11 @@ class LLMEngine:
         from pagedllm.engine.output_processor import OutputProcessor
 
         self.args = args
+        # OpenTelemetry (--otlp-traces-endpoint): before the model loads, so a missing SDK fails fast.
+        self.tracer = None
+        if args.otlp_traces_endpoint:
+            from pagedllm.tracing import init_tracer
+            self.tracer = init_tracer(args.otlp_traces_endpoint)
         self.core = EngineCore(args)
         self.tokenizer = self.core.tokenizer
         if args.chat_template:
@@ -40,7 +47,12 @@ class LLMEngine:
         self.pooler = self.core.pooler
         self.input_processor = InputProcessor(self.tokenizer, self.max_model_len, self.vocab_size,
                                               args.max_logprobs, runner=args.runner, pooler=self.pooler,
-                                              eos_token_id=self.core.eos_token_id)
+                                              eos_token_id=self.core.eos_token_id,
+                                              scheduling_policy=args.scheduling_policy)
+        if args.enable_prompt_embeds:
+            hc = self.core.hf_config
+            hc = hc.get_text_config() if hasattr(hc, "get_text_config") else hc
+            self.input_processor.enable_prompt_embeds(int(hc.hidden_size), self.core.dtype)
         self.output_processor = OutputProcessor(self.tokenizer)
         self.default_sampling_params = self._generation_defaults()
         self._ids = itertools.count()
@@ -154,9 +166,12 @@ class LLMEngine:
         if request.lora_request is not None:
             # NOTE: before any state: a bad adapter (or LoRA off) adds nothing
             self.core.ensure_lora(request.lora_request)
+        # NOTE: a prompt given as embeddings has placeholder ids: no detokenizer context from them,
+        # and none reported back (RequestOutput.prompt_token_ids is empty, as vLLM's is None).
+        shown_ids = [] if request.prompt_embeds is not None else request.prompt_token_ids
         if request.pooling_params is not None:
             self.output_processor.add_request(
-                request.request_id, request.prompt, request.prompt_token_ids, request.pooling_params,
+                request.request_id, request.prompt, shown_ids, request.pooling_params,
                 arrival_time=request.arrival_time, queue=queue)
             self._add_core(request.request_id, request, None)
             return
@@ -165,7 +180,7 @@ class LLMEngine:
         rid, params = request.request_id, request.sampling_params
         if params.n == 1:
             self.output_processor.add_request(
-                rid, request.prompt, request.prompt_token_ids, params, None, 0,
+                rid, request.prompt, shown_ids, params, None, 0,
                 arrival_time=request.arrival_time, queue=queue)
             self._add_core(rid, request, params)
             return
@@ -175,7 +190,7 @@ class LLMEngine:
             cid, cp = parent.get_child_info(i)
             kids.append((cid, cp))
             self.output_processor.add_request(
-                cid, request.prompt, request.prompt_token_ids, cp, parent, i,
+                cid, request.prompt, shown_ids, cp, parent, i,
                 arrival_time=request.arrival_time, queue=queue)
         added: list[str] = []
         try:
@@ -195,16 +210,15 @@ class LLMEngine:
         req = Request(rid, request.prompt_token_ids, sampling_params=sampling_params,
                       pooling_params=request.pooling_params, eos_token_id=eos,
                       arrival_time=request.arrival_time, cache_salt=request.cache_salt,
-                      priority=request.priority, lora_request=request.lora_request)
-        if sampling_params is not None and sampling_params.prompt_logprobs is not None:
-            # Prompt logprobs need every prompt position computed: no prefix-cache hits.
-            req.skip_prefix_cache = True
+                      priority=request.priority, lora_request=request.lora_request,
+                      prompt_embeds=request.prompt_embeds, prompt_embeds_hash=request.prompt_embeds_hash)
         try:
             self.core.add_request(req)
         except BaseException:
             self.output_processor.abort_requests([rid])
             raise
-        if self.collect_stats:
+        if self.collect_stats or self.tracer is not None:
+            req.trace_headers = request.trace_headers
             self._req_stats[rid] = (req, RequestStateStats(num_prompt_tokens=len(request.prompt_token_ids)))
 
     def add_pooling_request(self, request_id: str, prompt: Any, pooling_params: Any,
@@ -247,8 +261,11 @@ class LLMEngine:
         return self.core.list_loras()
 
     def shutdown(self) -> None:
-        """Stop the executor's worker processes / actors (idempotent)."""
+        """Stop the executor's worker processes / actors and flush the tracer (idempotent)."""
         self.core.shutdown()
+        if self.tracer is not None:
+            from pagedllm.tracing import shutdown_tracer
+            shutdown_tracer(self.tracer)
 
     def _observe_finished(self, core_ids: list[str], reason: str) -> None:
         now = time.time()
@@ -257,6 +274,25 @@ class LLMEngine:
             if entry is not None:
                 req, st = entry
                 st.observe(self._iter_stats, req.arrival_time, req.first_scheduled_time, now, 0, False, reason)
+                if self.tracer is not None:
+                    self._trace(req, st, now, reason)
+
+    def _trace(self, req: Request, st: RequestStateStats, now: float, reason: Optional[str]) -> None:
+        """Export the finished request's span (``pagedllm.tracing``); a failing exporter never
+        fails the step."""
+        from pagedllm.tracing import record_request_span
+
+        names = self.args.served_model_name
+        model = (names[0] if isinstance(names, (list, tuple)) and names else names) or self.args.model
+        try:
+            record_request_span(
+                self.tracer, request_id=req.request_id, model=str(model), trace_headers=req.trace_headers,
+                sampling_params=req.sampling_params, arrival_time=req.arrival_time,
+                first_scheduled_time=req.first_scheduled_time, first_token_time=st.first_token_time,
+                finish_time=now, num_prompt_tokens=st.num_prompt_tokens,
+                num_generation_tokens=st.num_generation_tokens, finish_reason=reason)
+        except Exception:
+            logger.warning("pagedllm: exporting the span of request %s failed", req.request_id, exc_info=True)
 
     def get_request_state_counts(self) -> dict[str, int]:
         """Entries in every per-request structure the engine keeps, by name.
@@ -321,10 +357,14 @@ class LLMEngine:
                        st.first_token_time is None and len(co.new_token_ids) > 0, co.finish_reason)
             if co.finish_reason is not None:
                 del self._req_stats[co.req_id]
+                if self.tracer is not None:
+                    self._trace(req, st, now, co.finish_reason)
         outputs, to_abort = self.output_processor.process_outputs(core_outputs)
         if to_abort:
             self.core.abort_requests(to_abort, RequestStatus.FINISHED_STOPPED)
             self._observe_finished(to_abort, "stop")
+        if not self.collect_stats and self.tracer is not None:
+            self._iter_stats = IterationStats()  # offline tracing: nobody drains the step metrics
         for o in outputs:
             if o.finished:
                 self._children.pop(o.request_id, None)

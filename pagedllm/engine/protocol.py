@@ -102,6 +102,12 @@ class EngineClient(Protocol):
         """Memory in bytes: resident_memory_bytes (+ the CPU allocator's counters)."""
         ...
 
+    def get_kv_events_stats(self) -> dict:
+        """The KV cache event publisher's counters (``pagedllm.kv_events.KVEventPublisher.stats``:
+        kv_events_queue_batches, kv_events_queue_capacity, kv_events_batches_published_total,
+        kv_events_batches_dropped_total); {} without ``--kv-events-config``."""
+        ...
+
     async def check_health(self) -> None:
         """Raises when the engine is dead."""
         ...

@@ -93,8 +93,8 @@ def sharegpt_like_workload(tokenizer: Any, num_prompts: int = 64, seed: int = 0
 
 
 def _engine_kwargs(args: argparse.Namespace) -> dict:
-    kw = {"dtype": args.dtype, "max_num_seqs": args.max_num_seqs,
-          "max_num_batched_tokens": args.max_num_batched_tokens, "seed": args.seed,
+    kw = {"dtype": args.dtype, "max_num_seqs": args.max_num_seqs or 128,
+          "max_num_batched_tokens": args.max_num_batched_tokens or 2048, "seed": args.seed,
           "enable_prefix_caching": not args.no_enable_prefix_caching}
     if args.num_threads:
         kw["num_threads"] = args.num_threads
@@ -130,9 +130,9 @@ def _common(p: argparse.ArgumentParser) -> None:
                    help="KV cache storage (fp8: 8-bit floats, CPU only)")
     p.add_argument("--num-threads", type=int, default=None,
                    help="torch threads for the engine (default: all cores)")
-    p.add_argument("--max-num-seqs", type=int, default=128, help="max requests per engine step")
-    p.add_argument("--max-num-batched-tokens", type=positive_human_int, default=2048,
-                   help="max tokens per engine step (suffixes as serve: 8k, 8K)")
+    p.add_argument("--max-num-seqs", type=int, default=None, help="max requests per engine step (default: 128)")
+    p.add_argument("--max-num-batched-tokens", type=positive_human_int, default=None,
+                   help="max tokens per engine step (suffixes as serve: 8k, 8K; default: 2048)")
     p.add_argument("--max-model-len", type=positive_human_int, default=None,
                    help="max tokens per request (suffixes as serve: 32k = 32,000, 32K = 32,768; "
                         "default: the model's context length, capped by the KV cache)")
@@ -170,6 +170,14 @@ def add_throughput_parser(sub: argparse._SubParsersAction) -> None:
                    help="run the same requests through transformers generate (batched, left-padded)")
     p.add_argument("--hf-batch-size", type=int, default=16,
                    help="batch size of the transformers comparison")
+    p.add_argument("--null-model", action="store_true",
+                   help="host time per decode step by phase: the real engine, scheduler, sampler, output "
+                        "processor and the model's tokenizer over a model whose forward costs ~nothing "
+                        "(pagedllm.worker.null_model); all requests decode together (max-num-seqs and "
+                        "max-num-batched-tokens default to fit them)")
+    p.add_argument("--null-model-vocab-size", type=int, default=512,
+                   help="logits width of the null model (default 512: the vocabulary-wide sampling "
+                        "kernels are device work, kept small so the report is host work; 0 = the model's)")
 
 
 def add_latency_parser(sub: argparse._SubParsersAction) -> None:
@@ -230,6 +238,8 @@ def _emit(res: dict, args: argparse.Namespace) -> None:
 
 
 def run_throughput(args: argparse.Namespace) -> dict:
+    if getattr(args, "null_model", False):
+        return run_null_model_throughput(args)
     from pagedllm import LLM, SamplingParams
 
     t0 = time.perf_counter()
@@ -282,6 +292,109 @@ def _spec_results(llm: Any, before: Optional[tuple[int, int, int]]) -> dict:
     return {"spec_decode_method": llm.llm_engine.core.spec_config.method, "spec_decode_num_drafts": d,
             "spec_decode_acceptance_rate": a / t if t else 0.0,
             "spec_decode_mean_acceptance_length": 1.0 + a / d if d else 1.0}
+
+
+# The null model's engine: the real tokenizer and config, shrunk to one tiny layer (weights are
+# never read: load_format "dummy"), then the model swapped for a NullModel.
+_NULL_CONFIG = {"num_hidden_layers": 1, "hidden_size": 8, "intermediate_size": 8, "num_attention_heads": 1,
+                "num_key_value_heads": 1, "head_dim": 8, "tie_word_embeddings": True}
+
+
+def build_null_model_llm(model: str, num_prompts: int, max_prompt_len: int, output_len: int,
+                         vocab_size: int = 512, seed: int = 0, **engine_kwargs: Any) -> Any:
+    """An in-process ``LLM`` over :class:`pagedllm.worker.null_model.NullModel`.
+
+    Args:
+        model: whose tokenizer and config (``LLM``'s ``model``).
+        num_prompts, max_prompt_len, output_len: the workload; size ``max_num_seqs``,
+            ``max_num_batched_tokens``, ``max_model_len`` and the KV cache (unless given in
+            ``engine_kwargs``) so that every request is admitted in the first step.
+        vocab_size: logits width (0: the model's; prompts must then use ids below it).
+        seed: engine seed (and the null model's logits table).
+        engine_kwargs: other ``EngineArgs`` fields.
+
+    Returns:
+        the ``LLM`` (its runner's model is the NullModel).
+    """
+    from pagedllm import LLM
+    from pagedllm.worker.null_model import NullModel
+
+    overrides = dict(_NULL_CONFIG)
+    if vocab_size:
+        overrides["vocab_size"] = int(vocab_size)
+    mml = max_prompt_len + output_len + 16
+    kw = {"max_num_seqs": max(num_prompts, 1), "max_num_batched_tokens": max(2048, num_prompts * max_prompt_len),
+          "max_model_len": mml, "dtype": "float32", "enable_prefix_caching": False,
+          # 1 layer x 1 KV head x head_dim 8 x K and V x 4 bytes = 64 bytes a token, + slack blocks
+          "kv_cache_memory": (max(num_prompts, 1) * -(-mml // 16) + 64) * 16 * 64}
+    kw.update({k: v for k, v in engine_kwargs.items() if v is not None})
+    kw.update(load_format="dummy", hf_overrides=overrides, seed=seed, distributed_executor_backend="uni")
+    llm = LLM(model, **kw)
+    core = llm.llm_engine.core
+    V = int(core.vocab_size)
+    null = NullModel(V, seed=seed, token_range=(256, V) if V > 512 // 2 + 1 else None)
+    core.runner.model = null
+    core._driver_worker().model = null
+    return llm
+
+
+def run_null_model_throughput(args: argparse.Namespace) -> dict:
+    """``bench throughput --null-model``: host milliseconds per decode step, by phase.
+
+    Two timed passes over the same greedy requests (prompts re-tokenized into the null
+    vocabulary): one timing whole steps only (``host_ms_per_decode_step``), one timing the
+    phases too (``phases_ms_per_decode_step``, see ``pagedllm.entrypoints.host_time``).
+    """
+    from pagedllm import SamplingParams
+    from pagedllm.entrypoints.host_time import HostTimeProfiler
+
+    if args.num_prompts < 1:
+        raise ValueError(f"--num-prompts: must be >= 1 with --null-model, got {args.num_prompts}")
+    if args.output_len < 2:
+        raise ValueError(f"--output-len: must be >= 2 with --null-model (decode steps follow the first token), got {args.output_len}")
+    if args.null_model_vocab_size < 0:
+        raise ValueError(f"--null-model-vocab-size: must be >= 0, got {args.null_model_vocab_size}")
+    explicit = {"max_num_seqs": args.max_num_seqs, "max_num_batched_tokens": args.max_num_batched_tokens,
+                "num_threads": args.num_threads, "max_model_len": args.max_model_len}
+    t0 = time.perf_counter()
+    llm = build_null_model_llm(args.model, args.num_prompts, args.input_len_max, args.output_len,
+                               args.null_model_vocab_size, args.seed, **explicit)
+    load_s = time.perf_counter() - t0
+    tok = llm.get_tokenizer()
+    V = int(llm.llm_engine.core.vocab_size)
+    prompts = builtin_workload(tok, args.num_prompts, args.input_len_min, args.input_len_max, args.seed)
+    prompts = [[t % V for t in p] for p in prompts]
+    params = SamplingParams(temperature=0.0, max_tokens=args.output_len, ignore_eos=True)
+    inputs = [{"prompt_token_ids": p} for p in prompts]
+    # Warm-up, not timed: the same requests (the first full-size pass grows the input batch,
+    # block pool and allocator caches; it is ~2x slower than the next).
+    llm.generate(inputs, params, use_tqdm=False)
+    res: dict = {"engine": "pagedllm", "model": args.model, "null_model": True, "null_model_vocab_size": V,
+                 "num_requests": len(prompts), "output_len": args.output_len, "startup_s": load_s}
+    texts = None
+    for phases in (False, True):
+        prof = HostTimeProfiler(llm, phases=phases)
+        try:
+            t0 = time.perf_counter()
+            outs = llm.generate(inputs, params, use_tqdm=False)
+            el = time.perf_counter() - t0
+        finally:
+            prof.close()
+        rep = prof.report()
+        got = [o.outputs[0].text for o in outs]
+        if texts is not None and got != texts:
+            raise RuntimeError("null model: the two passes produced different outputs")
+        texts = got
+        if not phases:
+            res.update(host_ms_per_decode_step=rep["host_ms_per_decode_step"],
+                       host_cpu_ms_per_decode_step=rep["host_cpu_ms_per_decode_step"], num_steps=rep["num_steps"],
+                       num_decode_steps=rep["num_decode_steps"],
+                       mean_decode_batch_size=rep["mean_decode_batch_size"], elapsed_s=el,
+                       output_tokens_per_s=sum(len(o.outputs[0].token_ids) for o in outs) / el)
+        else:
+            res["phases_ms_per_decode_step"] = rep["phases_ms_per_decode_step"]
+            res["phased_host_ms_per_decode_step"] = rep["host_ms_per_decode_step"]
+    return res
 
 
 def _transformers_throughput(llm: Any, prompts: list[list[int]], out_lens: list[int],

@@ -56,7 +56,8 @@ class LLM:
         return self.llm_engine.get_default_sampling_params()
 
     def generate(self, prompts: Union[PromptType, Sequence[PromptType]], sampling_params: Any = None,
-                 use_tqdm: bool = True, lora_request: Any = None) -> list[RequestOutput]:
+                 use_tqdm: bool = True, lora_request: Any = None,
+                 priority: Optional[list[int]] = None) -> list[RequestOutput]:
         """Generate completions for ``prompts``, all submitted together (continuous batching).
 
         Args:
@@ -67,12 +68,16 @@ class LLM:
             use_tqdm: show a progress bar.
             lora_request: a ``LoRARequest`` for every prompt, or a list (one per prompt, None for
                 the base model); needs ``enable_lora=True``.
+            priority: one int per prompt (vLLM's): lower values are scheduled first, ties in
+                prompt order; needs ``scheduling_policy="priority"`` unless every value is 0.
+                None = all 0.
 
         Returns:
             one final RequestOutput per prompt, in input order.
 
         Raises:
-            ValueError: an invalid prompt or parameter, LoRA not enabled, or an adapter that
+            ValueError: an invalid prompt or parameter, a ``priority`` list of the wrong length
+                (or a nonzero priority under "fcfs"), LoRA not enabled, or an adapter that
                 cannot be loaded (nothing is run then).
         """
         if isinstance(prompts, (str, dict)):
@@ -80,7 +85,11 @@ class LLM:
         prompts = list(prompts)
         params_list = self._params_list(sampling_params, len(prompts))
         loras = self._lora_list(lora_request, len(prompts))
-        return self._run(list(zip(prompts, params_list, loras)), use_tqdm)
+        if priority is not None and (not isinstance(priority, (list, tuple)) or len(priority) != len(prompts)):
+            got = len(priority) if isinstance(priority, (list, tuple)) else repr(priority)
+            raise ValueError(f"priority: got {got} for {len(prompts)} prompts; give a list with one int "
+                             "per prompt")
+        return self._run(list(zip(prompts, params_list, loras)), use_tqdm, priority)
 
     def chat(self, messages: Union[list[dict], list[list[dict]]], sampling_params: Any = None,
              use_tqdm: bool = True, chat_template: Optional[str] = None, add_generation_prompt: bool = True,
@@ -327,7 +336,8 @@ class LLM:
             return list(lora_request)
         return [lora_request] * n
 
-    def _run(self, items: list[tuple[Any, Any, Any]], use_tqdm: bool) -> list[RequestOutput]:
+    def _run(self, items: list[tuple[Any, Any, Any]], use_tqdm: bool,
+             priority: Optional[Sequence[int]] = None) -> list[RequestOutput]:
         from pagedllm.sampling_params import RequestOutputKind
 
         eng = self.llm_engine
@@ -335,7 +345,8 @@ class LLM:
         requests = []
         for i, (prompt, sp, lr) in enumerate(items):
             try:
-                req = eng.process_inputs(eng.next_request_id(), prompt, sp, lora_request=lr)
+                req = eng.process_inputs(eng.next_request_id(), prompt, sp, lora_request=lr,
+                                         priority=0 if priority is None else priority[i])
             except ValueError as e:
                 raise _at_index(e, i) from None
             req.sampling_params.output_kind = RequestOutputKind.FINAL_ONLY

@@ -18,14 +18,18 @@ gauges     P:num_requests_running, P:num_requests_waiting, P:kv_cache_usage_perc
            P:spec_decode_method_mean_acceptance_length{method} (since start, per method),
            P:lora_requests_info{max_lora, waiting_lora_adapters, running_lora_adapters} (vLLM's
            info gauge: the current time, one series), P:lora_cpu_cache_adapters (adapters loaded;
-           at most P:lora_cpu_cache_capacity); the LoRA ones with --enable-lora only
+           at most P:lora_cpu_cache_capacity); the LoRA ones with --enable-lora only;
+           P:kv_events_queue_batches (KV event batches waiting for the publisher thread; at most
+           P:kv_events_queue_capacity), with --kv-events-config only
 counters   P:prompt_tokens_total, P:generation_tokens_total,
            P:request_success_total{finished_reason}, P:num_preemptions_total,
            P:prefix_cache_queries_total, P:prefix_cache_hits_total,
            P:structured_output_cache_queries_total, P:structured_output_cache_hits_total,
            P:structured_output_compile_failures_total, P:spec_decode_num_drafts_total,
            P:spec_decode_num_draft_tokens_total, P:spec_decode_num_accepted_tokens_total,
-           P:spec_decode_num_accepted_tokens_per_pos_total{position}
+           P:spec_decode_num_accepted_tokens_per_pos_total{position},
+           P:kv_events_batches_published_total, P:kv_events_batches_dropped_total (batches that
+           found the queue full; --kv-events-config only)
 histograms P:time_to_first_token_seconds, P:inter_token_latency_seconds,
            P:e2e_request_latency_seconds, P:request_queue_time_seconds,
            P:request_prefill_time_seconds, P:request_decode_time_seconds,
@@ -224,6 +228,9 @@ class PrometheusStatLogger:
                                          "Most LoRA adapters kept loaded in CPU memory (max_cpu_loras).",
                                          labels, registry=reg).labels(model_name)
         self._init_spec_decode(p, labels, reg)
+        # KV cache events (--kv-events-config); registered on first record_kv_events.
+        self._kv_events: Optional[dict] = None
+        self._kv_events_seen = {"kv_events_batches_published_total": 0, "kv_events_batches_dropped_total": 0}
 
     def _init_spec_decode(self, p: str, labels: list[str], reg: CollectorRegistry) -> None:
         """Speculative decoding counters (vLLM's ``vllm:spec_decode_*`` names) and gauges."""
@@ -356,6 +363,39 @@ class PrometheusStatLogger:
         for key, g in self.gauge_memory.items():
             if key in stats:
                 g.set(stats[key])
+
+    def record_kv_events(self, stats: dict) -> None:
+        """Set the KV-event metrics from ``KVEventPublisher.stats()`` (totals; the counters advance
+        by the difference since the last call). The metrics exist from the first call on."""
+        with self._lock:
+            if self._kv_events is None:
+                p, reg, labels = self.prefix + ":", self.registry, ["model_name"]
+                self._kv_events = {
+                    "kv_events_queue_batches": Gauge(
+                        p + "kv_events_queue_batches", "KV cache event batches waiting for the publisher thread.",
+                        labels, registry=reg).labels(self.model_name),
+                    "kv_events_queue_capacity": Gauge(
+                        p + "kv_events_queue_capacity", "Most KV cache event batches queued "
+                        "(kv_events_config.max_queue_size); a batch beyond it is dropped.",
+                        labels, registry=reg).labels(self.model_name),
+                    "kv_events_batches_published_total": Counter(
+                        p + "kv_events_batches_published", "KV cache event batches sent.",
+                        labels, registry=reg).labels(self.model_name),
+                    "kv_events_batches_dropped_total": Counter(
+                        p + "kv_events_batches_dropped", "KV cache event batches dropped because the "
+                        "queue was full.", labels, registry=reg).labels(self.model_name),
+                }
+            for key, metric in self._kv_events.items():
+                if key not in stats:
+                    continue
+                v = int(stats[key])
+                if key in self._kv_events_seen:
+                    delta = v - self._kv_events_seen[key]
+                    if delta > 0:
+                        metric.inc(delta)
+                    self._kv_events_seen[key] = v
+                else:
+                    metric.set(v)
 
     def record_lora(self, stats: dict) -> None:
         """Set the LoRA gauges from ``get_scheduler_stats()`` (``lora_running_adapters``,

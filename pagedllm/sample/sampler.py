@@ -134,7 +134,7 @@ class Sampler:
         """Step 7: int64 [N] token ids."""
         greedy = None
         if not meta.all_random:
-            greedy = logits.argmax(dim=-1)
+            greedy = row_argmax(logits)
             if meta.all_greedy:
                 return greedy
 
@@ -163,6 +163,28 @@ class Sampler:
 
 
 # ---------------------------------------------------------------------- functions
+# Above this many threads (and this many elements) torch's parallel argmax beats numpy's.
+_NUMPY_ARGMAX_MAX_THREADS = 4
+_NUMPY_ARGMAX_ANY_THREADS_NUMEL = 1 << 18
+
+
+def row_argmax(logits: torch.Tensor) -> torch.Tensor:
+    """int64 ``[N]``: the index of each row's largest value (the first of equal ones; a NaN
+    counts as the largest), as ``logits.argmax(dim=-1)``.
+
+    On the CPU, for float32 rows, numpy's argmax (a vectorised single-thread loop) takes
+    ~1/5-1/8 of torch's here (1 thread, Zen 4: 15 vs 122 us for 256 x 512, 2.2 vs 11.5 ms for
+    256 x 49,152), so it is used there with up to ``_NUMPY_ARGMAX_MAX_THREADS`` torch threads, or
+    for small inputs; torch's elsewhere (CUDA, other dtypes, many threads). Same result either way.
+    """
+    if (logits.device.type == "cpu" and logits.dtype == torch.float32 and logits.dim() == 2
+            and logits.shape[1] > 0 and not logits.requires_grad
+            and (torch.get_num_threads() <= _NUMPY_ARGMAX_MAX_THREADS
+                 or logits.numel() <= _NUMPY_ARGMAX_ANY_THREADS_NUMEL)):
+        return torch.from_numpy(logits.numpy().argmax(axis=-1).astype("int64", copy=False))
+    return logits.argmax(dim=-1)
+
+
 def apply_bad_words(logits: torch.Tensor, bad_words_token_ids: dict[int, list[list[int]]],
                     output_token_ids: list[list[int]]) -> None:
     """Ban (-inf) the last token of each bad-word sequence whose other tokens match the

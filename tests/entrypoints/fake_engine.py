@@ -232,6 +232,9 @@ class FakeAsyncLLM:
         return {"resident_memory_bytes": 3 << 30, "cpu_allocator_cached_bytes": 64 << 20,
                 "cpu_allocator_live_bytes": 2 << 30, "cpu_allocator_cache_limit_bytes": 1 << 30}
 
+    def get_kv_events_stats(self) -> dict:
+        return {}
+
     async def check_health(self) -> None:
         if self.dead:
             raise RuntimeError("engine loop died")

@@ -24,7 +24,7 @@ from fastapi.responses import JSONResponse, Response
 from pagedllm.engine.protocol import EngineClient
 from pagedllm.entrypoints.openai.errors import OpenAIError, error_response, install_exception_handlers
 from pagedllm.entrypoints.openai.protocol import (ChatCompletionRequest, CompletionRequest,
-                                                  DetokenizeRequest, TokenizeChatRequest,
+                                                  DetokenizeRequest, InfillRequest, TokenizeChatRequest,
                                                   TokenizeCompletionRequest)
 from pagedllm.entrypoints.openai.protocol_anthropic import anthropic_error_body
 from pagedllm.entrypoints.openai.protocol_lora import LoadLoRAAdapterRequest, UnloadLoRAAdapterRequest
@@ -69,15 +69,18 @@ def build_app(engine: EngineClient, args: Optional[argparse.Namespace] = None) -
     """The FastAPI app serving ``engine``.
 
     ``args`` (optional, a ``pagedllm serve`` namespace or anything with those attributes):
-    served_model_name, api_key, max_logprobs, chat_template, disable_log_requests,
-    disable_log_stats, enable_request_id_headers (default True), metrics_prefix ("pagedllm").
+    served_model_name, api_key, max_logprobs, chat_template, enable_log_requests,
+    enable_log_outputs, max_log_len, disable_log_stats, enable_request_id_headers (default True), metrics_prefix ("pagedllm").
     """
     get = (lambda name, default=None: getattr(args, name, default) if args is not None else default)
     served = _served_names(engine, args)
     api_key = get("api_key")
     # NOTE: --max-logprobs reaches the engine (EngineArgs.max_logprobs): its input processor checks.
+    # Request logging is off by default (vLLM >= 0.10.2); --disable-log-requests is a deprecated no-op.
     common = dict(chat_template=get("chat_template"),
-                  log_requests=not bool(get("disable_log_requests", False)))
+                  log_requests=bool(get("enable_log_requests", False)),
+                  log_outputs=bool(get("enable_log_outputs", False)),
+                  max_log_len=get("max_log_len"))
 
     serving_completion = OpenAIServingCompletion(engine, served, **common)
     from pagedllm.entrypoints.openai.cli_args import resolve_parsers
@@ -202,6 +205,12 @@ def build_app(engine: EngineClient, args: Optional[argparse.Namespace] = None) -
         _check_generate_runner()
         return await serving_completion.create_completion(request, raw_request)
 
+    @app.post("/infill")
+    async def create_infill(request: InfillRequest, raw_request: Request):
+        # llama.cpp server's fill-in-the-middle route (models whose tokenizer has FIM tokens).
+        _check_generate_runner()
+        return await serving_completion.create_infill(request, raw_request)
+
     @app.post("/v1/chat/completions")
     async def create_chat_completion(request: ChatCompletionRequest, raw_request: Request):
         _check_generate_runner()
@@ -300,6 +309,12 @@ def build_app(engine: EngineClient, args: Optional[argparse.Namespace] = None) -
             prom.record_memory(engine.get_memory_stats())
         except Exception:
             logger.debug("get_memory_stats failed", exc_info=True)
+        try:
+            st = engine.get_kv_events_stats()
+            if st:
+                prom.record_kv_events(st)
+        except Exception:
+            logger.debug("get_kv_events_stats failed", exc_info=True)
         return Response(prom.render(), media_type=prom.content_type)
 
     @app.post("/reset_prefix_cache")

@@ -4,13 +4,13 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-import os
 from dataclasses import dataclass
 from typing import Any, Optional
 
 from pagedllm.config import QUANTIZATION_CHOICES
 from pagedllm.config import parse_bytes as config_parse_bytes
 from pagedllm.entrypoints.cli_utils import FlexibleArgumentParser, port_number, positive_human_int
+from pagedllm import envs
 
 logger = logging.getLogger("pagedllm.entrypoints.openai")
 
@@ -127,7 +127,7 @@ def add_serve_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g.add_argument("--served-model-name", nargs="+", default=None,
                    help="Model name(s) the API reports and accepts in the `model` field "
                         "(default: the model argument). The first one is used in responses.")
-    g.add_argument("--api-key", default=os.environ.get("PAGEDLLM_API_KEY"),
+    g.add_argument("--api-key", default=envs.get("PAGEDLLM_API_KEY"),
                    help="Require `Authorization: Bearer <key>` on /v1 routes (default: the "
                         "PAGEDLLM_API_KEY environment variable; unset = no auth).")
     g.add_argument("--chat-template", default=None,
@@ -136,8 +136,18 @@ def add_serve_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g.add_argument("--uvicorn-log-level", default="info",
                    choices=["critical", "error", "warning", "info", "debug", "trace"],
                    help="uvicorn's log level (default: info).")
+    g.add_argument("--enable-log-requests", action="store_true",
+                   help="Log each received request (its prompt, sampling parameters and prompt length; "
+                        "off by default, as vLLM >= 0.10.2).")
+    g.add_argument("--enable-log-outputs", action="store_true",
+                   help="With --enable-log-requests, also log each finished choice's text, token ids "
+                        "and finish reason.")
+    g.add_argument("--max-log-len", type=int, default=None,
+                   help="Most prompt characters / token ids (and output characters) printed per logged "
+                        "request (default: all).")
     g.add_argument("--disable-log-requests", action="store_true",
-                   help="Do not log each received request.")
+                   help="Deprecated (requests are not logged unless --enable-log-requests is given); "
+                        "accepted and ignored, with a warning.")
     g.add_argument("--disable-log-stats", action="store_true",
                    help="Do not log throughput / scheduler statistics every 5 seconds.")
     g.add_argument("--enable-request-id-headers", action=argparse.BooleanOptionalAction, default=True,
@@ -237,6 +247,10 @@ def add_serve_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g.add_argument("--enable-expert-parallel", action="store_true",
                    help="vLLM's expert-parallel flag; accepted, but every rank still holds all MoE experts "
                         "(tensor parallelism splits attention and dense MLPs only).")
+    g.add_argument("--enable-prompt-embeds", action="store_true", default=None,
+                   help="Accept `prompt_embeds` on /v1/completions: base64 of a torch.save'd float tensor "
+                        "(seq_len, hidden_size) fed to the model in place of the token embeddings (vLLM's "
+                        "flag; default: off, such a request is a 400).")
     g.add_argument("--model-impl", default="auto", choices=["auto", "pagedllm", "transformers"],
                    help="auto: pagedllm's native implementation when the architecture has one, else the "
                         "transformers fallback (slower); pagedllm: native only; transformers: always the fallback.")
@@ -308,6 +322,25 @@ def add_serve_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g.add_argument("--prefix-caching-hash-algo", default="sha256", choices=["sha256", "xxhash"],
                    help="Hash of prefix-cache blocks (default: sha256).")
 
+    g.add_argument("--scheduling-policy", default="fcfs", choices=["fcfs", "priority"],
+                   help="fcfs: requests run in arrival order; priority: by each request's `priority` "
+                        "(lower first, ties by arrival), and preemption takes the lowest-priority running "
+                        "request (vLLM's flag). With fcfs a nonzero `priority` is refused (400).")
+    g.add_argument("--kv-events-config", type=_json_dict, default=None,
+                   help='Publish the prefix cache\'s KV block events over ZeroMQ (vLLM\'s flag and '
+                        'KVEventsConfig JSON), e.g. \'{"enable_kv_cache_events": true, "endpoint": '
+                        '"tcp://*:5557", "topic": "kv-events"}\': publisher zmq | null, endpoint, '
+                        'replay_endpoint, buffer_steps (batches kept for replay), hwm, max_queue_size '
+                        '(batches queued; beyond it a batch is dropped and counted on /metrics), topic. '
+                        'Needs pyzmq and msgspec.')
+
+    g = parser.add_argument_group("Observability")
+    g.add_argument("--otlp-traces-endpoint", default=None,
+                   help="Export one OpenTelemetry span per request to this OTLP collector (vLLM's flag; "
+                        "OTEL_EXPORTER_OTLP_TRACES_PROTOCOL grpc (default, e.g. localhost:4317) or "
+                        "http/protobuf (e.g. http://localhost:4318/v1/traces)); an incoming traceparent "
+                        "header becomes the span's parent. Needs opentelemetry-sdk and the OTLP exporter.")
+
     g = parser.add_argument_group("Parallelism")
     g.add_argument("--tensor-parallel-size", "-tp", type=_positive_int, default=1,
                    help="Ranks each layer is split across (attention heads, MLP, vocabulary; default: 1).")
@@ -371,16 +404,35 @@ def resolve_model_arg(args: argparse.Namespace) -> argparse.Namespace:
 
 
 def normalize_args(args: argparse.Namespace) -> argparse.Namespace:
-    """Canonical values after parsing: ``--model`` folded into ``model``, dtype aliases.
+    """Canonical values after parsing: ``--model`` folded into ``model``, dtype aliases; warnings
+    for ``--disable-log-requests`` (deprecated no-op) and ``--enable-log-outputs`` alone.
 
     Raises:
-        ValueError: ``--lora-modules`` without ``--enable-lora``.
+        ValueError: ``--lora-modules`` without ``--enable-lora``, a bad ``--kv-events-config``, or
+            ``--otlp-traces-endpoint`` without the OpenTelemetry SDK.
     """
     resolve_model_arg(args)
     if getattr(args, "dtype", None) in _DTYPE_ALIASES:
         args.dtype = _DTYPE_ALIASES[args.dtype]
     if getattr(args, "lora_modules", None) and not getattr(args, "enable_lora", False):
         raise ValueError("--lora-modules needs --enable-lora")
+    if getattr(args, "disable_log_requests", False):
+        logger.warning("--disable-log-requests is deprecated and has no effect: requests are logged only "
+                       "with --enable-log-requests (off by default)")
+    if getattr(args, "enable_log_outputs", False) and not getattr(args, "enable_log_requests", False):
+        logger.warning("--enable-log-outputs has no effect without --enable-log-requests")
+    if getattr(args, "kv_events_config", None) is not None:
+        from pagedllm.kv_events import KVEventsConfig
+        try:
+            KVEventsConfig.from_any(args.kv_events_config)
+        except ValueError as e:
+            raise ValueError(f"--kv-events-config: {e}") from None
+    if getattr(args, "otlp_traces_endpoint", None):
+        from pagedllm.tracing import is_otel_available
+        if not is_otel_available():
+            raise ValueError("--otlp-traces-endpoint: OpenTelemetry is not installed (pip install "
+                             "opentelemetry-sdk opentelemetry-exporter-otlp-proto-grpc, or "
+                             "pip install 'pagedllm[tracing]')")
     return args
 
 

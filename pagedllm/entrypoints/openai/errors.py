@@ -81,7 +81,7 @@ _KNOWN_PARAMS = (
     "structured_outputs", "guided_json", "guided_regex", "guided_choice", "guided_grammar",
     "guided_decoding_backend", "guided_whitespace_pattern", "structural_tag",
     "chat_template", "chat_template_kwargs", "skip_special_tokens", "input", "dimensions",
-    "use_activation", "max_output_tokens", "background",
+    "use_activation", "max_output_tokens", "background", "priority",
 )
 _PARAM_RE = re.compile(r"`?\b(" + "|".join(re.escape(p) for p in _KNOWN_PARAMS) + r")\b`?")
 

@@ -189,7 +189,8 @@ class OpenAIServingChat(OpenAIServing):
             raise value_error_to_openai(e) from e
         self.constrain_for_tools(sp, setup)
         engine_request = self.process_inputs(request_id, pp, sp, cache_salt=request.cache_salt,
-                                             lora_request=self.lora_request(request.model), rename=rename)
+                                             lora_request=self.lora_request(request.model), rename=rename,
+                                             priority=request.priority, raw_request=raw_request)
         self.log_request(request_id, pp.prompt, ids, engine_request.sampling_params)
         rids = [request_id]
         try:

@@ -210,13 +210,19 @@ class OpenAIServing:
     """
 
     def __init__(self, engine: EngineClient, served_model_names: list[str], *,
-                 chat_template: Optional[str] = None, log_requests: bool = True):
+                 chat_template: Optional[str] = None, log_requests: bool = False,
+                 log_outputs: bool = False, max_log_len: Optional[int] = None):
+        """``log_requests`` (``--enable-log-requests``): log each request as it arrives;
+        ``log_outputs`` (``--enable-log-outputs``, only with ``log_requests``): log each finished
+        choice; ``max_log_len``: most characters / token ids printed per field (None = all)."""
         from pagedllm.engine.chat import load_chat_template
 
         self.engine = engine
         self.served_model_names = list(served_model_names)
         self.chat_template = load_chat_template(chat_template)
         self.log_requests = log_requests
+        self.log_outputs = bool(log_outputs and log_requests)
+        self.max_log_len = max_log_len
         self.inflight: set[str] = set()
         self.inflight_streams: set[MergedGenerators] = set()
         # The served LoRA adapters (``serving_lora.LoRARegistry``), shared by the endpoints;
@@ -291,23 +297,70 @@ class OpenAIServing:
 
     def process_inputs(self, request_id: str, prompt: ProcessedPrompt, params: Any, *,
                        cache_salt: Optional[str] = None, lora_request: Any = None,
-                       rename: Optional[dict[str, str]] = None) -> EngineCoreRequest:
+                       rename: Optional[dict[str, str]] = None, priority: int = 0,
+                       raw_request: Optional[Request] = None) -> EngineCoreRequest:
         """``input_processor.process_inputs`` (prompt + max_tokens must fit; ``lora_request``:
-        the adapter the request's ``model`` names, ``lora_request(model)``). Raises OpenAIError 400."""
+        the adapter the request's ``model`` names, ``lora_request(model)``; ``priority``: the
+        body's, a nonzero one needs ``--scheduling-policy priority``). The W3C trace-context
+        headers of ``raw_request`` (``traceparent``, ``tracestate``) ride along as the request's
+        ``trace_headers`` (the parent of its span when ``--otlp-traces-endpoint`` is set).
+        Raises OpenAIError 400."""
         try:
-            return self.input_processor.process_inputs(request_id, prompt, params, cache_salt=cache_salt,
-                                                       lora_request=lora_request, strict_length=True)
+            req = self.input_processor.process_inputs(request_id, prompt, params, cache_salt=cache_salt,
+                                                      lora_request=lora_request, strict_length=True,
+                                                      priority=priority)
         except ValueError as e:
             raise self.input_error(e, rename) from None
+        if raw_request is not None:
+            from pagedllm.tracing import extract_trace_headers
+            req.trace_headers = extract_trace_headers(raw_request.headers)
+        return req
+
+    def _clip(self, value: Any) -> Any:
+        """``value`` (a str or a list) cut to ``max_log_len`` items (None = whole)."""
+        n = self.max_log_len
+        if n is None or value is None or len(value) <= n:
+            return value
+        return value[:n]
 
     def log_request(self, request_id: str, prompt: Any, ids: list[int], params: Any) -> None:
+        """Log one received request (``--enable-log-requests``; vLLM's line: prompt, params,
+        prompt token ids)."""
         if not self.log_requests:
             return
-        ptxt = repr(prompt)
-        if len(ptxt) > 200:
-            ptxt = ptxt[:200] + "..."
-        logger.info("Received request %s: prompt: %s, params: %s, prompt_token_ids: %d tokens",
-                    request_id, ptxt, params, len(ids))
+        logger.info("Received request %s: prompt: %r, params: %s, prompt_token_ids: %s",
+                    request_id, self._clip(prompt), params, self._clip(list(ids)))
+
+    async def _logged_outputs(self, gen: AsyncIterator[Any], request_id: str,
+                              delta: bool) -> AsyncIterator[Any]:
+        """``gen``'s outputs, unchanged; each choice that finishes is logged once
+        (``--enable-log-outputs``) with its whole text and token ids (accumulated when ``delta``:
+        a streamed request's outputs carry only what is new)."""
+        texts: dict[int, str] = {}
+        tids: dict[int, list[int]] = {}
+        logged: set[int] = set()
+        try:
+            async for out in gen:
+                for co in getattr(out, "outputs", None) or ():
+                    k = co.index
+                    if k in logged:
+                        continue
+                    if delta:
+                        texts[k] = texts.get(k, "") + (co.text or "")
+                        tids.setdefault(k, []).extend(co.token_ids or ())
+                    else:
+                        texts[k] = co.text or ""
+                        tids[k] = list(co.token_ids or ())
+                    if co.finish_reason is not None:
+                        logged.add(k)
+                        logger.info("Generated response %s (choice %d): output: %r, output_token_ids: %s, "
+                                    "finish_reason: %s", request_id, k, self._clip(texts[k]),
+                                    self._clip(tids[k]), co.finish_reason)
+                yield out
+        finally:
+            close = getattr(gen, "aclose", None)
+            if close is not None:
+                await close()
 
     # ---- running -----------------------------------------------------------------------
     async def start(self, requests: list[EngineCoreRequest], prime: bool = True) -> MergedGenerators:
@@ -317,6 +370,10 @@ class OpenAIServing:
         ``collect``."""
         request_ids = [r.request_id for r in requests]
         gens = [self.engine.generate(r, r.sampling_params, r.request_id) for r in requests]
+        if self.log_outputs:
+            from pagedllm.sampling_params import RequestOutputKind
+            gens = [self._logged_outputs(g, r.request_id, getattr(r.sampling_params, "output_kind", None)
+                                         == RequestOutputKind.DELTA) for g, r in zip(gens, requests)]
         merged = MergedGenerators(gens)
         self.inflight.update(request_ids)
         self.inflight_streams.add(merged)

@@ -50,7 +50,8 @@
 //       -> [M, N] out_dtype (float32 / bfloat16); isa -1 = best available.
 //   intdot_quantize(x, isa=-1) -> (a int8 [M, K], xd f32 [M, K/32], xs f32 [M, K/32])
 //   intdot_isa_supported(isa) -> bool; intdot_best_isa() -> int; intdot_isa_name(isa) -> str
-#include <torch/extension.h>
+#include "torch_lite.h"
+#include <torch/csrc/utils/pybind.h>
 #include <ATen/Parallel.h>
 #include <algorithm>
 #include <cmath>
