@@ -61,10 +61,6 @@ class EngineCore:
         if self.spec_config is not None:
             if args.runner != "generate":
                 raise ValueError("speculative_config: only for runner='generate'")
-            if self.spec_config.method in ("eagle3", "mtp"):
-                raise ValueError(f"speculative_config.method: {self.spec_config.method!r} is not served yet "
-                                 "(its head is implemented in pagedllm.spec_decode but not wired into the "
-                                 "engine); use ngram, suffix, draft_model or eagle")
             if args.pipeline_parallel_size > 1:
                 # NOTE: a step's drafts come from the previous step's output, which pipelined
                 # steps in flight do not have yet.
@@ -566,7 +562,8 @@ class EngineCore:
             return {}
         out = {"spec_decode_num_drafts": st.num_drafts, "spec_decode_num_draft_tokens": st.num_draft_tokens,
                "spec_decode_num_accepted_tokens": st.num_accepted_tokens,
-               "spec_decode_num_accepted_tokens_per_pos": list(st.num_accepted_tokens_per_pos)}
+               "spec_decode_num_accepted_tokens_per_pos": list(st.num_accepted_tokens_per_pos),
+               "spec_decode_method": self.spec_config.method}
         w = getattr(self.executor, "driver_worker", None)
         sd = getattr(getattr(w, "runner", None), "spec_decoder", None)
         if sd is not None:

@@ -256,6 +256,7 @@ def run_throughput(args: argparse.Namespace) -> dict:
     # Warm-up (first-call allocations), not timed.
     llm.generate(inputs[:2], SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True), use_tqdm=False)
     llm.reset_prefix_cache()
+    spec0 = _spec_snapshot(llm)
     t0 = time.perf_counter()
     outs = llm.generate(inputs, params, use_tqdm=False)
     el = time.perf_counter() - t0
@@ -267,11 +268,30 @@ def run_throughput(args: argparse.Namespace) -> dict:
         "elapsed_s": el, "requests_per_s": len(prompts) / el, "output_tokens_per_s": n_out / el,
         "total_tokens_per_s": (n_in + n_out) / el, "startup_s": load_s,
     }
+    res.update(_spec_results(llm, spec0))
     if args.compare_transformers:
         hf = _transformers_throughput(llm, prompts, out_lens, args)
         res.update({f"transformers_{k}": v for k, v in hf.items()})
         res["ratio_output_tokens_per_s_vs_transformers"] = res["output_tokens_per_s"] / hf["output_tokens_per_s"]
     return res
+
+
+def _spec_snapshot(llm: Any) -> Optional[tuple[int, int, int]]:
+    """(drafts, draft tokens, accepted tokens) so far, or None without speculative decoding."""
+    st = llm.llm_engine.core.scheduler.spec_stats
+    return None if st is None else (st.num_drafts, st.num_draft_tokens, st.num_accepted_tokens)
+
+
+def _spec_results(llm: Any, before: Optional[tuple[int, int, int]]) -> dict:
+    """The timed run's speculative decoding figures: method, drafts, acceptance rate (accepted
+    / draft tokens) and mean acceptance length (1 + accepted / drafts); {} when off."""
+    now = _spec_snapshot(llm)
+    if now is None or before is None:
+        return {}
+    d, t, a = (x - y for x, y in zip(now, before))
+    return {"spec_decode_method": llm.llm_engine.core.spec_config.method, "spec_decode_num_drafts": d,
+            "spec_decode_acceptance_rate": a / t if t else 0.0,
+            "spec_decode_mean_acceptance_length": 1.0 + a / d if d else 1.0}
 
 
 # The null model's engine: the real tokenizer and config, shrunk to one tiny layer (weights are
@@ -426,7 +446,10 @@ def run_latency(args: argparse.Namespace) -> dict:
     eng = llm.llm_engine
     lat, ttft, tpot = [], [], []
     first_token_s = None
+    spec0 = None
     for it in range(args.num_iters + 1):
+        if it == 1:
+            spec0 = _spec_snapshot(llm)  # after the warm-up
         llm.reset_prefix_cache()
         sp = SamplingParams(temperature=0.0, max_tokens=args.output_len, ignore_eos=True,
                             output_kind=RequestOutputKind.DELTA)
@@ -450,6 +473,7 @@ def run_latency(args: argparse.Namespace) -> dict:
         "median_tpot_ms": 1000 * statistics.median(tpot),
         "decode_tokens_per_s": 1.0 / statistics.median(tpot),
         "startup_s": load_s, "startup_to_first_token_s": first_token_s,
+        **_spec_results(llm, spec0),
     }
 
 

@@ -14,7 +14,8 @@ gauges     P:num_requests_running, P:num_requests_waiting, P:kv_cache_usage_perc
            grammars held; at most P:structured_output_cache_capacity),
            P:spec_decode_mean_acceptance_length, P:spec_decode_suffix_cached_requests (finished
            outputs in the suffix proposer's tree; at most P:spec_decode_suffix_cache_capacity),
-           P:spec_decode_suffix_tree_nodes,
+           P:spec_decode_suffix_tree_nodes, P:spec_decode_acceptance_rate{method} and
+           P:spec_decode_method_mean_acceptance_length{method} (since start, per method),
            P:lora_requests_info{max_lora, waiting_lora_adapters, running_lora_adapters} (vLLM's
            info gauge: the current time, one series), P:lora_cpu_cache_adapters (adapters loaded;
            at most P:lora_cpu_cache_capacity); the LoRA ones with --enable-lora only;
@@ -261,7 +262,16 @@ class PrometheusStatLogger:
         self.gauge_suffix_nodes = Gauge(
             p + "spec_decode_suffix_tree_nodes", "Nodes of the suffix proposer's global tree.",
             labels, registry=reg).labels(m)
-        self._spec_totals = [0, 0]  # drafts, accepted tokens
+        self._spec_totals = [0, 0, 0]  # drafts, accepted tokens, draft tokens
+        # Per method (one per engine): the same totals as ratios, labelled by the method.
+        self._spec_rate_family = Gauge(
+            p + "spec_decode_acceptance_rate",
+            "Accepted / verified draft tokens since start, per speculative method.",
+            labels + ["method"], registry=reg)
+        self._spec_len_family = Gauge(
+            p + "spec_decode_method_mean_acceptance_length",
+            "Mean acceptance length since start (1 + accepted draft tokens / drafts), per speculative method.",
+            labels + ["method"], registry=reg)
 
     def _record_spec_decode(self, st: SchedulerStats) -> None:
         if st.spec_decode_num_drafts > 0:
@@ -271,7 +281,13 @@ class PrometheusStatLogger:
                 self.counter_spec_accepted.inc(st.spec_decode_num_accepted_tokens)
             self._spec_totals[0] += st.spec_decode_num_drafts
             self._spec_totals[1] += st.spec_decode_num_accepted_tokens
-            self.gauge_spec_mean_len.set(1.0 + self._spec_totals[1] / self._spec_totals[0])
+            self._spec_totals[2] += st.spec_decode_num_draft_tokens
+            mean = 1.0 + self._spec_totals[1] / self._spec_totals[0]
+            self.gauge_spec_mean_len.set(mean)
+            if st.spec_decode_method:
+                m = (self.model_name, st.spec_decode_method)
+                self._spec_len_family.labels(*m).set(mean)
+                self._spec_rate_family.labels(*m).set(self._spec_totals[1] / max(1, self._spec_totals[2]))
         for pos, n in enumerate(st.spec_decode_num_accepted_tokens_per_pos):
             c = self.counter_spec_per_pos.get(pos)
             if c is None:

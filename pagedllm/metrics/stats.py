@@ -37,6 +37,7 @@ class SchedulerStats:
         spec_decode_num_accepted_tokens_per_pos: accepted drafts per draft position (deltas).
         spec_decode_suffix_cached_requests / spec_decode_suffix_cache_capacity /
         spec_decode_suffix_tree_nodes: the suffix proposer's global cache (snapshots).
+        spec_decode_method: the speculative method ("ngram", "mtp", ...; "" when off).
     """
 
     num_running_reqs: int = 0
@@ -56,6 +57,7 @@ class SchedulerStats:
     spec_decode_suffix_cached_requests: int = 0
     spec_decode_suffix_cache_capacity: int = 0
     spec_decode_suffix_tree_nodes: int = 0
+    spec_decode_method: str = ""
 
     @classmethod
     def from_totals(cls, stats: dict, prev: Optional[dict] = None) -> "SchedulerStats":
@@ -81,6 +83,7 @@ class SchedulerStats:
             spec_decode_suffix_cached_requests=int(stats.get("spec_decode_suffix_cached_requests", 0)),
             spec_decode_suffix_cache_capacity=int(stats.get("spec_decode_suffix_cache_capacity", 0)),
             spec_decode_suffix_tree_nodes=int(stats.get("spec_decode_suffix_tree_nodes", 0)),
+            spec_decode_method=str(stats.get("spec_decode_method") or ""),
         )
 
 

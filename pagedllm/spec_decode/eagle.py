@@ -195,6 +195,11 @@ class Eagle3Head(nn.Module):
         normed, prenorm = self.norm(h, residual)
         return normed, prenorm
 
+    def get_kv_cache_spec(self) -> tuple[int, int, int]:
+        """``(1, num_kv_heads, head_dim)``: the head's own one-layer KV cache."""
+        a = self.self_attn
+        return 1, a.num_kv_heads, a.head_dim
+
     def compute_logits(self, normed: torch.Tensor) -> torch.Tensor:
         """float32 ``[N, vocab_size]`` target-vocabulary logits: the draft vocabulary's logits at
         their target ids (``draft + d2t[draft]``), -inf elsewhere."""

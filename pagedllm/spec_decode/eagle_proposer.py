@@ -76,21 +76,31 @@ class EagleProposer(Proposer):
         self.num_lookahead_tokens = num_speculative_tokens
         self.head, self.target = head, target
         self.block_size, self.device, self.attn_impl = block_size, device, attn_impl
-        attn = head.layer.self_attn
+        _, num_kv_heads, head_dim = head.get_kv_cache_spec()
         from pagedllm.worker.kv_memory import new_kv_cache
-        self.kv_caches = [new_kv_cache((num_blocks, 2, block_size, attn.num_kv_heads, attn.head_dim),
+        self.kv_caches = [new_kv_cache((num_blocks, 2, block_size, num_kv_heads, head_dim),
                                        kv_cache_dtype, device)]
 
     def _run(self, ids, starts, lens, block_ids, hidden):
+        """The head over the given tokens: ``(rows for the LM head, rows to feed back)``."""
         meta, pos = paged_metadata(starts, lens, block_ids, self.block_size)
         with set_forward_context(ForwardContext(meta, self.kv_caches, self.attn_impl)):
-            return self.head(torch.from_numpy(ids).to(self.device), torch.from_numpy(pos).to(self.device), hidden)
+            h = self.head(torch.from_numpy(ids).to(self.device), torch.from_numpy(pos).to(self.device), hidden)
+        return h, h
+
+    def _inputs(self, batch: ProposeBatch) -> torch.Tensor:
+        """``[T, *]`` the head's hidden input rows, in the forward's token order."""
+        return batch.hidden
+
+    def _greedy(self, x: torch.Tensor) -> torch.Tensor:
+        return self.target.compute_logits(x).argmax(-1)
 
     @torch.inference_mode()
     def propose(self, batch: ProposeBatch) -> Proposal:
         out = Proposal()
         if batch.hidden is None:
             return out
+        inputs = self._inputs(batch)
         items = []  # (req, token ids at p + 1, hidden rows, start, drafts?)
         for i, r in enumerate(batch.reqs):
             if r.sampling_params is None:
@@ -113,15 +123,15 @@ class EagleProposer(Proposer):
         ids = np.fromiter((t for it in items for t in it[1]), dtype=np.int64)
         lens = [len(it[1]) for it in items]
         rows = torch.from_numpy(np.concatenate([it[2] for it in items]))
-        hid = self._run(ids, [it[3] for it in items], lens, [it[0].block_ids for it in items],
-                        batch.hidden[rows.to(batch.hidden.device)])
+        lhid, hid = self._run(ids, [it[3] for it in items], lens, [it[0].block_ids for it in items],
+                              inputs[rows.to(inputs.device)])
         last = np.cumsum(lens) - 1
         sel = [j for j, it in enumerate(items) if it[4]]
         if not sel:
             return out
         reqs = [items[j][0] for j in sel]
         h = hid[torch.from_numpy(last[sel])]
-        tok = self.target.compute_logits(h).argmax(-1)
+        tok = self._greedy(lhid[torch.from_numpy(last[sel])])
         pos = [items[j][3] + lens[j] for j in sel]  # position of the next head input
         caps = [min(self.k, batch.max_drafts.get(r.req_id, self.k)) for r in reqs]
         drafts = [[int(t)] for t in tok.tolist()]
@@ -131,10 +141,10 @@ class EagleProposer(Proposer):
             if not live:
                 break
             sub = torch.tensor(live)
-            h = self._run(np.array([drafts[i][-1] for i in live], dtype=np.int64),
-                          [pos[i] + step - 1 for i in live], [1] * len(live),
-                          [reqs[i].block_ids for i in live], h[sub])
-            caps_live = self.target.compute_logits(h).argmax(-1).tolist()
+            lh, h = self._run(np.array([drafts[i][-1] for i in live], dtype=np.int64),
+                              [pos[i] + step - 1 for i in live], [1] * len(live),
+                              [reqs[i].block_ids for i in live], h[sub])
+            caps_live = self._greedy(lh).tolist()
             for i, t in zip(live, caps_live):
                 drafts[i].append(int(t))
             # keep h aligned with the full request list for the next step
@@ -144,3 +154,103 @@ class EagleProposer(Proposer):
         for r, d, c in zip(reqs, drafts, caps):
             out.token_ids[r.req_id] = d[:c]
         return out
+
+
+def load_eagle3_head(path: str, target: Any, dtype: torch.dtype) -> Any:
+    """An Eagle3Head from an EAGLE-3 checkpoint directory (``config.json`` and weights),
+    sharing ``target``'s embedding; ``head.aux_layer_ids`` are the target layers whose entering
+    residual streams it reads (``eagle_aux_hidden_state_layer_ids`` in the config, top level or
+    under ``eagle_config``; default :func:`~pagedllm.spec_decode.eagle.eagle3_aux_layer_ids`).
+
+    Raises:
+        ValueError: naming the field: missing files, a ``hidden_size`` / ``target_hidden_size``
+            / ``vocab_size`` that does not fit the target, aux layer ids outside the target, or
+            tensors that do not fit the head.
+    """
+    from transformers import LlamaConfig
+
+    from pagedllm.spec_decode.eagle import Eagle3Head, eagle3_aux_layer_ids
+    from pagedllm.spec_decode.mtp_proposer import read_head_config, read_head_weights
+
+    raw = read_head_config(path)
+    cfg = LlamaConfig.from_pretrained(path)
+    cfg.num_hidden_layers = 1
+    tc = target.config
+    H, n = int(tc.hidden_size), int(tc.num_hidden_layers)
+    for field, got, want in (("hidden_size", cfg.hidden_size, H),
+                             ("target_hidden_size", getattr(cfg, "target_hidden_size", None) or cfg.hidden_size, H),
+                             ("vocab_size", cfg.vocab_size, int(tc.vocab_size))):
+        if int(got) != int(want):
+            raise ValueError(f"speculative_config.model: the EAGLE-3 head's {field} is {got}, the target's "
+                             f"{'vocab_size' if field == 'vocab_size' else 'hidden_size'} is {want}")
+    ids = raw.get("eagle_aux_hidden_state_layer_ids") or (raw.get("eagle_config") or {}).get(
+        "eagle_aux_hidden_state_layer_ids")
+    ids = tuple(int(i) for i in ids) if ids else eagle3_aux_layer_ids(n)
+    if len(ids) != 3 or not all(0 <= i < n for i in ids):
+        raise ValueError(f"speculative_config.model: eagle_aux_hidden_state_layer_ids {list(ids)}: need three "
+                         f"target layer indices in [0, {n}) (the target has {n} layers)")
+    weights = read_head_weights(path)
+    head = Eagle3Head(cfg, target.model.embed_tokens, dtype)
+    try:
+        head.load_weights(weights.items())
+    except ValueError as e:
+        raise ValueError(f"speculative_config.model: {path!r}: {e}") from None
+    head.aux_layer_ids = ids
+    return head.eval()
+
+
+class AuxHiddenCapture:
+    """Records the residual stream entering some target decoder layers during the forward
+    (EAGLE-3's low / middle / high features: ``x + residual`` of vLLM's layer loop) with
+    forward pre-hooks; the CPU fused decode path (which bypasses the layer modules) is switched
+    off on the target.
+
+    Raises:
+        ValueError: a target without ``model.layers``.
+    """
+
+    def __init__(self, target: Any, layer_ids: tuple[int, ...]) -> None:
+        inner = getattr(target, "model", None)
+        layers = getattr(inner, "layers", None)
+        if layers is None:
+            raise ValueError("speculative_config.method: 'eagle3' needs a target with decoder layers "
+                             "(model.layers) to read hidden states from")
+        if hasattr(inner, "fused_decode_builder"):
+            inner.fused_decode_builder = None  # NOTE: instance attribute: this target only
+            inner._fused = (None, None)
+        self.layer_ids = tuple(layer_ids)
+        self.captured: dict[int, torch.Tensor] = {}
+        self.handles = [layers[i].register_forward_pre_hook(self._hook(i)) for i in sorted(set(layer_ids))]
+
+    def _hook(self, i: int):
+        def hook(module, args):
+            x, residual = args[1], args[2] if len(args) > 2 else None
+            self.captured[i] = x if residual is None else x + residual
+        return hook
+
+    def take(self) -> torch.Tensor:
+        """``[T, 3 H]`` the last forward's captures, concatenated in ``layer_ids`` order."""
+        out = torch.cat([self.captured[i] for i in self.layer_ids], dim=-1)
+        self.captured = {}
+        return out
+
+
+class Eagle3Proposer(EagleProposer):
+    """EAGLE-3: like :class:`EagleProposer`, but the head reads three target layers' residual
+    streams (``AuxHiddenCapture``), drafts through its own LM head (draft vocabulary mapped by
+    ``d2t``) and feeds back its pre-norm output."""
+
+    def __init__(self, num_speculative_tokens: int, head: Any, target: Any, **kw: Any) -> None:
+        super().__init__(num_speculative_tokens, head, target, **kw)
+        self.capture = AuxHiddenCapture(target, head.aux_layer_ids)
+
+    def _run(self, ids, starts, lens, block_ids, hidden):
+        meta, pos = paged_metadata(starts, lens, block_ids, self.block_size)
+        with set_forward_context(ForwardContext(meta, self.kv_caches, self.attn_impl)):
+            return self.head(torch.from_numpy(ids).to(self.device), torch.from_numpy(pos).to(self.device), hidden)
+
+    def _inputs(self, batch: ProposeBatch) -> torch.Tensor:
+        return self.capture.take()
+
+    def _greedy(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head.compute_logits(x).argmax(-1)

@@ -52,12 +52,15 @@ def build_proposer(cfg: SpeculativeConfig, **model_kwargs: Any) -> Proposer:
         from pagedllm.spec_decode.eagle_proposer import EagleProposer
         kw = dict(model_kwargs)
         return EagleProposer(cfg.num_speculative_tokens, kw.pop("model"), kw.pop("target"), **kw)
-    # NOTE: the EAGLE-3 head needs three target layers' residual streams captured during the
-    # forward, and the MTP head the target's K/V; both heads exist (pagedllm.spec_decode.eagle /
-    # mtp) but are not wired into the runner yet.
-    raise ValueError(f"speculative_config.method: {cfg.method!r} is not served yet (EAGLE-3 and MTP heads "
-                     "are implemented in pagedllm.spec_decode but not wired into the engine); use ngram, "
-                     "suffix, draft_model or eagle")
+    if cfg.method == "eagle3":
+        from pagedllm.spec_decode.eagle_proposer import Eagle3Proposer
+        kw = dict(model_kwargs)
+        return Eagle3Proposer(cfg.num_speculative_tokens, kw.pop("model"), kw.pop("target"), **kw)
+    if cfg.method == "mtp":
+        from pagedllm.spec_decode.mtp_proposer import MTPProposer
+        return MTPProposer(cfg.num_speculative_tokens, model_kwargs["model"], model_kwargs["block_size"],
+                           model_kwargs["device"])
+    raise ValueError(f"speculative_config.method: {cfg.method!r} is not served")
 
 
 class SpecDecoder:
@@ -75,6 +78,7 @@ class SpecDecoder:
         d = config.disable_by_batch_size
         self.disable_batch_size = AUTO_DISABLE_BATCH_SIZE if d is None else d
         self.rejection_sampler = RejectionSampler()
+        self._logged_grammar = False
         # req_id -> draft distributions of the drafts proposed last step (sampling proposers).
         self._draft_probs: dict[str, torch.Tensor] = {}
 
@@ -161,7 +165,13 @@ class SpecDecoder:
                 new = out.sampled_token_ids.get(r.req_id)
                 sp = r.sampling_params
                 # NOTE: grammar-constrained requests do not speculate (see the scheduler).
-                if not new or sp is None or getattr(sp, "structured_outputs", None) is not None:
+                if not new or sp is None:
+                    continue
+                if getattr(sp, "structured_outputs", None) is not None:
+                    if not self._logged_grammar:
+                        self._logged_grammar = True
+                        logger.info("pagedllm: speculative decoding (%s) is off for requests with structured "
+                                    "outputs (drafts are not masked by the grammar)", self.config.method)
                     continue
                 cap = self.k
                 if sp.max_tokens is not None:

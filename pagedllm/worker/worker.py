@@ -311,7 +311,7 @@ class Worker:
         from pagedllm.spec_decode.config import SpeculativeConfig
 
         cfg = SpeculativeConfig.from_any(self.args.speculative_config)
-        if cfg.method not in ("draft_model", "eagle"):
+        if cfg.method not in ("draft_model", "eagle", "eagle3", "mtp"):
             return 0
         if self.world_size > 1:
             raise ValueError(f"speculative_config: method {cfg.method!r} runs on one rank "
@@ -319,6 +319,15 @@ class Worker:
         if cfg.method == "eagle":
             from pagedllm.spec_decode.eagle_proposer import load_eagle_head
             self.draft_model = load_eagle_head(cfg.model, self.model, self.dtype).to(self.device)
+            return sum(p.numel() * p.element_size() for p in self.draft_model.parameters())
+        if cfg.method in ("eagle3", "mtp"):
+            if cfg.method == "eagle3":
+                from pagedllm.spec_decode.eagle_proposer import load_eagle3_head as load
+            else:
+                from pagedllm.spec_decode.mtp_proposer import load_mtp_head as load
+            # NOTE: the head proposes from the target's hidden states (LoRA applied when the
+            # request has an adapter); the target verifies every token.
+            self.draft_model = load(cfg.model, self.model, self.dtype).to(self.device)
             return sum(p.numel() * p.element_size() for p in self.draft_model.parameters())
         # NOTE: the draft runs without LoRA adapters (a draft only proposes; the target, adapters
         # applied, verifies every token)
@@ -400,7 +409,7 @@ class Worker:
             from pagedllm.distributed.sharding import local_kv_cache_spec
             num_layers, num_kv_heads, head_dim = local_kv_cache_spec(self.model)
         extra = 0
-        if self.draft_model is not None:
+        if self.draft_model is not None and hasattr(self.draft_model, "get_kv_cache_spec"):  # MTP: none
             extra = KVCacheSpec(*self.draft_model.get_kv_cache_spec(), self.kv_cache_dtype).bytes_per_token
         return KVCacheSpec(num_layers, num_kv_heads, head_dim, self.kv_cache_dtype, extra)
 
@@ -505,12 +514,16 @@ class Worker:
                                   eos_token_id=self.info.eos_token_id, kv_cache_dtype=self.kv_cache_dtype,
                                   spec_decoder=spec_decoder, max_model_len=max_model_len,
                                   lora_manager=self.lora_manager)
+        if spec_decoder is not None and hasattr(spec_decoder.proposer, "bind"):
+            spec_decoder.proposer.bind(self.runner.kv_caches)  # MTP reads the target's caches
         if self.device.type != "cpu":
             from pagedllm.models.layers import reserve_rope_tables
             # NOTE: full-size rope tables now: no per-step position check (a device sync) and a
             # fixed table address for the CUDA graphs.
             reserve_rope_tables(self.model, max_model_len, self.device)
-        if self.device.type == "cuda" and not args.enforce_eager and self.world_size == 1:
+        # NOTE: EAGLE-3 reads hidden states captured by hooks, which a replayed graph does not run.
+        eagle3 = spec_decoder is not None and spec_decoder.config.method == "eagle3"
+        if self.device.type == "cuda" and not args.enforce_eager and self.world_size == 1 and not eagle3:
             secs = self.runner.capture_cuda_graphs(args.max_num_seqs, max_model_len)
             logger.info("pagedllm: captured decode CUDA graphs in %.2f s", secs)
         self.release_idle_memory()  # what loading left behind: dequantized tensors, file buffers
@@ -573,11 +586,13 @@ class Worker:
 
         cfg = SpeculativeConfig.from_any(self.args.speculative_config)
         kw = {}
-        if cfg.method in ("draft_model", "eagle"):
+        if cfg.method in ("draft_model", "eagle", "eagle3"):
             kw = dict(model=self.draft_model, num_blocks=num_blocks, block_size=self.args.block_size,
                       kv_cache_dtype=self.kv_cache_dtype, device=self.device, attn_impl=attn_impl)
-            if cfg.method == "eagle":
+            if cfg.method in ("eagle", "eagle3"):
                 kw["target"] = self.model
+        elif cfg.method == "mtp":
+            kw = dict(model=self.draft_model, block_size=self.args.block_size, device=self.device)
         return SpecDecoder(cfg, build_proposer(cfg, **kw))
 
     # ------------------------------------------------------------------ sleep mode

@@ -185,7 +185,7 @@ def mtp_weights():
     return W
 
 
-def ref_mtp_step(W, tok_emb, h, K, Vv, ctx_len, kv_layers, windows):
+def ref_mtp_step(W, tok_emb, h, K, Vv, ctx_len, kv_layers, windows, thetas=(10000.0, 1e6)):
     """One drafter step for one request; K/Vv: per target layer dense [L, Hkv, D]."""
     x = torch.cat([tok_emb, h]) @ W["pre_projection.weight"].T
     pos = torch.tensor([ctx_len])
@@ -193,7 +193,8 @@ def ref_mtp_step(W, tok_emb, h, K, Vv, ctx_len, kv_layers, windows):
         p = f"model.layers.{i}."
         a = rms(x, W[p + "input_layernorm.weight"], 1e-6, gemma=True)
         q = (a @ W[p + "self_attn.q_proj.weight"].T).view(1, NH, D)
-        q = rope(rms(q, W[p + "self_attn.q_norm.weight"], 1e-6, gemma=True), pos, 10000.0)[0]
+        # Each layer uses the rope of its type (Gemma 3 defaults: sliding 1e4, full 1e6).
+        q = rope(rms(q, W[p + "self_attn.q_norm.weight"], 1e-6, gemma=True), pos, thetas[i])[0]
         keys = range(max(0, ctx_len - win + 1) if win else 0, ctx_len)
         k = K[kv][list(keys)].repeat_interleave(NH // NKV, 1)
         v = Vv[kv][list(keys)].repeat_interleave(NH // NKV, 1)
