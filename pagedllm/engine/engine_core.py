@@ -180,7 +180,7 @@ class EngineCore:
         workspace = args.max_num_batched_tokens * (6 * hidden + 2 * inter) * elem // max(1, args.tensor_parallel_size)
         cache_cap = mem.get("cpu_allocator_cache_limit_bytes")
         committed = self._kv_committed_bytes(0)
-        rest = rss - self.weight_bytes - committed - mem.get("cpu_allocator_cached_bytes", 0)
+        weights_resident = self.weight_bytes
         from pagedllm.loader.mapped_weights import mapped_file_resident_bytes
 
         if self.weight_mapped_path:
@@ -192,9 +192,11 @@ class EngineCore:
                 _fmt_bytes(mapped_res + self.weight_bytes - self.weight_mapped_bytes),
                 _fmt_bytes(self.weight_mapped_bytes), _fmt_bytes(mapped_res),
                 _fmt_bytes(self.weight_bytes - self.weight_mapped_bytes), _fmt_bytes(self.weight_file_bytes))
+            weights_resident = mapped_res + self.weight_bytes - self.weight_mapped_bytes
         else:
             logger.info("pagedllm: weights resident %s as anonymous copies for a checkpoint file of %s",
                         _fmt_bytes(self.weight_bytes), _fmt_bytes(self.weight_file_bytes))
+        rest = rss - weights_resident - committed - mem.get("cpu_allocator_cached_bytes", 0)
         logger.info(
             "pagedllm: memory plan: weights %s + KV cache %s reserved (%s committed now; pages committed "
             "on first write, cached prefixes kept up to %s) + step workspace ~%s (%d tokens) + allocator "
