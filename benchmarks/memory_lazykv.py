@@ -156,8 +156,8 @@ def main() -> None:
         time.sleep(a.idle_wait)
         res["after_idle_release"] = snapshot(proc.pid, base)
         plan = [ln.strip() for ln in open(log.name)
-                if "memory plan" in ln or "KV cache budget" in ln or "loaded in" in ln]
-        res["startup_log"] = plan[:3]
+                if "memory plan" in ln or "KV cache budget" in ln or "loaded in" in ln or "weights" in ln]
+        res["startup_log"] = plan[:6]
     finally:
         proc.terminate()
         try:
