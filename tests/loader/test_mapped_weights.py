@@ -215,3 +215,21 @@ def test_mapped_smollm2_same_logits(smollm2_path, cache, monkeypatch):
         del llm, model
     assert out[1] == 0 and out[3] > 100 * 2**20
     assert torch.equal(out[0], out[2])
+
+
+def test_safetensors_mapped_with_all(cache, tmp_path, monkeypatch):
+    """PAGEDLLM_WEIGHT_MMAP=all maps a safetensors model's parameters too: the same greedy logprobs
+    as the copies; the default leaves safetensors models as copies."""
+    from arch_cases import CASES, build_hf
+
+    hf = build_hf(CASES["llama"][1](), CASES["llama"][0])
+    d = str(tmp_path / "tiny-llama")
+    hf.save_pretrained(d)
+    tiny_tokenizer().save_pretrained(d)
+    got = {}
+    for mode in ("0", "1", "all"):
+        monkeypatch.setenv("PAGEDLLM_WEIGHT_MMAP", mode)
+        out, _, info = _greedy_and_logits(d, d)
+        got[mode] = (out, info[0])
+    assert got["0"][1] == 0 and got["1"][1] == 0 and got["all"][1] > 0
+    assert got["all"][0] == got["0"][0]
