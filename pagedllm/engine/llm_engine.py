@@ -12,7 +12,6 @@ from pagedllm.engine.core_request import EngineCoreRequest
 from pagedllm.engine.engine_core import EngineCore
 from pagedllm.engine.input_processor import InputProcessor
 from pagedllm.metrics.stats import IterationStats, RequestStateStats
-from pagedllm.outputs import RequestOutput
 
 
 def child_request_id(index: int, parent_id: str) -> str:
@@ -196,9 +195,6 @@ class LLMEngine:
                       pooling_params=request.pooling_params, eos_token_id=eos,
                       arrival_time=request.arrival_time, cache_salt=request.cache_salt,
                       priority=request.priority, lora_request=request.lora_request)
-        if sampling_params is not None and sampling_params.prompt_logprobs is not None:
-            # Prompt logprobs need every prompt position computed: no prefix-cache hits.
-            req.skip_prefix_cache = True
         try:
             self.core.add_request(req)
         except BaseException:

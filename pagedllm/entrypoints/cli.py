@@ -73,7 +73,7 @@ def build_parser() -> argparse.ArgumentParser:
         prog="pagedllm", description="pagedllm: paged-KV-cache LLM serving with vLLM's API")
     parser.add_argument("--version", action="store_true", help="Print the version and exit.")
     subparsers: dict[str, argparse.ArgumentParser] = {}
-    sub = parser.add_subparsers(dest="cmd", metavar="{serve,chat,complete,bench}")
+    sub = parser.add_subparsers(dest="cmd", metavar="{serve,chat,complete,run,bench}")
     sp = sub.add_parser("serve", help="serve a model behind an OpenAI-compatible HTTP API",
                         description="Serve a model behind an OpenAI-compatible HTTP API (vLLM's `vllm serve` "
                                     "flags). --help=listgroup lists the flag groups, --help=<group> shows "
@@ -87,6 +87,13 @@ def build_parser() -> argparse.ArgumentParser:
     subparsers["chat"] = cp
     add_client_args(cp, chat=True)
     _add_complete_parser(sub, subparsers)
+    from pagedllm.entrypoints.run_local import add_run_args
+    rp = sub.add_parser("run", help="start a local server for MODEL and chat with it (as `ollama run`)",
+                        description="Start `pagedllm serve MODEL` on a free local port (every flag that is "
+                                    "not listed here goes to serve), chat with it as `pagedllm chat` does, "
+                                    "and stop it when the chat ends.")
+    subparsers["run"] = rp
+    add_run_args(rp)
     _add_bench_parsers(sub, subparsers)
     parser.subcommand_parsers = subparsers  # type: ignore[attr-defined]
     return parser
@@ -132,6 +139,12 @@ def main(argv: Optional[list[str]] = None) -> int:
             break
         if tok.startswith("--help="):
             return show_filtered_help(_subcommand_of(parser, argv[:i]), tok.split("=", 1)[1])
+    if argv and argv[0] == "run":
+        from pagedllm.entrypoints.run_local import run_local, split_model
+        model, rest = split_model(argv[1:])
+        run_args, serve_args = parser.subcommand_parsers["run"].parse_known_args(rest)
+        run_args.run_model = model
+        return run_local(run_args, serve_args)
     args, extra = parser.parse_known_args(argv)
     if extra:  # reported by the subcommand's parser: "pagedllm serve: error: unrecognized arguments"
         cmd = " ".join(x for x in (args.cmd, getattr(args, "bench_cmd", None)) if x)

@@ -92,8 +92,8 @@ def test_serve_parses_suffixed_lengths():
     (("bench", "throughput", "--zzz"),
      "pagedllm bench throughput: error: unrecognized arguments: --zzz (see 'pagedllm bench throughput --help')"),
     (("frob",),
-     "pagedllm: error: argument {serve,chat,complete,bench}: invalid choice: 'frob' (choose from serve, chat, "
-     "complete, bench) (see 'pagedllm --help')"),
+     "pagedllm: error: argument {serve,chat,complete,run,bench}: invalid choice: 'frob' (choose from serve, chat, "
+     "complete, run, bench) (see 'pagedllm --help')"),
 ])
 def test_argparse_errors_are_one_line(args, expected):
     _one_line_error(args, expected)
