@@ -55,7 +55,6 @@ LAYOUT_VERSION = 1
 MAGIC = b"PGLWMAP1"
 ALIGN = 4096
 SUFFIX = ".pwm"
-DEFAULT_CACHE_MAX = 4 << 30
 #: parameters smaller than this stay copies (norm vectors: a page each in the file for nothing)
 MIN_TENSOR_BYTES = 64 << 10
 _U64 = struct.Struct("<Q")
@@ -66,14 +65,18 @@ _DTYPES = {str(d).replace("torch.", ""): d for d in (
 
 
 def mmap_enabled() -> bool:
-    """Whether loaded weights may be served from the mapped cache (``PAGEDLLM_WEIGHT_MMAP``, default 1)."""
-    return os.environ.get("PAGEDLLM_WEIGHT_MMAP", "1") != "0"
+    """Whether loaded weights may be served from the mapped cache (``PAGEDLLM_WEIGHT_MMAP`` not 0)."""
+    from pagedllm import envs
+
+    return envs.get("PAGEDLLM_WEIGHT_MMAP") != "0"
 
 
 def cache_dir() -> str:
     """The cache directory: ``PAGEDLLM_WEIGHT_CACHE_DIR``, else ``$XDG_CACHE_HOME/pagedllm/weights``
     (``~/.cache/pagedllm/weights``)."""
-    d = os.environ.get("PAGEDLLM_WEIGHT_CACHE_DIR")
+    from pagedllm import envs
+
+    d = envs.get("PAGEDLLM_WEIGHT_CACHE_DIR")
     if d:
         return d
     base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
@@ -81,16 +84,11 @@ def cache_dir() -> str:
 
 
 def cache_limit_bytes() -> int:
-    """``PAGEDLLM_WEIGHT_CACHE_MAX`` in bytes (default 4 GiB). Raises ValueError for a bad size string."""
-    v = os.environ.get("PAGEDLLM_WEIGHT_CACHE_MAX")
-    if not v:
-        return DEFAULT_CACHE_MAX
-    from pagedllm.config import parse_bytes
+    """``PAGEDLLM_WEIGHT_CACHE_MAX`` in bytes (default 4 GiB). Raises ValueError (naming the
+    variable) for a bad size string."""
+    from pagedllm import envs
 
-    try:
-        return parse_bytes(v)
-    except ValueError as e:
-        raise ValueError(f"PAGEDLLM_WEIGHT_CACHE_MAX: {e}") from None
+    return int(envs.get("PAGEDLLM_WEIGHT_CACHE_MAX"))
 
 
 def cache_key(files: list[str], options: dict) -> str:

@@ -338,7 +338,9 @@ class Worker:
         applied); logs what was mapped."""
         from pagedllm.loader.mapped_weights import MappedWeights, map_model_weights
 
-        mode = os.environ.get("PAGEDLLM_WEIGHT_MMAP", "1")
+        from pagedllm import envs
+
+        mode = envs.get("PAGEDLLM_WEIGHT_MMAP")
         wanted = loaded.source == "gguf" or (mode == "all" and loaded.load_format == "safetensors")
         if (mode == "0" or not wanted or loaded.load_format == "dummy" or sharded or self.device.type != "cpu"
                 or self.args.runner != "generate"):
