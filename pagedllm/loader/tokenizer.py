@@ -70,7 +70,7 @@ def load_gguf_tokenizer(path: str, use_cache: bool = True):
             pass  # another process won the race (target dir exists and is non-empty) or the disk is read-only
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
-    return tok
+    return drop_build_lists(tok)
 
 
 _FLAGS_FILE = "pagedllm_flags.json"
