@@ -51,6 +51,23 @@ def proc_status(pid: int) -> dict[str, int]:
     return out
 
 
+def smaps_rollup(pid: int) -> dict[str, float]:
+    """File-backed vs anonymous resident pages of ``pid`` in MiB (``/proc/<pid>/smaps_rollup``, proc(5)):
+    ``file_clean_mib`` (Shared_Clean + Private_Clean: mapped file pages the kernel may drop and read back,
+    e.g. mmapped weights), ``anon_mib`` (Anonymous)."""
+    vals = {}
+    try:
+        with open(f"/proc/{pid}/smaps_rollup") as f:
+            for line in f:
+                k, _, v = line.partition(":")
+                if v.strip().endswith("kB"):
+                    vals[k] = int(v.split()[0]) * 1024
+    except OSError:
+        return {}
+    return {"file_clean_mib": round((vals.get("Shared_Clean", 0) + vals.get("Private_Clean", 0)) / MiB, 1),
+            "anon_mib": round(vals.get("Anonymous", 0) / MiB, 1)}
+
+
 def metric(text: str, name: str) -> float | None:
     m = re.search(rf"^pagedllm:{name}(?:{{[^}}]*}})? ([0-9.e+]+)$", text, re.M)
     return float(m.group(1)) if m else None
@@ -61,7 +78,9 @@ def snapshot(pid: int, base: str) -> dict:
     text = httpx.get(base + "/metrics", timeout=10).text
     out = {"rss_mib": round(st["VmRSS"] / MiB, 1), "rss_anon_mib": round(st.get("RssAnon", 0) / MiB, 1),
            "peak_rss_mib": round(st["VmHWM"] / MiB, 1)}
-    for name in ("kv_cache_bytes", "kv_cache_committed_bytes", "weight_bytes"):
+    out.update(smaps_rollup(pid))
+    for name in ("kv_cache_bytes", "kv_cache_committed_bytes", "weight_bytes", "cpu_allocator_cached_bytes",
+                 "weight_file_bytes", "weight_mapped_bytes"):
         v = metric(text, name)
         if v is not None:
             out[name.replace("_bytes", "_mib")] = round(v / MiB, 1)
@@ -137,8 +156,8 @@ def main() -> None:
         time.sleep(a.idle_wait)
         res["after_idle_release"] = snapshot(proc.pid, base)
         plan = [ln.strip() for ln in open(log.name)
-                if "memory plan" in ln or "KV cache budget" in ln or "loaded in" in ln]
-        res["startup_log"] = plan[:3]
+                if "memory plan" in ln or "KV cache budget" in ln or "loaded in" in ln or "weights" in ln]
+        res["startup_log"] = plan[:6]
     finally:
         proc.terminate()
         try:

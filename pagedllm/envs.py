@@ -83,6 +83,15 @@ ENV_VARS: dict[str, EnvVar] = {v.name: v for v in (
        "Most free blocks the caching CPU allocator keeps mapped (e.g. 512MiB)."),
     _v("PAGEDLLM_CPU_ALLOCATOR_HUGEPAGES", "bool", False,
        "1 asks for transparent huge pages for large CPU tensors."),
+    _v("PAGEDLLM_WEIGHT_MMAP", "choice", "1",
+       "1 serves a GGUF model's loaded weights from a mapped cache file (file-backed pages), all also "
+       "safetensors models, 0 keeps anonymous copies.", choices=("1", "0", "all")),
+    _v("PAGEDLLM_WEIGHT_CACHE_DIR", "str", None,
+       "Directory of the mapped weight cache files (unset: $XDG_CACHE_HOME/pagedllm/weights, i.e. "
+       "~/.cache/pagedllm/weights)."),
+    _v("PAGEDLLM_WEIGHT_CACHE_MAX", "bytes", 4 << 30,
+       "Most bytes of mapped weight cache files kept (least recently used deleted first; a larger "
+       "model is not cached)."),
     # Serving
     _v("PAGEDLLM_API_KEY", "str", None, "Default of --api-key (unset = no authentication)."),
     _v("PAGEDLLM_KV_EVENTS_USE_INT_BLOCK_HASHES", "bool", True,

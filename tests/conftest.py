@@ -6,6 +6,15 @@ import os
 os.environ.setdefault("PAGEDLLM_NUM_THREADS", "1")
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+if "PAGEDLLM_WEIGHT_CACHE_DIR" not in os.environ:
+    # NOTE: the mapped-weight cache (loader/mapped_weights.py) of every GGUF a test loads goes to a
+    # per-session directory (servers started by tests inherit it), not to the user's ~/.cache
+    import atexit
+    import shutil
+    import tempfile
+
+    os.environ["PAGEDLLM_WEIGHT_CACHE_DIR"] = tempfile.mkdtemp(prefix="pagedllm-weights-")
+    atexit.register(shutil.rmtree, os.environ["PAGEDLLM_WEIGHT_CACHE_DIR"], True)
 
 import pytest  # noqa: E402
 import torch  # noqa: E402

@@ -88,6 +88,10 @@ def to_cache_dtype(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
 
 HALF_DTYPES = (torch.bfloat16, torch.float16)
+#: query rows per attention call of a masked prefill chunk (``_prefill``): bounds the mask, and the
+#: soft-cap path's float32 scores, to ``PREFILL_Q_BLOCK x context`` (a 2,048-token chunk over an
+#: 8,192-token context: 2 MiB of bool mask and 8 MiB of float mask instead of 16 + 64 MiB)
+PREFILL_Q_BLOCK = 256
 
 
 def kernel_reads_cache(ops, q: torch.Tensor, kv_cache: torch.Tensor) -> bool:
@@ -273,7 +277,24 @@ class TorchPagedAttention(AttentionImpl):
 
     @staticmethod
     def _prefill(q, kc, vc, q_offset, scale, window, soft_cap) -> torch.Tensor:
-        """q ``[Lq, Hq, D]`` at positions ``q_offset + i``; kc/vc ``[Hkv, Lk, D]`` at ``0..Lk-1``."""
+        """q ``[Lq, Hq, D]`` at positions ``q_offset + i``; kc/vc ``[Hkv, Lk, D]`` at ``0..Lk-1``.
+
+        A chunk that needs a mask (earlier context, a window or a soft-cap) runs in blocks of
+        ``PREFILL_Q_BLOCK`` query rows (bit-identical: each row's result does not depend on the other
+        rows): the mask (and the soft-cap path's scores) are then at most ``PREFILL_Q_BLOCK x Lk``
+        instead of ``Lq x Lk``."""
+        lq = q.shape[0]
+        if lq > PREFILL_Q_BLOCK and (window is not None or q_offset != 0 or soft_cap is not None):
+            return torch.cat([
+                TorchPagedAttention._prefill_rows(q[r:r + PREFILL_Q_BLOCK], kc, vc, q_offset + r, scale, window,
+                                                  soft_cap)
+                for r in range(0, lq, PREFILL_Q_BLOCK)])
+        return TorchPagedAttention._prefill_rows(q, kc, vc, q_offset, scale, window, soft_cap)
+
+    @staticmethod
+    def _prefill_rows(q, kc, vc, q_offset, scale, window, soft_cap) -> torch.Tensor:
+        # NOTE: every block sees all of kc / vc (the later keys masked): cutting them to the visible
+        # ones changes SDPA's tiling and the last bits of the result
         lq, lk = q.shape[0], kc.shape[1]
         qt, kt, vt = q.transpose(0, 1).unsqueeze(0), kc.unsqueeze(0), vc.unsqueeze(0)
         allowed = None

@@ -145,6 +145,9 @@ class EngineCore:
         self.vocab_size = info.vocab_size
         self.eos_token_id = info.eos_token_id
         self.weight_bytes = info.weight_bytes
+        self.weight_file_bytes = getattr(info, "weight_file_bytes", 0)
+        self.weight_mapped_bytes = getattr(info, "weight_mapped_bytes", 0)
+        self.weight_mapped_path = getattr(info, "weight_mapped_path", None)
         self.pooler = self.executor.get_pooler()
         budgets = self.executor.determine_available_memory()
         specs = self.executor.get_kv_cache_specs()
@@ -213,7 +216,23 @@ class EngineCore:
         workspace = args.max_num_batched_tokens * (6 * hidden + 2 * inter) * elem // max(1, args.tensor_parallel_size)
         cache_cap = mem.get("cpu_allocator_cache_limit_bytes")
         committed = self._kv_committed_bytes(0)
-        rest = rss - self.weight_bytes - committed - mem.get("cpu_allocator_cached_bytes", 0)
+        weights_resident = self.weight_bytes
+        from pagedllm.loader.mapped_weights import mapped_file_resident_bytes
+
+        if self.weight_mapped_path:
+            # NOTE: the worker runs in this process when the mapping is on (one rank)
+            mapped_res = mapped_file_resident_bytes(self.weight_mapped_path)
+            logger.info(
+                "pagedllm: weights resident %s (%s mapped from the weight cache, file-backed and clean, %s of it "
+                "resident now; %s copies) for a checkpoint file of %s",
+                _fmt_bytes(mapped_res + self.weight_bytes - self.weight_mapped_bytes),
+                _fmt_bytes(self.weight_mapped_bytes), _fmt_bytes(mapped_res),
+                _fmt_bytes(self.weight_bytes - self.weight_mapped_bytes), _fmt_bytes(self.weight_file_bytes))
+            weights_resident = mapped_res + self.weight_bytes - self.weight_mapped_bytes
+        else:
+            logger.info("pagedllm: weights resident %s as anonymous copies for a checkpoint file of %s",
+                        _fmt_bytes(self.weight_bytes), _fmt_bytes(self.weight_file_bytes))
+        rest = rss - weights_resident - committed - mem.get("cpu_allocator_cached_bytes", 0)
         logger.info(
             "pagedllm: memory plan: weights %s + KV cache %s reserved (%s committed now; pages committed "
             "on first write, cached prefixes kept up to %s) + step workspace ~%s (%d tokens) + allocator "
@@ -585,7 +604,9 @@ class EngineCore:
 
     def get_memory_stats(self) -> dict:
         """Memory now, in bytes: ``resident_memory_bytes`` (RSS of this process plus that of the
-        executor's worker processes on this machine), ``weight_bytes``, ``kv_cache_bytes`` (the
+        executor's worker processes on this machine), ``weight_bytes``, ``weight_file_bytes`` (the
+        checkpoint files), ``weight_mapped_bytes`` (weights served from the mapped weight cache, file-backed
+        pages; ``loader.mapped_weights``), ``kv_cache_bytes`` (the
         output rank's weights; the KV cache of one rank, reserved), ``kv_cache_committed_bytes``
         (of which committed: blocks handed out since start-up or the last idle release) and,
         where the workers run in this process, the caching CPU allocator's
@@ -598,6 +619,8 @@ class EngineCore:
         out = {"resident_memory_bytes": resident_memory_bytes(), "weight_bytes": self.weight_bytes,
                "sleep_level": getattr(self, "sleep_level", 0),
                "sleep_weights_backup_bytes": getattr(self, "sleep_backup_bytes", 0),
+               "weight_file_bytes": getattr(self, "weight_file_bytes", 0),
+               "weight_mapped_bytes": getattr(self, "weight_mapped_bytes", 0),
                "kv_cache_bytes": getattr(self, "kv_cache_bytes", 0),
                "kv_cache_committed_bytes": self._kv_committed_bytes() if hasattr(self, "kv_block_bytes") else 0}
         extra = self.executor.get_memory_stats()

@@ -160,20 +160,85 @@ def load_generation_config(path: str) -> dict:
         return json.load(fh)
 
 
+# safetensors dtype names (https://github.com/huggingface/safetensors, "Format") -> torch dtypes
+_ST_DTYPES = {"F64": "float64", "F32": "float32", "F16": "float16", "BF16": "bfloat16", "I64": "int64",
+              "I32": "int32", "I16": "int16", "I8": "int8", "U8": "uint8", "BOOL": "bool",
+              "F8_E4M3": "float8_e4m3fn", "F8_E5M2": "float8_e5m2", "U16": "uint16", "U32": "uint32",
+              "U64": "uint64"}
+
+
+def mapped_safetensors(fname: str) -> Iterator[tuple[str, torch.Tensor]]:
+    """(name, tensor) for every tensor of safetensors file `fname`, each a view of one private
+    (copy-on-write) `mmap` of the file: no host copy is made here, the caller's copy into its
+    parameter is the only one. The mapping lives as long as any view does.
+
+    Format (safetensors "Format"): u64 little-endian header size N, N bytes of JSON
+    `{name: {"dtype", "shape", "data_offsets": [begin, end]}, "__metadata__": {...}}`, then the data
+    (offsets relative to its start), little endian, C order.
+    Raises ValueError for a header that does not parse or a tensor outside the file, or a dtype
+    this torch does not have (the caller falls back to `safe_open`)."""
+    import json
+    import mmap
+    import struct
+
+    with open(fname, "rb") as f:
+        mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
+    try:
+        n = struct.unpack_from("<Q", mm, 0)[0]
+        header = json.loads(bytes(mm[8:8 + n]))
+    except (struct.error, ValueError, UnicodeDecodeError) as e:
+        raise ValueError(f"{fname}: not a safetensors file ({e})") from None
+    base = 8 + n
+    entries = []
+    for name, info in header.items():
+        if name == "__metadata__":
+            continue
+        dt = getattr(torch, _ST_DTYPES.get(info.get("dtype"), ""), None)
+        begin, end = info["data_offsets"]
+        if not isinstance(dt, torch.dtype) or base + end > len(mm) or begin > end:
+            raise ValueError(f"{fname}: tensor {name}: dtype {info.get('dtype')} or offsets {begin}..{end}")
+        entries.append((name, dt, tuple(info["shape"]), base + begin, end - begin))
+    entries.sort(key=lambda e: e[0])  # NOTE: safe_open's order (sorted names), which loaders have always seen
+    raw = torch.frombuffer(mm, dtype=torch.uint8) if len(mm) else torch.empty(0, dtype=torch.uint8)
+    for name, dt, shape, off, nbytes in entries:
+        t = raw[off:off + nbytes]
+        yield name, (t.view(dt).reshape(shape) if nbytes else torch.empty(shape, dtype=dt))
+
+
 def iter_safetensors_weights(files: list[str], dtype: torch.dtype | None = torch.float32) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield (name, tensor) for every tensor in `files`, one at a time, floating tensors converted to `dtype`
     (integer / bool tensors, e.g. quantization metadata, are yielded unchanged; with `dtype=None` nothing is
-    converted). Names are the checkpoint's own (HF names, e.g. "model.layers.0.self_attn.q_proj.weight")."""
-    from safetensors import safe_open
+    converted). Names are the checkpoint's own (HF names, e.g. "model.layers.0.self_attn.q_proj.weight").
+
+    Tensors in the requested dtype are views of the mapped file (`mapped_safetensors`: no host copy before
+    the model's own); a file the mapped reader cannot take is read with `safe_open` (one copy per tensor)."""
     from tqdm import tqdm
 
     for fname in tqdm(files, desc="Loading safetensors checkpoint shards", unit="shard", disable=not files):
-        with safe_open(fname, framework="pt") as fh:
-            for name in fh.keys():
-                t = fh.get_tensor(name)
-                if dtype is not None and t.is_floating_point() and t.dtype != dtype:
-                    t = t.to(dtype)
-                yield name, t
+        try:
+            tensors = mapped_safetensors(fname)
+            first = next(tensors, None)
+        except (ValueError, OSError):
+            tensors, first = _safe_open_tensors(fname), None
+        if first is not None:
+            tensors = _chain(first, tensors)
+        for name, t in tensors:
+            if dtype is not None and t.is_floating_point() and t.dtype != dtype:
+                t = t.to(dtype)
+            yield name, t
+
+
+def _chain(first, rest):
+    yield first
+    yield from rest
+
+
+def _safe_open_tensors(fname: str) -> Iterator[tuple[str, torch.Tensor]]:
+    from safetensors import safe_open
+
+    with safe_open(fname, framework="pt") as fh:
+        for name in fh.keys():
+            yield name, fh.get_tensor(name)
 
 
 def tensor_files(files: list[str], names: set[str] | None = None) -> dict[str, str]:

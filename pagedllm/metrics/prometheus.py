@@ -7,7 +7,8 @@ the prefix:
 
 gauges     P:num_requests_running, P:num_requests_waiting, P:kv_cache_usage_perc,
            P:cpu_allocator_cached_bytes, P:cpu_allocator_live_bytes,
-           P:cpu_allocator_cache_limit_bytes, P:weight_bytes, P:kv_cache_bytes (reserved),
+           P:cpu_allocator_cache_limit_bytes, P:weight_bytes, P:weight_file_bytes,
+           P:weight_mapped_bytes, P:kv_cache_bytes (reserved),
            P:kv_cache_committed_bytes (of which committed: resident on CPU), P:cpu_compute_threads,
            (and prometheus_client's process_* metrics:
            process_resident_memory_bytes, ...), P:structured_output_cache_entries (compiled
@@ -122,6 +123,9 @@ class PrometheusStatLogger:
                 ("cpu_allocator_live_bytes", "Blocks of the caching CPU allocator held by tensors."),
                 ("cpu_allocator_cache_limit_bytes", "Cap on the caching CPU allocator's free blocks."),
                 ("weight_bytes", "Resident bytes of the model's weights (after quantization and packing)."),
+                ("weight_file_bytes", "Bytes of the checkpoint files the weights were read from."),
+                ("weight_mapped_bytes", "Bytes of the weights served from the mapped weight cache file "
+                 "(file-backed, clean pages instead of anonymous copies)."),
                 ("kv_cache_bytes", "Bytes of the KV cache (reserved: the block budget)."),
                 ("kv_cache_committed_bytes",
                  "Bytes of the KV cache committed: blocks handed out since start-up or the last idle "

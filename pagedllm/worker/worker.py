@@ -9,6 +9,7 @@ The call order is ``init_device -> load_model -> determine_available_memory / ge
 from __future__ import annotations
 
 import logging
+import os
 import time
 from dataclasses import dataclass
 from typing import Any, Optional
@@ -59,6 +60,10 @@ class ModelInfo:
         vocab_size: logits width; eos_token_id: from the tokenizer, else the config (or None).
         weight_bytes: resident weight bytes on this rank (after quantization and prepacking).
         load_seconds: wall time of this rank's ``load_model``.
+        weight_file_bytes: bytes of the checkpoint files the weights were read from (0: dummy).
+        weight_mapped_bytes: of ``weight_bytes``, what is served from the mapped cache file
+            (``loader.mapped_weights``; file-backed pages), 0 when nothing is mapped.
+        weight_mapped_path: that cache file, or None.
     """
 
     loaded: Any
@@ -69,6 +74,34 @@ class ModelInfo:
     eos_token_id: Optional[int]
     weight_bytes: int
     load_seconds: float
+    weight_file_bytes: int = 0
+    weight_mapped_bytes: int = 0
+    weight_mapped_path: Optional[str] = None
+
+
+def _checkpoint_files(loaded: Any) -> list[str]:
+    """The weight files of a loaded checkpoint: the .gguf file, or an HF directory's safetensors."""
+    if loaded is None or loaded.load_format == "dummy":
+        return []
+    if loaded.source == "gguf":
+        return [loaded.model_path]
+    from pagedllm.loader.hf_loader import safetensors_files
+
+    try:
+        return safetensors_files(loaded.model_path, None)
+    except (OSError, ValueError):
+        return []
+
+
+def _checkpoint_bytes(loaded: Any) -> int:
+    """Total size of ``_checkpoint_files(loaded)`` in bytes."""
+    total = 0
+    for p in _checkpoint_files(loaded):
+        try:
+            total += os.path.getsize(p)
+        except OSError:
+            pass
+    return total
 
 
 def eos_token_id(tokenizer: Any, hf_config: Any) -> Optional[int]:
@@ -279,6 +312,7 @@ class Worker:
             # dropped; a tied LM head gets a packed copy beside the dense embedding table.
             packed = prepack_cpu_linears(model, pack_head=args.runner == "generate")
             weight_bytes = resident_bytes() + packed
+        self.mapped_weights = self._map_weights(model, loaded, sharded)
         if args.enable_lora:
             self.lora_manager = self._build_lora_manager(model)
         if sharded:
@@ -295,8 +329,39 @@ class Worker:
         self.info = ModelInfo(
             loaded=loaded, dtype=self.dtype, kv_cache_dtype=self.kv_cache_dtype, device=self.device,
             vocab_size=int(hf_config.vocab_size), eos_token_id=eos_token_id(loaded.tokenizer, hf_config),
-            weight_bytes=weight_bytes, load_seconds=time.perf_counter() - t0)
+            weight_bytes=weight_bytes, load_seconds=time.perf_counter() - t0,
+            weight_file_bytes=_checkpoint_bytes(loaded), weight_mapped_bytes=self.mapped_weights.mapped_bytes,
+            weight_mapped_path=self.mapped_weights.path)
         return self.info
+
+    def _map_weights(self, model: torch.nn.Module, loaded: Any, sharded: bool):
+        """Serve the loaded parameters from the mapped weight cache (``loader.mapped_weights``): GGUF
+        checkpoints on CPU by default, safetensors too with ``PAGEDLLM_WEIGHT_MMAP=all``; one rank only
+        (a shard's tensors differ per rank). Returns the ``MappedWeights`` (status "off" when not
+        applied); logs what was mapped."""
+        from pagedllm.loader.mapped_weights import MappedWeights, map_model_weights
+
+        from pagedllm import envs
+
+        mode = envs.get("PAGEDLLM_WEIGHT_MMAP")
+        wanted = loaded.source == "gguf" or (mode == "all" and loaded.load_format == "safetensors")
+        if (mode == "0" or not wanted or loaded.load_format == "dummy" or sharded or self.device.type != "cpu"
+                or self.args.runner != "generate"):
+            return MappedWeights()
+        files = _checkpoint_files(loaded)
+        args = self.args
+        options = {"dtype": str(self.dtype), "quantization": args.quantization, "source": loaded.source,
+                   "batch_invariant": bool(self.batch_invariant), "hf_overrides": args.hf_overrides,
+                   "quant": type(loaded.quant_config).__name__ if loaded.quant_config is not None else None}
+        t = time.perf_counter()
+        mw = map_model_weights(model, files, options)
+        if mw.path is not None:
+            logger.info("pagedllm: weights: %s mapped from %s (%s, %.2f s; file-backed pages), %s kept as copies",
+                        fmt_bytes(mw.mapped_bytes), mw.path, mw.status, time.perf_counter() - t,
+                        fmt_bytes(mw.copied_bytes))
+        else:
+            logger.info("pagedllm: weights kept as copies (weight cache %s)", mw.status)
+        return mw
 
     def _load_draft_model(self, vocab_size: int) -> int:
         """Load the draft model of ``speculative_config`` (method "draft_model": its own path,

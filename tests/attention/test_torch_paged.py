@@ -126,3 +126,44 @@ def test_request_reads_block_written_by_another_in_same_step():
     out = TorchPagedAttention().forward(tq, tk, tv, cache, meta, d**-0.5, None, None)
     torch.testing.assert_close(out[6:], dense_reference(qb[4:7], kb, vb, 4, d**-0.5, None, None))
     torch.testing.assert_close(out[:6], dense_reference(qb[:6], kb[:6], vb[:6], 0, d**-0.5, None, None))
+
+
+@pytest.mark.parametrize("window, soft_cap", [(None, None), (96, None), (None, 30.0)])
+def test_masked_prefill_in_query_blocks_is_bit_identical(monkeypatch, window, soft_cap):
+    """A masked prefill chunk runs in blocks of PREFILL_Q_BLOCK query rows (issue 30.4: the mask and
+    the soft-cap scores stay PREFILL_Q_BLOCK x context): the same bits as one call over all rows."""
+    import pagedllm.attention.torch_paged as tp
+
+    g = torch.Generator().manual_seed(3)
+    lq, lk = 600, 1400
+    q, kc, vc = (torch.randn(*s, generator=g) for s in ((lq, 6, 32), (2, lk, 32), (2, lk, 32)))
+    monkeypatch.setattr(tp, "PREFILL_Q_BLOCK", 1 << 30)
+    whole = tp.TorchPagedAttention._prefill(q, kc, vc, lk - lq, 0.17, window, soft_cap)
+    monkeypatch.setattr(tp, "PREFILL_Q_BLOCK", 128)
+    blocks = tp.TorchPagedAttention._prefill(q, kc, vc, lk - lq, 0.17, window, soft_cap)
+    assert torch.equal(blocks, whole)
+
+
+def test_masked_prefill_workspace_is_bounded_by_the_query_block():
+    """With the caching CPU allocator (it keeps freed blocks of >= 1 MiB, so after a call it holds
+    the call's large temporaries): a 2,048-row chunk over 8,192 keys needs masks (SDPA) or float32
+    scores (soft-cap) for PREFILL_Q_BLOCK rows at a time, not for 2,048 (here: 10 and 100 MiB
+    instead of 82 and 804 MiB)."""
+    import pagedllm.attention.torch_paged as tp
+    from pagedllm.kernels.cpu_ops import cpu_allocator_empty_cache, cpu_allocator_stats, install_cpu_allocator
+
+    if not install_cpu_allocator() or not cpu_allocator_stats():
+        pytest.skip("the caching CPU allocator is not installed")
+    lq, lk, hq, hkv, d = 2048, 8192, 4, 1, 64
+    q, kc, vc = torch.randn(lq, hq, d), torch.randn(hkv, lk, d), torch.randn(hkv, lk, d)
+    io = 4 * lq * hq * d * 4 + (4 << 20)  # q, outputs, blocks' outputs before the cat
+    rows = tp.PREFILL_Q_BLOCK
+    for soft_cap, per_row_key in ((None, 2 * 5), (50.0, 6 * hq * 4)):  # bool + float mask; scores + probs
+        cpu_allocator_empty_cache()
+        out = tp.TorchPagedAttention._prefill(q, kc, vc, lk - lq, 0.125, None, soft_cap)
+        assert out.shape == (lq, hq, d)
+        del out
+        used = cpu_allocator_stats()["cached_bytes"]
+        bound = rows * lk * per_row_key + io
+        assert used <= bound, (soft_cap, used, bound)
+        assert bound < lq * lk * per_row_key / 2  # one call over all rows would need more

@@ -497,6 +497,10 @@ def test_tokenizer_cache_snapshot(which, request, tmp_path, monkeypatch):
     snap = T._snapshot_path(cached)
     assert cached.startswith(str(tmp_path)) and not os.path.exists(snap)
     ref = AutoTokenizer.from_pretrained(cached, **T._load_bos_eos_flags(cached))
+    # NOTE: ours drop the Python vocab / merges lists transformers built the Rust model from (issue 30.4)
+    had_lists = [n for n in T._BUILD_LISTS if isinstance(vars(ref).get(n), (dict, list))]
+    assert had_lists == (["_vocab", "_merges"] if which == "gemma3" else [])
+    ref = T.drop_build_lists(ref)
     from_files = T.load_gguf_tokenizer(path)  # reloads the files, writes the snapshot
     assert os.path.isfile(snap)
     from_snap = T.load_gguf_tokenizer(path)
@@ -528,3 +532,38 @@ def test_load_model_smollm2_end_to_end(smollm2_path):
     assert shapes["model.layers.0.self_attn.k_proj.weight"] == (192, 576)
     assert shapes["model.layers.29.mlp.down_proj.weight"] == (576, 1536)
     assert sum(np.prod(s) for s in shapes.values()) == 134_515_008
+
+
+def test_mapped_safetensors_reader_equals_safe_open(tmp_path):
+    """The mapped safetensors reader (no host copy: views of one private mmap) yields what safe_open
+    does, every dtype and shape, in the same order; a writable view never reaches the file; a file
+    it cannot read (a bad header) goes through safe_open's error instead."""
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    from pagedllm.loader.hf_loader import iter_safetensors_weights, mapped_safetensors
+
+    g = torch.Generator().manual_seed(0)
+    tensors = {"b.w": torch.randn(7, 33, generator=g).to(torch.bfloat16), "a.f16": torch.randn(5, generator=g).half(),
+               "c.i64": torch.arange(12).reshape(3, 4), "d.u8": torch.arange(9, dtype=torch.uint8),
+               "e.bool": torch.tensor([True, False, True]), "f.empty": torch.empty(0, 4),
+               "g.fp8": torch.randn(16, generator=g).to(torch.float8_e4m3fn), "h.scalar": torch.tensor(3.5)}
+    path = str(tmp_path / "m.safetensors")
+    save_file(tensors, path, metadata={"format": "pt"})
+    got = list(mapped_safetensors(path))
+    with safe_open(path, framework="pt") as fh:
+        want = [(k, fh.get_tensor(k)) for k in fh.keys()]
+    assert [k for k, _ in got] == [k for k, _ in want]
+    for (k, a), (_, b) in zip(got, want):
+        assert a.dtype == b.dtype and a.shape == b.shape, k
+        assert torch.equal(a.reshape(-1).view(torch.uint8), b.reshape(-1).view(torch.uint8)), k
+    before = open(path, "rb").read()
+    dict(got)["b.w"].add_(1)  # copy-on-write: private to this process
+    assert open(path, "rb").read() == before
+    conv = dict(iter_safetensors_weights([path], torch.float32))
+    assert conv["b.w"].dtype == torch.float32 and torch.equal(conv["b.w"], tensors["b.w"].float())
+    assert conv["c.i64"].dtype == torch.int64
+    bad = tmp_path / "bad.safetensors"
+    bad.write_bytes(b"\xff" * 16)
+    with pytest.raises(Exception):
+        list(iter_safetensors_weights([str(bad)]))
