@@ -10,8 +10,8 @@ Stated bounds:
 * SmolLM2 Q4_1 and Gemma 3 Q4_K_M: greedy tokens with native blocks equal those of the same file
   dequantized at load (``quantization="none"``), float32 math (integer-dot kernel off); resident
   weight bytes within 1.25x of the file size.
-* integer-dot kernel (opt-in, PAGEDLLM_GGUF_INTDOT=1; GGUF at M <= 16; int8 activations): taken exactly for the
-  int4/int8 group-32 kinds at M <= 16 and only by GGUF methods; the real models' perplexity within
+* integer-dot kernel (default; PAGEDLLM_GGUF_INTDOT=0 turns it off; int8 activations): taken exactly for the
+  int4/int8 group-32 kinds at every M and only by GGUF methods; the real models' perplexity within
   1% (SmolLM2) / 3% (Gemma 3) of float32 (``test_intdot_close_to_float`` states the rest).
 """
 from __future__ import annotations
@@ -246,10 +246,11 @@ def _ppl_decode_sized(llm, ids) -> float:
 
 
 @pytest.mark.skipif(cpu_ops.get_intdot_ops() is None, reason="integer-dot C++ kernel not built here")
-def test_gguf_linear_takes_intdot_at_decode_sizes(monkeypatch):
-    """With PAGEDLLM_GGUF_INTDOT on, GGUF methods run the integer-dot kernel for M <= 16 on
-    int4/int8 group-32 layers (Q4_1, Q8_0), the old kernel above 16 rows, for group 16 (Q6_K) and
-    with it off; other group-layout methods (GPTQ, ...) never take it."""
+def test_gguf_linear_takes_intdot_at_every_m(monkeypatch):
+    """With PAGEDLLM_GGUF_INTDOT on (the default), GGUF methods run the integer-dot kernel at every
+    M on int4/int8 group-32 layers (Q4_1, Q8_0, Q4_0), rows bit-identical between a 5-row and a
+    17-row call; the old kernel for group 16 (Q6_K) and with it off; other group-layout methods
+    (GPTQ, ...) never take it."""
     from pagedllm.quantization.gguf import GGUFLinearMethod
 
     monkeypatch.setattr(gq, "INTDOT", True)
@@ -270,8 +271,9 @@ def test_gguf_linear_takes_intdot_at_decode_sizes(monkeypatch):
         if takes:
             assert torch.equal(y, real(x, lin.qweight, lin.scales, lin.mins, None, lin.gq_kind, 32, torch.float32))
             calls.clear()
-            GGUFLinearMethod().apply(lin, torch.randn(17, k))  # prefill-sized: the old kernel
-            assert not calls
+            x17 = torch.cat([x, torch.randn(12, k, generator=torch.Generator().manual_seed(2))])
+            y17 = GGUFLinearMethod().apply(lin, x17)  # prefill-sized: the same kernel, same rows
+            assert calls and torch.equal(y17[:5], y)
             calls.clear()
             gq.GroupQuantLinearMethod().apply(lin, x)  # GPTQ/AWQ/...: float activations
             assert not calls

@@ -326,23 +326,24 @@ at::Tensor intdot_gemm(at::Tensor x, at::Tensor qweight, at::Tensor scales, c10:
     float* xdd = xdp.data_ptr<float>();
     float* xsd = xsp.data_ptr<float>();
     int32_t* cd = corr ? cp.data_ptr<int32_t>() : nullptr;
-    for (int64_t r = 0; r < M; ++r) {
-      const int64_t t = r / 8, rr = r % 8;
-      for (int64_t b = 0; b < nb; ++b) {
-        const int8_t* s0 = src + r * K + b * QK;
-        int8_t* d0 = dst + (t * nb + b) * 256 + rr * 4;
-        int32_t sum = 0;
-        for (int g = 0; g < 8; ++g) {
-          for (int j = 0; j < 4; ++j) {
-            d0[32 * g + j] = s0[4 * g + j];
-            sum += s0[4 * g + j];
+    // 4 codes at a time (one int32 move each); rows in parallel (each writes its own lanes)
+    at::parallel_for(0, M, std::max<int64_t>(1, (1 << 16) / K), [&](int64_t r0, int64_t r1) {
+      for (int64_t r = r0; r < r1; ++r) {
+        const int64_t t = r / 8, rr = r % 8;
+        for (int64_t b = 0; b < nb; ++b) {
+          const int8_t* s0 = src + r * K + b * QK;
+          int8_t* d0 = dst + (t * nb + b) * 256 + rr * 4;
+          for (int g = 0; g < 8; ++g) std::memcpy(d0 + 32 * g, s0 + 4 * g, 4);
+          xdd[(t * nb + b) * 8 + rr] = xds[r * nb + b];
+          xsd[(t * nb + b) * 8 + rr] = xss[r * nb + b];
+          if (cd) {
+            int32_t sum = 0;
+            for (int j = 0; j < QK; ++j) sum += s0[j];
+            cd[(t * nb + b) * 8 + rr] = -128 * sum;
           }
         }
-        xdd[(t * nb + b) * 8 + rr] = xds[r * nb + b];
-        xsd[(t * nb + b) * 8 + rr] = xss[r * nb + b];
-        if (cd) cd[(t * nb + b) * 8 + rr] = -128 * sum;
       }
-    }
+    });
   } else if (isa == kVnni && !int4) {
     au = at::empty({M * K}, xf.options().dtype(at::kByte));
     const uint8_t* src = reinterpret_cast<const uint8_t*>(a.data_ptr<int8_t>());
