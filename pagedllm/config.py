@@ -192,6 +192,9 @@ class EngineArgs:
         max_lora_rank: largest adapter rank accepted (vLLM's default 16).
         max_cpu_loras: adapters kept loaded in CPU memory (least recently used evicted and read
             from disk again when needed); None = ``max_loras``; must be >= ``max_loras``.
+        enable_prompt_embeds: accept prompts given as embeddings (``{"prompt_embeds": tensor}``
+            offline, ``prompt_embeds`` on ``/v1/completions``; vLLM's flag); off by default.
+            Generation only, one in-process worker.
     """
 
     model: str = "SmolLM2-135M-Instruct"
@@ -242,6 +245,7 @@ class EngineArgs:
     max_loras: int = 1
     max_lora_rank: int = 16
     max_cpu_loras: Optional[int] = None
+    enable_prompt_embeds: bool = False
 
     def __post_init__(self) -> None:
         # NOTE: "auto" (vLLM's spelling, also -1) = the model's context length capped by what the

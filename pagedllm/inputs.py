@@ -9,9 +9,9 @@ accepts a ``str``, a ``TextPrompt`` or a ``TokensPrompt``. Pure Python.
 """
 from __future__ import annotations
 
-from typing import NotRequired, TypedDict, Union
+from typing import Any, NotRequired, TypedDict, Union
 
-__all__ = ["TextPrompt", "TokensPrompt", "SingletonPrompt", "PromptType", "PROMPT_KEYS"]
+__all__ = ["TextPrompt", "TokensPrompt", "EmbedsPrompt", "SingletonPrompt", "PromptType", "PROMPT_KEYS"]
 
 
 class TextPrompt(TypedDict):
@@ -41,12 +41,26 @@ class TokensPrompt(TypedDict):
     cache_salt: NotRequired[str]
 
 
-SingletonPrompt = Union[str, TextPrompt, TokensPrompt]
-"""One prompt: a string (= ``TextPrompt(prompt=...)``), a TextPrompt or a TokensPrompt."""
+class EmbedsPrompt(TypedDict):
+    """A prompt given as embeddings (vLLM's ``EmbedsPrompt``), fed to the model in place of the
+    token embeddings; needs ``enable_prompt_embeds=True`` (generation only).
+
+    Keys:
+        prompt_embeds: a float ``torch.Tensor`` of shape ``(seq_len, hidden_size)`` (a leading
+            batch dimension of 1 is accepted), cast to the model dtype.
+        cache_salt: as in ``TextPrompt``.
+    """
+
+    prompt_embeds: Any
+    cache_salt: NotRequired[str]
+
+
+SingletonPrompt = Union[str, TextPrompt, TokensPrompt, EmbedsPrompt]
+"""One prompt: a string (= ``TextPrompt(prompt=...)``), a TextPrompt, TokensPrompt or EmbedsPrompt."""
 
 PromptType = SingletonPrompt
 """Anything the engine takes as one prompt (vLLM also has encoder-decoder prompts; pagedllm
 serves decoder-only models)."""
 
 # Keys a dict prompt may have (anything else, e.g. vLLM's multi_modal_data, is refused).
-PROMPT_KEYS = frozenset({"prompt", "prompt_token_ids", "cache_salt"})
+PROMPT_KEYS = frozenset({"prompt", "prompt_token_ids", "prompt_embeds", "cache_salt"})

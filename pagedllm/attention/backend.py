@@ -91,6 +91,10 @@ class ForwardContext:
     kv_caches: list[torch.Tensor]
     impl: AttentionImpl
     lora_mapping: Any = None
+    # Prompt embeddings of the step (``--enable-prompt-embeds``): ``(rows int64 [R], embeds
+    # [R, hidden])``, the flat token rows whose input embedding is ``embeds`` instead of the
+    # lookup of their (placeholder) ids; the model's ``Embedding`` applies it. None = none.
+    inputs_embeds: Optional[tuple[torch.Tensor, torch.Tensor]] = None
 
 
 _forward_context: Optional[ForwardContext] = None
@@ -111,6 +115,11 @@ def set_forward_context(ctx: ForwardContext) -> Iterator[ForwardContext]:
         yield ctx
     finally:
         _forward_context = None
+
+
+def current_forward_context() -> Optional[ForwardContext]:
+    """The active forward context, or None outside ``set_forward_context``."""
+    return _forward_context
 
 
 def get_forward_context() -> ForwardContext:

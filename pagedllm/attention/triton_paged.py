@@ -25,7 +25,6 @@ nothing.
 """
 from __future__ import annotations
 
-import math
 from typing import Optional
 
 import torch

@@ -79,7 +79,7 @@ class FreeKVCacheBlockQueue:
 
     def popleft(self) -> KVCacheBlock:
         block = self._head.next_free_block
-        if block is self._tail:
+        if block is None or block is self._tail:
             raise ValueError("no free blocks")
         self.remove(block)
         return block
@@ -95,6 +95,7 @@ class FreeKVCacheBlockQueue:
 
     def append(self, block: KVCacheBlock) -> None:
         last = self._tail.prev_free_block
+        assert last is not None, "the free list's tail sentinel lost its link"
         last.next_free_block = block
         block.prev_free_block = last
         block.next_free_block = self._tail
@@ -103,9 +104,9 @@ class FreeKVCacheBlockQueue:
 
     def get_all_free_blocks(self) -> list[KVCacheBlock]:
         """Free blocks head (next evicted) to tail."""
-        out = []
+        out: list[KVCacheBlock] = []
         b = self._head.next_free_block
-        while b is not self._tail:
+        while b is not None and b is not self._tail:
             out.append(b)
             b = b.next_free_block
         return out

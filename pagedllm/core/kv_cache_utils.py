@@ -75,11 +75,16 @@ def hash_block_tokens(
 def block_extra_keys(request: Any, block_index: int) -> Optional[tuple[Any, ...]]:
     """Extra keys mixed into block ``block_index`` of ``request``: on block 0, its
     ``cache_salt`` (a str) and its LoRA adapter's ``lora_int_id`` (an int), so requests with
-    different adapters (or none) never share KV blocks."""
+    different adapters (or none) never share KV blocks; and for a prompt given as embeddings
+    the digest of those embeddings (its token ids are placeholders), so it never shares blocks
+    with a token prompt or other embeddings."""
     if block_index != 0:
         return None
     salt = getattr(request, "cache_salt", None)
     lora = getattr(request, "lora_request", None)
+    embeds = getattr(request, "prompt_embeds_hash", None)
+    if embeds is not None:  # a prompt given as embeddings: its token ids are placeholders
+        return (salt, lora.lora_int_id if lora is not None else None, "prompt_embeds", embeds)
     if lora is not None:
         return (salt, lora.lora_int_id) if salt else (lora.lora_int_id,)
     return (salt,) if salt else None

@@ -70,6 +70,10 @@ class Request:
             ``lora_int_id``, ``lora_path``) or None; it stays with the request across
             preemptions, and its id is mixed into the first block hash (no KV sharing across
             adapters).
+        prompt_embeds: the prompt as embeddings (a ``[len(prompt_token_ids), hidden]`` tensor;
+            ``prompt_token_ids`` are placeholders then) or None.
+        prompt_embeds_hash: a digest of ``prompt_embeds`` (hex str), mixed into the first block
+            hash so an embeddings prompt shares KV blocks only with the same embeddings.
         max_tokens / min_tokens / stop_token_ids / ignore_eos: the stop settings the scheduler
             checks every token, read once from ``sampling_params`` here (``stop_token_ids``
             as a frozenset, or None when empty); ``max_tokens`` 0 and the rest off for pooling.
@@ -86,8 +90,12 @@ class Request:
         cache_salt: Optional[str] = None,
         priority: int = 0,
         lora_request: Any = None,
+        prompt_embeds: Any = None,
+        prompt_embeds_hash: Optional[str] = None,
     ) -> None:
         self.request_id = request_id
+        self.prompt_embeds = prompt_embeds
+        self.prompt_embeds_hash = prompt_embeds_hash
         self.prompt_token_ids = list(prompt_token_ids)
         self.sampling_params = sampling_params
         self.pooling_params = pooling_params

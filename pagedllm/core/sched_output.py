@@ -26,6 +26,10 @@ class ScheduledRequest:
             ``num_tokens``: the step computes ``token_ids[start_pos:] + spec_token_ids``); empty
             when not speculating.
         lora_request: the request's LoRA adapter (a ``LoRARequest``) or None.
+        prompt_embeds: the prompt's embeddings (a ``[prompt_len, hidden]`` tensor in the model
+            dtype, by reference) for a prompt given as embeddings, else None: the runner feeds
+            rows ``start_pos .. min(start_pos + num_tokens, prompt_len)`` instead of looking up
+            ``token_ids`` (placeholders there).
     """
 
     req_id: str
@@ -40,6 +44,7 @@ class ScheduledRequest:
     is_new: bool = False
     spec_token_ids: list[int] = field(default_factory=list)
     lora_request: Any = None
+    prompt_embeds: Any = None
 
 
 @dataclass

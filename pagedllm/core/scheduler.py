@@ -26,7 +26,6 @@ a grammar that has ended finishes the request ("stop").
 from __future__ import annotations
 
 import logging
-import os
 import time
 from collections import deque
 from typing import Any, Iterable, Optional
@@ -36,6 +35,7 @@ from pagedllm.core.request import Request, RequestStatus
 from pagedllm.core.sched_output import (EngineCoreOutput, ModelRunnerOutput, ScheduledRequest,
                                         SchedulerOutput)
 from pagedllm.core.spec_decode_stats import SpecDecodingStats
+from pagedllm import envs
 
 logger = logging.getLogger("pagedllm")
 
@@ -81,7 +81,7 @@ class Scheduler:
         self.kv_cache_manager = kv_cache_manager
         self.long_prefill_token_threshold = long_prefill_token_threshold
         self.max_loras = max_loras
-        self.debug = os.environ.get("PAGEDLLM_DEBUG", "0") == "1" if debug is None else debug
+        self.debug = bool(envs.get("PAGEDLLM_DEBUG")) if debug is None else debug
         self.requests: dict[str, Request] = {}
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
@@ -322,6 +322,7 @@ class Scheduler:
                 is_new=is_new,
                 spec_token_ids=spec,
                 lora_request=req.lora_request,
+                prompt_embeds=req.prompt_embeds if start < len(req.prompt_token_ids) else None,
             ))
             req.num_computed_tokens = start + n
             total += n

@@ -10,16 +10,16 @@ process) and read by the communication modules that ``pagedllm.distributed.shard
 from __future__ import annotations
 
 import datetime
-import os
 from typing import Optional
 
 import torch
 import torch.distributed as dist
+from pagedllm import envs
 
 
 def _timeout() -> datetime.timedelta:
     """Collective timeout: ``PAGEDLLM_DIST_TIMEOUT_S`` seconds (default 600)."""
-    return datetime.timedelta(seconds=float(os.environ.get("PAGEDLLM_DIST_TIMEOUT_S", "600")))
+    return datetime.timedelta(seconds=float(envs.get("PAGEDLLM_DIST_TIMEOUT_S")))
 
 
 class GroupCoordinator:

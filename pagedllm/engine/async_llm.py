@@ -159,11 +159,13 @@ class AsyncLLM:
         if not self._stop.is_set():
             self._run()
 
-    def _ensure_started(self) -> None:
+    def _ensure_started(self) -> asyncio.AbstractEventLoop:
+        """Bind the engine to the running event loop on first use; returns that loop."""
         if self._loop is None:
             self._loop = asyncio.get_running_loop()
             self._deliveries = _Deliveries(self._loop)
             self._loop_known.set()
+        return self._loop
 
     def _submit(self, cmd: tuple) -> None:
         self._cmds.put(cmd)
@@ -225,11 +227,13 @@ class AsyncLLM:
 
     def _run(self) -> None:
         eng = self.engine
+        deliveries = self._deliveries
+        assert deliveries is not None, "_ensure_started sets the deliveries before the thread starts"
         while not self._stop.is_set():
             try:
                 self._loop_once(eng)
             finally:
-                self._deliveries.flush()  # one event-loop wakeup per step for all outputs
+                deliveries.flush()  # one event-loop wakeup per step for all outputs
             if self._dead is not None:
                 return
 
@@ -240,6 +244,7 @@ class AsyncLLM:
             if not eng.has_unfinished_requests():
                 if drained:  # e.g. an abort emptied the batch: publish the new state
                     self._record_stats()
+                assert self._deliveries is not None
                 self._deliveries.flush()
                 self._maybe_release_idle_memory(eng)
                 self._wake.wait(0.5)
@@ -290,6 +295,7 @@ class AsyncLLM:
     def _add(self, request: EngineCoreRequest) -> asyncio.Queue:
         """Hand a validated request to the engine thread; its outputs arrive on the returned queue."""
         q: asyncio.Queue = asyncio.Queue()
+        assert self._deliveries is not None, "call _ensure_started() first"
         self._ids_in_use.add(request.request_id)  # released by the caller's finally (generate / encode)
         self._submit(("add", request, _LoopQueue(self._deliveries, q)))
         return q
@@ -334,8 +340,8 @@ class AsyncLLM:
         """Run ``fn(*args)`` on the engine thread (between steps) and return its result."""
         if self._dead is not None:
             raise EngineDeadError(f"engine loop is dead: {self._dead!r}")
-        self._ensure_started()
-        fut = self._loop.create_future()
+        loop = self._ensure_started()
+        fut = loop.create_future()
         self._submit(("call", fut, self._loop, fn, args))
         return await fut
 
@@ -376,7 +382,10 @@ class AsyncLLM:
                     # which other requests with the same constraint share through the cache.
                     await asyncio.shield(asyncio.wrap_future(grammar))
                 except ValueError as e:
-                    raise params.structured_outputs.rename_error(e) from None
+                    so_params = getattr(params, "structured_outputs", None)
+                    if so_params is None:
+                        raise
+                    raise so_params.rename_error(e) from None
             while True:
                 item = await q.get()
                 if isinstance(item, BaseException):
@@ -434,9 +443,9 @@ class AsyncLLM:
 
     async def reset_prefix_cache(self) -> bool:
         """Reset the prefix cache from the engine thread; True on success."""
-        self._ensure_started()
-        fut = self._loop.create_future()
-        self._submit(("reset_prefix_cache", fut, self._loop))
+        loop = self._ensure_started()
+        fut = loop.create_future()
+        self._submit(("reset_prefix_cache", fut, loop))
         return await fut
 
     async def add_lora(self, lora_request: Any) -> bool:

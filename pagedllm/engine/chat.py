@@ -20,7 +20,11 @@ _TEXT_PARTS = ("text", "input_text", "output_text")
 def load_chat_template(value: Optional[str]) -> Optional[str]:
     """A ``--chat-template`` value: the path of a file holding a Jinja template, or the template
     itself (vLLM's ``load_chat_template``: a value with none of ``{``, ``}``, newline that is no
-    readable file is a path that failed to open).
+    readable file is a path that failed to open). A path that does not exist but whose file name
+    is one of the templates shipped in ``pagedllm/entrypoints/openai/chat_templates/`` (with or
+    without ``.jinja``) loads that one, so the README's
+    ``--chat-template pagedllm/entrypoints/openai/chat_templates/NAME.jinja`` works from any
+    directory (and ``--chat-template NAME`` too).
 
     Raises:
         ValueError: a value that looks like a path but cannot be read.
@@ -31,12 +35,29 @@ def load_chat_template(value: Optional[str]) -> Optional[str]:
         if len(value) < 4096 and os.path.isfile(value):
             with open(value, encoding="utf-8") as f:
                 return f.read()
+        shipped = packaged_chat_template(value)
+        if shipped is not None:
+            with open(shipped, encoding="utf-8") as f:
+                return f.read()
     except OSError:
         pass
     if any(c in value for c in "{}\n"):
         return value
     raise InputValidationError(f"chat_template: {value!r} is neither a readable file nor a Jinja template "
                                "string.", "chat_template")
+
+
+def packaged_chat_template(value: str) -> Optional[str]:
+    """The path of the template shipped with pagedllm that ``value`` names (its file name, with or
+    without ``.jinja``; a value with ``{``, ``}`` or a newline is a template, not a name), else None."""
+    if not value or len(value) > 512 or any(c in value for c in "{}\n"):
+        return None
+    name = os.path.basename(value)
+    if not name.endswith(".jinja"):
+        name += ".jinja"
+    path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "entrypoints", "openai",
+                        "chat_templates", name)
+    return path if os.path.isfile(path) else None
 
 
 def normalize_messages(messages: list[dict]) -> list[dict]:

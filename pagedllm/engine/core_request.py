@@ -30,6 +30,9 @@ class EngineCoreRequest:
         cache_salt: optional non-empty string mixed into the first prefix-cache block hash.
         lora_request: the LoRA adapter to apply (None = the base model).
         priority: scheduling priority (only 0: the scheduler is first-come-first-served).
+        prompt_embeds: for a prompt given as embeddings, the ``[len(prompt_token_ids), hidden]``
+            tensor in the model dtype (``prompt_token_ids`` are placeholder zeros then), else None.
+        prompt_embeds_hash: sha256 hex digest of ``prompt_embeds`` (prefix-cache key), or None.
     """
 
     request_id: str
@@ -42,6 +45,8 @@ class EngineCoreRequest:
     cache_salt: Optional[str] = None
     lora_request: Optional[Any] = None
     priority: int = 0
+    prompt_embeds: Optional[Any] = None
+    prompt_embeds_hash: Optional[str] = None
 
     @property
     def params(self) -> Any:

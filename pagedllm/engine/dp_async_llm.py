@@ -52,7 +52,9 @@ class DPAsyncLLM:
         backend = args.distributed_executor_backend or "mp"
         self.args = args
         self.stat_loggers: list[Any] = []
-        self.replicas: list[Optional[AsyncLLM]] = [None] * n
+        # NOTE: every entry is set once the loop below has built them all (shutdown() skips the
+        # None entries of a failed build); typed as built.
+        self.replicas: list[AsyncLLM] = [None] * n  # type: ignore[list-item]
         errors: list[BaseException] = []
 
         def build(i: int) -> None:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import logging
 import time
 from collections import OrderedDict, deque
+from concurrent.futures import Future
 from typing import Any, Optional
 
 from pagedllm.config import EngineArgs
@@ -67,6 +68,13 @@ class EngineCore:
         if args.enable_lora:
             args.lora_limits()  # NOTE: bad limits fail before any worker starts
         executor_cls = Executor.get_class(args)
+        if args.enable_prompt_embeds:
+            if args.runner != "generate":
+                raise ValueError("enable_prompt_embeds: only for runner='generate'")
+            if executor_cls.__name__ != "UniProcExecutor":
+                # NOTE: the embeddings ride on the SchedulerOutput by reference (no codec for them).
+                raise ValueError("enable_prompt_embeds: needs the in-process worker (tensor_parallel_size=1, "
+                                 "pipeline_parallel_size=1, distributed_executor_backend='uni')")
         self.executor = executor_cls(args)
         try:
             self._init_cache(args, t0)
@@ -82,7 +90,7 @@ class EngineCore:
         self.scheduler = Scheduler(
             max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
             max_model_len=self.max_model_len, kv_cache_manager=self.kv_cache_manager,
-            num_spec_tokens=sc.num_speculative_tokens if sc else 0,
+            num_spec_tokens=(sc.num_speculative_tokens or 0) if sc else 0,
             num_lookahead_tokens=sc.num_lookahead_tokens if sc else 0,
             max_loras=args.max_loras if args.enable_lora else 0)
         # LoRA: the adapters in the workers' CPU caches, least recently used first (add_lora).
@@ -318,12 +326,14 @@ class EngineCore:
             time.sleep(0.002)
         # NOTE: an empty step too: it returns the outputs of requests finished inside
         # schedule() (a grammar that failed to compile).
+        assert not isinstance(runner_out, Future), "execute_model without non_block returns the output"
         return self.scheduler.update_from_output(so, runner_out or ModelRunnerOutput())
 
     def _schedule(self) -> SchedulerOutput:
         """``scheduler.schedule()`` plus the step's grammar bitmask for constrained rows."""
         so = self.scheduler.schedule()
         if so.structured_output_request_ids:
+            assert self.structured_output_manager is not None, "constrained rows need the manager"
             reqs = self.scheduler.requests
             so.grammar_bitmask = self.structured_output_manager.grammar_bitmask(
                 [reqs[rid].structured_output_request for rid in so.structured_output_request_ids])
@@ -442,7 +452,8 @@ class EngineCore:
             if "suffix_cached_requests" in ps:
                 out["spec_decode_suffix_cached_requests"] = ps["suffix_cached_requests"]
                 out["spec_decode_suffix_tree_nodes"] = ps["suffix_global_tree_nodes"]
-                out["spec_decode_suffix_cache_capacity"] = self.spec_config.suffix_decoding_max_cached_requests
+                out["spec_decode_suffix_cache_capacity"] = getattr(
+                    self.spec_config, "suffix_decoding_max_cached_requests", None)
         return out
 
     def _lora_stats(self) -> dict:

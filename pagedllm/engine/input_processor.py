@@ -36,11 +36,16 @@ class ProcessedPrompt:
             kept ids).
         prompt_token_ids: token ids the engine computes (after truncation).
         cache_salt: optional prefix-cache salt.
+        prompt_embeds: for a prompt given as embeddings, the checked ``[n, hidden]`` tensor in
+            the model dtype (``prompt_token_ids`` are then ``n`` placeholder zeros), else None.
+        prompt_embeds_hash: sha256 hex digest of ``prompt_embeds`` (dtype, shape and bytes).
     """
 
     prompt: Optional[str]
     prompt_token_ids: list[int]
     cache_salt: Optional[str] = None
+    prompt_embeds: Any = None
+    prompt_embeds_hash: Optional[str] = None
 
 
 class InputProcessor:
@@ -66,6 +71,68 @@ class InputProcessor:
         self.runner = runner
         self.pooler = pooler
         self.eos_token_id = eos_token_id
+        # (hidden_size, model dtype) once ``enable_prompt_embeds`` was called, else None.
+        self.prompt_embeds_spec: Optional[tuple[int, Any]] = None
+
+    def enable_prompt_embeds(self, hidden_size: int, dtype: Any) -> None:
+        """Accept ``{"prompt_embeds": tensor}`` prompts of width ``hidden_size``, cast to ``dtype``
+        (the engine's ``enable_prompt_embeds``)."""
+        self.prompt_embeds_spec = (int(hidden_size), dtype)
+
+    def check_prompt_embeds(self, embeds: Any) -> Any:
+        """The checked embeddings of an embeddings prompt: a float tensor ``(seq_len, hidden_size)``
+        (a leading batch dimension of 1 is dropped, a sparse tensor made dense), cast to the model
+        dtype, on the CPU, contiguous.
+
+        Raises:
+            InputValidationError: param "prompt_embeds": prompt embeddings not enabled, not a
+                tensor, wrong rank or width, not a floating dtype, empty, NaN or infinite values.
+        """
+        import torch
+
+        if self.prompt_embeds_spec is None:
+            raise InputValidationError("You must set `--enable-prompt-embeds` to input `prompt_embeds` "
+                                       "(enable_prompt_embeds=True offline).", "prompt_embeds")
+        hidden, dtype = self.prompt_embeds_spec
+        if not isinstance(embeds, torch.Tensor):
+            raise InputValidationError(f"prompt_embeds: must be a torch.Tensor of shape (seq_len, {hidden}), got "
+                                       f"{type(embeds).__name__}", "prompt_embeds")
+        if embeds.dim() == 3 and embeds.shape[0] == 1:
+            embeds = embeds[0]
+        if embeds.dim() != 2:
+            raise InputValidationError(f"prompt_embeds: must have shape (seq_len, {hidden}), got "
+                                       f"{tuple(embeds.shape)}", "prompt_embeds")
+        if embeds.shape[1] != hidden:
+            raise InputValidationError(f"prompt_embeds: the model's hidden size is {hidden}, got embeddings of "
+                                       f"width {embeds.shape[1]} (shape {tuple(embeds.shape)})", "prompt_embeds")
+        if not embeds.dtype.is_floating_point:
+            raise InputValidationError(f"prompt_embeds: must be a floating-point tensor (float32, bfloat16, "
+                                       f"float16), got {embeds.dtype}", "prompt_embeds")
+        if embeds.shape[0] == 0:
+            raise InputValidationError("The prompt cannot be empty.", "prompt_embeds")
+        if embeds.layout != torch.strided:
+            embeds = embeds.to_dense()
+        embeds = embeds.detach().to("cpu")
+        if not bool(torch.isfinite(embeds).all()):
+            raise InputValidationError("prompt_embeds: contains NaN or infinite values", "prompt_embeds")
+        return embeds.to(dtype).contiguous()
+
+    def _embeds_prompt(self, embeds: Any, truncate_prompt_tokens: Optional[int], strict_length: bool,
+                       cache_salt: Optional[str]) -> ProcessedPrompt:
+        import hashlib
+
+        e = self.check_prompt_embeds(embeds)
+        keep = self.resolve_truncation(truncate_prompt_tokens)
+        if keep is not None and e.shape[0] > keep:
+            e = e[-keep:].contiguous()
+        try:
+            self.check_prompt_length(int(e.shape[0]), strict_length)
+        except InputValidationError as err:
+            err.param = "prompt_embeds"
+            raise
+        h = hashlib.sha256(f"{e.dtype}{tuple(e.shape)}".encode())
+        h.update(e.view(-1).view(__import__("torch").uint8).numpy().tobytes())
+        return ProcessedPrompt(None, [0] * int(e.shape[0]), cache_salt, e, h.hexdigest())
 
     # ------------------------------------------------------------------ prompts
     def tokenize(self, text: str, add_special_tokens: bool = True) -> list[int]:
@@ -165,6 +232,12 @@ class InputProcessor:
             cache_salt = prompt.get("cache_salt")
             if cache_salt is not None:
                 check_cache_salt(cache_salt)
+            if "prompt_embeds" in prompt:
+                if "prompt_token_ids" in prompt:
+                    raise InputValidationError("prompt: give prompt_embeds or prompt_token_ids, not both",
+                                               "prompt_embeds")
+                return self._embeds_prompt(prompt["prompt_embeds"], truncate_prompt_tokens, strict_length,
+                                           cache_salt)
             if "prompt_token_ids" in prompt:
                 ids = prompt["prompt_token_ids"]
                 text = prompt.get("prompt")
@@ -296,6 +369,8 @@ class InputProcessor:
         if pooling:
             pooling_params = self.process_pooling_params(params, task)
             pp = self._prompt(prompt, pooling_params.truncate_prompt_tokens, add_special_tokens, False)
+            if pp.prompt_embeds is not None:
+                raise InputValidationError("prompt_embeds: only for generation requests", "prompt_embeds")
             sampling_params = None
         else:
             if params is None:
@@ -306,6 +381,9 @@ class InputProcessor:
                     "embed/encode/classify/score, or load it with runner='generate'", "model")
             pp = self._prompt(prompt, getattr(params, "truncate_prompt_tokens", None), add_special_tokens,
                               strict_length)
+            if pp.prompt_embeds is not None and getattr(params, "prompt_logprobs", None) is not None:
+                raise InputValidationError("prompt_logprobs: not available for a prompt given as prompt_embeds "
+                                           "(it has no token ids)", "prompt_logprobs")
             sampling_params = self.process_sampling_params(params, len(pp.prompt_token_ids), strict_length)
             pooling_params = None
         kw = {} if arrival_time is None else {"arrival_time": arrival_time}
@@ -313,7 +391,7 @@ class InputProcessor:
             request_id=request_id, prompt_token_ids=list(pp.prompt_token_ids), sampling_params=sampling_params,
             pooling_params=pooling_params, eos_token_id=self.eos_token_id, prompt=pp.prompt,
             cache_salt=cache_salt if cache_salt is not None else pp.cache_salt, lora_request=lora_request,
-            priority=priority, **kw)
+            priority=priority, prompt_embeds=pp.prompt_embeds, prompt_embeds_hash=pp.prompt_embeds_hash, **kw)
 
     def _prompt(self, prompt: Any, truncate: Optional[int], add_special_tokens: bool,
                 strict_length: bool) -> ProcessedPrompt:

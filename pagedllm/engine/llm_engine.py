@@ -12,7 +12,6 @@ from pagedllm.engine.core_request import EngineCoreRequest
 from pagedllm.engine.engine_core import EngineCore
 from pagedllm.engine.input_processor import InputProcessor
 from pagedllm.metrics.stats import IterationStats, RequestStateStats
-from pagedllm.outputs import RequestOutput
 
 
 def child_request_id(index: int, parent_id: str) -> str:
@@ -41,6 +40,10 @@ class LLMEngine:
         self.input_processor = InputProcessor(self.tokenizer, self.max_model_len, self.vocab_size,
                                               args.max_logprobs, runner=args.runner, pooler=self.pooler,
                                               eos_token_id=self.core.eos_token_id)
+        if args.enable_prompt_embeds:
+            hc = self.core.hf_config
+            hc = hc.get_text_config() if hasattr(hc, "get_text_config") else hc
+            self.input_processor.enable_prompt_embeds(int(hc.hidden_size), self.core.dtype)
         self.output_processor = OutputProcessor(self.tokenizer)
         self.default_sampling_params = self._generation_defaults()
         self._ids = itertools.count()
@@ -154,9 +157,12 @@ class LLMEngine:
         if request.lora_request is not None:
             # NOTE: before any state: a bad adapter (or LoRA off) adds nothing
             self.core.ensure_lora(request.lora_request)
+        # NOTE: a prompt given as embeddings has placeholder ids: no detokenizer context from them,
+        # and none reported back (RequestOutput.prompt_token_ids is empty, as vLLM's is None).
+        shown_ids = [] if request.prompt_embeds is not None else request.prompt_token_ids
         if request.pooling_params is not None:
             self.output_processor.add_request(
-                request.request_id, request.prompt, request.prompt_token_ids, request.pooling_params,
+                request.request_id, request.prompt, shown_ids, request.pooling_params,
                 arrival_time=request.arrival_time, queue=queue)
             self._add_core(request.request_id, request, None)
             return
@@ -165,7 +171,7 @@ class LLMEngine:
         rid, params = request.request_id, request.sampling_params
         if params.n == 1:
             self.output_processor.add_request(
-                rid, request.prompt, request.prompt_token_ids, params, None, 0,
+                rid, request.prompt, shown_ids, params, None, 0,
                 arrival_time=request.arrival_time, queue=queue)
             self._add_core(rid, request, params)
             return
@@ -175,7 +181,7 @@ class LLMEngine:
             cid, cp = parent.get_child_info(i)
             kids.append((cid, cp))
             self.output_processor.add_request(
-                cid, request.prompt, request.prompt_token_ids, cp, parent, i,
+                cid, request.prompt, shown_ids, cp, parent, i,
                 arrival_time=request.arrival_time, queue=queue)
         added: list[str] = []
         try:
@@ -195,10 +201,8 @@ class LLMEngine:
         req = Request(rid, request.prompt_token_ids, sampling_params=sampling_params,
                       pooling_params=request.pooling_params, eos_token_id=eos,
                       arrival_time=request.arrival_time, cache_salt=request.cache_salt,
-                      priority=request.priority, lora_request=request.lora_request)
-        if sampling_params is not None and sampling_params.prompt_logprobs is not None:
-            # Prompt logprobs need every prompt position computed: no prefix-cache hits.
-            req.skip_prefix_cache = True
+                      priority=request.priority, lora_request=request.lora_request,
+                      prompt_embeds=request.prompt_embeds, prompt_embeds_hash=request.prompt_embeds_hash)
         try:
             self.core.add_request(req)
         except BaseException:

@@ -94,7 +94,7 @@ class ParentRequest:
         self.output_kind = _output_kind(sampling_params)
         self.child_ids: dict[int, str] = {}  # index -> child id (registered children)
         self.finished_indices: set[int] = set()
-        self.latest: dict[int, CompletionOutput] = {}  # CUMULATIVE / FINAL_ONLY state
+        self.latest: dict[int, Optional[CompletionOutput]] = {}  # CUMULATIVE / FINAL_ONLY state
         self.prompt_logprobs: Optional[list[Optional[PositionLogprobs]]] = None
         self.prompt_logprobs_owner: Optional[int] = None  # child index providing them
         self.prompt_logprobs_sent = 0
@@ -228,7 +228,7 @@ class RequestState:
             for entry in eco.new_logprobs:
                 d = convert_logprobs_entry(entry, fn)
                 self.logprobs.append(d if d is not None else {})
-                if entry is not None:
+                if entry is not None and self.cumulative_logprob is not None:
                     self.cumulative_logprob += float(_as_list(entry[1])[0])
 
         core_finish = eco.finish_reason
@@ -342,7 +342,7 @@ class OutputProcessor:
 
     def __init__(self, tokenizer: Any = None) -> None:
         self.tokenizer = tokenizer  # default when add_request gets none
-        self.request_states: dict[str, RequestState] = {}
+        self.request_states: dict[str, "RequestState | PoolingRequestState"] = {}
         self.parent_requests: dict[str, ParentRequest] = {}
 
     # ------------------------------------------------------------------ requests
@@ -407,8 +407,8 @@ class OutputProcessor:
             if state is None:
                 continue
             removed.append(rid)
-            p = state.parent
-            if p is not None:
+            p = getattr(state, "parent", None)   # pooling requests have no parent (n = 1)
+            if p is not None and isinstance(state, RequestState):
                 p.finished_indices.add(state.index)
                 if p.finished:
                     self.parent_requests.pop(p.request_id, None)
@@ -497,12 +497,13 @@ class OutputProcessor:
             self._deliver(out, state.queue, results)
 
         for pid, updates in parent_updates.items():
-            p = updates[0].parent
-            out = self._make_parent_output(p, updates)
-            if p.finished:
+            parent = updates[0].parent
+            assert parent is not None, "parent_updates holds children of n > 1 requests only"
+            parent_out = self._make_parent_output(parent, updates)
+            if parent.finished:
                 self.parent_requests.pop(pid, None)
-            if out is not None:
-                self._deliver(out, p.queue, results)
+            if parent_out is not None:
+                self._deliver(parent_out, parent.queue, results)
         return results, reqs_to_abort
 
     @staticmethod

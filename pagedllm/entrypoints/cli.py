@@ -1,4 +1,4 @@
-"""``pagedllm`` command line: serve, chat, complete, bench (vLLM's names and flags).
+"""``pagedllm`` command line: serve, chat, complete, run, run-batch, bench (vLLM's names and flags).
 
 A user mistake is one line on stderr, ``pagedllm <cmd>: error: ...``, and exit status 2
 (``cli_utils.FlexibleArgumentParser``); ``pagedllm serve --help=<group or keyword>`` shows part
@@ -73,7 +73,7 @@ def build_parser() -> argparse.ArgumentParser:
         prog="pagedllm", description="pagedllm: paged-KV-cache LLM serving with vLLM's API")
     parser.add_argument("--version", action="store_true", help="Print the version and exit.")
     subparsers: dict[str, argparse.ArgumentParser] = {}
-    sub = parser.add_subparsers(dest="cmd", metavar="{serve,chat,complete,bench}")
+    sub = parser.add_subparsers(dest="cmd", metavar="{serve,chat,complete,run,run-batch,bench}")
     sp = sub.add_parser("serve", help="serve a model behind an OpenAI-compatible HTTP API",
                         description="Serve a model behind an OpenAI-compatible HTTP API (vLLM's `vllm serve` "
                                     "flags). --help=listgroup lists the flag groups, --help=<group> shows "
@@ -87,6 +87,23 @@ def build_parser() -> argparse.ArgumentParser:
     subparsers["chat"] = cp
     add_client_args(cp, chat=True)
     _add_complete_parser(sub, subparsers)
+    from pagedllm.entrypoints.run_local import add_run_args
+    rp = sub.add_parser("run", help="start a local server for MODEL and chat with it (as `ollama run`)",
+                        description="Start `pagedllm serve MODEL` on a free local port (every flag that is "
+                                    "not listed here goes to serve), chat with it as `pagedllm chat` does, "
+                                    "and stop it when the chat ends.")
+    subparsers["run"] = rp
+    add_run_args(rp)
+    from pagedllm.entrypoints.openai.run_batch import add_run_batch_args
+    rb = sub.add_parser("run-batch", help="run an OpenAI batch file (.jsonl) through the model, no server",
+                        description="Run the requests of an OpenAI batch file (one {custom_id, method, url, body} "
+                                    "a line; /v1/chat/completions, /v1/completions, /v1/embeddings, /v1/score) "
+                                    "through the server's handlers in this process, writing one result a line "
+                                    "(vLLM's `vllm run-batch`); an existing output file is resumed. The engine "
+                                    "flags are `pagedllm serve`'s.")
+    subparsers["run-batch"] = rb
+    add_run_batch_args(rb)
+    add_serve_args(rb)
     _add_bench_parsers(sub, subparsers)
     parser.subcommand_parsers = subparsers  # type: ignore[attr-defined]
     return parser
@@ -132,6 +149,12 @@ def main(argv: Optional[list[str]] = None) -> int:
             break
         if tok.startswith("--help="):
             return show_filtered_help(_subcommand_of(parser, argv[:i]), tok.split("=", 1)[1])
+    if argv and argv[0] == "run":
+        from pagedllm.entrypoints.run_local import run_local, split_model
+        model, rest = split_model(argv[1:])
+        run_args, serve_args = parser.subcommand_parsers["run"].parse_known_args(rest)
+        run_args.run_model = model
+        return run_local(run_args, serve_args)
     args, extra = parser.parse_known_args(argv)
     if extra:  # reported by the subcommand's parser: "pagedllm serve: error: unrecognized arguments"
         cmd = " ".join(x for x in (args.cmd, getattr(args, "bench_cmd", None)) if x)
@@ -149,6 +172,9 @@ def main(argv: Optional[list[str]] = None) -> int:
             return fail("pagedllm serve", str(e))
         from pagedllm.entrypoints.openai.api_server import run_server
         return run_server(args, sock) or 0
+    if args.cmd == "run-batch":
+        from pagedllm.entrypoints.openai.run_batch import run_batch_main
+        return run_batch_main(args)
     if args.cmd in ("chat", "complete"):
         if args.cmd == "complete" and args.offline:
             return _run_user_errors_one_line("pagedllm complete", _complete_offline, args)

@@ -41,6 +41,7 @@ from pagedllm.config import EngineArgs
 from pagedllm.core.sched_output import ModelRunnerOutput, SchedulerOutput
 from pagedllm.executor.abstract import Executor, ExecutorDeadError
 from pagedllm.executor.sched_codec import SchedulerOutputDecoder, SchedulerOutputEncoder
+from pagedllm import envs
 
 logger = logging.getLogger("pagedllm")
 
@@ -48,10 +49,13 @@ HEARTBEAT_INTERVAL_S = 1.0
 
 
 def _env_float(name: str, default: float) -> float:
-    try:
-        return float(os.environ.get(name, default))
-    except ValueError:
-        return default
+    """The declared float variable ``name`` (pagedllm/envs.py; ``default`` is its declared default).
+
+    Raises:
+        ValueError: a value that is not a number (naming the variable).
+    """
+    assert envs.ENV_VARS[name].default == default, f"{name}: default differs from pagedllm/envs.py"
+    return float(envs.get(name))
 
 
 def get_open_port() -> int:
@@ -467,7 +471,7 @@ def _worker_main(args: EngineArgs, rank: int, init_method: str, local_world_size
                 method, a, kw = payload
                 try:
                     fn = getattr(worker, method) if isinstance(method, str) else (
-                        lambda *x, **y: method(worker, *x, **y))
+                        lambda *x, **y: method(worker, *x, **y))  # noqa: B023 (called right below)
                     result = fn(*a, **kw)
                     if method == "load_model":
                         result = None  # NOTE: the LoadedModel is not picklable; see model_info

@@ -20,6 +20,7 @@ from pagedllm.config import EngineArgs
 from pagedllm.core.sched_output import ModelRunnerOutput, SchedulerOutput
 from pagedllm.executor.abstract import Executor, ExecutorDeadError
 from pagedllm.executor.sched_codec import SchedulerOutputDecoder, SchedulerOutputEncoder
+from pagedllm import envs
 
 logger = logging.getLogger("pagedllm")
 
@@ -83,7 +84,7 @@ class RayExecutor(Executor):
         args, n = self.args, self.world_size
         self.output_rank = (args.pipeline_parallel_size - 1) * args.tensor_parallel_size
         self._encoder = SchedulerOutputEncoder()
-        self._timeout = float(os.environ.get("PAGEDLLM_EXECUTE_MODEL_TIMEOUT_S", "300"))
+        self._timeout = float(envs.get("PAGEDLLM_EXECUTE_MODEL_TIMEOUT_S"))
         self._failure: Optional[str] = None
         self._closed = False
         self.actors: list[Any] = []
@@ -94,7 +95,7 @@ class RayExecutor(Executor):
             address = os.environ.get("RAY_ADDRESS")
             extra = {} if address else {
                 # NOTE: only for an instance started here: a small object store (steps are KBs)
-                "object_store_memory": int(os.environ.get("PAGEDLLM_RAY_OBJECT_STORE_BYTES", str(256 * 1024**2)))}
+                "object_store_memory": int(envs.get("PAGEDLLM_RAY_OBJECT_STORE_BYTES"))}
             ray.init(address=address, runtime_env={"env_vars": env}, include_dashboard=False,
                      log_to_driver=True, **extra)
             self._started_ray = True
@@ -103,7 +104,7 @@ class RayExecutor(Executor):
         bundle = {"GPU": 1, "CPU": cpus} if gpu else {"CPU": cpus}
         try:
             self.pg = placement_group([dict(bundle) for _ in range(n)], strategy="PACK")
-            ready_s = float(os.environ.get("PAGEDLLM_RAY_PLACEMENT_TIMEOUT_S", "120"))
+            ready_s = float(envs.get("PAGEDLLM_RAY_PLACEMENT_TIMEOUT_S"))
             if not self.pg.wait(ready_s):
                 raise ValueError(f"distributed_executor_backend='ray': the cluster cannot place {n} ranks of "
                                  f"{bundle} within {ready_s:.0f} s (resources: {ray.cluster_resources()})")

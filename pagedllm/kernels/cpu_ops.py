@@ -66,7 +66,7 @@ def _module_name(srcs: Optional[list[str]] = None, prefix: str = "pagedllm_cpu_o
 
     h = hashlib.sha256()
     srcs = _SRCS if srcs is None else srcs
-    for src in srcs + [os.path.join(os.path.dirname(srcs[0]), "cpu_utils.h")]:
+    for src in srcs + [os.path.join(os.path.dirname(srcs[0]), h) for h in ("cpu_utils.h", "torch_lite.h")]:
         with open(src, "rb") as f:
             h.update(f.read())
     h.update(torch.__version__.encode())

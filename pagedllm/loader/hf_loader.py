@@ -115,7 +115,7 @@ def load_hf_config(path: str, hf_overrides: dict | None = None):
 
     try:
         config = AutoConfig.from_pretrained(path)
-    except ValueError as e:
+    except ValueError:
         auto_map = _config_json(path).get("auto_map")
         if auto_map:
             raise ValueError(
@@ -276,7 +276,7 @@ def check_checkpoint_files(model, model_path: str, files: list[str], skip_names:
             else:
                 providers.setdefault(canon, []).append((base, name))
                 valid[base] = valid.get(base, 0) + 1
-    for canon, prov in providers.items():
+    for _canon, prov in providers.items():
         if len(prov) > 1:
             # The file holding most of the model keeps the tensor; the others are blamed.
             keep = max(prov, key=lambda fp: (valid.get(fp[0], 0), fp[0] not in unknown))

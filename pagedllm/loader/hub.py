@@ -24,6 +24,7 @@ import os
 import re
 from dataclasses import dataclass
 from typing import Optional
+from pagedllm import envs
 
 LOAD_FORMATS = ("auto", "safetensors", "pt", "gguf", "dummy")
 _REPO_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*/[A-Za-z0-9_.-]+$")
@@ -124,7 +125,7 @@ def check_hub_reachable(model: str, cache_dir: str) -> None:
     host = target.hostname or ""
     port = target.port or (443 if target.scheme == "https" else 80)
     try:
-        timeout = float(os.environ.get("PAGEDLLM_HUB_CONNECT_TIMEOUT", "3"))
+        timeout = float(envs.get("PAGEDLLM_HUB_CONNECT_TIMEOUT"))
     except ValueError:
         timeout = 3.0
     why = _probe(host, port, timeout) if host else "no host in HF_ENDPOINT"
@@ -181,7 +182,8 @@ def _remote_files(repo_id: str, revision: Optional[str]) -> list[str]:
     except RevisionNotFoundError:
         raise ValueError(f"model {repo_id!r}: revision {revision!r} not found on the Hugging Face Hub") from None
     except GatedRepoError:
-        raise ValueError(f"model {repo_id!r} is gated on the Hugging Face Hub: accept its terms and set HF_TOKEN")
+        raise ValueError(f"model {repo_id!r} is gated on the Hugging Face Hub: accept its terms and set HF_TOKEN"
+                         ) from None
     except RepositoryNotFoundError:
         raise ValueError(f"model {repo_id!r}: no such repository on the Hugging Face Hub (a private repo needs "
                          "HF_TOKEN)") from None

@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import os
-from typing import Iterable, Optional
+from typing import Optional
 
 
 def resident_memory_bytes(pid: Optional[int] = None) -> int:

@@ -98,6 +98,9 @@ def prepack_cpu_linears(model: nn.Module, pack_head: bool = True) -> int:
 class Embedding(nn.Embedding):
     """``nn.Embedding`` without random init.
 
+    Inside a forward whose ``ForwardContext.inputs_embeds`` is set (prompt embeddings), those
+    rows of the output are the given embeddings instead of the lookup.
+
     ``quant_method``: None (a float table) or a ``pagedllm.quantization`` embedding method that
     keeps the table quantized and dequantizes the looked-up rows (``quant_method.embedding``).
     """
@@ -109,9 +112,15 @@ class Embedding(nn.Embedding):
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         qm = self.quant_method
-        if qm is not None:
-            return qm.embedding(self, ids)
-        return F.embedding(ids, self.weight)
+        out = qm.embedding(self, ids) if qm is not None else F.embedding(ids, self.weight)
+        from pagedllm.attention.backend import current_forward_context
+        ctx = current_forward_context()
+        if ctx is not None and ctx.inputs_embeds is not None and ids.dim() == 1:
+            # NOTE: prompt embeddings (--enable-prompt-embeds) replace the rows of their
+            # placeholder ids; whatever the model does next (Gemma's scale, ...) applies to both.
+            rows, embeds = ctx.inputs_embeds
+            out = out.index_copy(0, rows.to(out.device), embeds.to(out.device, out.dtype))
+        return out
 
 
 class PackedLinear(Linear):

@@ -204,6 +204,14 @@ class TransformersForCausalLM(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """input_ids, positions int64 ``[T]`` -> the decoder's last hidden states ``[T, hidden]``."""
+        from pagedllm.attention.backend import current_forward_context
+        ctx = current_forward_context()
+        if ctx is not None and ctx.inputs_embeds is not None:  # prompt embeddings in place of lookups
+            rows, embeds = ctx.inputs_embeds
+            x = self.decoder.get_input_embeddings()(input_ids)
+            x = x.index_copy(0, rows.to(x.device), embeds.to(x.device, x.dtype))
+            out = self.decoder(inputs_embeds=x.unsqueeze(0), position_ids=positions.unsqueeze(0), use_cache=False)
+            return out.last_hidden_state[0]
         out = self.decoder(input_ids=input_ids.unsqueeze(0), position_ids=positions.unsqueeze(0), use_cache=False)
         return out.last_hidden_state[0]
 

@@ -41,7 +41,7 @@ class AWQLinearMethod(CheckpointLinearMethod):
     def convert(self, layer, t):
         c = self.config
         qweight = t["qweight"]
-        k, n = qweight.shape[0], qweight.shape[1] * 8
+        k = qweight.shape[0]
         if k != layer.in_features:
             raise ValueError(f"{layer.ckpt_prefix}: awq qweight {tuple(qweight.shape)} gives K={k}, "
                              f"the layer has {layer.in_features}")

@@ -23,7 +23,7 @@ random requests alike; see ``pagedllm.sample.rejection_sampler``).
 """
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any
 
 import numpy as np
 import torch

@@ -87,7 +87,7 @@ class SuffixTrie:
                     break
                 path.append((node, t, child))
                 node = child
-            for parent, t, child in path:
+            for _parent, _t, child in path:
                 child.count -= 1
             for parent, t, child in reversed(path):
                 if child.count <= 0 and parent.children.get(t) is child:

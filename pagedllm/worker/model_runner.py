@@ -237,9 +237,11 @@ class ModelRunner:
                     self.pool_state.pop(r.req_id, None)
         rows, max_blocks = batch.update(reqs, self._generator_for)
         input_ids, positions, meta, qsl = self._prepare(reqs, rows, max_blocks)
+        inputs_embeds = _prompt_embeds_rows(reqs, qsl)
         ctx = ForwardContext(attn_metadata=meta, kv_caches=self.kv_caches, impl=self.attn_impl,
-                             lora_mapping=lora_mapping)
-        if self.cuda_graphs is not None and lora_mapping is None and self.cuda_graphs.can_run(meta):
+                             lora_mapping=lora_mapping, inputs_embeds=inputs_embeds)
+        if (self.cuda_graphs is not None and lora_mapping is None and inputs_embeds is None
+                and self.cuda_graphs.can_run(meta)):
             hidden = self.cuda_graphs.run(input_ids.to(self.device, non_blocking=True),
                                           positions.to(self.device, non_blocking=True), meta)
         else:
@@ -342,6 +344,24 @@ class ModelRunner:
                 entries.append((ids[j][:1 + k], lps[j][:1 + k], ranks[j]))
         if entries:
             out.prompt_logprobs[r.req_id] = entries
+
+
+def _prompt_embeds_rows(reqs: list[ScheduledRequest], qsl: np.ndarray
+                        ) -> Optional[tuple[torch.Tensor, torch.Tensor]]:
+    """``ForwardContext.inputs_embeds`` of a step: for each request with ``prompt_embeds`` whose
+    chunk covers prompt positions ``s .. e - 1``, flat rows ``qsl[i] .. qsl[i] + e - s`` take
+    ``prompt_embeds[s:e]``; None when no request of the step has any."""
+    rows, vals = [], []
+    for i, r in enumerate(reqs):
+        pe = r.prompt_embeds
+        if pe is None or r.start_pos >= r.prompt_len:
+            continue
+        s, e = r.start_pos, min(r.start_pos + r.num_tokens, r.prompt_len)
+        rows.append(torch.arange(int(qsl[i]), int(qsl[i]) + e - s, dtype=torch.int64))
+        vals.append(pe[s:e])
+    if not rows:
+        return None
+    return torch.cat(rows), torch.cat(vals)
 
 
 def _decodes_first(scheduled: list[ScheduledRequest]) -> list[ScheduledRequest]:

@@ -92,8 +92,11 @@ def test_serve_parses_suffixed_lengths():
     (("bench", "throughput", "--zzz"),
      "pagedllm bench throughput: error: unrecognized arguments: --zzz (see 'pagedllm bench throughput --help')"),
     (("frob",),
-     "pagedllm: error: argument {serve,chat,complete,bench}: invalid choice: 'frob' (choose from serve, chat, "
-     "complete, bench) (see 'pagedllm --help')"),
+     "pagedllm: error: argument {serve,chat,complete,run,run-batch,bench}: invalid choice: 'frob' (choose from "
+     "serve, chat, complete, run, run-batch, bench) (see 'pagedllm --help')"),
+    (("run-batch", "-i", "in.jsonl"),
+     "pagedllm run-batch: error: the following arguments are required: -o/--output-file "
+     "(see 'pagedllm run-batch --help')"),
 ])
 def test_argparse_errors_are_one_line(args, expected):
     _one_line_error(args, expected)

@@ -24,7 +24,7 @@ from fastapi.responses import JSONResponse, Response
 from pagedllm.engine.protocol import EngineClient
 from pagedllm.entrypoints.openai.errors import OpenAIError, error_response, install_exception_handlers
 from pagedllm.entrypoints.openai.protocol import (ChatCompletionRequest, CompletionRequest,
-                                                  DetokenizeRequest, TokenizeChatRequest,
+                                                  DetokenizeRequest, InfillRequest, TokenizeChatRequest,
                                                   TokenizeCompletionRequest)
 from pagedllm.entrypoints.openai.protocol_anthropic import anthropic_error_body
 from pagedllm.entrypoints.openai.protocol_lora import LoadLoRAAdapterRequest, UnloadLoRAAdapterRequest
@@ -201,6 +201,12 @@ def build_app(engine: EngineClient, args: Optional[argparse.Namespace] = None) -
     async def create_completion(request: CompletionRequest, raw_request: Request):
         _check_generate_runner()
         return await serving_completion.create_completion(request, raw_request)
+
+    @app.post("/infill")
+    async def create_infill(request: InfillRequest, raw_request: Request):
+        # llama.cpp server's fill-in-the-middle route (models whose tokenizer has FIM tokens).
+        _check_generate_runner()
+        return await serving_completion.create_infill(request, raw_request)
 
     @app.post("/v1/chat/completions")
     async def create_chat_completion(request: ChatCompletionRequest, raw_request: Request):

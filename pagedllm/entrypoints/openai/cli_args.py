@@ -4,13 +4,13 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-import os
 from dataclasses import dataclass
 from typing import Any, Optional
 
 from pagedllm.config import QUANTIZATION_CHOICES
 from pagedllm.config import parse_bytes as config_parse_bytes
 from pagedllm.entrypoints.cli_utils import FlexibleArgumentParser, port_number, positive_human_int
+from pagedllm import envs
 
 logger = logging.getLogger("pagedllm.entrypoints.openai")
 
@@ -127,7 +127,7 @@ def add_serve_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g.add_argument("--served-model-name", nargs="+", default=None,
                    help="Model name(s) the API reports and accepts in the `model` field "
                         "(default: the model argument). The first one is used in responses.")
-    g.add_argument("--api-key", default=os.environ.get("PAGEDLLM_API_KEY"),
+    g.add_argument("--api-key", default=envs.get("PAGEDLLM_API_KEY"),
                    help="Require `Authorization: Bearer <key>` on /v1 routes (default: the "
                         "PAGEDLLM_API_KEY environment variable; unset = no auth).")
     g.add_argument("--chat-template", default=None,
@@ -237,6 +237,10 @@ def add_serve_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g.add_argument("--enable-expert-parallel", action="store_true",
                    help="vLLM's expert-parallel flag; accepted, but every rank still holds all MoE experts "
                         "(tensor parallelism splits attention and dense MLPs only).")
+    g.add_argument("--enable-prompt-embeds", action="store_true", default=None,
+                   help="Accept `prompt_embeds` on /v1/completions: base64 of a torch.save'd float tensor "
+                        "(seq_len, hidden_size) fed to the model in place of the token embeddings (vLLM's "
+                        "flag; default: off, such a request is a 400).")
     g.add_argument("--model-impl", default="auto", choices=["auto", "pagedllm", "transformers"],
                    help="auto: pagedllm's native implementation when the architecture has one, else the "
                         "transformers fallback (slower); pagedllm: native only; transformers: always the fallback.")

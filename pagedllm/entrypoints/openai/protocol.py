@@ -309,7 +309,10 @@ class _SamplingFields(OpenAIBaseModel):
 
 
 class CompletionRequest(_SamplingFields):
-    prompt: Union[str, list[str], list[int], list[list[int]]]
+    # vLLM: prompt may be left out when prompt_embeds are given (both: the embeddings prompts first).
+    prompt: Optional[Union[str, list[str], list[int], list[list[int]]]] = None
+    # base64 of torch.save(tensor (seq_len, hidden_size)), or a list of them (--enable-prompt-embeds).
+    prompt_embeds: Optional[Union[str, list[str]]] = None
     echo: bool = False
     logprobs: Optional[int] = None
     max_tokens: Optional[int] = 16
@@ -320,8 +323,8 @@ class CompletionRequest(_SamplingFields):
     def _check_completion(self):
         if self.logprobs is not None and self.logprobs < 0:
             raise ValueError("`logprobs` must be a positive value.")
-        if self.suffix:
-            raise ValueError("`suffix` is not supported.")
+        if self.prompt is None and self.prompt_embeds is None:
+            raise ValueError("At least one of `prompt` or `prompt_embeds` must be set.")
         return self
 
     def to_sampling_params(self, default_max_tokens: int, max_model_len: int,
@@ -347,6 +350,54 @@ class CompletionRequest(_SamplingFields):
             default_sampling_params=default_sampling_params,
             output_kind=output_kind,
         )
+
+
+class InfillExtraChunk(OpenAIBaseModel):
+    """One ``input_extra`` context chunk of llama.cpp's ``/infill``."""
+
+    filename: str = ""
+    text: str = ""
+
+
+class InfillRequest(OpenAIBaseModel):
+    """llama.cpp server's ``POST /infill`` body: ``input_prefix`` <gap> ``input_suffix``, with
+    ``input_extra`` context chunks and ``prompt`` (text already written after ``<FIM_MID>``);
+    the sampling options are ``/completion``'s (``n_predict`` = max tokens, -1 = up to the
+    context length)."""
+
+    input_prefix: str = ""
+    input_suffix: str = ""
+    input_extra: list[InfillExtraChunk] = Field(default_factory=list)
+    prompt: str = ""
+    model: Optional[str] = None
+    n_predict: int = -1
+    temperature: Optional[float] = None
+    top_k: Optional[int] = None
+    top_p: Optional[float] = None
+    min_p: Optional[float] = None
+    repeat_penalty: Optional[float] = None
+    presence_penalty: Optional[float] = None
+    frequency_penalty: Optional[float] = None
+    seed: Optional[int] = None
+    stop: Optional[list[str]] = None
+    stream: bool = False
+    return_tokens: bool = False
+
+    @model_validator(mode="after")
+    def _check_infill(self):
+        if self.n_predict < -1:
+            raise ValueError("n_predict must be -1 (no limit) or >= 0.")
+        return self
+
+    def to_completion_request(self, prompt_token_ids: list[int]) -> "CompletionRequest":
+        """The equivalent ``/v1/completions`` request over the already laid-out FIM ids."""
+        seed = None if self.seed is None or self.seed < 0 else self.seed  # llama.cpp: -1 = random
+        return CompletionRequest(
+            prompt=prompt_token_ids, model=self.model,
+            max_tokens=None if self.n_predict < 0 else self.n_predict, temperature=self.temperature,
+            top_k=self.top_k, top_p=self.top_p, min_p=self.min_p, repetition_penalty=self.repeat_penalty,
+            presence_penalty=self.presence_penalty or 0.0, frequency_penalty=self.frequency_penalty or 0.0,
+            seed=seed, stop=self.stop, stream=self.stream, return_token_ids=True)
 
 
 class CompletionLogProbs(OpenAIBaseModel):

@@ -1,6 +1,7 @@
 """POST /v1/completions (vLLM's serving_completion, simplified)."""
 from __future__ import annotations
 
+import json
 import logging
 import time
 from typing import Any, AsyncIterator, Optional
@@ -13,8 +14,8 @@ from pagedllm.entrypoints.openai.errors import OpenAIError, error_body, value_er
 from pagedllm.entrypoints.openai.protocol import (CompletionLogProbs, CompletionRequest,
                                                   CompletionResponse, CompletionResponseChoice,
                                                   CompletionResponseStreamChoice,
-                                                  CompletionStreamResponse, PromptTokenUsageInfo,
-                                                  UsageInfo)
+                                                  CompletionStreamResponse, InfillRequest,
+                                                  PromptTokenUsageInfo, UsageInfo)
 from pagedllm.entrypoints.openai.serving_engine import (SSE_DONE, ClientDisconnected,
                                                         OpenAIServing, SSEResponse, base_request_id,
                                                         decoded_token, lp_value, record_request_id,
@@ -82,6 +83,11 @@ class OpenAIServingCompletion(OpenAIServing):
         Raises:
             OpenAIError: 400 naming the field.
         """
+        out: list = []
+        if request.prompt_embeds is not None:
+            out = self._embeds_prompts(request)
+            if request.prompt is None:
+                return out
         p = request.prompt
         if isinstance(p, str):
             items: list = [p]
@@ -91,13 +97,78 @@ class OpenAIServingCompletion(OpenAIServing):
             items = list(p)
         if not items:
             raise OpenAIError("The prompt cannot be empty.", 400, "prompt")
-        out = []
+        if request.suffix:
+            return out + [self._fim_prompt(item, request) for item in items]
         for item in items:
             prompt = item if isinstance(item, str) else {"prompt_token_ids": list(item)}
             pp = self.process_prompt(prompt, truncate_prompt_tokens=request.truncate_prompt_tokens,
                                      add_special_tokens=request.add_special_tokens)
-            out.append((pp.prompt if isinstance(item, str) else None, pp.prompt_token_ids))
+            out.append((pp.prompt if isinstance(item, str) else None, pp.prompt_token_ids, pp))
         return out
+
+    def _embeds_prompts(self, request: CompletionRequest) -> list[tuple[None, list[int], ProcessedPrompt]]:
+        """The ``prompt_embeds`` prompts: each base64 of a ``torch.save``'d float tensor
+        ``(seq_len, hidden_size)`` (vLLM's encoding; loaded with ``weights_only=True``), checked by
+        the input processor (``check_prompt_embeds``) and truncated like a prompt.
+
+        Raises:
+            OpenAIError: 400 naming ``prompt_embeds``: prompt embeddings not enabled
+                (``--enable-prompt-embeds``), not base64, not a saved tensor, a wrong shape or
+                dtype, NaN/inf values, too long; 400 naming ``suffix`` / ``echo`` with them.
+        """
+        import base64
+        import binascii
+        import io
+
+        import torch
+
+        if self.input_processor.prompt_embeds_spec is None:
+            raise OpenAIError("You must set `--enable-prompt-embeds` to input `prompt_embeds`.", 400,
+                              "prompt_embeds")
+        if request.suffix:
+            raise OpenAIError("suffix: not available with prompt_embeds", 400, "suffix")
+        if request.echo:
+            raise OpenAIError("echo: not available with prompt_embeds (they have no text)", 400, "echo")
+        items = [request.prompt_embeds] if isinstance(request.prompt_embeds, str) else list(request.prompt_embeds)
+        if not items:
+            raise OpenAIError("prompt_embeds: the list is empty", 400, "prompt_embeds")
+        out = []
+        for i, b64 in enumerate(items):
+            where = "" if len(items) == 1 else f" (item {i})"
+            try:
+                raw = base64.b64decode(b64, validate=True)
+            except (binascii.Error, ValueError):
+                raise OpenAIError(f"prompt_embeds: not valid base64{where}", 400, "prompt_embeds") from None
+            try:
+                tensor = torch.load(io.BytesIO(raw), weights_only=True, map_location="cpu")
+            except Exception as e:  # not a torch.save file, or not only tensors inside
+                raise OpenAIError(f"prompt_embeds: not a torch.save'd tensor{where} ({type(e).__name__}: "
+                                  f"{str(e)[:200]})", 400, "prompt_embeds") from None
+            pp = self.process_prompt({"prompt_embeds": tensor}, truncate_prompt_tokens=request.truncate_prompt_tokens,
+                                     rename={"prompt": "prompt_embeds"})
+            out.append((None, pp.prompt_token_ids, pp))
+        return out
+
+    def _fim_prompt(self, item: Any, request: CompletionRequest) -> tuple[Optional[str], list[int]]:
+        """A fill-in-the-middle prompt: ``item`` (a text) before the gap, ``request.suffix``
+        after it, laid out with the tokenizer's FIM tokens (``pagedllm.engine.fim``).
+
+        Raises:
+            OpenAIError: 400 naming ``suffix`` for a model whose tokenizer has no FIM tokens or a
+                prompt given as token ids; the usual prompt errors otherwise.
+        """
+        from pagedllm.engine.fim import encode_fim, fim_tokens
+
+        if fim_tokens(self.tokenizer) is None:
+            raise OpenAIError("suffix: this model does not support fill-in-the-middle (its tokenizer has "
+                              "no FIM tokens such as <|fim_prefix|>/<|fim_suffix|>/<|fim_middle|>, "
+                              "<fim_prefix>... or \u2581<PRE>...); leave suffix out", 400, "suffix")
+        if not isinstance(item, str):
+            raise OpenAIError("suffix: a fill-in-the-middle prompt must be text, not token ids", 400, "suffix")
+        ids = encode_fim(self.tokenizer, item, request.suffix,
+                         add_special_tokens=request.add_special_tokens)
+        pp = self.process_prompt({"prompt_token_ids": ids}, truncate_prompt_tokens=request.truncate_prompt_tokens)
+        return item, pp.prompt_token_ids, pp
 
     async def create_completion(self, request: CompletionRequest,
                                 raw_request: Optional[Request] = None) -> Response:
@@ -109,19 +180,22 @@ class OpenAIServingCompletion(OpenAIServing):
         prompts = self._normalize_prompts(request)
 
         engine_requests, rids, prompt_texts = [], [], []
-        for i, (text, ids) in enumerate(prompts):
+        for i, (text, ids, pp) in enumerate(prompts):
             try:
                 sp = request.to_sampling_params(self.max_model_len - len(ids), self.max_model_len,
                                                 self.default_sampling_params)
             except ValueError as e:
                 raise value_error_to_openai(e) from e
             rid = f"{request_id}-{i}"
-            req = self.process_inputs(rid, ProcessedPrompt(text, ids), sp, cache_salt=request.cache_salt,
-                                      lora_request=self.lora_request(request.model))
-            self.log_request(rid, text if text is not None else ids, ids, req.sampling_params)
+            embeds = pp.prompt_embeds is not None
+            req = self.process_inputs(rid, pp if embeds else ProcessedPrompt(text, ids), sp,
+                                      cache_salt=request.cache_salt, lora_request=self.lora_request(request.model),
+                                      rename={"prompt": "prompt_embeds"} if embeds else None)
+            self.log_request(rid, f"<prompt_embeds {tuple(pp.prompt_embeds.shape)}>" if embeds
+                             else text if text is not None else ids, ids, req.sampling_params)
             engine_requests.append(req)
             rids.append(rid)
-            prompt_texts.append(text if text is not None else self.tokenizer.decode(ids))
+            prompt_texts.append("" if embeds else text if text is not None else self.tokenizer.decode(ids))
 
         try:
             merged = await self.start(engine_requests, prime=bool(request.stream))
@@ -141,6 +215,71 @@ class OpenAIServingCompletion(OpenAIServing):
         resp = self._build_response(request, results, request_id, created, model_name, prompts,
                                     prompt_texts)
         return JSONResponse(resp.model_dump(mode="json"))
+
+    # ---- llama.cpp /infill ---------------------------------------------------------------
+    async def create_infill(self, request: InfillRequest, raw_request: Optional[Request] = None) -> Response:
+        """llama.cpp server's ``POST /infill``: the FIM prompt ``encode_fim(input_prefix,
+        input_suffix, middle=prompt, extra=input_extra)`` completed as ``/v1/completions`` would,
+        answered in llama.cpp's ``/completion`` shape: ``{"content", "tokens", "stop": true,
+        "model", "tokens_predicted", "tokens_evaluated", "stop_type": "eos"|"limit"|"word",
+        "stopping_word"}`` (streamed: one ``data: {"content", "stop": false}`` event per piece,
+        then the final object with ``"stop": true``).
+
+        Raises:
+            OpenAIError: 400 naming ``input_suffix`` for a model without FIM tokens.
+        """
+        from pagedllm.engine.fim import encode_fim, fim_tokens
+
+        if fim_tokens(self.tokenizer) is None:
+            raise OpenAIError("input_suffix: this model does not support fill-in-the-middle (its tokenizer "
+                              "has no FIM tokens)", 400, "input_suffix")
+        try:
+            ids = encode_fim(self.tokenizer, request.input_prefix, request.input_suffix, middle=request.prompt,
+                             extra=[c.model_dump() for c in request.input_extra])
+        except ValueError as e:
+            raise OpenAIError(str(e), 400, "input_extra") from None
+        creq = request.to_completion_request(ids)
+        resp = await self.create_completion(creq, raw_request)
+        model = self.response_model_name(request.model)
+        if isinstance(resp, SSEResponse):
+            return SSEResponse(self._infill_stream(resp.body_iterator, request, model, len(ids)))
+        if resp.status_code != 200:
+            return resp
+        body = json.loads(resp.body)
+        choice = body["choices"][0]
+        return JSONResponse(_infill_body(choice.get("text", ""), choice.get("token_ids") or [],
+                                         choice.get("finish_reason"), choice.get("stop_reason"), model,
+                                         len(ids), request.return_tokens))
+
+    async def _infill_stream(self, chunks: AsyncIterator[str], request: InfillRequest, model: str,
+                             n_prompt: int) -> AsyncIterator[str]:
+        text, tokens, finish, stop_reason = "", [], None, None
+        try:
+            async for ev in chunks:
+                data = ev.removeprefix("data: ").strip()
+                if data == "[DONE]":
+                    break
+                obj = json.loads(data)
+                if "error" in obj:
+                    yield ev
+                    return
+                for c in obj.get("choices", []):
+                    text += c.get("text", "")
+                    tokens += c.get("token_ids") or []
+                    finish = c.get("finish_reason") or finish
+                    stop_reason = c.get("stop_reason") if c.get("stop_reason") is not None else stop_reason
+                    if c.get("text") or c.get("token_ids"):
+                        piece = {"content": c.get("text", ""), "stop": False}
+                        if request.return_tokens:
+                            piece["tokens"] = c.get("token_ids") or []
+                        yield sse(piece)
+        finally:
+            aclose = getattr(chunks, "aclose", None)
+            if aclose is not None:
+                await aclose()
+        final = _infill_body("", tokens, finish, stop_reason, model, n_prompt, request.return_tokens)
+        final["tokens_predicted"] = len(tokens)
+        yield sse(final)
 
     # ---- non-streaming -----------------------------------------------------------------
     def _build_response(self, request: CompletionRequest, results: dict[int, list[Any]],
@@ -324,3 +463,12 @@ class OpenAIServingCompletion(OpenAIServing):
         finally:
             await self.finish(merged, rids, completed)
         yield SSE_DONE
+
+
+def _infill_body(text: str, tokens: list[int], finish: Optional[str], stop_reason: Any, model: str,
+                 n_prompt: int, return_tokens: bool) -> dict[str, Any]:
+    """llama.cpp's final ``/completion`` object for an infill answer."""
+    stop_type = {"length": "limit", "stop": "word" if isinstance(stop_reason, str) else "eos"}.get(finish or "", "none")
+    return {"content": text, "tokens": list(tokens) if return_tokens else [], "stop": True, "model": model,
+            "tokens_predicted": len(tokens), "tokens_evaluated": n_prompt, "stop_type": stop_type,
+            "stopping_word": stop_reason if isinstance(stop_reason, str) else "", "truncated": False}

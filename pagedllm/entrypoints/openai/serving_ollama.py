@@ -705,8 +705,13 @@ class OllamaServing:
         self._check_generate(req.model)
         if req.images:
             raise OpenAIError("images: images are not supported (this server serves text-only models)", 400)
+        fim = None
         if req.suffix:
-            raise OpenAIError("suffix: fill-in-the-middle prompts are not supported", 400)
+            from pagedllm.engine.fim import encode_fim, fim_tokens
+            if fim_tokens(self.chat.tokenizer) is None:
+                raise OpenAIError("suffix: this model does not support fill-in-the-middle (its tokenizer has no "
+                                  "FIM tokens)", 400)
+            fim = encode_fim(self.chat.tokenizer, req.prompt or "", req.suffix)
         if not req.prompt and not req.context:
             return JSONResponse(self._load_response("generate", req.model, req.keep_alive))
         prompt = req.prompt or ""
@@ -715,7 +720,10 @@ class OllamaServing:
         chat_req = self._chat_request(req, messages, model)
         run = self._run("generate", req, raw_request, chat_req, timing)
         run.return_context = not req.raw
-        if req.raw:
+        if fim is not None:  # the FIM layout replaces the template (Ollama's suffix)
+            self.chat.check_token_ids(fim, "suffix")
+            ids, text = fim, prompt
+        elif req.raw:
             ids = self.chat.encode(prompt, True)
             text = prompt
         elif req.template:

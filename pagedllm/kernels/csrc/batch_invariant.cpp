@@ -23,7 +23,8 @@
 // References: the online softmax is FlashAttention's (Dao et al. 2022, alg. 1); the fixed
 // reduction order is the idea of "Defeating Nondeterminism in LLM Inference" (Thinking Machines,
 // 2025) and of vLLM's batch-invariant mode, applied to the CPU kernels here.
-#include <torch/extension.h>
+#include "torch_lite.h"
+#include <torch/csrc/utils/pybind.h>
 #include <ATen/Parallel.h>
 
 #include <algorithm>

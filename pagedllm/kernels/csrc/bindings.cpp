@@ -1,5 +1,6 @@
 // Python bindings of the CPU kernels (one extension module, built by pagedllm/kernels/cpu_ops.py).
-#include <torch/extension.h>
+#include "torch_lite.h"
+#include <torch/csrc/utils/pybind.h>
 #include <string>
 #include <tuple>
 #include <unordered_map>

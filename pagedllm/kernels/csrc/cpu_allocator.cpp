@@ -26,7 +26,7 @@
 #include <c10/util/Exception.h>
 #include <pthread.h>
 #include <sys/mman.h>
-#include <torch/extension.h>
+#include "torch_lite.h"
 
 #include <atomic>
 #include <cstdint>

@@ -1,7 +1,7 @@
 // Shared helpers of the CPU kernels (row loads/stores with bf16 conversion, a vectorizable exp,
 // RMSNorm of one row, float32/bfloat16 dispatch). Header-only, included by each kernel source.
 #pragma once
-#include <torch/extension.h>
+#include "torch_lite.h"
 #include <algorithm>
 #include <cmath>
 #include <cstdint>

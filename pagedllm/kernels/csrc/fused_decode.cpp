@@ -10,7 +10,7 @@
 // (the float linears through the same ATen / oneDNN operators), in the same order and on the same
 // operands, from one loop, so the result is bit-identical to the Python path (tested in
 // tests/kernels/test_fused_decode.py).
-#include <torch/extension.h>
+#include "torch_lite.h"
 #include <ATen/core/dispatch/Dispatcher.h>
 
 #include <tuple>

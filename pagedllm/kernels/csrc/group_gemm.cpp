@@ -25,7 +25,8 @@
 // oneDNN's per-shape kernel cache).
 //
 //   group_dequantize(qweight, scales, mins?, kind, group, K, row0, row1, dtype) -> [row1 - row0, K]
-#include <torch/extension.h>
+#include "torch_lite.h"
+#include <torch/csrc/utils/pybind.h>
 #include <ATen/Parallel.h>
 #include <algorithm>
 #include <cstdint>

@@ -25,7 +25,7 @@
 // through extra registers) and was 1.3-2x faster for M <= 256
 // (benchmarks/results/performance-history-2026-11.md, step 18).
 // Above that oneDNN is as fast or faster, and pagedllm calls it instead.
-#include <torch/extension.h>
+#include "torch_lite.h"
 #include <ATen/Parallel.h>
 #include <cstdint>
 #include <array>

@@ -52,7 +52,8 @@
 //   intdot_quantize(x, isa=-1) -> (a int8 [M, K], xd f32 [M, K/32], xs f32 [M, K/32])
 //   intdot_isa_supported(isa) -> bool; intdot_best_isa() -> int; intdot_isa_name(isa) -> str
 #ifndef PAGEDLLM_ID_BODY
-#include <torch/extension.h>
+#include "torch_lite.h"
+#include <torch/csrc/utils/pybind.h>
 #include <ATen/Parallel.h>
 #include <algorithm>
 #include <cmath>

@@ -14,7 +14,7 @@
 // q/k/v may be strided views (e.g. slices of a fused qkv output) as long as the last dim is
 // contiguous. Torch references: RotaryEmbedding.forward, attention.torch_paged.write_kv,
 // RMSNorm.forward.
-#include <torch/extension.h>
+#include "torch_lite.h"
 #include <ATen/Parallel.h>
 #include <cstdint>
 #include <cstring>

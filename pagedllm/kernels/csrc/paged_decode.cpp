@@ -2,7 +2,7 @@
 // (no gather into a contiguous copy). Layout: kv_cache [num_blocks, 2, block_size, Hkv, D].
 // Per (request, kv head): scores for the G = Hq/Hkv query heads over the request's context,
 // float32 softmax, then the weighted sum of V. Same math as pagedllm.attention.torch_paged.
-#include <torch/extension.h>
+#include "torch_lite.h"
 #include <ATen/Parallel.h>
 #include <cmath>
 #include <cstring>

@@ -12,7 +12,7 @@
 // a row of zeros gets scale 0 and q 0. Built with -ffast-math: NaN/inf inputs are not detected
 // (they give finite garbage, not NaN). Dequantization: out = acc * (sx[m] * sw[n]) (+ bias[n]).
 // The torch reference for every function is in pagedllm/quantization/w8a8.py.
-#include <torch/extension.h>
+#include "torch_lite.h"
 #include <ATen/Parallel.h>
 #include <cmath>
 #include <cstdint>
