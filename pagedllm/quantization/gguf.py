@@ -208,7 +208,7 @@ class GGUFLinearMethod(gq.GroupQuantLinearMethod):
     shard (converted to the group layout at once, so the mapped file pages are not needed after
     loading); ``process_weights_after_loading`` stacks the shards. Float shards (F32/F16 tensors)
     and block types without a mapping make the whole layer float (dequantized by gguf-py, logged).
-    Decode-sized calls on int4 / int8 group-32 layers run the integer-dot kernel (``group_quant``).
+    Calls on int4 / int8 group-32 layers run the integer-dot kernel at every M (``group_quant``).
     """
 
     intdot = True

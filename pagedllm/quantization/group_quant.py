@@ -19,13 +19,14 @@ FMA for decode-sized M (the weight read once, in its packed size), dequantized t
 above ``LARGE_M`` rows. Without the C++ kernels, on CUDA, or for shapes it does not take (K not a
 multiple of 32, group not a multiple of 16) the torch path dequantizes and calls ``F.linear``.
 
-Integer-dot path (methods with ``intdot = True``: GGUF's): for M <= ``INTDOT_MAX_M`` rows on int4 /
-int8 codes with groups of 32 (Q4_0, Q4_1, Q4_K, Q8_0, Q5_0, Q5_1, Q5_K), ``intdot_gemm``
+Integer-dot path (methods with ``intdot = True``: GGUF's), the default for int4 / int8 codes with
+groups of 32 (Q4_0, Q4_1, Q4_K, Q8_0, Q5_0, Q5_1, Q5_K) at every M: ``intdot_gemm``
 (``kernels/csrc/intdot_gemm.cpp``) quantizes the activations to int8 per 32-block (llama.cpp's
 Q8_1 scheme) and sums exact int32 block dots with the block scales in float, as llama.cpp's CPU
-backend does: a row's result is independent of M and of the other rows. Its ISA path (AVX512-VNNI,
-AVX2, portable) is chosen from the CPU at run time and logged once. Opt-in for now:
-``PAGEDLLM_GGUF_INTDOT=1`` turns it on (off: ``group_gemm`` runs those shapes, float32 activations).
+backend does, in a fixed order: a row's result is independent of M and of the other rows. Its ISA
+path (AVX512-VNNI, AVX2, portable) is chosen from the CPU at run time (``PAGEDLLM_ISA`` forces one)
+and logged once. ``PAGEDLLM_GGUF_INTDOT=0`` turns it off (``group_gemm`` runs those layers with
+float activations). Group-16 kinds (Q2_K, Q3_K, Q6_K) always take ``group_gemm``.
 """
 from __future__ import annotations
 
@@ -45,13 +46,21 @@ KIND_INT4, KIND_INT8, KIND_FP8 = 0, 1, 2
 KIND_NAMES = {KIND_INT4: "int4", KIND_INT8: "int8", KIND_FP8: "fp8"}
 #: rows above which the C++ kernel dequantizes tiles for ATen's GEMM instead of its register path
 LARGE_M = int(os.environ.get("PAGEDLLM_GROUP_GEMM_LARGE_M", "16"))
-#: the integer-dot kernel for GGUF's int4 / int8 group-32 layers at M <= INTDOT_MAX_M, opt-in
-#: (``PAGEDLLM_GGUF_INTDOT=1``). NOTE: off by default for now: with int8 activations only at M <= 16,
-#: a prompt's result depends on how it was scheduled (prefix caching on/off, chunked prefill), and
-#: greedy output drifts from the float model's (Gemma 3 Q4_K_M after ~11 tokens on one prompt),
-#: which the engine's real-model tests pin (test_generate_real, test_prefix_caching_real)
-INTDOT = os.environ.get("PAGEDLLM_GGUF_INTDOT", "0") == "1"
-INTDOT_MAX_M = 16
+#: the integer-dot kernel for GGUF's int4 / int8 group-32 layers, at every M (decode, verify,
+#: prefill). On by default: on this machine kind it is the fastest GGUF path at every M measured
+#: (docs/performance.md "Integer-dot GGUF path"); ``PAGEDLLM_GGUF_INTDOT=0`` runs those layers
+#: through ``group_gemm`` with float activations instead. NOTE: int8 activations turn last-bit
+#: differences of the engine's scheduling-dependent float steps (attention sum order under
+#: chunked prefill / prefix hits) into whole code steps, so greedy tokens can differ between
+#: schedules where float activations happened not to (tests that pin scheduling invariance by
+#: token equality run with it off; see tests/engine/test_prefix_caching_real.py)
+INTDOT = os.environ.get("PAGEDLLM_GGUF_INTDOT", "1") != "0"
+#: rows above which the integer-dot kernel is not used (default: none)
+INTDOT_MAX_M = int(os.environ.get("PAGEDLLM_GGUF_INTDOT_MAX_M", str(1 << 62)))
+#: ``PAGEDLLM_ISA`` values: force one ISA path of the integer-dot kernel (default ``auto``: the
+#: best this CPU has, AVX512-VNNI > AVX2 > portable)
+ISA_PATHS = {"portable": 0, "avx2": 1, "avx512vnni": 2}
+_intdot_isa: Optional[int] = None
 _intdot_logged = False
 #: rows of weight dequantized at a time on the torch path (bounds its temporary)
 _TORCH_TILE_ELEMS = 1 << 22
@@ -197,28 +206,50 @@ def _kernel_ok(x: torch.Tensor, layer: nn.Module, k: int) -> bool:
             and layer.gq_group % 16 == 0)
 
 
+def intdot_isa(ops) -> int:
+    """The ISA path (0 portable, 1 avx2, 2 avx512vnni) the integer-dot kernel takes: ``PAGEDLLM_ISA``
+    (``auto`` / unset: the best the CPU has), resolved once.
+
+    Raises:
+        ValueError: ``PAGEDLLM_ISA`` names no path, or one this CPU lacks."""
+    global _intdot_isa
+    if _intdot_isa is None:
+        want = os.environ.get("PAGEDLLM_ISA", "auto").strip().lower() or "auto"
+        if want == "auto":
+            _intdot_isa = int(ops.intdot_best_isa())
+        elif want not in ISA_PATHS:
+            raise ValueError(f"PAGEDLLM_ISA={want!r}: expected one of auto, {', '.join(ISA_PATHS)}")
+        elif not ops.intdot_isa_supported(ISA_PATHS[want]):
+            raise ValueError(f"PAGEDLLM_ISA={want}: this CPU lacks that ISA path (best here: "
+                             f"{ops.intdot_isa_name(ops.intdot_best_isa())})")
+        else:
+            _intdot_isa = ISA_PATHS[want]
+    return _intdot_isa
+
+
 def intdot_path() -> Optional[str]:
-    """The ISA path the integer-dot kernel takes on this CPU ("avx512vnni", "avx2", "portable"),
-    or None when it is off (``PAGEDLLM_GGUF_INTDOT`` not 1) or not built."""
+    """The ISA path the integer-dot kernel takes on this CPU ("avx512vnni", "avx2", "portable";
+    ``PAGEDLLM_ISA`` forces one), or None when it is off (``PAGEDLLM_GGUF_INTDOT=0``) or not built."""
     from pagedllm.kernels.cpu_ops import get_intdot_ops
 
     ops = get_intdot_ops() if INTDOT else None
-    return None if ops is None else ops.intdot_isa_name(ops.intdot_best_isa())
+    return None if ops is None else ops.intdot_isa_name(intdot_isa(ops))
 
 
 def _intdot_ops_for(layer: nn.Module, x2: torch.Tensor, k: int, dtype: torch.dtype):
     """The integer-dot extension when it takes this call (else None); logs its ISA path once."""
     global _intdot_logged
     if not (INTDOT and x2.shape[0] <= INTDOT_MAX_M and layer.gq_kind in (KIND_INT4, KIND_INT8)
-            and layer.gq_group == 32 and dtype in (torch.float32, torch.bfloat16)):
+            and layer.gq_group % 32 == 0 and dtype in (torch.float32, torch.bfloat16)):
         return None
     from pagedllm.kernels.cpu_ops import get_intdot_ops
 
     ops = get_intdot_ops()
     if ops is not None and not _intdot_logged:
         _intdot_logged = True
-        logger.info("pagedllm: GGUF integer-dot GEMM (int8 activations per 32-block) for M <= %d: %s path",
-                    INTDOT_MAX_M, ops.intdot_isa_name(ops.intdot_best_isa()))
+        logger.info("pagedllm: GGUF integer-dot GEMM (int8 activations per 32-block, every M): %s path%s",
+                    ops.intdot_isa_name(intdot_isa(ops)),
+                    "" if os.environ.get("PAGEDLLM_ISA", "auto") in ("", "auto") else " (PAGEDLLM_ISA)")
     return ops
 
 
@@ -238,7 +269,7 @@ def group_linear(layer: nn.Module, x: torch.Tensor, bias: Optional[torch.Tensor]
     iops = _intdot_ops_for(layer, x2, k, dtype) if intdot and kernel_ok else None
     if iops is not None:
         return iops.intdot_gemm(x2.contiguous(), layer.qweight, layer.scales, layer.mins, bias, layer.gq_kind,
-                                layer.gq_group, dtype).reshape(*lead, n)
+                                layer.gq_group, dtype, intdot_isa(iops)).reshape(*lead, n)
     ops = get_quant_ops() if kernel_ok else None
     if ops is not None and dtype in (torch.float32, torch.bfloat16):
         y = ops.group_gemm(x2.contiguous(), layer.qweight, layer.scales, layer.mins, bias, layer.gq_kind,

@@ -102,9 +102,44 @@ def _swap(module: nn.Module, mixin: type) -> None:
     module.__class__ = new
 
 
+def intdot_available() -> bool:
+    """Whether GGUF int4 / int8 group-32 layers run the integer-dot GEMM (on: ``PAGEDLLM_GGUF_INTDOT``
+    not 0, and the kernel built) -- batch invariant by construction (each row's fixed integer
+    and float operations do not depend on M or on the other rows; ``kernels/csrc/intdot_gemm.cpp``)."""
+    from pagedllm.kernels.cpu_ops import get_intdot_ops
+    from pagedllm.quantization import group_quant as gq
+
+    return gq.INTDOT and get_intdot_ops() is not None
+
+
+def _intdot_layer(m: nn.Module) -> bool:
+    """A quantized linear whose every call takes the integer-dot GEMM (GGUF int4 / int8, groups of 32)."""
+    from pagedllm.quantization import group_quant as gq
+
+    qm = getattr(m, "quant_method", None)
+    return (qm is not None and getattr(qm, "intdot", False) and getattr(m, "gq_kind", None) in (gq.KIND_INT4, gq.KIND_INT8)
+            and getattr(m, "gq_group", 0) % 32 == 0 and m.in_features % 32 == 0 and intdot_available())
+
+
+def _dequantize_layer(m: nn.Module, dtype: torch.dtype) -> None:
+    """Replace a group-layout linear's codes by its dequantized float weight (``dtype``), in place."""
+    from pagedllm.quantization import group_quant as gq
+
+    w = gq.layer_dequantize(m).to(dtype)
+    for name in ("qweight", "scales", "mins"):
+        if hasattr(m, name):
+            delattr(m, name)
+    m.quant_method = None
+    m.weight = nn.Parameter(w, requires_grad=False)
+
+
 def _bi_compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-    """``CausalLM.compute_logits`` with the batch-invariant GEMM (bound onto the model instance)."""
-    if self.lm_head is not None:
+    """``CausalLM.compute_logits`` with the batch-invariant GEMM (bound onto the model instance); a
+    GGUF head on the integer-dot GEMM (invariant by construction) runs as it is."""
+    qhead = getattr(self, "quantized_lm_head", None)
+    if qhead is not None:
+        logits = qhead(hidden).float()
+    elif self.lm_head is not None:
         logits = self.lm_head(hidden).float()
     else:
         logits = bi_linear(hidden, self.model.embed_tokens.weight).float()
@@ -129,7 +164,17 @@ def enable_batch_invariant(model: nn.Module) -> int:
     get_bi_ops()  # NOTE: build (or fail) now, at start-up, not in the first step
     kinds = {id(fn): ACT_KINDS[name] for name, fn in ACTIVATIONS.items() if name in ACT_KINDS}
     swapped = 0
-    for name, m in model.named_modules():
+    dtype = next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
+    modules = list(model.named_modules())
+    qhead = getattr(model, "quantized_lm_head", None)
+    if qhead is not None and all(qhead is not m for _, m in modules):
+        modules.append(("quantized_lm_head", qhead))
+    for name, m in modules:
+        if isinstance(m, Linear) and m.quant_method is not None and hasattr(m, "gq_kind"):
+            if _intdot_layer(m):  # GGUF blocks on the integer-dot GEMM: invariant as they are
+                swapped += 1
+                continue
+            _dequantize_layer(m, dtype)  # other block types (group 16: Q6_K, ...): float weights
         if isinstance(m, Linear):
             if m._packed is not None or m.weight.dtype not in (torch.float32, torch.bfloat16) \
                     or m.weight.device.type != "cpu":

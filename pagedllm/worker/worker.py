@@ -256,7 +256,21 @@ class Worker:
             logger.warning("pagedllm: tensor_parallel_size %d: the GGUF blocks are dequantized to %s at load "
                            "(quantized shards are not split yet)", self.tp_size, str(self.dtype).replace("torch.", ""))
             loaded.quant_config = quant = None
-        if quant is not None and not quant.on_the_fly and self.batch_invariant:
+        gguf_kept = False
+        if quant is not None and not quant.on_the_fly and self.batch_invariant and loaded.source == "gguf" \
+                and self.device.type == "cpu":
+            from pagedllm.worker.batch_invariant import intdot_available
+            gguf_kept = intdot_available()
+            if gguf_kept:
+                # the integer-dot GEMM is batch invariant by construction: GGUF int4 / int8 group-32
+                # layers keep their blocks; the others are dequantized by enable_batch_invariant
+                logger.info("pagedllm: batch_invariant: GGUF blocks kept (integer-dot GEMM; other block "
+                            "types dequantized to %s)", str(self.dtype).replace("torch.", ""))
+            else:
+                logger.warning("pagedllm: batch_invariant: the GGUF checkpoint's weights are dequantized to %s "
+                               "at load (integer-dot kernel off or not built)", str(self.dtype).replace("torch.", ""))
+                loaded.quant_config = quant = None
+        if quant is not None and not quant.on_the_fly and self.batch_invariant and not gguf_kept:
             # NOTE: the batch-invariant GEMMs take float weights
             logger.warning("pagedllm: batch_invariant: the %s checkpoint's weights are dequantized to %s at load",
                            quant.name, str(self.dtype).replace("torch.", ""))

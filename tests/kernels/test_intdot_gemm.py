@@ -1,19 +1,21 @@
-"""The integer-dot GEMM (``csrc/intdot_gemm.cpp``) for decode-sized M on the group layout's int4 /
-int8 kinds with groups of 32 (GGUF Q4_0 / Q4_1 / Q4_K / Q8_0 / Q5_0 / Q5_1 / Q5_K).
+"""The integer-dot GEMM (``csrc/intdot_gemm.cpp``) on the group layout's int4 / int8 kinds with
+groups of 32 (GGUF Q4_0 / Q4_1 / Q4_K / Q8_0 / Q5_0 / Q5_1 / Q5_K), at every M.
 
 Stated bounds:
 * activation quantization (per 32-block int8, llama.cpp Q8_1-style scale and scaled code sum):
   codes and scales equal (``torch.equal``) to the torch reference ``_quantize_ref`` on every ISA
   path.
 * each ISA path (portable, AVX2, AVX512-VNNI; paths the CPU lacks are skipped naming the flag)
-  against ``_intdot_ref``, the same arithmetic in exact integers (int64 block dots) and float64
-  scales: max abs error <= 1e-5 * (sum |terms| + 1) per output (float32 accumulation only).
-* all ISA paths bit-identical to each other (same int32 lanes, same float operations in the same
-  order; the module is built with -ffp-contract=off).
+  and both kernels (columns: M < 4, rows: M >= 4, each forced at every M) bit-identical
+  (``torch.equal``) to ``_fixed_ref``, the file comment's float arithmetic emulated in torch
+  (exact int64 block dots, float32 scale products, each fma as one rounding of the exact float64
+  value), and against ``_intdot_ref`` (exact integers, float64 scales) max abs error <= 1e-5 *
+  (sum |terms| + 1) per output.
 * against float64 ``F.linear`` on the dequantized weight: relative L2 error < 2e-2 (int8
   activations: llama.cpp's own trade; measured ~5e-3 on random data).
 * M-invariance: each row's output bit-identical whether computed alone or inside a batch of
-  M = 1..16 (any position), and for any thread count.
+  M = 1..16 and 17..70 (any position), and for any thread count.
+* ``PAGEDLLM_ISA`` forces a path (``group_quant.intdot_isa``) and refuses unknown names.
 """
 from __future__ import annotations
 
@@ -67,6 +69,26 @@ def _intdot_ref(x, qweight, scales, mins, bias, kind, group):
     if bias is not None:
         y = y + bias.double()
     return y, terms.abs().sum(-1)
+
+
+def _fixed_ref(x, qweight, scales, mins, bias, kind):
+    """float32 [M, N]: the kernel's fixed arithmetic (group 32): acc = fma(float(i_b), d_b * xd_b, acc)
+    over b in order, macc = fma(m_b, xs_b, macc), y = (acc + macc) + bias; each fma rounds the exact
+    float64 value once to float32 (products of a < 2^20 integer and a float32 are exact in float64)."""
+    a, xd, xs = _quantize_ref(x)
+    m, k = a.shape
+    nb = k // 32
+    q = (gq.unpack_int4(qweight) if kind == gq.KIND_INT4 else qweight).to(torch.int64)
+    isum = torch.einsum("rbk,nbk->rnb", a.to(torch.int64).reshape(m, nb, 32), q.reshape(q.shape[0], nb, 32))
+    acc = torch.zeros(m, q.shape[0], dtype=torch.float32)
+    macc = torch.zeros_like(acc)
+    for b in range(nb):
+        s = scales[:, b].unsqueeze(0) * xd[:, b].unsqueeze(1)  # float32 product, [M, N]
+        acc = (isum[:, :, b].double() * s.double() + acc.double()).float()
+        if mins is not None:
+            macc = (mins[:, b].double().unsqueeze(0) * xs[:, b].double().unsqueeze(1) + macc.double()).float()
+    y = acc + macc if mins is not None else acc
+    return y + bias.float() if bias is not None else y
 
 
 def _weight(kind: int, n: int, k: int, group: int = 32, with_mins: bool = True, seed: int = 0):
@@ -221,3 +243,43 @@ def test_isa_paths_bit_identical_prefill_sized(kind, with_mins):
     outs = [OPS.intdot_gemm(x, q, scales, mins, None, kind, 32, torch.float32, i) for i in have]
     for i, o in zip(have[1:], outs[1:]):
         assert torch.equal(o, outs[0]), (ISAS[have[0]][0], ISAS[i][0])
+
+
+@pytest.mark.parametrize("isa", [0, 1, 2])
+@pytest.mark.parametrize("kind,with_mins", CASES)
+def test_both_kernels_equal_the_fixed_arithmetic(isa, kind, with_mins):
+    """Columns kernel (forced at every M), rows kernel (forced from M = 1) and the default choice all
+    give exactly ``_fixed_ref``'s bits, at M = 1..9 and 33 (tiles of 8 with tails)."""
+    _require(isa)
+    n, k = 45, 352  # N not a multiple of 8 or 4; 11 blocks (not a multiple of 8: the scale transposes' tail)
+    q, scales, mins = _weight(kind, n, k, with_mins=with_mins, seed=31)
+    g = torch.Generator().manual_seed(32)
+    bias = torch.randn(n, generator=g) * 0.1
+    for m in (1, 2, 3, 4, 5, 6, 7, 8, 9, 33):
+        x = torch.randn(m, k, generator=g) * torch.linspace(0.05, 4, k)
+        want = _fixed_ref(x, q, scales, mins, bias, kind)
+        for rows_min_m in (0, 1, 1 << 20):
+            y = OPS.intdot_gemm(x, q, scales, mins, bias, kind, 32, torch.float32, isa, rows_min_m)
+            assert torch.equal(y, want), (m, rows_min_m)
+    assert OPS.intdot_rows_min_m() == 4
+
+
+def test_isa_env_knob(monkeypatch):
+    """PAGEDLLM_ISA forces the ISA path the engine's GGUF linears take; unknown or unsupported names raise."""
+    monkeypatch.setattr(gq, "INTDOT", True)
+    for name, isa in gq.ISA_PATHS.items():
+        monkeypatch.setattr(gq, "_intdot_isa", None)
+        monkeypatch.setenv("PAGEDLLM_ISA", name)
+        if not OPS.intdot_isa_supported(isa):
+            with pytest.raises(ValueError, match="lacks"):
+                gq.intdot_isa(OPS)
+            continue
+        assert gq.intdot_isa(OPS) == isa and gq.intdot_path() == name
+    monkeypatch.setattr(gq, "_intdot_isa", None)
+    monkeypatch.setenv("PAGEDLLM_ISA", "sse9")
+    with pytest.raises(ValueError, match="PAGEDLLM_ISA"):
+        gq.intdot_isa(OPS)
+    monkeypatch.setattr(gq, "_intdot_isa", None)
+    monkeypatch.setenv("PAGEDLLM_ISA", "auto")
+    assert gq.intdot_isa(OPS) == OPS.intdot_best_isa()
+    monkeypatch.setattr(gq, "_intdot_isa", None)

@@ -124,13 +124,17 @@ def test_no_prefix_cache_sharing_across_adapters(llm, real):
     assert again > 0 and sched.prefix_cache_hits - hits0 == again  # > 0 within one adapter
 
 
-def test_adapters_on_gguf_blocks_kept_quantized(real):
+def test_adapters_on_gguf_blocks_kept_quantized(real, monkeypatch):
     """The default load keeps SmolLM2's GGUF blocks quantized (``Linear.quant_method``): the LoRA
     wrappers sit on those quantized projections, and each adapter, alone and mixed with the base in
     one batch, gives the greedy tokens of transformers + peft on the dequantized weights (as the
     quantized base alone gives the dequantized base's: tests/quantization/test_gguf_blocks.py)."""
     from pagedllm.lora.layer import LoRALinear
+    from pagedllm.quantization import group_quant as gq
 
+    # like with like: token equality with transformers + peft on the dequantized float32 weights holds
+    # with float activations (the default integer-dot path quantizes them to int8)
+    monkeypatch.setattr(gq, "INTDOT", False)
     _, _, adapters, ids, refs = real
     q = LLM("SmolLM2-135M-Instruct", dtype="float32", kv_cache_memory=64 * 1024**2, max_num_batched_tokens=512,
             enable_lora=True, max_loras=3, max_lora_rank=16, seed=0)

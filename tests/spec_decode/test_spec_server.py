@@ -33,9 +33,16 @@ def _serve(extra):
 
 @pytest.fixture(scope="module")
 def server():
-    with serve([MODEL, "--dtype", "float32", "--max-model-len", "1024", "--kv-cache-memory", str(256 * 1024**2),
-                "--disable-log-stats", "--speculative-config", SPEC]) as (base, _):
-        yield base
+    # like with like: the GGUF server against smollm2_llm (the same weights dequantized to float32)
+    # is exact only with float activations (tests/spec_decode/test_spec_real.py, _float_activations)
+    mp = pytest.MonkeyPatch()
+    mp.setenv("PAGEDLLM_GGUF_INTDOT", "0")
+    try:
+        with serve([MODEL, "--dtype", "float32", "--max-model-len", "1024", "--kv-cache-memory", str(256 * 1024**2),
+                    "--disable-log-stats", "--speculative-config", SPEC]) as (base, _):
+            yield base
+    finally:
+        mp.undo()
 
 
 def test_chat_equals_offline_greedy_and_metrics(server, smollm2_llm):
