@@ -582,7 +582,7 @@ class EngineCore:
         out = {"spec_decode_num_drafts": st.num_drafts, "spec_decode_num_draft_tokens": st.num_draft_tokens,
                "spec_decode_num_accepted_tokens": st.num_accepted_tokens,
                "spec_decode_num_accepted_tokens_per_pos": list(st.num_accepted_tokens_per_pos),
-               "spec_decode_method": self.spec_config.method}
+               "spec_decode_method": getattr(self.spec_config, "method", None)}
         w = getattr(self.executor, "driver_worker", None)
         sd = getattr(getattr(w, "runner", None), "spec_decoder", None)
         if sd is not None:

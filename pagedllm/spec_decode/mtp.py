@@ -40,7 +40,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pagedllm.models.layers import GatedMLP, Linear, RMSNorm, RotaryEmbedding, rope_inv_freq
+from pagedllm.models.layers import GatedMLP, Linear, RMSNorm, RotaryEmbedding
 
 
 def gather_paged_kv(kv_cache: torch.Tensor, block_tables: torch.Tensor,
