@@ -59,8 +59,14 @@ ENV_VARS: dict[str, EnvVar] = {v.name: v for v in (
        "Cache directory (compiled kernels, converted models); default ~/.cache/pagedllm."),
     _v("PAGEDLLM_FUSED_DECODE", "bool", True,
        "0 turns off the fused decode step (all decoder layers of a decode-only step in one C++ call)."),
-    _v("PAGEDLLM_GGUF_INTDOT", "bool", False,
-       "1 runs GGUF int4/int8 group-32 layers through the integer-dot kernel (int8 activations)."),
+    _v("PAGEDLLM_GGUF_INTDOT", "bool", True,
+       "0 runs GGUF int4/int8 group-32 layers through the float-activation group GEMM instead of the "
+       "integer-dot kernel (int8 activations, the default)."),
+    _v("PAGEDLLM_GGUF_INTDOT_MAX_M", "int", 1 << 62,
+       "Rows per call up to which GGUF layers take the integer-dot kernel (default: every M)."),
+    _v("PAGEDLLM_ISA", "choice", "auto",
+       "ISA path of the integer-dot kernel: auto (the best this CPU has), portable, avx2 or avx512vnni "
+       "(a path the CPU lacks is an error).", choices=("auto", "portable", "avx2", "avx512vnni")),
     _v("PAGEDLLM_GROUP_GEMM_LARGE_M", "int", 16,
        "Rows above which the quantized-weight GEMM dequantizes tiles for ATen's GEMM."),
     _v("PAGEDLLM_W8A8_PACKED_MAX_M", "int", 256,
