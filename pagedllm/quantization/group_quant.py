@@ -47,14 +47,16 @@ KIND_NAMES = {KIND_INT4: "int4", KIND_INT8: "int8", KIND_FP8: "fp8"}
 #: rows above which the C++ kernel dequantizes tiles for ATen's GEMM instead of its register path
 LARGE_M = int(os.environ.get("PAGEDLLM_GROUP_GEMM_LARGE_M", "16"))
 #: the integer-dot kernel for GGUF's int4 / int8 group-32 layers, at every M (decode, verify,
-#: prefill). On by default: on this machine kind it is the fastest GGUF path at every M measured
-#: (docs/performance.md "Integer-dot GGUF path"); ``PAGEDLLM_GGUF_INTDOT=0`` runs those layers
-#: through ``group_gemm`` with float activations instead. NOTE: int8 activations turn last-bit
+#: prefill). Opt-in (``PAGEDLLM_GGUF_INTDOT=1``): it decodes ~1.1x faster single-stream than
+#: ``group_gemm`` here but is not faster offline (docs/performance.md "Integer-dot GGUF path"),
+#: and with int8 activations the embedded default model's near-tie answers change (its
+#: chat answer to "What is the capital of France?" loses "Paris"), so ``group_gemm`` with float
+#: activations stays the default until the kernel pays offline too. NOTE: int8 activations turn last-bit
 #: differences of the engine's scheduling-dependent float steps (attention sum order under
 #: chunked prefill / prefix hits) into whole code steps, so greedy tokens can differ between
 #: schedules where float activations happened not to (tests that pin scheduling invariance by
 #: token equality run with it off; see tests/engine/test_prefix_caching_real.py)
-INTDOT = os.environ.get("PAGEDLLM_GGUF_INTDOT", "1") != "0"
+INTDOT = os.environ.get("PAGEDLLM_GGUF_INTDOT", "0") == "1"
 #: rows above which the integer-dot kernel is not used (default: none)
 INTDOT_MAX_M = int(os.environ.get("PAGEDLLM_GGUF_INTDOT_MAX_M", str(1 << 62)))
 #: ``PAGEDLLM_ISA`` values: force one ISA path of the integer-dot kernel (default ``auto``: the

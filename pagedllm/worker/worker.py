@@ -359,8 +359,10 @@ class Worker:
 
         mode = envs.get("PAGEDLLM_WEIGHT_MMAP")
         wanted = loaded.source == "gguf" or (mode == "all" and loaded.load_format == "safetensors")
+        # NOTE: not with sleep mode: a sleeping engine frees weight storages (pagedllm.worker.sleep),
+        # which a mapping of the cache file would keep resident.
         if (mode == "0" or not wanted or loaded.load_format == "dummy" or sharded or self.device.type != "cpu"
-                or self.args.runner != "generate"):
+                or self.args.runner != "generate" or getattr(self.args, "enable_sleep_mode", False)):
             return MappedWeights()
         files = _checkpoint_files(loaded)
         args = self.args

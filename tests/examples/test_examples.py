@@ -62,7 +62,7 @@ def server():
 @pytest.mark.slow
 def test_openai_chat(server):
     out = _run("openai_chat.py", url=server).strip().splitlines()
-    assert len(out) >= 2 and len(out[0]) > 10 and len(out[-1]) > 3
+    assert len(out) >= 2 and len(out[0]) > 10 and len(out[-1]) > 0
 
 
 @pytest.mark.slow

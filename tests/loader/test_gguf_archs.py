@@ -230,26 +230,31 @@ def test_gguf_greedy_through_llm(case, tmp_path):
 
 
 def test_batch_invariant_mode_on_a_quantized_gguf(tmp_path):
-    """A quantized GGUF (kept in its blocks by default) under ``batch_invariant=True`` loads
-    dequantized (the batch-invariant GEMMs take float weights): the same bits as asking for
-    ``quantization="none"`` explicitly, which batch-invariant mode also accepts. Failed before:
-    the invariant linears read the quantized layer's empty float weight."""
+    """A quantized GGUF under ``batch_invariant=True`` keeps its int8/int4 group-32 blocks on the
+    integer-dot kernel (batch invariant by construction: fixed-order integer sums, per-row
+    activation scales), so a prompt's logprobs are the same bits alone and in a batch; with
+    ``quantization="none"`` it loads dequantized onto the float batch-invariant GEMMs, likewise.
+    Failed once: the invariant linears read the quantized layer's empty float weight."""
     hf = _hf("granite")
     path = write_gguf(hf, "granite", str(tmp_path / "q8.gguf"), Q.Q8_0)
     tiny_tokenizer().save_pretrained(tmp_path / "tok")
     sp = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=5)
     prompts = [{"prompt_token_ids": p} for p in PROMPTS]
-    got = []
+
+    def run(llm, ps):
+        return [(list(o.outputs[0].token_ids), [{k: v.logprob for k, v in lp.items()} for lp in o.outputs[0].logprobs])
+                for o in llm.generate(ps, sp, use_tqdm=False)]
+
     for quantization in (None, "none"):
         llm = LLM(path, tokenizer=str(tmp_path / "tok"), dtype="float32", block_size=4, kv_cache_memory=2 * 1024**2,
                   batch_invariant=True, quantization=quantization)
-        assert llm.llm_engine.core.loaded.quant_config is None
-        outs = llm.generate(prompts, sp, use_tqdm=False)
-        got.append([(list(o.outputs[0].token_ids), [{k: v.logprob for k, v in lp.items()} for lp in o.outputs[0].logprobs])
-                    for o in outs])
+        qc = llm.llm_engine.core.loaded.quant_config
+        assert (qc is None) == (quantization == "none"), qc
+        batched = run(llm, prompts)
+        alone = [run(llm, [p])[0] for p in prompts]
+        assert batched == alone
+        assert all(len(toks) == 8 for toks, _ in batched)
         del llm
-    assert got[0] == got[1]
-    assert all(len(toks) == 8 for toks, _ in got[0])
 
 
 @pytest.mark.parametrize("case", TRANSFORMERS_READS)

@@ -195,7 +195,7 @@ def build_app(engine: EngineClient, args: Optional[argparse.Namespace] = None) -
                     return error_response(msg, 401, None, "AuthenticationError")
             return await call_next(request)
 
-    if get("enable_sleep_mode", False) and hasattr(engine, "sleep"):
+    if get("enable_sleep_mode", False):  # (refused at start-up for data-parallel engines)
         _add_sleep_routes(app, engine)
 
     def _check_generate_runner() -> None:
