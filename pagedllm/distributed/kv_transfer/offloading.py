@@ -127,6 +127,7 @@ class OffloadingConnector(KVConnectorBase_V1):
         self._prepared: dict[str, tuple[int, list[torch.Tensor], list[str]]] = {}
         self._pending_saves: dict[bytes, int] = {}   # key -> block id, for the next step
         self._in_flight: set[bytes] = set()           # saves sent, output not back yet
+        self._rewrite: set[bytes] = set()             # saves whose disk file is rewritten if present
         self._loads: list[tuple[int, torch.Tensor]] = []
         self.hit_tokens = 0
         self.load_seconds = 0.0
@@ -221,6 +222,9 @@ class OffloadingConnector(KVConnectorBase_V1):
         self._prepared.pop(request.request_id, None)
         bs = self.layout.block_size
         n = min(len(request.block_hashes), request.num_computed_tokens // bs, len(block_ids))
+        # Blocks past the prefix found at admission were computed: a disk file under their name
+        # (past the first miss, never read) may be bad, so it is rewritten.
+        computed_from = max(request.num_cached_tokens, 0) // bs
         for i in range(n):
             key = request.block_hashes[i]
             if key in self._pending_saves or key in self._in_flight:
@@ -229,6 +233,8 @@ class OffloadingConnector(KVConnectorBase_V1):
                 self.host.touch(key)
                 continue
             self._pending_saves[key] = block_ids[i]
+            if i >= computed_from:
+                self._rewrite.add(key)
         return False, None
 
     def build_connector_meta(self, scheduler_output: Any) -> OffloadingMetadata:
@@ -240,12 +246,13 @@ class OffloadingConnector(KVConnectorBase_V1):
 
     def update_connector_output(self, connector_output: Any) -> None:
         self._in_flight.clear()
+        rewrite, self._rewrite = self._rewrite, set()
         if not connector_output:
             return
         for key, block in connector_output.items():
             self.host.put(key, block)
             if self.disk is not None:
-                self.disk.put(key, block)
+                self.disk.put(key, block, overwrite=key in rewrite)
 
     def has_pending_work(self) -> bool:
         return bool(self._pending_saves)

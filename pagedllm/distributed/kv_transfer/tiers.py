@@ -315,12 +315,13 @@ class DiskTier:
         return block
 
     # ---- writes ----------------------------------------------------------------------
-    def put(self, key: bytes, block: torch.Tensor) -> bool:
+    def put(self, key: bytes, block: torch.Tensor, overwrite: bool = False) -> bool:
         """Queue ``block`` for writing (the tensor must not change afterwards); False when it is
-        already stored/queued or the queue is over ``max_queued_bytes`` (dropped, counted)."""
+        already stored (unless ``overwrite``: its file may be bad) or queued, or the queue is over
+        ``max_queued_bytes`` (dropped, counted)."""
         n = tensor_nbytes(block)
         with self._lock:
-            if self._closed or key in self._index or key in self._queued:
+            if self._closed or key in self._queued or (key in self._index and not overwrite):
                 return False
             if self._queued_bytes + n > self.max_queued_bytes:
                 self.stats.dropped += 1
