@@ -612,6 +612,8 @@ class EngineCore:
 
         from pagedllm.worker.kv_memory import block_runs, merge_runs
 
+        if self.scheduler.has_pending_kv_transfers():
+            return 0  # NOTE: queued KV connector saves still have to read those blocks
         pool = self.kv_cache_manager.block_pool
         candidates = pool.release_candidates(max_cached_kept)
         if not candidates:
