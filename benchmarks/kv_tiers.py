@@ -78,13 +78,13 @@ class Server:
         with httpx.stream("POST", self.base + "/v1/completions", timeout=600,
                           json={"model": "m", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
                                 "stream": True, "ignore_eos": True}) as r:
+            t = None
             for line in r.iter_lines():
-                if line.startswith("data: ") and line != "data: [DONE]":
+                if t is None and line.startswith("data: ") and line != "data: [DONE]":
                     t = time.perf_counter() - t0
-                    for _ in r.iter_lines():
-                        pass
-                    return t
-        raise RuntimeError("no token")
+        if t is None:
+            raise RuntimeError("no token")
+        return t
 
     def metric(self, name: str) -> float:
         import httpx

@@ -202,7 +202,8 @@ def test_help_listgroup_and_group():
     assert rc == 0
     groups = [ln.strip()[2:] for ln in out.splitlines() if ln.startswith("  - ")]
     assert groups == ["options", "Server", "CORS", "Tool calling and reasoning", "Model", "Structured outputs",
-                      "Speculative decoding", "LoRA adapters", "Scheduler and KV cache", "Observability", "Parallelism",
+                      "Speculative decoding", "LoRA adapters", "Scheduler and KV cache", "KV cache tiers",
+                      "Observability", "Parallelism",
                       "Device"]
     rc, out = _help("serve", "--help=cors")
     assert rc == 0
