@@ -151,6 +151,25 @@ def test_disk_tier_survives_the_engine_and_rejects_bad_files(tiny_dirs, tmp_path
     assert [c for _, _, c in healed] == [96] * 4 and st["tiers"]["disk"]["errors"] == 0
 
 
+def test_producer_and_consumer_roles(tiny_dirs, tmp_path):
+    prompts = _workload(n=4)
+    d = str(tmp_path / "kv")
+
+    def cfg(role):
+        return {"kv_transfer_config": {"kv_connector": "OffloadingConnector", "kv_role": role,
+                                       "kv_connector_extra_config": {"kv_cache_dir": d}}}
+
+    off, _ = _run(tiny_dirs[0], prompts)
+    empty, st = _run(tiny_dirs[0], prompts, **cfg("kv_consumer"))  # nothing there yet, and saves nothing
+    assert [c for _, _, c in empty] == [0] * 4 and st["tiers"]["disk"]["saves"] == 0
+    assert not [f for _, _, fs in os.walk(d) for f in fs]
+    made, st = _run(tiny_dirs[0], prompts + prompts, **cfg("kv_producer"))  # saves, never loads
+    assert st["tiers"]["disk"]["saves"] == 24 and st["hit_tokens"] == 0
+    used, st = _run(tiny_dirs[0], prompts, **cfg("kv_consumer"))
+    _close(off, used)
+    assert [c for _, _, c in used] == [96] * 4 and st["tiers"]["disk"]["saves"] == 0
+
+
 def test_full_disk_degrades_to_recompute(tiny_dirs, tmp_path, monkeypatch, caplog):
     from pagedllm.distributed.kv_transfer.tiers import DiskTier
 

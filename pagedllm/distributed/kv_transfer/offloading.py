@@ -89,6 +89,9 @@ class OffloadingMetadata(KVConnectorMetadata):
 class OffloadingConnector(KVConnectorBase_V1):
     """Host-memory and disk tiers behind the prefix cache (see the module docstring).
 
+    ``config.kv_role``: "kv_both" saves and loads; "kv_producer" only saves (an instance that
+    fills a shared ``kv_cache_dir`` for others), "kv_consumer" only loads (one that reads it).
+
     ``config.kv_connector_extra_config``: ``cpu_bytes_to_use`` (host bound, bytes; default 4 GiB),
     ``kv_cache_dir`` (disk tier directory; none = no disk tier), ``disk_bytes_to_use`` (disk bound,
     bytes; default 16 GiB), ``fsync`` (bool).
@@ -129,6 +132,9 @@ class OffloadingConnector(KVConnectorBase_V1):
         self._in_flight: set[bytes] = set()           # saves sent, output not back yet
         self._rewrite: set[bytes] = set()             # saves whose disk file is rewritten if present
         self._loads: list[tuple[int, torch.Tensor]] = []
+        role_name = getattr(config, "kv_role", None) or "kv_both"
+        self.saves_enabled = role_name in ("kv_both", "kv_producer")
+        self.loads_enabled = role_name in ("kv_both", "kv_consumer")
         self.hit_tokens = 0
         self.load_seconds = 0.0
         logger.info("pagedllm: KV offloading: host tier %.2f GiB%s", cpu / 1024**3,
@@ -179,6 +185,8 @@ class OffloadingConnector(KVConnectorBase_V1):
         return None, ""
 
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[Optional[int], bool]:
+        if not self.loads_enabled:
+            return 0, False
         bs = self.layout.block_size
         start = num_computed_tokens // bs
         max_blocks = (request.num_tokens - 1) // bs
@@ -220,6 +228,8 @@ class OffloadingConnector(KVConnectorBase_V1):
 
     def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, Optional[dict]]:
         self._prepared.pop(request.request_id, None)
+        if not self.saves_enabled:
+            return False, None
         bs = self.layout.block_size
         n = min(len(request.block_hashes), request.num_computed_tokens // bs, len(block_ids))
         # Blocks past the prefix found at admission were computed: a disk file under their name
