@@ -208,3 +208,17 @@ def test_refused_settings(tiny_dirs):
                       ({"tensor_parallel_size": 2}, "one in-process rank")]:
         with pytest.raises(ValueError, match=field):
             LLM(tiny_dirs[0], dtype="float32", kv_cache_memory=20 * BLOCK_BYTES, **{"kv_offloading_size": 0.01, **kw})
+
+
+def test_generate_saves_its_last_request_without_shutdown(tiny_dirs, tmp_path):
+    from pagedllm import LLM, SamplingParams
+
+    llm = LLM(tiny_dirs[0], dtype="float32", kv_cache_memory=20 * BLOCK_BYTES, kv_cache_dir=str(tmp_path / "kv"))
+    try:
+        llm.generate(_workload(n=1)[0], SamplingParams(temperature=0, max_tokens=2), use_tqdm=False)
+        conn = llm.llm_engine.core.kv_connector
+        assert not llm.llm_engine.core.scheduler.has_pending_kv_transfers()
+        assert conn.disk.flush(30)
+        assert sum(len(fs) for _, _, fs in os.walk(tmp_path)) == 6 == conn.get_kv_connector_stats()["tiers"]["disk"]["saves"]
+    finally:
+        llm.llm_engine.core.shutdown()

@@ -203,8 +203,13 @@ class DiskTier:
         self._queued: set[bytes] = set()
         self._queue: "queue.Queue[Optional[tuple[bytes, torch.Tensor]]]" = queue.Queue()
         self._writer = threading.Thread(target=self._write_loop, name="pagedllm-kv-disk-writer", daemon=True)
-        self._writer.start()
         self._closed = False
+        self._writer.start()
+        # NOTE: the writer is a daemon thread: finish queued writes at interpreter exit too.
+        import atexit
+        import weakref
+        ref = weakref.ref(self)
+        atexit.register(lambda: (lambda t: t.close(10) if t is not None else None)(ref()))
 
     # ---- paths and index -----------------------------------------------------------
     def path_of(self, key: bytes) -> str:
