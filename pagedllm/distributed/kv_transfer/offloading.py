@@ -34,7 +34,7 @@ import torch
 
 from pagedllm.distributed.kv_transfer.base import (KVCacheLayout, KVConnectorBase_V1, KVConnectorMetadata,
                                                    KVConnectorRole)
-from pagedllm.distributed.kv_transfer.tiers import DiskTier, HostTier, tensor_nbytes
+from pagedllm.distributed.kv_transfer.tiers import DiskTier, HostTier
 
 logger = logging.getLogger("pagedllm")
 
