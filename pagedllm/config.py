@@ -187,6 +187,16 @@ class EngineArgs:
         speculative_config: speculative decoding, vLLM's ``speculative_config`` (a dict, a JSON
             string or a ``pagedllm.spec_decode.config.SpeculativeConfig``): ``{"method": "ngram",
             "num_speculative_tokens": 4, ...}``; None = off.
+        kv_transfer_config: a KV connector (vLLM's ``--kv-transfer-config``): a dict or JSON object
+            string ``{"kv_connector": "OffloadingConnector", "kv_role": "kv_both",
+            "kv_connector_extra_config": {...}}`` or a ``KVTransferConfig``; None = none
+            (README "KV cache tiers", docs/kv_connector.md).
+        kv_offloading_size: GiB of host memory for offloaded KV blocks (vLLM's
+            ``--kv-offloading-size``): turns on ``OffloadingConnector``.
+        kv_offloading_backend: "native" (vLLM's ``--kv-offloading-backend``; the only one here).
+        kv_cache_dir: directory of the offloading connector's disk tier (survives restarts; may be
+            shared by processes serving the same model); turns on ``OffloadingConnector``.
+        kv_cache_dir_size: GiB bound of the disk tier (default 16).
         enable_lora: serve LoRA adapters per request (``LoRARequest``; ``pagedllm.lora``).
         max_loras: adapters one step may run (the device slot table; vLLM's default 1).
         max_lora_rank: largest adapter rank accepted (vLLM's default 16).
@@ -346,6 +356,11 @@ class EngineArgs:
         """Ranks of one engine replica: ``tensor_parallel_size * pipeline_parallel_size``."""
         return self.tensor_parallel_size * self.pipeline_parallel_size
     speculative_config: Optional[Any] = None
+    kv_transfer_config: Optional[Any] = None
+    kv_offloading_size: Optional[float] = None
+    kv_offloading_backend: Optional[str] = None
+    kv_cache_dir: Optional[str] = None
+    kv_cache_dir_size: Optional[float] = None
 
     def lora_limits(self) -> tuple[int, int, int]:
         """``(max_loras, max_lora_rank, max_cpu_loras)`` checked (``enable_lora`` engines).

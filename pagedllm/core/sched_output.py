@@ -61,6 +61,8 @@ class SchedulerOutput:
         grammar_bitmask: int32 ``[len(structured_output_request_ids), ceil(vocab / 32)]`` (a
             torch tensor on the CPU; bit j of word w set = token 32w+j allowed), filled by the
             engine core after ``schedule()``; None when no row is constrained.
+        kv_connector_metadata: the KV connector's ``KVConnectorMetadata`` for the step (loads and
+            saves the worker-side connector does around the forward); None without a connector.
     """
 
     scheduled: list[ScheduledRequest] = field(default_factory=list)
@@ -69,6 +71,7 @@ class SchedulerOutput:
     preempted_req_ids: set[str] = field(default_factory=set)
     structured_output_request_ids: dict[str, int] = field(default_factory=dict)
     grammar_bitmask: Any = None
+    kv_connector_metadata: Any = None
 
     @property
     def is_empty(self) -> bool:
@@ -89,6 +92,8 @@ class ModelRunnerOutput:
         pooler_output: req_id -> pooled tensor (float32, on CPU) for finished pooling requests.
         spec_token_ids: req_id -> draft tokens proposed for the request's next step
             (speculative decoding; absent when none).
+        kv_connector_output: what the worker-side KV connector reports for the step
+            (``KVConnectorBase_V1.get_connector_output``), or None.
     """
 
     sampled_token_ids: dict[str, list[int]] = field(default_factory=dict)
@@ -96,6 +101,7 @@ class ModelRunnerOutput:
     prompt_logprobs: dict[str, list[Any]] = field(default_factory=dict)
     pooler_output: dict[str, Any] = field(default_factory=dict)
     spec_token_ids: dict[str, list[int]] = field(default_factory=dict)
+    kv_connector_output: Any = None
 
 
 @dataclass(slots=True)

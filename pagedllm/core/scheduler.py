@@ -73,6 +73,13 @@ class Scheduler:
         max_loras: LoRA: the running set never holds requests of more than this many distinct
             adapters (the workers' slot table); a waiting request whose adapter would exceed
             it is skipped (others go ahead) until one finishes. 0 = no limit (LoRA off).
+        connector: the scheduler side of a KV connector (``KVConnectorBase_V1``,
+            ``pagedllm.distributed.kv_transfer``) or None. A waiting request's tokens past its
+            device prefix hit that the connector can supply (``get_num_new_matched_tokens``) are
+            allocated with the rest and marked computed (loaded, not computed; not charged to the
+            token budget); a finished request's block table goes to ``request_finished`` before
+            it is freed; each step's ``SchedulerOutput.kv_connector_metadata`` is
+            ``build_connector_meta``'s.
     """
 
     def __init__(
@@ -87,6 +94,7 @@ class Scheduler:
         num_lookahead_tokens: int = 0,
         max_loras: int = 0,
         policy: str = "fcfs",
+        connector: Any = None,
     ) -> None:
         if max_num_seqs < 1 or max_num_batched_tokens < 1:
             raise ValueError("max_num_seqs and max_num_batched_tokens must be >= 1")
@@ -100,6 +108,7 @@ class Scheduler:
         self.kv_cache_manager = kv_cache_manager
         self.long_prefill_token_threshold = long_prefill_token_threshold
         self.max_loras = max_loras
+        self.connector = connector
         self.debug = bool(envs.get("PAGEDLLM_DEBUG")) if debug is None else debug
         self.requests: dict[str, Request] = {}
         self.waiting: deque[Request] = deque()
@@ -144,6 +153,10 @@ class Scheduler:
     def num_waiting_for_fsm(self) -> int:
         """Waiting requests whose grammar is still compiling."""
         return sum(1 for r in self.waiting if r.status == RequestStatus.WAITING_FOR_FSM)
+
+    def has_pending_kv_transfers(self) -> bool:
+        """True while the KV connector holds saves that the next step must carry to the workers."""
+        return self.connector is not None and self.connector.has_pending_work()
 
     def has_finished_requests(self) -> bool:
         """True when finished ids still have to reach the runner through a schedule()."""
@@ -203,6 +216,10 @@ class Scheduler:
             self._free_request(req)
 
     def _free_request(self, request: Request) -> None:
+        if self.connector is not None and not self.kv_cache_manager.skip_caching(request):
+            # NOTE: the blocks are still intact: saves copy them before the next forward.
+            self.connector.request_finished(request, self.kv_cache_manager.req_to_block_ids.get(
+                request.request_id, []))
         self.kv_cache_manager.free(request)
         self.finished_req_ids.add(request.request_id)
         del self.requests[request.request_id]
@@ -327,11 +344,19 @@ class Scheduler:
                     skipped.append(self.waiting.popleft())  # its adapter would need one slot too many
                     continue
                 hit_blocks, num_hit = mgr.get_computed_blocks(req)
+                num_ext = 0
+                if self.connector is not None and not mgr.skip_lookup(req):
+                    num_ext = self.connector.get_num_new_matched_tokens(req, num_hit)[0] or 0
                 req.num_computed_tokens = 0
-                num_new = min(self._cap(req.num_tokens - num_hit), budget)
-                if mgr.allocate_slots(req, num_new, hit_blocks) is None:
+                num_new = min(self._cap(req.num_tokens - num_hit - num_ext), budget)
+                if mgr.allocate_slots(req, num_ext + num_new, hit_blocks) is None:
                     break
                 self.waiting.popleft()
+                if self.connector is not None:
+                    bs = mgr.block_size
+                    ext_blocks = mgr.req_to_blocks[req.request_id][num_hit // bs:(num_hit + num_ext) // bs]
+                    self.connector.update_state_after_alloc(req, ext_blocks, num_ext)
+                    num_hit += num_ext
                 if req.num_cached_tokens < 0:
                     req.num_cached_tokens = num_hit
                 if req.first_scheduled_time is None:
@@ -352,6 +377,8 @@ class Scheduler:
             preempted_req_ids=preempted,
         )
         self.finished_req_ids = set()
+        if self.connector is not None:
+            out.kv_connector_metadata = self.connector.build_connector_meta(out)
         block_ids = mgr.req_to_block_ids
         scheduled_reqs = out.scheduled
         grammar_rows = out.structured_output_request_ids
@@ -442,6 +469,8 @@ class Scheduler:
         """
         outputs: list[EngineCoreOutput] = self._pending_outputs
         self._pending_outputs = []
+        if self.connector is not None:
+            self.connector.update_connector_output(runner_output.kv_connector_output)
         any_finished = False
         requests = self.requests
         sampled = runner_output.sampled_token_ids

@@ -76,6 +76,7 @@ class EngineCore:
             except ImportError as e:
                 raise ValueError(f"kv_events_config: publisher 'zmq' needs the pyzmq and msgspec packages "
                                  f"(pip install pyzmq msgspec, or pip install 'pagedllm[kv-events]'): {e}") from None
+        self.kv_transfer_config = self._check_kv_transfer_config(args)
         executor_cls = Executor.get_class(args)
         if args.enable_prompt_embeds:
             if args.runner != "generate":
@@ -90,10 +91,18 @@ class EngineCore:
         except BaseException:
             self.executor.shutdown()
             raise
+        self.kv_connector = None
+        hash_seed = None
+        if self.kv_transfer_config is not None:
+            try:
+                self.kv_connector, hash_seed = self._init_kv_connector(args)
+            except BaseException:
+                self.executor.shutdown()
+                raise
         self.kv_cache_manager = KVCacheManager(
             num_blocks=self.num_blocks, block_size=args.block_size,
             enable_caching=args.enable_prefix_caching,
-            hash_algo=args.prefix_caching_hash_algo, max_model_len=self.max_model_len,
+            hash_algo=args.prefix_caching_hash_algo, hash_seed=hash_seed, max_model_len=self.max_model_len,
             max_free_cached_blocks=self.kv_prefix_keep_blocks)
         # KV cache events (--kv-events-config): the block pool records, step() publishes.
         # NOTE: the config is checked before the model loads (below only the sockets open).
@@ -116,7 +125,7 @@ class EngineCore:
             num_spec_tokens=(sc.num_speculative_tokens or 0) if sc else 0,
             num_lookahead_tokens=sc.num_lookahead_tokens if sc else 0,
             max_loras=args.max_loras if args.enable_lora else 0,
-            policy=args.scheduling_policy)
+            policy=args.scheduling_policy, connector=self.kv_connector)
         # LoRA: the adapters in the workers' CPU caches, least recently used first (add_lora).
         self.loras: "OrderedDict[int, Any]" = OrderedDict()
         self.max_cpu_loras = args.lora_limits()[2] if args.enable_lora else 0
@@ -133,6 +142,60 @@ class EngineCore:
         self.sleeping_tags: set[str] = set()
         self.sleep_level = 0
         self.sleep_backup_bytes = 0  # the level-1 copy of the weights (temporary files), all ranks
+
+    @staticmethod
+    def _check_kv_transfer_config(args: EngineArgs) -> Any:
+        """The ``KVTransferConfig`` from ``kv_transfer_config`` / ``kv_offloading_size`` /
+        ``kv_cache_dir`` (None: no connector), checked before any worker starts.
+
+        Raises:
+            ValueError: a bad config, or one this engine cannot run (several ranks, pipelined
+                steps, a draft-model proposer, prefix caching off, a pooling runner).
+        """
+        from pagedllm.distributed.kv_transfer.config import resolve_kv_transfer_config
+        from pagedllm.distributed.kv_transfer.factory import KVConnectorFactory
+
+        cfg = resolve_kv_transfer_config(args.kv_transfer_config, args.kv_offloading_size,
+                                         args.kv_offloading_backend, args.kv_cache_dir, args.kv_cache_dir_size)
+        if cfg is None:
+            return None
+        KVConnectorFactory.get_connector_class(cfg)  # NOTE: an unknown name fails here
+        if args.world_size > 1 or args.distributed_executor_backend not in (None, "uni"):
+            raise ValueError("kv_transfer_config: KV connectors run with one in-process rank "
+                             "(tensor_parallel_size = pipeline_parallel_size = 1, executor 'uni')")
+        if not args.enable_prefix_caching:
+            raise ValueError("kv_transfer_config: needs prefix caching (blocks are addressed by their "
+                             "prefix-cache hash); drop --no-enable-prefix-caching")
+        if args.runner != "generate":
+            raise ValueError("kv_transfer_config: only for runner='generate'")
+        sc = args.speculative_config
+        method = sc.get("method") if isinstance(sc, dict) else getattr(sc, "method", None)
+        if method in ("draft_model", "eagle", "eagle3", "mtp"):
+            raise ValueError(f"kv_transfer_config: not with speculative_config.method {method!r} (the "
+                             "draft model's KV cache is not offloaded)")
+        return cfg
+
+    def _init_kv_connector(self, args: EngineArgs) -> tuple[Any, str]:
+        """Both halves of the KV connector (scheduler side here, worker side on the rank) and
+        the block-hash seed that makes block hashes stable across processes (the layout's
+        fingerprint)."""
+        from pagedllm.distributed.kv_transfer.base import KVCacheLayout, KVConnectorRole
+        from pagedllm.distributed.kv_transfer.factory import KVConnectorFactory
+        from pagedllm.distributed.kv_transfer.offloading import model_fingerprint
+
+        spec = self.executor.get_kv_cache_specs()[0]
+        if spec.extra_bytes_per_token:
+            raise ValueError("kv_transfer_config: not with a draft model's KV cache")
+        fp = model_fingerprint(args, self.hf_config, getattr(self.loaded, "model_path", None), self.dtype,
+                               self.kv_cache_dtype)
+        layout = KVCacheLayout(num_layers=spec.num_layers, block_size=args.block_size,
+                               num_kv_heads=spec.num_kv_heads, head_dim=spec.head_dim,
+                               dtype=str(self.kv_cache_dtype).replace("torch.", ""), model_fingerprint=fp,
+                               hash_algo=args.prefix_caching_hash_algo)
+        cfg = self.kv_transfer_config
+        connector = KVConnectorFactory.create_connector(cfg, KVConnectorRole.SCHEDULER, layout)
+        self.executor.collective_rpc("init_kv_connector", args=(cfg, layout))
+        return connector, "kv-connector:" + layout.fingerprint
 
     def _init_cache(self, args: EngineArgs, t0: float) -> None:
         """Size the KV cache from every rank's budget and shape (the smallest fit wins), then
@@ -274,7 +337,17 @@ class EngineCore:
         return w
 
     def shutdown(self) -> None:
-        """Stop the executor's workers (processes / actors) and the KV event publisher; idempotent."""
+        """Stop the executor's workers (processes / actors) and the KV event publisher; idempotent.
+        With a KV connector, saves still queued are carried out first and its writers flushed."""
+        conn = getattr(self, "kv_connector", None)
+        if conn is not None:
+            try:
+                if self.scheduler.has_pending_kv_transfers() and not self.executor.is_failed:
+                    self.step()
+            except Exception:
+                logger.warning("pagedllm: KV connector: final saves failed", exc_info=True)
+            conn.shutdown()
+            self.kv_connector = None
         if self.kv_events is not None:
             self.kv_events.shutdown()
         self.executor.shutdown()
@@ -364,7 +437,8 @@ class EngineCore:
             self.scheduler.finish_requests(request_ids, status)
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished_requests()
+        """Requests running or waiting, or KV connector saves that need one more step."""
+        return self.scheduler.has_unfinished_requests() or self.scheduler.has_pending_kv_transfers()
 
     def step(self) -> list[EngineCoreOutput]:
         """Schedule, run the model and update request states once (then publish the step's KV
@@ -513,6 +587,7 @@ class EngineCore:
             **self._spec_decode_stats(),
             **(self._lora_stats() if self.args.enable_lora else {}),
             **(self.kv_events.stats() if self.kv_events is not None else {}),
+            **({"kv_connector": self.kv_connector.get_kv_connector_stats()} if self.kv_connector else {}),
         }
 
     def release_idle_memory(self) -> int:
@@ -525,7 +600,8 @@ class EngineCore:
             resident bytes released, summed over the ranks (the KV pages counted per rank 0's
             block size).
         """
-        if self.scheduler.has_finished_requests() and not self.scheduler.has_unfinished_requests():
+        if ((self.scheduler.has_finished_requests() or self.scheduler.has_pending_kv_transfers())
+                and not self.scheduler.has_unfinished_requests()):
             self.step()
         kv = 0
         if not self.scheduler.has_unfinished_requests() and not self._batch_queue:
@@ -551,6 +627,8 @@ class EngineCore:
 
         from pagedllm.worker.kv_memory import block_runs, merge_runs
 
+        if self.scheduler.has_pending_kv_transfers():
+            return 0  # NOTE: queued KV connector saves still have to read those blocks
         pool = self.kv_cache_manager.block_pool
         candidates = pool.release_candidates(max_cached_kept)
         if not candidates:

@@ -529,6 +529,9 @@ class LLM:
         missing = [r for r in ids if r not in results]
         if missing:
             raise RuntimeError(f"engine stopped with {len(missing)} unfinished request(s)")
+        sched = eng.core.scheduler
+        if sched.has_pending_kv_transfers() and not sched.has_unfinished_requests():
+            eng.core.step()  # NOTE: the KV connector's saves of the last requests (an empty step)
         return [results[r] for r in ids]
 
 

@@ -37,6 +37,15 @@ histograms P:time_to_first_token_seconds, P:inter_token_latency_seconds,
            P:request_inference_time_seconds, P:request_prompt_tokens,
            P:request_generation_tokens, P:request_max_num_generation_tokens,
            P:structured_output_compile_seconds (one observation per grammar compiled)
+KV cache tiers (a KV connector such as --kv-offloading-size / --kv-cache-dir; label ``tier``
+"host" or "disk"): counters P:kv_tier_hit_blocks_total (blocks found at lookup),
+P:kv_tier_load_blocks_total and P:kv_tier_load_bytes_total (copied into the KV cache),
+P:kv_tier_save_blocks_total and P:kv_tier_save_bytes_total (stored in the tier),
+P:kv_tier_evicted_blocks_total, P:kv_tier_errors_total (unreadable/corrupt/foreign files, failed
+writes), P:kv_tier_dropped_blocks_total (not stored: over the bound or the write queue),
+P:kv_tier_hit_tokens_total (prompt tokens loaded instead of computed),
+P:kv_tier_load_seconds_total (time spent finding and reading blocks); gauges P:kv_tier_blocks,
+P:kv_tier_bytes (held now) and P:kv_tier_capacity_bytes (the bound).
 With the ``vllm`` prefix, also vLLM's deprecated names that its example Grafana dashboard
 (examples/online_serving/prometheus_grafana/grafana.json) still reads: vllm:gpu_cache_usage_perc
 (= kv_cache_usage_perc) and vllm:time_per_output_token_seconds (= inter_token_latency_seconds).
@@ -109,6 +118,8 @@ class PrometheusStatLogger:
         self.gauge_waiting = Gauge(p + "num_requests_waiting",
                                    "Number of requests waiting to be processed.",
                                    labels, registry=reg).labels(model_name)
+        self.kv_tiers = _KVTierCollector(p, model_name)
+        reg.register(self.kv_tiers)
         self.gauge_kv_usage = Gauge(p + "kv_cache_usage_perc",
                                     "KV-cache usage. 1 means 100 percent usage.",
                                     labels, registry=reg).labels(model_name)
@@ -404,6 +415,11 @@ class PrometheusStatLogger:
                 else:
                     metric.set(v)
 
+    def record_kv_connector(self, stats: Optional[dict]) -> None:
+        """Set the KV-tier metrics from ``get_scheduler_stats()["kv_connector"]`` (the
+        connector's totals, ``OffloadingConnector.get_kv_connector_stats``)."""
+        self.kv_tiers.stats = stats
+
     def record_lora(self, stats: dict) -> None:
         """Set the LoRA gauges from ``get_scheduler_stats()`` (``lora_running_adapters``,
         ``lora_waiting_adapters``: adapter names; ``max_loras``; ``lora_cpu_cache_adapters``,
@@ -442,3 +458,54 @@ class PrometheusStatLogger:
         return generate_latest(self.registry)
 
     content_type = CONTENT_TYPE_LATEST
+
+
+class _KVTierCollector:
+    """Reads the KV connector's latest totals at scrape time (they are monotonic in the engine)."""
+
+    _COUNTERS = (("hits", "kv_tier_hit_blocks", "KV blocks found in the tier at lookup."),
+                 ("loads", "kv_tier_load_blocks", "KV blocks loaded from the tier into the KV cache."),
+                 ("load_bytes", "kv_tier_load_bytes", "Bytes loaded from the tier into the KV cache."),
+                 ("saves", "kv_tier_save_blocks", "KV blocks stored in the tier."),
+                 ("save_bytes", "kv_tier_save_bytes", "Bytes stored in the tier."),
+                 ("evictions", "kv_tier_evicted_blocks", "KV blocks evicted from the tier by its bound."),
+                 ("errors", "kv_tier_errors", "Unreadable, corrupt or foreign block files and failed writes."),
+                 ("dropped", "kv_tier_dropped_blocks", "KV blocks not stored (over the bound or the write queue)."))
+    _GAUGES = (("blocks", "kv_tier_blocks", "KV blocks held in the tier."),
+               ("bytes", "kv_tier_bytes", "Bytes held in the tier."),
+               ("capacity_bytes", "kv_tier_capacity_bytes", "The tier's byte bound."))
+
+    def __init__(self, prefix: str, model_name: str) -> None:
+        self.prefix = prefix
+        self.model_name = model_name
+        self.stats: Optional[dict] = None
+
+    def describe(self):
+        return []
+
+    def collect(self):
+        from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+        st = self.stats
+        if not st:
+            return
+        p, m = self.prefix, self.model_name
+        tiers = st.get("tiers", {})
+        for key, name, doc in self._COUNTERS:
+            c = CounterMetricFamily(p + name, doc, labels=["model_name", "tier"])
+            for tier, d in tiers.items():
+                c.add_metric([m, tier], d.get(key, 0))
+            yield c
+        for key, name, doc in self._GAUGES:
+            g = GaugeMetricFamily(p + name, doc, labels=["model_name", "tier"])
+            for tier, d in tiers.items():
+                g.add_metric([m, tier], d.get(key, 0))
+            yield g
+        c = CounterMetricFamily(p + "kv_tier_hit_tokens", "Prompt tokens loaded from a KV tier instead of computed.",
+                                labels=["model_name"])
+        c.add_metric([m], st.get("hit_tokens", 0))
+        yield c
+        c = CounterMetricFamily(p + "kv_tier_load_seconds", "Seconds spent finding and reading KV blocks in the tiers.",
+                                labels=["model_name"])
+        c.add_metric([m], st.get("load_seconds", 0.0))
+        yield c

@@ -735,6 +735,9 @@ class Worker:
                 gc.collect()
                 self.load_model()
                 self.initialize_cache(*self._cache_shape)
+                if getattr(self, "kv_connector", None) is not None:  # the caches are new tensors
+                    self.kv_connector.register_kv_caches({f"model.layers.{i}.self_attn": c
+                                                          for i, c in enumerate(self.runner.kv_caches)})
         if "kv_cache" in tags and "kv_cache" in self._sleep:
             S.restore_eager_kv(self._sleep.pop("kv_cache"))
         if not self._sleep:
@@ -744,12 +747,35 @@ class Worker:
         """The tags asleep on this rank ("weights", "kv_cache")."""
         return sorted(self._sleep)
 
+    def init_kv_connector(self, config: Any, layout: Any) -> None:
+        """Build the worker side of the KV connector and register this rank's KV caches with it
+        (after ``initialize_cache``)."""
+        from pagedllm.distributed.kv_transfer.base import KVConnectorRole
+        from pagedllm.distributed.kv_transfer.factory import KVConnectorFactory
+
+        self.kv_connector = KVConnectorFactory.create_connector(config, KVConnectorRole.WORKER, layout)
+        self.kv_connector.register_kv_caches({f"model.layers.{i}.self_attn": c
+                                              for i, c in enumerate(self.runner.kv_caches)})
+
     # ------------------------------------------------------------------ steps
     def execute_model(self, so: SchedulerOutput) -> Optional[ModelRunnerOutput]:
-        """Run one step; the runner's output on the output rank, None on the others."""
+        """Run one step; the runner's output on the output rank, None on the others. With a KV
+        connector, its loads and saves for the step run around the forward (``start_load_kv``
+        before, ``wait_for_save`` after) and its report rides on ``kv_connector_output``."""
         if self.thread_controller is not None:
             self.thread_controller.step()
-        out = self.runner.execute(so)
+        conn = getattr(self, "kv_connector", None)
+        if conn is None or so.kv_connector_metadata is None:
+            out = self.runner.execute(so)
+            return out if self.is_output_rank else None
+        conn.bind_connector_metadata(so.kv_connector_metadata)
+        conn.start_load_kv(None)
+        try:
+            out = self.runner.execute(so)
+            conn.wait_for_save()
+            out.kv_connector_output = conn.get_connector_output()
+        finally:
+            conn.clear_connector_metadata()
         return out if self.is_output_rank else None
 
     def check_health(self) -> None:

@@ -202,7 +202,8 @@ def test_help_listgroup_and_group():
     assert rc == 0
     groups = [ln.strip()[2:] for ln in out.splitlines() if ln.startswith("  - ")]
     assert groups == ["options", "Server", "CORS", "Tool calling and reasoning", "Model", "Structured outputs",
-                      "Speculative decoding", "LoRA adapters", "Scheduler and KV cache", "Observability", "Parallelism",
+                      "Speculative decoding", "LoRA adapters", "Scheduler and KV cache", "KV cache tiers",
+                      "Observability", "Parallelism",
                       "Device"]
     rc, out = _help("serve", "--help=cors")
     assert rc == 0
@@ -249,3 +250,15 @@ def test_bench_serve_without_server():
     assert err.splitlines() == [
         f"pagedllm bench serve: error: cannot reach the server at http://127.0.0.1:{port} (All connection attempts "
         "failed); start one with 'pagedllm serve' or pass --base-url / --host / --port"]
+
+
+def test_kv_tier_flag_errors():
+    _one_line_error(("serve", "--kv-transfer-config", '{"kv_connector": "Nope"}'),
+                    "pagedllm serve: error: kv_transfer_config.kv_connector: unknown connector 'Nope'; "
+                    "registered: ['OffloadingConnector']")
+    _one_line_error(("serve", "--kv-offloading-size", "0"),
+                    "pagedllm serve: error: argument --kv-offloading-size: expected a positive number, got '0' "
+                    "(see 'pagedllm serve --help')")
+    _one_line_error(("serve", "--kv-offloading-size", "1", "--no-enable-prefix-caching"),
+                    "pagedllm serve: error: kv_transfer_config: needs prefix caching (blocks are addressed by "
+                    "their prefix-cache hash); drop --no-enable-prefix-caching")

@@ -64,6 +64,16 @@ def _size_or_zero(value: str) -> int:
     return parse_bytes(value)
 
 
+def _positive_float(value: str) -> float:
+    try:
+        v = float(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive number, got {value!r}") from None
+    if not v > 0:
+        raise argparse.ArgumentTypeError(f"expected a positive number, got {value!r}")
+    return v
+
+
 def _json_dict(value: str) -> dict[str, Any]:
     try:
         d = json.loads(value)
@@ -333,6 +343,23 @@ def add_serve_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                         'replay_endpoint, buffer_steps (batches kept for replay), hwm, max_queue_size '
                         '(batches queued; beyond it a batch is dropped and counted on /metrics), topic. '
                         'Needs pyzmq and msgspec.')
+
+    g = parser.add_argument_group("KV cache tiers")
+    g.add_argument("--kv-transfer-config", type=_json_dict, default=None,
+                   help='KV connector, as vLLM: \'{"kv_connector": "OffloadingConnector", "kv_role": '
+                        '"kv_both", "kv_connector_extra_config": {"cpu_bytes_to_use": ..., '
+                        '"kv_cache_dir": ..., "disk_bytes_to_use": ...}}\' (docs/kv_connector.md).')
+    g.add_argument("--kv-offloading-size", type=_positive_float, default=None,
+                   help="GiB of host memory for KV blocks evicted from the prefix cache "
+                        "(OffloadingConnector's host tier, LRU; vLLM's flag).")
+    g.add_argument("--kv-offloading-backend", default=None, choices=["native"],
+                   help="Offloading implementation (vLLM's flag; 'native' only).")
+    g.add_argument("--kv-cache-dir", default=None, metavar="DIR",
+                   help="Disk tier of OffloadingConnector: KV blocks are kept as checksummed files "
+                        "here, survive restarts and may be shared by servers of the same model.")
+    g.add_argument("--kv-cache-dir-size", type=_positive_float, default=None,
+                   help="GiB bound of the --kv-cache-dir tier (default 16; least recently used "
+                        "files are deleted past it).")
 
     g = parser.add_argument_group("Observability")
     g.add_argument("--otlp-traces-endpoint", default=None,
