@@ -231,7 +231,7 @@ def test_gguf_greedy_through_llm(case, tmp_path):
 
 def test_batch_invariant_mode_on_a_quantized_gguf(tmp_path):
     """A quantized GGUF under ``batch_invariant=True`` keeps its int8/int4 group-32 blocks on the
-    integer-dot kernel (batch invariant by construction: fixed-order integer sums, per-row
+    integer-dot kernel when that is on (``PAGEDLLM_GGUF_INTDOT=1``; else it loads dequantized) (batch invariant by construction: fixed-order integer sums, per-row
     activation scales), so a prompt's logprobs are the same bits alone and in a batch; with
     ``quantization="none"`` it loads dequantized onto the float batch-invariant GEMMs, likewise.
     Failed once: the invariant linears read the quantized layer's empty float weight."""
@@ -249,7 +249,9 @@ def test_batch_invariant_mode_on_a_quantized_gguf(tmp_path):
         llm = LLM(path, tokenizer=str(tmp_path / "tok"), dtype="float32", block_size=4, kv_cache_memory=2 * 1024**2,
                   batch_invariant=True, quantization=quantization)
         qc = llm.llm_engine.core.loaded.quant_config
-        assert (qc is None) == (quantization == "none"), qc
+        from pagedllm.quantization import group_quant as gq
+        # blocks kept only on the integer-dot kernel (PAGEDLLM_GGUF_INTDOT=1); else dequantized
+        assert (qc is not None) == (quantization is None and gq.INTDOT), qc
         batched = run(llm, prompts)
         alone = [run(llm, [p])[0] for p in prompts]
         assert batched == alone
