@@ -168,3 +168,22 @@ def make_tiny_llama(tie: bool, dtype: torch.dtype = torch.float32, std: float = 
 def tiny_llama():
     """Factory fixture: ``tiny_llama(tie, dtype=torch.float32, std=0.02)`` (see ``make_tiny_llama``)."""
     return make_tiny_llama
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _gguf_float_activations(request):
+    """For a test module that sets ``GGUF_FLOAT_ACTIVATIONS = True``: GGUF layers run with float
+    activations (``group_gemm``, as ``PAGEDLLM_GGUF_INTDOT=0``) for the whole module, whatever the
+    environment says. Like with like: such modules compare the GGUF file kept in its blocks token for
+    token with the same weights dequantized to float32 (transformers), exact only with float
+    activations; the integer-dot path (int8 activations) has its own checks in
+    tests/engine/test_intdot_schedules_real.py. Module scope, so it holds before the module's
+    reference fixtures."""
+    if not getattr(request.module, "GGUF_FLOAT_ACTIVATIONS", False):
+        yield
+        return
+    from pagedllm.quantization import group_quant as gq
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(gq, "INTDOT", False)
+        yield

@@ -14,19 +14,8 @@ from pagedllm import LLM, SamplingParams
 pytestmark = pytest.mark.slow
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _float_activations():
-    """Like with like: these tests compare the GGUF file kept in its blocks (``LLM("SmolLM2-...")``)
-    token for token with the same weights dequantized to float32 (``smollm2_llm``, transformers),
-    which is exact only with float activations (PAGEDLLM_GGUF_INTDOT=0: ``group_gemm`` reproduces
-    the float GEMM to ~1e-7). The default integer-dot path quantizes activations to int8 (perplexity
-    +0.4-0.7% here); its own schedule independence is pinned in
-    tests/engine/test_intdot_schedules_real.py."""
-    from pagedllm.quantization import group_quant as gq
-
-    with pytest.MonkeyPatch.context() as mp:  # module scope: before the module's reference fixtures
-        mp.setattr(gq, "INTDOT", False)
-        yield
+#: like with like against dequantized float32 references (tests/conftest.py _gguf_float_activations)
+GGUF_FLOAT_ACTIVATIONS = True
 
 
 PROMPTS = [
