@@ -8,6 +8,8 @@ from __future__ import annotations
 import os
 import sys
 
+import copy
+
 import pytest
 import torch
 
@@ -30,9 +32,12 @@ def tiny(tmp_path_factory):
 
 
 def _hf_beams(hf, prompt, bw, n, lp, early_stopping):
-    cfg = hf.generation_config
-    cfg.eos_token_id = None  # NOTE: transformers' way of ignore_eos: no hypothesis ends early
-    g = hf.generate(torch.tensor([prompt]), num_beams=bw, num_return_sequences=bw, do_sample=False,
+    # NOTE: transformers' way of ignore_eos: no EOS, so no hypothesis ends early. On a copy of the
+    # generation config: ``hf`` may be the session's shared transformers reference (hf_smollm2),
+    # whose other users' greedy references must keep ending at EOS.
+    cfg = copy.deepcopy(hf.generation_config)
+    cfg.eos_token_id = None
+    g = hf.generate(torch.tensor([prompt]), generation_config=cfg, num_beams=bw, num_return_sequences=bw, do_sample=False,
                     max_new_tokens=n, min_new_tokens=n, length_penalty=lp, early_stopping=early_stopping,
                     output_scores=True, return_dict_in_generate=True, pad_token_id=0, eos_token_id=None)
     seqs = [s[len(prompt):].tolist() for s in g.sequences]
