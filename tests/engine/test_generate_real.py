@@ -18,7 +18,6 @@ pytestmark = pytest.mark.slow
 GGUF_FLOAT_ACTIVATIONS = True
 
 
-
 PROMPTS = [
     "The capital of France is",
     "Once upon a time, in a small village by the sea,",
