@@ -241,13 +241,14 @@ def export_hf_dir(lm, gguf: str) -> str:
     os.makedirs(tmp)
     state = {name: t.detach().contiguous().clone() for name, t in lm.weights()}
     save_file(state, os.path.join(tmp, "model.safetensors"), metadata={"format": "pt"})
-    cfg = lm.hf_config
-    try:
-        cfg.dtype = "float32"
-    except Exception:
-        pass
+    # The loader's config is pagedllm's own TextConfig; transformers reads the GGUF's metadata
+    # into a real config and tokenizer (the same file, so the same vocabulary and shapes).
+    from transformers import AutoConfig, AutoTokenizer
+    gdir, gname = os.path.dirname(gguf), os.path.basename(gguf)
+    cfg = AutoConfig.from_pretrained(gdir, gguf_file=gname)
+    cfg.dtype = "float32"
     cfg.save_pretrained(tmp)
-    lm.tokenizer.save_pretrained(tmp)
+    AutoTokenizer.from_pretrained(gdir, gguf_file=gname).save_pretrained(tmp)
     shutil.rmtree(d, ignore_errors=True)
     os.replace(tmp, d)
     return d
