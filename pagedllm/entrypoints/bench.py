@@ -615,6 +615,45 @@ def measure_hardware(num_threads: Optional[int] = None) -> dict:
     return res
 
 
+_ISA_FLAGS = ("avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512_vnni", "avx512_bf16",
+              "amx_tile", "amx_int8", "amx_bf16")
+
+
+def machine_report() -> dict:
+    """What every ``bench`` report states about where it ran: the CPU model and the ISA flags that
+    pick kernel paths (``/proc/cpuinfo``, proc(5)), the CPU count, torch's intra-op threads, the
+    thread policy, and the path GGUF int4/int8 layers take (``intdot:<isa>`` for the integer-dot
+    kernel with its ISA path, else ``group_gemm``)."""
+    import os
+    import platform
+
+    import torch
+
+    model, flags = platform.processor() or "", []
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name") and not flags:
+                    model = line.split(":", 1)[1].strip()
+                if line.startswith("flags"):
+                    have = set(line.split(":", 1)[1].split())
+                    flags = [x for x in _ISA_FLAGS if x in have]
+                    break
+    except OSError:
+        pass
+    rep: dict = {"cpu_model": model, "isa_flags": flags, "cpu_count": os.cpu_count(),
+                 "torch_threads": torch.get_num_threads(),
+                 "thread_policy": os.environ.get("PAGEDLLM_THREAD_POLICY") or "adaptive"}
+    try:
+        from pagedllm.quantization.group_quant import intdot_path
+
+        path = intdot_path()
+        rep["gguf_kernel"] = f"intdot:{path}" if path else "group_gemm"
+    except Exception as e:  # a kernel that does not build is reported, not fatal to a benchmark
+        rep["gguf_kernel"] = f"unknown ({e.__class__.__name__}: {e})"
+    return rep
+
+
 def run(args: argparse.Namespace) -> int:
     if args.bench_cmd == "throughput":
         res = run_throughput(args)
@@ -628,5 +667,6 @@ def run(args: argparse.Namespace) -> int:
         res = measure_hardware(args.num_threads)
     else:
         raise ValueError(f"unknown bench command {args.bench_cmd!r}")
+    res.setdefault("machine", machine_report())
     _emit(res, args)
     return 0

@@ -23,6 +23,12 @@ def test_null_model_host_time_report(tmp_path, num_prompts):
     assert rc == 0
     res = json.loads(out.read_text())
     assert res["null_model"] is True and res["num_requests"] == num_prompts
+    # Every bench report names the machine and the kernel path it ran.
+    m = res["machine"]
+    with open("/proc/cpuinfo") as f:
+        cpu_flags = set(next(ln for ln in f if ln.startswith("flags")).split(":", 1)[1].split())
+    assert m["isa_flags"] and set(m["isa_flags"]) <= cpu_flags and m["cpu_count"] >= 1
+    assert m["gguf_kernel"] == "group_gemm" or m["gguf_kernel"].startswith("intdot:"), m
     # Every request is admitted in the first step (its prefill samples token 1); then
     # output_len - 1 decode steps, each with every request.
     assert res["num_decode_steps"] == output_len - 1
