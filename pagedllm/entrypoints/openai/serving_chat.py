@@ -5,7 +5,7 @@ import logging
 import time
 from typing import Any, AsyncIterator, Optional
 
-from fastapi import Request
+from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 
 from pagedllm.entrypoints.openai.errors import OpenAIError, error_body, value_error_to_openai
@@ -20,7 +20,7 @@ from pagedllm.entrypoints.openai.protocol import (ChatCompletionLogProb, ChatCom
 from pagedllm.entrypoints.openai.serving_engine import (SSE_DONE, ClientDisconnected,
                                                         OpenAIServing, SSEResponse, base_request_id,
                                                         decoded_token, lp_value, record_request_id,
-                                                        sse)
+                                                        require_generate_runner, sse)
 from pagedllm.entrypoints.openai.output_parser import OutputParser
 from pagedllm.entrypoints.openai.tool_calling import (AUTO_TOOL_CHOICE_FLAGS_MESSAGE, ToolChoice,
                                                       constrain_to_json, forced_tool_schema,
@@ -393,3 +393,15 @@ class OpenAIServingChat(OpenAIServing):
         finally:
             await self.finish(merged, rids, completed)
         yield SSE_DONE
+
+
+def build_chat_router(serving: OpenAIServingChat) -> APIRouter:
+    """``POST /v1/chat/completions``; 400 on a pooling model."""
+    router = APIRouter()
+
+    @router.post("/v1/chat/completions")
+    async def create_chat_completion(request: ChatCompletionRequest, raw_request: Request):
+        require_generate_runner(serving.engine)
+        return await serving.create_chat_completion(request, raw_request)
+
+    return router

@@ -6,7 +6,7 @@ import logging
 import time
 from typing import Any, AsyncIterator, Optional
 
-from fastapi import Request
+from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 
 from pagedllm.engine.input_processor import ProcessedPrompt
@@ -19,7 +19,7 @@ from pagedllm.entrypoints.openai.protocol import (CompletionLogProbs, Completion
 from pagedllm.entrypoints.openai.serving_engine import (SSE_DONE, ClientDisconnected,
                                                         OpenAIServing, SSEResponse, base_request_id,
                                                         decoded_token, lp_value, record_request_id,
-                                                        sse)
+                                                        require_generate_runner, sse)
 
 logger = logging.getLogger("pagedllm.entrypoints.openai")
 
@@ -477,3 +477,21 @@ def _infill_body(text: str, tokens: list[int], finish: Optional[str], stop_reaso
     return {"content": text, "tokens": list(tokens) if return_tokens else [], "stop": True, "model": model,
             "tokens_predicted": len(tokens), "tokens_evaluated": n_prompt, "stop_type": stop_type,
             "stopping_word": stop_reason if isinstance(stop_reason, str) else "", "truncated": False}
+
+
+def build_completion_router(serving: OpenAIServingCompletion) -> APIRouter:
+    """``POST /v1/completions`` and ``POST /infill`` (llama.cpp server's fill-in-the-middle
+    route, for models whose tokenizer has FIM tokens); 400 on a pooling model."""
+    router = APIRouter()
+
+    @router.post("/v1/completions")
+    async def create_completion(request: CompletionRequest, raw_request: Request):
+        require_generate_runner(serving.engine)
+        return await serving.create_completion(request, raw_request)
+
+    @router.post("/infill")
+    async def create_infill(request: InfillRequest, raw_request: Request):
+        require_generate_runner(serving.engine)
+        return await serving.create_infill(request, raw_request)
+
+    return router

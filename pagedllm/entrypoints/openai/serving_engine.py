@@ -201,6 +201,14 @@ class MergedGenerators:
                     pass
 
 
+def require_generate_runner(engine: EngineClient) -> None:
+    """Raises OpenAIError (400, param "model") unless ``engine`` runs a generation model (the
+    generation routes of a ``--runner pooling`` server)."""
+    if engine.runner != "generate":
+        raise OpenAIError("This model does not support text generation (it was started "
+                          "with --runner pooling).", 400, "model")
+
+
 class OpenAIServing:
     """Base of the completion/chat/tokenization handlers.
 

@@ -16,7 +16,7 @@ import json
 import logging
 from typing import Any, AsyncIterator, Optional
 
-from fastapi import Request
+from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 from pydantic import ValidationError
 
@@ -375,3 +375,22 @@ class _MessageRun:
             yield ev("error", error={"type": "api_error", "message": msg})
         finally:
             await chat.finish(merged, [self.msg_id], completed)
+
+
+def build_messages_router(serving: AnthropicServingMessages) -> APIRouter:
+    """``POST /v1/messages`` (an Anthropic 400 body on a pooling model) and ``POST
+    /v1/messages/count_tokens``."""
+    router = APIRouter()
+
+    @router.post("/v1/messages")
+    async def create_message(raw_request: Request):
+        if serving.chat.engine.runner != "generate":
+            return JSONResponse(anthropic_error_body(
+                "This model does not support text generation.", 400), status_code=400)
+        return await serving.handle(raw_request)
+
+    @router.post("/v1/messages/count_tokens")
+    async def count_message_tokens(raw_request: Request):
+        return await serving.handle(raw_request, count_only=True)
+
+    return router

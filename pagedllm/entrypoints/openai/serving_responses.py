@@ -20,7 +20,7 @@ import logging
 import time
 from typing import Any, AsyncIterator, Optional
 
-from fastapi import Request
+from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 from pydantic import ValidationError
 
@@ -33,7 +33,8 @@ from pagedllm.entrypoints.openai.protocol_responses import (
 from pagedllm.entrypoints.openai.response_store import ResponseStore, StoredResponse
 from pagedllm.entrypoints.openai.serving_chat import (ChatToolSetup, OpenAIServingChat,
                                                       render_chat)
-from pagedllm.entrypoints.openai.serving_engine import ClientDisconnected, SSEResponse
+from pagedllm.entrypoints.openai.serving_engine import (ClientDisconnected, SSEResponse,
+                                                        require_generate_runner)
 from pagedllm.entrypoints.openai.tool_calling import check_json_schema, constrain_to_json
 
 logger = logging.getLogger("pagedllm.entrypoints.openai")
@@ -530,3 +531,28 @@ class _Run:
                 "failed", output, error={"code": "server_error", "message": msg}))
         finally:
             await chat.finish(merged, [self.response_id], completed)
+
+
+def build_responses_router(serving: OpenAIServingResponses) -> APIRouter:
+    """``POST /v1/responses`` (400 on a pooling model), ``GET`` / ``DELETE
+    /v1/responses/{response_id}``, ``POST /v1/responses/{response_id}/cancel``."""
+    router = APIRouter()
+
+    @router.post("/v1/responses")
+    async def create_response(request: ResponsesRequest, raw_request: Request):
+        require_generate_runner(serving.chat.engine)
+        return await serving.create_response(request, raw_request)
+
+    @router.get("/v1/responses/{response_id}")
+    async def retrieve_response(response_id: str):
+        return serving.retrieve(response_id)
+
+    @router.delete("/v1/responses/{response_id}")
+    async def delete_response(response_id: str):
+        return serving.delete(response_id)
+
+    @router.post("/v1/responses/{response_id}/cancel")
+    async def cancel_response(response_id: str):
+        return await serving.cancel(response_id)
+
+    return router
