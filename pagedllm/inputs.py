@@ -9,7 +9,21 @@ accepts a ``str``, a ``TextPrompt`` or a ``TokensPrompt``. Pure Python.
 """
 from __future__ import annotations
 
-from typing import Any, NotRequired, TypedDict, Union
+from typing import Any, NotRequired, Optional, TypedDict, Union
+
+
+class InputValidationError(ValueError):
+    """A bad request input, raised where it is found (sampling params, prompts, ...).
+
+    Attributes:
+        param: the request field it is about ("prompt", "max_tokens", "logprobs", ...; the
+            server may rename it for its endpoint: "messages" for chat, "input" for Responses);
+            the server's 400 body names it as ``param``.
+    """
+
+    def __init__(self, message: str, param: Optional[str] = None) -> None:
+        super().__init__(message)
+        self.param = param
 
 __all__ = ["TextPrompt", "TokensPrompt", "EmbedsPrompt", "SingletonPrompt", "PromptType", "PROMPT_KEYS"]
 

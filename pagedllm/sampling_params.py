@@ -15,6 +15,7 @@ import logging
 from dataclasses import dataclass, field, fields
 from typing import Any, Optional
 
+from pagedllm.inputs import InputValidationError
 from pagedllm.structured_output.params import StructuredOutputsParams  # noqa: F401 (re-exported)
 
 logger = logging.getLogger(__name__)
@@ -194,20 +195,20 @@ class SamplingParams:
 
         if self.logit_bias is not None:
             if not isinstance(self.logit_bias, dict):
-                raise ValueError(
+                raise InputValidationError(
                     f"logit_bias must be a dict of token id -> bias, got "
-                    f"{type(self.logit_bias).__name__}.")
+                    f"{type(self.logit_bias).__name__}.", "logit_bias")
             bias: dict[int, float] = {}
             for tok, val in self.logit_bias.items():
                 try:
                     tok_id = int(tok)
                     val_f = float(val)
                 except (TypeError, ValueError):
-                    raise ValueError(
+                    raise InputValidationError(
                         f"logit_bias must map integer token ids to numbers, got "
-                        f"{tok!r}: {val!r}.") from None
+                        f"{tok!r}: {val!r}.", "logit_bias") from None
                 if val_f != val_f:  # NaN
-                    raise ValueError(f"logit_bias value for token {tok_id} is NaN.")
+                    raise InputValidationError(f"logit_bias value for token {tok_id} is NaN.", "logit_bias")
                 bias[tok_id] = min(_LOGIT_BIAS_LIMIT, max(-_LOGIT_BIAS_LIMIT, val_f))
             self.logit_bias = bias
 
@@ -215,7 +216,7 @@ class SamplingParams:
             try:
                 self.allowed_token_ids = list(self.allowed_token_ids)
             except TypeError:
-                raise ValueError("allowed_token_ids must be a list of token ids.") from None
+                raise InputValidationError("allowed_token_ids must be a list of token ids.", "allowed_token_ids") from None
 
         if isinstance(self.structured_outputs, dict):
             self.structured_outputs = StructuredOutputsParams.from_dict(self.structured_outputs)
@@ -228,88 +229,88 @@ class SamplingParams:
 
     def _verify_args(self) -> None:
         if not _is_int(self.n):
-            raise ValueError(f"n must be an int, got {type(self.n).__name__}.")
+            raise InputValidationError(f"n must be an int, got {type(self.n).__name__}.", "n")
         if self.n < 1:
-            raise ValueError(f"n must be at least 1, got {self.n}.")
+            raise InputValidationError(f"n must be at least 1, got {self.n}.", "n")
         for name in ("presence_penalty", "frequency_penalty", "repetition_penalty",
                      "temperature", "top_p", "min_p"):
             if not _is_number(getattr(self, name)):
-                raise ValueError(
-                    f"{name} must be a number, got {type(getattr(self, name)).__name__}.")
+                raise InputValidationError(
+                    f"{name} must be a number, got {type(getattr(self, name)).__name__}.", name)
         if not -2.0 <= self.presence_penalty <= 2.0:
-            raise ValueError(
-                f"presence_penalty must be in [-2, 2], got {self.presence_penalty}.")
+            raise InputValidationError(
+                f"presence_penalty must be in [-2, 2], got {self.presence_penalty}.", "presence_penalty")
         if not -2.0 <= self.frequency_penalty <= 2.0:
-            raise ValueError(
-                f"frequency_penalty must be in [-2, 2], got {self.frequency_penalty}.")
+            raise InputValidationError(
+                f"frequency_penalty must be in [-2, 2], got {self.frequency_penalty}.", "frequency_penalty")
         if not self.repetition_penalty > 0.0:
-            raise ValueError(
-                f"repetition_penalty must be greater than zero, got {self.repetition_penalty}.")
+            raise InputValidationError(
+                f"repetition_penalty must be greater than zero, got {self.repetition_penalty}.", "repetition_penalty")
         if not self.temperature >= 0.0:
-            raise ValueError(f"temperature must be non-negative, got {self.temperature}.")
+            raise InputValidationError(f"temperature must be non-negative, got {self.temperature}.", "temperature")
         if not 0.0 < self.top_p <= 1.0:
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}.")
+            raise InputValidationError(f"top_p must be in (0, 1], got {self.top_p}.", "top_p")
         if not _is_int(self.top_k):
-            raise ValueError(f"top_k must be an int, got {type(self.top_k).__name__}.")
+            raise InputValidationError(f"top_k must be an int, got {type(self.top_k).__name__}.", "top_k")
         if self.top_k < 0:
-            raise ValueError(
-                f"top_k must be 0 or -1 (disable), or at least 1, got {self.top_k}.")
+            raise InputValidationError(
+                f"top_k must be 0 or -1 (disable), or at least 1, got {self.top_k}.", "top_k")
         if not 0.0 <= self.min_p <= 1.0:
-            raise ValueError(f"min_p must be in [0, 1], got {self.min_p}.")
+            raise InputValidationError(f"min_p must be in [0, 1], got {self.min_p}.", "min_p")
         if self.seed is not None and not _is_int(self.seed):
-            raise ValueError(f"seed must be an int or None, got {type(self.seed).__name__}.")
+            raise InputValidationError(f"seed must be an int or None, got {type(self.seed).__name__}.", "seed")
         if self.seed is not None and not -(2**63) <= self.seed < 2**63:
-            raise ValueError(f"seed must be a 64-bit integer, got {self.seed}.")
+            raise InputValidationError(f"seed must be a 64-bit integer, got {self.seed}.", "seed")
         if self.max_tokens is not None:
             if not _is_int(self.max_tokens):
-                raise ValueError(
-                    f"max_tokens must be an int or None, got {type(self.max_tokens).__name__}.")
+                raise InputValidationError(
+                    f"max_tokens must be an int or None, got {type(self.max_tokens).__name__}.", "max_tokens")
             if self.max_tokens < 1:
-                raise ValueError(f"max_tokens must be at least 1, got {self.max_tokens}.")
+                raise InputValidationError(f"max_tokens must be at least 1, got {self.max_tokens}.", "max_tokens")
         if not _is_int(self.min_tokens):
-            raise ValueError(
-                f"min_tokens must be an int, got {type(self.min_tokens).__name__}.")
+            raise InputValidationError(
+                f"min_tokens must be an int, got {type(self.min_tokens).__name__}.", "min_tokens")
         if self.min_tokens < 0:
-            raise ValueError(
-                f"min_tokens must be greater than or equal to 0, got {self.min_tokens}.")
+            raise InputValidationError(
+                f"min_tokens must be greater than or equal to 0, got {self.min_tokens}.", "min_tokens")
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
-            raise ValueError(
+            raise InputValidationError(
                 f"min_tokens must be less than or equal to max_tokens={self.max_tokens}, "
-                f"got {self.min_tokens}.")
+                f"got {self.min_tokens}.", "min_tokens")
         for name in ("logprobs", "prompt_logprobs"):
             val = getattr(self, name)
             if val is not None:
                 if not _is_int(val):
-                    raise ValueError(
-                        f"{name} must be an int or None, got {type(val).__name__}.")
+                    raise InputValidationError(
+                        f"{name} must be an int or None, got {type(val).__name__}.", name)
                 if val < 0:
-                    raise ValueError(f"{name} must be non-negative, got {val}.")
+                    raise InputValidationError(f"{name} must be non-negative, got {val}.", name)
         if self.truncate_prompt_tokens is not None:
             if not _is_int(self.truncate_prompt_tokens) or not (
                     self.truncate_prompt_tokens >= 1 or self.truncate_prompt_tokens == -1):
-                raise ValueError(
+                raise InputValidationError(
                     f"truncate_prompt_tokens must be >= 1 or -1, got "
-                    f"{self.truncate_prompt_tokens}.")
+                    f"{self.truncate_prompt_tokens}.", "truncate_prompt_tokens")
         if not all(isinstance(s, str) for s in self.stop):
-            raise ValueError("stop must be a string or a list of strings.")
+            raise InputValidationError("stop must be a string or a list of strings.", "stop")
         if any(not s for s in self.stop):
-            raise ValueError("stop cannot contain an empty string.")
+            raise InputValidationError("stop cannot contain an empty string.", "stop")
         if self.stop and not self.detokenize:
-            raise ValueError(
+            raise InputValidationError(
                 "stop strings are only supported when detokenize is True. "
-                "Set detokenize=True to use stop.")
+                "Set detokenize=True to use stop.", "stop")
         if not all(_is_int(t) and t >= 0 for t in self.stop_token_ids):
-            raise ValueError(
-                f"stop_token_ids must be non-negative ints, got {self.stop_token_ids}.")
+            raise InputValidationError(
+                f"stop_token_ids must be non-negative ints, got {self.stop_token_ids}.", "stop_token_ids")
         if not all(isinstance(w, str) for w in self.bad_words):
-            raise ValueError("bad_words must be a list of strings.")
+            raise InputValidationError("bad_words must be a list of strings.", "bad_words")
         if self.allowed_token_ids is not None:
             if len(self.allowed_token_ids) == 0:
-                raise ValueError("allowed_token_ids is not None and empty!")
+                raise InputValidationError("allowed_token_ids is not None and empty!", "allowed_token_ids")
             if not all(_is_int(t) and t >= 0 for t in self.allowed_token_ids):
-                raise ValueError("allowed_token_ids must be non-negative ints.")
+                raise InputValidationError("allowed_token_ids must be non-negative ints.", "allowed_token_ids")
         if self.logit_bias is not None and any(t < 0 for t in self.logit_bias):
-            raise ValueError("logit_bias keys must be non-negative token ids.")
+            raise InputValidationError("logit_bias keys must be non-negative token ids.", "logit_bias")
         if not isinstance(self.output_kind, RequestOutputKind):
             raise ValueError(
                 f"output_kind must be a RequestOutputKind, got {self.output_kind!r}.")
@@ -317,7 +318,7 @@ class SamplingParams:
             raise ValueError("extra_args must be a dict or None.")
         if self.structured_outputs is not None and not isinstance(self.structured_outputs,
                                                                   StructuredOutputsParams):
-            raise ValueError("structured_outputs must be a StructuredOutputsParams, a dict or None.")
+            raise InputValidationError("structured_outputs must be a StructuredOutputsParams, a dict or None.", "structured_outputs")
 
     def _apply_greedy(self) -> None:
         if self.temperature < _SAMPLING_EPS:
@@ -441,24 +442,24 @@ class SamplingParams:
         if self.allowed_token_ids is not None:
             bad = [t for t in self.allowed_token_ids if not 0 <= t < vocab_size]
             if bad:
-                raise ValueError(
+                raise InputValidationError(
                     f"allowed_token_ids contains out-of-vocab token ids {bad} "
-                    f"(vocab_size={vocab_size}).")
+                    f"(vocab_size={vocab_size}).", "allowed_token_ids")
         if self.logit_bias:
             bad = [t for t in self.logit_bias if not 0 <= t < vocab_size]
             if bad:
-                raise ValueError(
+                raise InputValidationError(
                     f"logit_bias contains out-of-vocab token ids {bad} "
-                    f"(vocab_size={vocab_size}).")
+                    f"(vocab_size={vocab_size}).", "logit_bias")
         bad = [t for t in self.stop_token_ids if not 0 <= t < vocab_size]
         if bad:
-            raise ValueError(
+            raise InputValidationError(
                 f"stop_token_ids contains out-of-vocab token ids {bad} "
-                f"(vocab_size={vocab_size}).")
+                f"(vocab_size={vocab_size}).", "stop_token_ids")
         bad = [t for seq in self._bad_words_token_ids for t in seq if not 0 <= t < vocab_size]
         if bad:
-            raise ValueError(
-                f"bad_words contain out-of-vocab token ids {bad} (vocab_size={vocab_size}).")
+            raise InputValidationError(
+                f"bad_words contain out-of-vocab token ids {bad} (vocab_size={vocab_size}).", "bad_words")
 
     # ------------------------------------------------------------------ misc
     def clone(self) -> "SamplingParams":
@@ -536,9 +537,9 @@ def validate_logprobs(params: SamplingParams, max_logprobs: int) -> None:
     for name in ("logprobs", "prompt_logprobs"):
         val = getattr(params, name)
         if val is not None and val > max_logprobs:
-            raise ValueError(
+            raise InputValidationError(
                 f"Requested {name} of {val}, which is greater than max allowed: "
-                f"{max_logprobs}.")
+                f"{max_logprobs}.", name)
 
 
 @dataclass
@@ -571,8 +572,8 @@ class BeamSearchParams:
         if not _is_int(self.beam_width) or self.beam_width < 1:
             raise ValueError(f"beam_width must be an integer >= 1, got {self.beam_width!r}.")
         if not _is_int(self.max_tokens) or self.max_tokens < 1:
-            raise ValueError(f"max_tokens must be at least 1, got {self.max_tokens!r}.")
+            raise InputValidationError(f"max_tokens must be at least 1, got {self.max_tokens!r}.", "max_tokens")
         if not _is_number(self.temperature) or self.temperature < 0:
-            raise ValueError(f"temperature must be non-negative, got {self.temperature!r}.")
+            raise InputValidationError(f"temperature must be non-negative, got {self.temperature!r}.", "temperature")
         if not _is_number(self.length_penalty):
             raise ValueError(f"length_penalty must be a number, got {self.length_penalty!r}.")

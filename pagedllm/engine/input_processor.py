@@ -12,19 +12,7 @@ from dataclasses import dataclass
 from typing import Any, Optional
 
 from pagedllm.engine.core_request import EngineCoreRequest
-
-
-class InputValidationError(ValueError):
-    """A bad request input.
-
-    Attributes:
-        param: the request field it is about ("prompt", "max_tokens", "logprobs", ...; the
-            server may rename it for its endpoint: "messages" for chat, "input" for Responses).
-    """
-
-    def __init__(self, message: str, param: Optional[str] = None) -> None:
-        super().__init__(message)
-        self.param = param
+from pagedllm.inputs import InputValidationError
 
 
 @dataclass

@@ -287,9 +287,7 @@ class LLM:
         Raises:
             ValueError: not a pooling model, mismatched lengths, empty lists.
         """
-        import torch
-
-        from pagedllm.outputs import PoolingOutput, PoolingRequestOutput
+        from pagedllm.entrypoints.score_utils import PairScoring, broadcast_pairs
 
         pooler = self.llm_engine.pooler
         if pooler is None:
@@ -298,49 +296,13 @@ class LLM:
         d = [text_2] if isinstance(text_2, (str, dict)) else list(text_2)
         if not q or not d:
             raise ValueError("score: text_1 and text_2 must not be empty")
-        if len(q) == 1:
-            q = q * len(d)
-        elif len(q) != len(d):
+        pairs = broadcast_pairs(q, d)
+        if pairs is None:
             raise ValueError(f"score: text_1 has {len(q)} inputs and text_2 {len(d)}; give one text_1, "
                              "or as many as text_2")
-        if pooler.task == "embed":
-            uniq: list = []
-            index: dict = {}
-            for x in q + d:
-                key = repr(x)
-                if key not in index:
-                    index[key] = len(uniq)
-                    uniq.append(x)
-            embs = self._pool(uniq, pooling_params, "embed", truncate_prompt_tokens, use_tqdm, lora_request)
-            results = []
-            for i, (a, b) in enumerate(zip(q, d)):
-                ea, eb = embs[index[repr(a)]], embs[index[repr(b)]]
-                s = torch.nn.functional.cosine_similarity(ea.outputs.data.float(), eb.outputs.data.float(), dim=-1)
-                results.append(PoolingRequestOutput(
-                    request_id=f"score-{i}", outputs=PoolingOutput(s.reshape(1)),
-                    prompt_token_ids=ea.prompt_token_ids + eb.prompt_token_ids))
-            return results
-        pairs = [self._pair_prompt(a, b, truncate_prompt_tokens) for a, b in zip(q, d)]
-        return self._pool(pairs, pooling_params, "score", truncate_prompt_tokens, use_tqdm, lora_request)
-
-    def _pair_prompt(self, a: PromptType, b: PromptType, truncate_prompt_tokens: Optional[int]) -> dict:
-        """One cross-encoder input from a text pair (tokenizer pair encoding)."""
-        if isinstance(a, str) and isinstance(b, str):
-            ids = list(self.llm_engine.tokenizer(a, b)["input_ids"])
-            return {"prompt_token_ids": ids, "prompt": None}
-        a = a["prompt"] if isinstance(a, dict) and "prompt_token_ids" not in a and "prompt" in a else a
-        b = b["prompt"] if isinstance(b, dict) and "prompt_token_ids" not in b and "prompt" in b else b
-        if isinstance(a, str) and isinstance(b, str):  # TextPrompts: the same pair encoding
-            return self._pair_prompt(a, b, truncate_prompt_tokens)
-        ids = []
-        for x in (a, b):
-            if isinstance(x, dict) and "prompt_token_ids" in x:
-                ids.extend(x["prompt_token_ids"])
-            elif isinstance(x, str):
-                ids.extend(self.llm_engine.tokenizer.encode(x, add_special_tokens=False))
-            else:
-                raise ValueError(f"score: inputs must be strings, TextPrompts or TokensPrompts, got {x!r}")
-        return {"prompt_token_ids": ids}
+        plan = PairScoring(pooler.task, *pairs, self.llm_engine.tokenizer)
+        outs = self._pool(plan.inputs, pooling_params, plan.task, truncate_prompt_tokens, use_tqdm, lora_request)
+        return plan.results(outs)
 
     def _pool(self, prompts: Any, pooling_params: Any, task: str, truncate_prompt_tokens: Optional[int],
               use_tqdm: bool, lora_request: Any = None) -> list:

@@ -12,28 +12,33 @@ import argparse
 import asyncio
 import contextlib
 import dataclasses
-import hmac
 import logging
 import socket
 import sys
 from typing import Any, Optional
 
-from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response
+from fastapi import FastAPI
+from fastapi.middleware.cors import CORSMiddleware
 
 from pagedllm.engine.protocol import EngineClient
-from pagedllm.entrypoints.openai.errors import OpenAIError, error_response, install_exception_handlers
-from pagedllm.entrypoints.openai.protocol import (ChatCompletionRequest, CompletionRequest,
-                                                  DetokenizeRequest, InfillRequest, TokenizeChatRequest,
-                                                  TokenizeCompletionRequest)
-from pagedllm.entrypoints.openai.protocol_anthropic import anthropic_error_body
-from pagedllm.entrypoints.openai.protocol_lora import LoadLoRAAdapterRequest, UnloadLoRAAdapterRequest
-from pagedllm.entrypoints.openai.protocol_responses import ResponsesRequest
-from pagedllm.entrypoints.openai.serving_messages import AnthropicServingMessages
-from pagedllm.entrypoints.openai.serving_chat import OpenAIServingChat
-from pagedllm.entrypoints.openai.serving_completion import OpenAIServingCompletion
-from pagedllm.entrypoints.openai.serving_models import (OpenAIServingModels,
-                                                        OpenAIServingTokenization)
+from pagedllm.entrypoints.openai.errors import install_exception_handlers
+from pagedllm.entrypoints.openai.serving_admin import (SLEEP_PROTECTED_PATHS,  # noqa: F401
+                                                       build_admin_router, build_sleep_router,
+                                                       install_api_key_auth, install_sleep_guard,
+                                                       server_version)
+from pagedllm.entrypoints.openai.serving_chat import OpenAIServingChat, build_chat_router
+from pagedllm.entrypoints.openai.serving_completion import (OpenAIServingCompletion,
+                                                            build_completion_router)
+from pagedllm.entrypoints.openai.serving_engine import RequestIdHeaderMiddleware
+from pagedllm.entrypoints.openai.serving_lora import build_lora_router
+from pagedllm.entrypoints.openai.serving_messages import (AnthropicServingMessages,
+                                                          build_messages_router)
+from pagedllm.entrypoints.openai.serving_models import (OpenAIServingModels, OpenAIServingTokenization,
+                                                        build_models_router, build_tokenization_router)
+from pagedllm.entrypoints.openai.serving_ollama import build_ollama_router
+from pagedllm.entrypoints.openai.serving_pooling import build_pooling_router
+from pagedllm.entrypoints.openai.serving_responses import build_responses_router
+from pagedllm.entrypoints.web import build_web_router
 from pagedllm.metrics.loggers import LoggingStatLogger
 
 logger = logging.getLogger("pagedllm.entrypoints.openai.api_server")
@@ -41,19 +46,7 @@ logger = logging.getLogger("pagedllm.entrypoints.openai.api_server")
 STATS_LOG_INTERVAL_S = 5.0
 
 
-def _version() -> str:
-    try:
-        import pagedllm
-        v = getattr(pagedllm, "__version__", None)
-        if v:
-            return str(v)
-    except Exception:
-        pass
-    try:
-        from importlib.metadata import version
-        return version("pagedllm")
-    except Exception:
-        return "0.1.0"
+_version = server_version  # (the name older callers import)
 
 
 def _served_names(engine: EngineClient, args: Any) -> list[str]:
@@ -65,73 +58,82 @@ def _served_names(engine: EngineClient, args: Any) -> list[str]:
     return list(names)
 
 
-def build_app(engine: EngineClient, args: Optional[argparse.Namespace] = None) -> FastAPI:
-    """The FastAPI app serving ``engine``.
+class _Servings:
+    """The serving objects behind the routes, the shared LoRA registry and the stat loggers, built
+    from the ``pagedllm serve`` namespace (see ``build_app``); ``lifespan`` is the app's."""
 
-    ``args`` (optional, a ``pagedllm serve`` namespace or anything with those attributes):
-    served_model_name, api_key, max_logprobs, chat_template, enable_log_requests,
-    enable_log_outputs, max_log_len, disable_log_stats, enable_request_id_headers (default True), metrics_prefix ("pagedllm").
-    """
-    get = (lambda name, default=None: getattr(args, name, default) if args is not None else default)
-    served = _served_names(engine, args)
-    api_key = get("api_key")
-    # NOTE: --max-logprobs reaches the engine (EngineArgs.max_logprobs): its input processor checks.
-    # Request logging is off by default (vLLM >= 0.10.2); --disable-log-requests is a deprecated no-op.
-    common = dict(chat_template=get("chat_template"),
-                  log_requests=bool(get("enable_log_requests", False)),
-                  log_outputs=bool(get("enable_log_outputs", False)),
-                  max_log_len=get("max_log_len"))
+    def __init__(self, engine: EngineClient, args: Optional[argparse.Namespace]) -> None:
+        from pagedllm.entrypoints.openai.cli_args import resolve_parsers
+        from pagedllm.entrypoints.openai.response_store import DEFAULT_MAX_ENTRIES, ResponseStore
+        from pagedllm.entrypoints.openai.serving_responses import OpenAIServingResponses
 
-    serving_completion = OpenAIServingCompletion(engine, served, **common)
-    from pagedllm.entrypoints.openai.cli_args import resolve_parsers
-    enable_auto_tools, tool_parser_cls, reasoning_parser_cls = resolve_parsers(args)
-    serving_chat = OpenAIServingChat(engine, served, enable_auto_tools=enable_auto_tools,
-                                     tool_parser=tool_parser_cls,
-                                     reasoning_parser=reasoning_parser_cls, **common)
-    serving_models = OpenAIServingModels(engine, served, **common)
-    serving_tokenization = OpenAIServingTokenization(engine, served, **common)
-    servings = (serving_completion, serving_chat)
-    loras = None
-    if engine.enable_lora:
-        from pagedllm.entrypoints.openai.serving_lora import LoRARegistry
-        # NOTE: one registry shared by every endpoint: a request's `model` may name an adapter.
-        loras = LoRARegistry(engine, served, get("lora_modules"))
-        for s in (serving_completion, serving_chat, serving_models, serving_tokenization):
-            s.loras = loras
+        get = (lambda name, default=None: getattr(args, name, default) if args is not None else default)
+        self.engine = engine
+        self.served = served = _served_names(engine, args)
+        # NOTE: --max-logprobs reaches the engine (EngineArgs.max_logprobs): its input processor checks.
+        # Request logging is off by default (vLLM >= 0.10.2); --disable-log-requests is a deprecated no-op.
+        common = dict(chat_template=get("chat_template"),
+                      log_requests=bool(get("enable_log_requests", False)),
+                      log_outputs=bool(get("enable_log_outputs", False)),
+                      max_log_len=get("max_log_len"))
+        self.completion = OpenAIServingCompletion(engine, served, **common)
+        enable_auto_tools, tool_parser_cls, reasoning_parser_cls = resolve_parsers(args)
+        self.chat = OpenAIServingChat(engine, served, enable_auto_tools=enable_auto_tools,
+                                      tool_parser=tool_parser_cls, reasoning_parser=reasoning_parser_cls,
+                                      **common)
+        self.models = OpenAIServingModels(engine, served, **common)
+        self.tokenization = OpenAIServingTokenization(engine, served, **common)
+        self.generation = (self.completion, self.chat)
+        self.loras: Any = None
+        if engine.enable_lora:
+            from pagedllm.entrypoints.openai.serving_lora import LoRARegistry
+            # NOTE: one registry shared by every endpoint: a request's `model` may name an adapter.
+            self.loras = LoRARegistry(engine, served, get("lora_modules"))
+            for s in (self.completion, self.chat, self.models, self.tokenization):
+                s.loras = self.loras
 
-    # Stat loggers: the engine calls record(scheduler_stats, iteration_stats) after each step.
-    metrics_prefix = get("metrics_prefix", "pagedllm") or "pagedllm"
-    # Data parallel: a series per replica (the engine makes its own logger).
-    prom = engine.make_prometheus_logger(served[0], int(engine.max_model_len), metrics_prefix)
-    loggers_list = engine.stat_loggers
-    log_stats: Optional[LoggingStatLogger] = None
-    loggers_list.append(prom)
-    if not get("disable_log_stats", False):
-        existing = [x for x in loggers_list if isinstance(x, LoggingStatLogger)]
-        if existing:
-            log_stats = existing[0]
-        else:
-            log_stats = LoggingStatLogger(interval=STATS_LOG_INTERVAL_S, memory_fn=engine.get_memory_stats)
-            loggers_list.append(log_stats)
+        # Stat loggers: the engine calls record(scheduler_stats, iteration_stats) after each step.
+        metrics_prefix = get("metrics_prefix", "pagedllm") or "pagedllm"
+        # Data parallel: a series per replica (the engine makes its own logger).
+        self.prom = prom = engine.make_prometheus_logger(served[0], int(engine.max_model_len), metrics_prefix)
+        self.loggers_list = engine.stat_loggers
+        self.log_stats: Optional[LoggingStatLogger] = None
+        self.loggers_list.append(prom)
+        if not get("disable_log_stats", False):
+            existing = [x for x in self.loggers_list if isinstance(x, LoggingStatLogger)]
+            if existing:
+                self.log_stats = existing[0]
+            else:
+                self.log_stats = LoggingStatLogger(interval=STATS_LOG_INTERVAL_S, memory_fn=engine.get_memory_stats)
+                self.loggers_list.append(self.log_stats)
 
-    from pagedllm.entrypoints.openai.response_store import DEFAULT_MAX_ENTRIES, ResponseStore
-    from pagedllm.entrypoints.openai.serving_responses import OpenAIServingResponses
-    store_size = get("responses_store_size", DEFAULT_MAX_ENTRIES)
-    serving_responses = OpenAIServingResponses(serving_chat, ResponseStore(
-        DEFAULT_MAX_ENTRIES if store_size is None else int(store_size), registry=prom.registry,
-        model_name=served[0], prefix=getattr(prom, "prefix", "pagedllm")))
+        store_size = get("responses_store_size", DEFAULT_MAX_ENTRIES)
+        self.responses = OpenAIServingResponses(self.chat, ResponseStore(
+            DEFAULT_MAX_ENTRIES if store_size is None else int(store_size), registry=prom.registry,
+            model_name=served[0], prefix=getattr(prom, "prefix", "pagedllm")))
+        self.messages = AnthropicServingMessages(self.chat)
 
-    async def abort_all() -> None:
-        await serving_responses.abort_all()
-        for s in servings:
+    def app_state(self) -> dict[str, Any]:
+        """What ``app.state`` carries (tests and ``run_server`` read it)."""
+        return dict(engine=self.engine, served_model_names=self.served, prometheus=self.prom,
+                    log_stats=self.log_stats, abort_all=self.abort_all, servings=self.generation,
+                    loras=self.loras)
+
+    async def abort_all(self) -> None:
+        """Server shutdown / sleep: end every request in flight."""
+        await self.responses.abort_all()
+        for s in self.generation:
             await s.abort_all()
 
     @contextlib.asynccontextmanager
-    async def lifespan(app: FastAPI):
+    async def lifespan(self, app: FastAPI):
+        """Start-up: the static LoRA adapters (a bad one stops it), the periodic stats log;
+        shutdown: abort what runs, detach the stat loggers from the engine."""
         app.state.loop = asyncio.get_running_loop()
-        if loras is not None:
-            await loras.init_static_loras()  # --lora-modules; a bad one stops the start-up
+        if self.loras is not None:
+            await self.loras.init_static_loras()  # --lora-modules; a bad one stops the start-up
         task = None
+        log_stats = self.log_stats
         if log_stats is not None:
             async def periodic_log() -> None:
                 while True:
@@ -148,238 +150,48 @@ def build_app(engine: EngineClient, args: Optional[argparse.Namespace] = None) -
                 task.cancel()
                 with contextlib.suppress(BaseException):
                     await task
-            await abort_all()
-            for x in (prom, log_stats):
-                if x is not None and x in loggers_list:
-                    loggers_list.remove(x)
+            await self.abort_all()
+            for x in (self.prom, log_stats):
+                if x is not None and x in self.loggers_list:
+                    self.loggers_list.remove(x)
 
-    app = FastAPI(title="pagedllm OpenAI-compatible API", version=_version(), lifespan=lifespan)
-    app.state.engine = engine
-    app.state.served_model_names = served
-    app.state.prometheus = prom
-    app.state.log_stats = log_stats
-    app.state.abort_all = abort_all
-    app.state.servings = servings
-    app.state.loras = loras
+
+def build_app(engine: EngineClient, args: Optional[argparse.Namespace] = None) -> FastAPI:
+    """The FastAPI app serving ``engine``: one router per serving module.
+
+    ``args`` (optional, a ``pagedllm serve`` namespace or anything with those attributes):
+    served_model_name, api_key, max_logprobs, chat_template, enable_log_requests,
+    enable_log_outputs, max_log_len, disable_log_stats, enable_request_id_headers (default True),
+    metrics_prefix ("pagedllm"), allowed_origins/methods/headers, allow_credentials,
+    enable_sleep_mode, lora_modules, responses_store_size, tool and reasoning parser flags.
+    """
+    get = (lambda name, default=None: getattr(args, name, default) if args is not None else default)
+    s = _Servings(engine, args)
+    app = FastAPI(title="pagedllm OpenAI-compatible API", version=server_version(), lifespan=s.lifespan)
+    for key, value in s.app_state().items():
+        setattr(app.state, key, value)
     install_exception_handlers(app)
-    from fastapi.middleware.cors import CORSMiddleware
     app.add_middleware(CORSMiddleware, allow_origins=list(get("allowed_origins", ["*"]) or ["*"]),
                        allow_methods=list(get("allowed_methods", ["*"]) or ["*"]),
                        allow_headers=list(get("allowed_headers", ["*"]) or ["*"]),
                        allow_credentials=bool(get("allow_credentials", False)))
     if get("enable_request_id_headers", True) is not False:
-        from pagedllm.entrypoints.openai.serving_engine import RequestIdHeaderMiddleware
         app.add_middleware(RequestIdHeaderMiddleware)
-    from pagedllm.entrypoints.openai.serving_pooling import build_pooling_router
-    app.include_router(build_pooling_router(engine, served))
-
-    if api_key:
-        expected = f"Bearer {api_key}".encode()
-
-        @app.middleware("http")
-        async def authentication(request: Request, call_next):
-            # Only the OpenAI routes are protected (as vLLM does). Anthropic clients send the
-            # key as `x-api-key`; either header is accepted.
-            # The Ollama routes (/api/...) are protected too, but for /api/version (a probe).
-            path = request.url.path
-            protected = path.startswith("/v1") or (path.startswith("/api/") and path != "/api/version")
-            if request.method != "OPTIONS" and protected:
-                got = request.headers.get("Authorization", "").encode()
-                got_x = ("Bearer " + request.headers.get("x-api-key", "")).encode()
-                if not (hmac.compare_digest(got, expected) or hmac.compare_digest(got_x, expected)):
-                    msg = "Unauthorized: missing or invalid API key."
-                    if request.url.path.startswith("/v1/messages"):
-                        return JSONResponse(anthropic_error_body(msg, 401), status_code=401)
-                    if path.startswith("/api/"):
-                        return JSONResponse({"error": msg}, status_code=401)
-                    return error_response(msg, 401, None, "AuthenticationError")
-            return await call_next(request)
-
+    app.include_router(build_pooling_router(engine, s.served, s.loras))
+    if get("api_key"):
+        install_api_key_auth(app, get("api_key"))
     if get("enable_sleep_mode", False):  # (refused at start-up for data-parallel engines)
-        _add_sleep_routes(app, engine)
-
-    def _check_generate_runner() -> None:
-        if engine.runner != "generate":
-            raise OpenAIError("This model does not support text generation (it was started "
-                              "with --runner pooling).", 400, "model")
-
-    @app.post("/v1/completions")
-    async def create_completion(request: CompletionRequest, raw_request: Request):
-        _check_generate_runner()
-        return await serving_completion.create_completion(request, raw_request)
-
-    @app.post("/infill")
-    async def create_infill(request: InfillRequest, raw_request: Request):
-        # llama.cpp server's fill-in-the-middle route (models whose tokenizer has FIM tokens).
-        _check_generate_runner()
-        return await serving_completion.create_infill(request, raw_request)
-
-    @app.post("/v1/chat/completions")
-    async def create_chat_completion(request: ChatCompletionRequest, raw_request: Request):
-        _check_generate_runner()
-        return await serving_chat.create_chat_completion(request, raw_request)
-
-    @app.post("/v1/responses")
-    async def create_response(request: ResponsesRequest, raw_request: Request):
-        _check_generate_runner()
-        return await serving_responses.create_response(request, raw_request)
-
-    @app.get("/v1/responses/{response_id}")
-    async def retrieve_response(response_id: str):
-        return serving_responses.retrieve(response_id)
-
-    @app.delete("/v1/responses/{response_id}")
-    async def delete_response(response_id: str):
-        return serving_responses.delete(response_id)
-
-    @app.post("/v1/responses/{response_id}/cancel")
-    async def cancel_response(response_id: str):
-        return await serving_responses.cancel(response_id)
-
-    serving_messages = AnthropicServingMessages(serving_chat)
-
-    @app.post("/v1/messages")
-    async def create_message(raw_request: Request):
-        if engine.runner != "generate":
-            return JSONResponse(anthropic_error_body(
-                "This model does not support text generation.", 400), status_code=400)
-        return await serving_messages.handle(raw_request)
-
-    @app.post("/v1/messages/count_tokens")
-    async def count_message_tokens(raw_request: Request):
-        return await serving_messages.handle(raw_request, count_only=True)
-
-    @app.get("/v1/models")
-    async def show_available_models():
-        return JSONResponse(serving_models.show_available_models().model_dump(mode="json"))
-
-    if loras is not None:
-        from pagedllm.entrypoints.openai.serving_lora import runtime_updating_allowed
-        if runtime_updating_allowed(args):
-            @app.post("/v1/load_lora_adapter")
-            async def load_lora_adapter(request: LoadLoRAAdapterRequest):
-                return Response(content=await loras.load(request), status_code=200)
-
-            @app.post("/v1/unload_lora_adapter")
-            async def unload_lora_adapter(request: UnloadLoRAAdapterRequest):
-                return Response(content=await loras.unload(request), status_code=200)
-
-    # Ollama-compatible routes (/api/chat, /api/generate, /api/tags, ...; HEAD /) and the web
-    # chat page (GET /, /ui/...).
-    from pagedllm.entrypoints.openai.serving_ollama import build_ollama_router
-    from pagedllm.entrypoints.web import build_web_router
-    app.include_router(build_ollama_router(engine, serving_chat, served))
-    app.include_router(build_web_router())
-
-    @app.get("/health")
-    async def health():
-        try:
-            await engine.check_health()
-        except Exception as e:
-            return error_response(f"Engine is not healthy: {e}", 503)
-        return Response(status_code=200)
-
-    @app.api_route("/ping", methods=["GET", "POST"])
-    async def ping():
-        return await health()
-
-    @app.get("/version")
-    async def show_version():
-        return JSONResponse({"version": _version()})
-
-    @app.post("/tokenize")
-    async def tokenize(request: TokenizeChatRequest | TokenizeCompletionRequest):
-        return JSONResponse(serving_tokenization.tokenize(request).model_dump(mode="json",
-                                                                              exclude_none=True))
-
-    @app.post("/detokenize")
-    async def detokenize(request: DetokenizeRequest):
-        return JSONResponse(serving_tokenization.detokenize(request).model_dump(mode="json"))
-
-    @app.get("/metrics")
-    async def metrics():
-        # Refresh the gauges from the scheduler now (the engine may be idle, not stepping).
-        try:
-            s = engine.get_scheduler_stats()
-            prom.set_scheduler_gauges(s.get("num_running", 0), s.get("num_waiting", 0),
-                                      s.get("kv_cache_usage", 0.0))
-            prom.gauge_so_entries.set(s.get("structured_output_cache_entries", 0))
-            if "lora_running_adapters" in s:
-                prom.record_lora(s)
-            if "kv_connector" in s and hasattr(prom, "record_kv_connector"):
-                prom.record_kv_connector(s["kv_connector"])
-        except Exception:
-            logger.debug("get_scheduler_stats failed", exc_info=True)
-        try:
-            prom.record_memory(engine.get_memory_stats())
-        except Exception:
-            logger.debug("get_memory_stats failed", exc_info=True)
-        try:
-            st = engine.get_kv_events_stats()
-            if st:
-                prom.record_kv_events(st)
-        except Exception:
-            logger.debug("get_kv_events_stats failed", exc_info=True)
-        return Response(prom.render(), media_type=prom.content_type)
-
-    @app.post("/reset_prefix_cache")
-    async def reset_prefix_cache():
-        ok = await engine.reset_prefix_cache()
-        if ok is False:
-            return error_response("Failed to reset the prefix cache (requests are running).", 409)
-        return Response(status_code=200)
-
+        install_sleep_guard(app, engine)
+        app.include_router(build_sleep_router(engine))
+    for router in (build_completion_router(s.completion), build_chat_router(s.chat),
+                   build_responses_router(s.responses), build_messages_router(s.messages),
+                   build_models_router(s.models), build_lora_router(s.loras, args),
+                   # Ollama-compatible routes (/api/chat, /api/generate, /api/tags, ...; HEAD /)
+                   # and the web chat page (GET /, /ui/...).
+                   build_ollama_router(engine, s.chat, s.served), build_web_router(),
+                   build_admin_router(engine, s.prom), build_tokenization_router(s.tokenization)):
+        app.include_router(router)
     return app
-
-
-#: Routes that need the model's weights: answered 503 while the model sleeps (vLLM's list, plus
-#: the Responses, Messages and Ollama generation routes).
-SLEEP_PROTECTED_PATHS = frozenset((
-    "/v1/completions", "/v1/chat/completions", "/v1/responses", "/v1/messages", "/v1/embeddings",
-    "/pooling", "/classify", "/score", "/v1/score", "/rerank", "/v1/rerank", "/v2/rerank",
-    "/invocations", "/api/chat", "/api/generate", "/api/embed", "/api/embeddings"))
-
-
-def _add_sleep_routes(app: FastAPI, engine: Any) -> None:
-    """vLLM's sleep-mode routes (``--enable-sleep-mode``): ``POST /sleep?level=1|2``, ``POST
-    /wake_up[?tags=weights&tags=kv_cache]``, ``GET /is_sleeping`` -> ``{"is_sleeping": bool}``;
-    while asleep the generation routes (``SLEEP_PROTECTED_PATHS``) answer 503."""
-    from pagedllm.worker.sleep import EngineSleepingError, check_level, check_tags
-
-    @app.middleware("http")
-    async def sleeping_guard(request: Request, call_next):
-        if request.method == "POST" and request.url.path in SLEEP_PROTECTED_PATHS and engine.sleeping:
-            return error_response(str(EngineSleepingError()), 503)
-        return await call_next(request)
-
-    @app.post("/sleep")
-    async def sleep(raw_request: Request):
-        q = raw_request.query_params
-        try:
-            level = check_level(q.get("level", "1"))
-        except ValueError as e:
-            raise OpenAIError(str(e), 400, "level") from None
-        mode = q.get("mode", "abort")
-        if mode != "abort":
-            raise OpenAIError(f"mode: only 'abort' (vLLM's default) is supported, got {mode!r}", 400, "mode")
-        # NOTE: requests in flight end now (streams with finish_reason "abort", others 503).
-        await app.state.abort_all()
-        await engine.sleep(level)
-        return Response(status_code=200)
-
-    @app.post("/wake_up")
-    async def wake_up(raw_request: Request):
-        tags = raw_request.query_params.getlist("tags") or None
-        try:
-            tags = check_tags(tags) if tags is not None else None
-        except ValueError as e:
-            raise OpenAIError(str(e), 400, "tags") from None
-        await engine.wake_up(tags)
-        return Response(status_code=200)
-
-    @app.get("/is_sleeping")
-    async def is_sleeping():
-        return JSONResponse({"is_sleeping": await engine.is_sleeping()})
 
 
 # ------------------------------------------------------------------------------------------

@@ -70,7 +70,9 @@ def error_response(message: str, status_code: int = 400, param: Optional[str] = 
     return JSONResponse(error_body(message, status_code, param, err_type), status_code=status_code)
 
 
-# Names of request/sampling fields that a ValueError message may name.
+# Names of request fields that a ValueError message may name: the fallback for errors raised
+# without a ``param`` (pydantic model validators of the request bodies, plain ValueErrors).
+# SamplingParams and the input processor raise ``InputValidationError(param=...)`` at the source.
 _KNOWN_PARAMS = (
     "max_completion_tokens", "max_tokens", "min_tokens", "temperature", "top_p", "top_k", "min_p",
     "presence_penalty", "frequency_penalty", "repetition_penalty", "top_logprobs",
@@ -79,8 +81,7 @@ _KNOWN_PARAMS = (
     "ignore_eos", "cache_salt", "stream_options", "tools", "tool_choice", "response_format",
     "chat_template", "chat_template_kwargs", "skip_special_tokens", "input",
     "structured_outputs", "guided_json", "guided_regex", "guided_choice", "guided_grammar",
-    "guided_decoding_backend", "guided_whitespace_pattern", "structural_tag",
-    "chat_template", "chat_template_kwargs", "skip_special_tokens", "input", "dimensions",
+    "guided_decoding_backend", "guided_whitespace_pattern", "structural_tag", "dimensions",
     "use_activation", "max_output_tokens", "background", "priority",
 )
 _PARAM_RE = re.compile(r"`?\b(" + "|".join(re.escape(p) for p in _KNOWN_PARAMS) + r")\b`?")

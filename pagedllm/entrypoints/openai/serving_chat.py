@@ -5,8 +5,8 @@ import logging
 import time
 from typing import Any, AsyncIterator, Optional
 
-from fastapi import Request
-from fastapi.responses import JSONResponse, Response
+from fastapi import APIRouter, Request
+from fastapi.responses import Response
 
 from pagedllm.entrypoints.openai.errors import OpenAIError, error_body, value_error_to_openai
 from pagedllm.entrypoints.openai.protocol import (ChatCompletionLogProb, ChatCompletionLogProbs,
@@ -17,10 +17,9 @@ from pagedllm.entrypoints.openai.protocol import (ChatCompletionLogProb, ChatCom
                                                   ChatCompletionStreamResponse, ChatMessage,
                                                   ChatMessageParam, DeltaMessage,
                                                   PromptTokenUsageInfo, UsageInfo)
-from pagedllm.entrypoints.openai.serving_engine import (SSE_DONE, ClientDisconnected,
-                                                        OpenAIServing, SSEResponse, base_request_id,
+from pagedllm.entrypoints.openai.serving_engine import (SSE_DONE, OpenAIServing, ResponseBuilder, base_request_id,
                                                         decoded_token, lp_value, record_request_id,
-                                                        sse)
+                                                        require_generate_runner, sse)
 from pagedllm.entrypoints.openai.output_parser import OutputParser
 from pagedllm.entrypoints.openai.tool_calling import (AUTO_TOOL_CHOICE_FLAGS_MESSAGE, ToolChoice,
                                                       constrain_to_json, forced_tool_schema,
@@ -182,37 +181,17 @@ class OpenAIServingChat(OpenAIServing):
         pp = self.process_prompt(prompt_text, truncate_prompt_tokens=request.truncate_prompt_tokens,
                                  add_special_tokens=request.add_special_tokens, rename=rename)
         ids = pp.prompt_token_ids
-        try:
-            sp = request.to_sampling_params(self.max_model_len - len(ids), self.max_model_len,
-                                            self.default_sampling_params)
-        except ValueError as e:
-            raise value_error_to_openai(e) from e
-        self.constrain_for_tools(sp, setup)
-        engine_request = self.process_inputs(request_id, pp, sp, cache_salt=request.cache_salt,
-                                             lora_request=self.lora_request(request.model), rename=rename,
-                                             priority=request.priority, raw_request=raw_request)
-        self.log_request(request_id, pp.prompt, ids, engine_request.sampling_params)
-        rids = [request_id]
-        try:
-            if request.use_beam_search:  # vLLM's extra field: n is the beam width
-                merged = await self.start_beam_search([engine_request], request.length_penalty,
-                                                      prime=bool(request.stream))
-            else:
-                merged = await self.start([engine_request], prime=bool(request.stream))
-        except ValueError as e:
-            raise value_error_to_openai(e) from e
-        if request.stream:
-            return SSEResponse(self._stream(request, merged, rids, request_id, created, model_name,
-                                            ids, setup=setup))
-        try:
-            results = await self.collect(merged, raw_request, rids)
-        except ClientDisconnected:
-            return Response(status_code=499)
-        except ValueError as e:
-            raise value_error_to_openai(e) from e
-        resp = self._build_response(request, results[0], request_id, created, model_name, ids,
-                                    setup=setup)
-        return JSONResponse(resp.model_dump(mode="json"))
+        engine_request = self.prepare(request_id, pp, request, constrain=lambda sp: self.constrain_for_tools(sp, setup),
+                                      model=request.model, cache_salt=request.cache_salt, rename=rename,
+                                      priority=request.priority, raw_request=raw_request)
+        builder = ResponseBuilder(
+            stream=lambda merged: self._stream(request, merged, [request_id], request_id, created, model_name,
+                                               ids, setup=setup),
+            build=lambda results: self._build_response(request, results[0], request_id, created, model_name,
+                                                       ids, setup=setup).model_dump(mode="json"))
+        # (use_beam_search: vLLM's extra field; n is the beam width)
+        return await self.run([engine_request], bool(request.stream), builder, raw_request,
+                              length_penalty=request.length_penalty if request.use_beam_search else None)
 
     def _echo_text(self, request: ChatCompletionRequest, role: str) -> Optional[str]:
         if request.echo and request.messages and request.messages[-1].role == role:
@@ -393,3 +372,15 @@ class OpenAIServingChat(OpenAIServing):
         finally:
             await self.finish(merged, rids, completed)
         yield SSE_DONE
+
+
+def build_chat_router(serving: OpenAIServingChat) -> APIRouter:
+    """``POST /v1/chat/completions``; 400 on a pooling model."""
+    router = APIRouter()
+
+    @router.post("/v1/chat/completions")
+    async def create_chat_completion(request: ChatCompletionRequest, raw_request: Request):
+        require_generate_runner(serving.engine)
+        return await serving.create_chat_completion(request, raw_request)
+
+    return router

@@ -6,7 +6,7 @@ import logging
 import time
 from typing import Any, AsyncIterator, Optional
 
-from fastapi import Request
+from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 
 from pagedllm.engine.input_processor import ProcessedPrompt
@@ -16,10 +16,10 @@ from pagedllm.entrypoints.openai.protocol import (CompletionLogProbs, Completion
                                                   CompletionResponseStreamChoice,
                                                   CompletionStreamResponse, InfillRequest,
                                                   PromptTokenUsageInfo, UsageInfo)
-from pagedllm.entrypoints.openai.serving_engine import (SSE_DONE, ClientDisconnected,
-                                                        OpenAIServing, SSEResponse, base_request_id,
+from pagedllm.entrypoints.openai.serving_engine import (SSE_DONE, OpenAIServing, ResponseBuilder, SSEResponse,
+                                                        base_request_id,
                                                         decoded_token, lp_value, record_request_id,
-                                                        sse)
+                                                        require_generate_runner, sse)
 
 logger = logging.getLogger("pagedllm.entrypoints.openai")
 
@@ -181,45 +181,26 @@ class OpenAIServingCompletion(OpenAIServing):
 
         engine_requests, rids, prompt_texts = [], [], []
         for i, (text, ids, pp) in enumerate(prompts):
-            try:
-                sp = request.to_sampling_params(self.max_model_len - len(ids), self.max_model_len,
-                                                self.default_sampling_params)
-            except ValueError as e:
-                raise value_error_to_openai(e) from e
             rid = f"{request_id}-{i}"
             embeds = pp.prompt_embeds is not None
-            req = self.process_inputs(rid, pp if embeds else ProcessedPrompt(text, ids), sp,
-                                      cache_salt=request.cache_salt, lora_request=self.lora_request(request.model),
-                                      rename={"prompt": "prompt_embeds"} if embeds else None,
-                                      priority=request.priority, raw_request=raw_request)
-            self.log_request(rid, f"<prompt_embeds {tuple(pp.prompt_embeds.shape)}>" if embeds
-                             else text if text is not None else ids, ids, req.sampling_params)
+            req = self.prepare(rid, pp if embeds else ProcessedPrompt(text, ids), request, prompt_len=len(ids),
+                               model=request.model, cache_salt=request.cache_salt,
+                               rename={"prompt": "prompt_embeds"} if embeds else None,
+                               priority=request.priority, raw_request=raw_request,
+                               log_prompt=(f"<prompt_embeds {tuple(pp.prompt_embeds.shape)}>" if embeds
+                                           else text if text is not None else ids))
             engine_requests.append(req)
             rids.append(rid)
             prompt_texts.append("" if embeds else text if text is not None else self.tokenizer.decode(ids))
 
-        try:
-            if request.use_beam_search:  # vLLM's extra field: n is the beam width
-                merged = await self.start_beam_search(engine_requests, request.length_penalty,
-                                                      prime=bool(request.stream))
-            else:
-                merged = await self.start(engine_requests, prime=bool(request.stream))
-        except ValueError as e:
-            raise value_error_to_openai(e) from e
-
-        if request.stream:
-            gen = self._stream(request, merged, rids, request_id, created, model_name, prompts,
-                               prompt_texts)
-            return SSEResponse(gen)
-        try:
-            results = await self.collect(merged, raw_request, rids)
-        except ClientDisconnected:
-            return Response(status_code=499)
-        except ValueError as e:
-            raise value_error_to_openai(e) from e
-        resp = self._build_response(request, results, request_id, created, model_name, prompts,
-                                    prompt_texts)
-        return JSONResponse(resp.model_dump(mode="json"))
+        builder = ResponseBuilder(
+            stream=lambda merged: self._stream(request, merged, rids, request_id, created, model_name, prompts,
+                                               prompt_texts),
+            build=lambda results: self._build_response(request, results, request_id, created, model_name, prompts,
+                                                       prompt_texts).model_dump(mode="json"))
+        # (use_beam_search: vLLM's extra field; n is the beam width)
+        return await self.run(engine_requests, bool(request.stream), builder, raw_request,
+                              length_penalty=request.length_penalty if request.use_beam_search else None)
 
     # ---- llama.cpp /infill ---------------------------------------------------------------
     async def create_infill(self, request: InfillRequest, raw_request: Optional[Request] = None) -> Response:
@@ -477,3 +458,21 @@ def _infill_body(text: str, tokens: list[int], finish: Optional[str], stop_reaso
     return {"content": text, "tokens": list(tokens) if return_tokens else [], "stop": True, "model": model,
             "tokens_predicted": len(tokens), "tokens_evaluated": n_prompt, "stop_type": stop_type,
             "stopping_word": stop_reason if isinstance(stop_reason, str) else "", "truncated": False}
+
+
+def build_completion_router(serving: OpenAIServingCompletion) -> APIRouter:
+    """``POST /v1/completions`` and ``POST /infill`` (llama.cpp server's fill-in-the-middle
+    route, for models whose tokenizer has FIM tokens); 400 on a pooling model."""
+    router = APIRouter()
+
+    @router.post("/v1/completions")
+    async def create_completion(request: CompletionRequest, raw_request: Request):
+        require_generate_runner(serving.engine)
+        return await serving.create_completion(request, raw_request)
+
+    @router.post("/infill")
+    async def create_infill(request: InfillRequest, raw_request: Request):
+        require_generate_runner(serving.engine)
+        return await serving.create_infill(request, raw_request)
+
+    return router

@@ -3,12 +3,14 @@ validation, running several engine generators at once, disconnect handling, SSE 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import logging
-from typing import Any, AsyncIterator, Optional, Sequence
+from typing import Any, AsyncIterator, Callable, Optional, Sequence
 
 import anyio
 from fastapi import Request
+from fastapi.responses import JSONResponse, Response
 from starlette.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
 
@@ -201,6 +203,29 @@ class MergedGenerators:
                     pass
 
 
+@dataclasses.dataclass
+class ResponseBuilder:
+    """How an endpoint answers once its engine requests run (``OpenAIServing.run``).
+
+    Attributes:
+        stream: ``merged`` (the running requests) -> the server-sent events of a streamed
+            response (strings).
+        build: the collected outputs (per request index, ``collect``'s dict) -> the JSON body
+            of a non-streamed response.
+    """
+
+    stream: Callable[["MergedGenerators"], AsyncIterator[str]]
+    build: Callable[[dict[int, list[Any]]], Any]
+
+
+def require_generate_runner(engine: EngineClient) -> None:
+    """Raises OpenAIError (400, param "model") unless ``engine`` runs a generation model (the
+    generation routes of a ``--runner pooling`` server)."""
+    if engine.runner != "generate":
+        raise OpenAIError("This model does not support text generation (it was started "
+                          "with --runner pooling).", 400, "model")
+
+
 class OpenAIServing:
     """Base of the completion/chat/tokenization handlers.
 
@@ -315,6 +340,60 @@ class OpenAIServing:
             from pagedllm.tracing import extract_trace_headers
             req.trace_headers = extract_trace_headers(raw_request.headers)
         return req
+
+    def sampling_params(self, request: Any, prompt_len: int) -> Any:
+        """``request.to_sampling_params`` for a prompt of ``prompt_len`` tokens (what is left of
+        the context for output, the context length, the model's default sampling params).
+        Raises OpenAIError 400 (the param its message names)."""
+        try:
+            return request.to_sampling_params(self.max_model_len - prompt_len, self.max_model_len,
+                                              self.default_sampling_params)
+        except ValueError as e:
+            raise value_error_to_openai(e) from e
+
+    def prepare(self, request_id: str, prompt: ProcessedPrompt, request: Any, *,
+                prompt_len: Optional[int] = None, constrain: Optional[Callable[[Any], None]] = None,
+                model: Optional[str] = None, log_prompt: Any = None, **inputs: Any) -> EngineCoreRequest:
+        """One engine request from a processed prompt, the shared tail of every generation
+        endpoint: sampling params from ``request`` (a ``CompletionRequest`` or
+        ``ChatCompletionRequest``; ``prompt_len`` default: the prompt's token count), then
+        ``constrain(sp)`` (tools, text formats), ``process_inputs`` (the LoRA adapter ``model``
+        names; ``inputs``: its ``cache_salt``, ``rename``, ``priority``, ``raw_request``) and
+        the request log line (``log_prompt``, default the prompt's text).
+        Raises OpenAIError 400."""
+        ids = prompt.prompt_token_ids
+        sp = self.sampling_params(request, len(ids) if prompt_len is None else prompt_len)
+        if constrain is not None:
+            constrain(sp)
+        req = self.process_inputs(request_id, prompt, sp, lora_request=self.lora_request(model), **inputs)
+        self.log_request(request_id, prompt.prompt if log_prompt is None else log_prompt, ids,
+                         req.sampling_params)
+        return req
+
+    async def run(self, requests: list[EngineCoreRequest], stream: bool, builder: ResponseBuilder,
+                  raw_request: Optional[Request] = None, *,
+                  length_penalty: Optional[float] = None) -> Response:
+        """Start ``requests`` (a beam search when ``length_penalty`` is given) and answer:
+        streamed, an ``SSEResponse`` of ``builder.stream``; else the collected outputs as the
+        JSON ``builder.build`` makes, or 499 when the client went away first.
+        Raises OpenAIError (400 for what the engine rejects, 503 at shutdown)."""
+        rids = [r.request_id for r in requests]
+        try:
+            if length_penalty is not None:
+                merged = await self.start_beam_search(requests, length_penalty, prime=stream)
+            else:
+                merged = await self.start(requests, prime=stream)
+        except ValueError as e:
+            raise value_error_to_openai(e) from e
+        if stream:
+            return SSEResponse(builder.stream(merged))
+        try:
+            results = await self.collect(merged, raw_request, rids)
+        except ClientDisconnected:
+            return Response(status_code=499)
+        except ValueError as e:
+            raise value_error_to_openai(e) from e
+        return JSONResponse(builder.build(results))
 
     def _clip(self, value: Any) -> Any:
         """``value`` (a str or a list) cut to ``max_log_len`` items (None = whole)."""

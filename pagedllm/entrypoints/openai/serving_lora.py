@@ -12,6 +12,9 @@ import logging
 import os
 from typing import Any, Optional
 
+from fastapi import APIRouter
+from fastapi.responses import Response
+
 from pagedllm.entrypoints.openai.cli_args import LoRAModulePath
 from pagedllm.entrypoints.openai.errors import OpenAIError
 from pagedllm.entrypoints.openai.protocol import ModelCard, ModelPermission
@@ -119,3 +122,22 @@ class LoRARegistry:
             await self.engine.remove_lora(lr.lora_int_id)
         logger.info("Removed LoRA adapter: name '%s'", lr.lora_name)
         return f"Success: LoRA adapter '{lr.lora_name}' removed successfully."
+
+
+def build_lora_router(loras: Optional[LoRARegistry], args: Any) -> APIRouter:
+    """``POST /v1/load_lora_adapter`` and ``POST /v1/unload_lora_adapter`` when adapters are served
+    (``loras``; None without --enable-lora) and runtime updates are allowed
+    (``runtime_updating_allowed(args)``); else an empty router."""
+    router = APIRouter()
+    if loras is None or not runtime_updating_allowed(args):
+        return router
+
+    @router.post("/v1/load_lora_adapter")
+    async def load_lora_adapter(request: LoadLoRAAdapterRequest):
+        return Response(content=await loras.load(request), status_code=200)
+
+    @router.post("/v1/unload_lora_adapter")
+    async def unload_lora_adapter(request: UnloadLoRAAdapterRequest):
+        return Response(content=await loras.unload(request), status_code=200)
+
+    return router

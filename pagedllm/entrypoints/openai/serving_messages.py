@@ -16,7 +16,7 @@ import json
 import logging
 from typing import Any, AsyncIterator, Optional
 
-from fastapi import Request
+from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 from pydantic import ValidationError
 
@@ -29,7 +29,7 @@ from pagedllm.entrypoints.openai.protocol_anthropic import (AnthropicMessagesReq
 from pagedllm.entrypoints.openai.protocol_responses import new_id
 from pagedllm.entrypoints.openai.serving_chat import (ChatToolSetup, OpenAIServingChat,
                                                       render_chat)
-from pagedllm.entrypoints.openai.serving_engine import ClientDisconnected, SSEResponse
+from pagedllm.entrypoints.openai.serving_engine import ResponseBuilder
 
 logger = logging.getLogger("pagedllm.entrypoints.openai")
 
@@ -220,25 +220,13 @@ class AnthropicServingMessages:
             return JSONResponse({"input_tokens": len(ids)})
         rename = {"prompt": "messages"}
         pp = chat.process_prompt({"prompt_token_ids": ids, "prompt": prompt_text}, rename=rename)
-        try:
-            sp = chat_req.to_sampling_params(chat.max_model_len - len(ids), chat.max_model_len,
-                                             chat.default_sampling_params)
-        except ValueError as e:
-            raise value_error_to_openai(e) from e
-        chat.constrain_for_tools(sp, setup)
         msg_id = new_id("msg")
-        engine_request = chat.process_inputs(msg_id, pp, sp, lora_request=chat.lora_request(request.model),
-                                             rename=rename)
-        chat.log_request(msg_id, prompt_text, ids, engine_request.sampling_params)
-        merged = await chat.start([engine_request], prime=bool(request.stream))
+        engine_request = chat.prepare(msg_id, pp, chat_req, constrain=lambda sp: chat.constrain_for_tools(sp, setup),
+                                      model=request.model, rename=rename, log_prompt=prompt_text)
         run = _MessageRun(chat, request, msg_id, setup, len(ids))
-        if request.stream:
-            return SSEResponse(run.stream(merged))
-        try:
-            results = await chat.collect(merged, raw_request, [msg_id])
-        except ClientDisconnected:
-            return Response(status_code=499)
-        return JSONResponse(run.build(results[0]))
+        return await chat.run([engine_request], bool(request.stream),
+                              ResponseBuilder(stream=run.stream, build=lambda results: run.build(results[0])),
+                              raw_request)
 
 
 class _MessageRun:
@@ -375,3 +363,22 @@ class _MessageRun:
             yield ev("error", error={"type": "api_error", "message": msg})
         finally:
             await chat.finish(merged, [self.msg_id], completed)
+
+
+def build_messages_router(serving: AnthropicServingMessages) -> APIRouter:
+    """``POST /v1/messages`` (an Anthropic 400 body on a pooling model) and ``POST
+    /v1/messages/count_tokens``."""
+    router = APIRouter()
+
+    @router.post("/v1/messages")
+    async def create_message(raw_request: Request):
+        if serving.chat.engine.runner != "generate":
+            return JSONResponse(anthropic_error_body(
+                "This model does not support text generation.", 400), status_code=400)
+        return await serving.handle(raw_request)
+
+    @router.post("/v1/messages/count_tokens")
+    async def count_message_tokens(raw_request: Request):
+        return await serving.handle(raw_request, count_only=True)
+
+    return router

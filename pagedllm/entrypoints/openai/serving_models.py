@@ -3,6 +3,9 @@ from __future__ import annotations
 
 from typing import Union
 
+from fastapi import APIRouter
+from fastapi.responses import JSONResponse
+
 from pagedllm.entrypoints.openai.errors import OpenAIError
 from pagedllm.entrypoints.openai.protocol import (DetokenizeRequest, DetokenizeResponse,
                                                   ModelCard, ModelList, ModelPermission,
@@ -51,3 +54,29 @@ class OpenAIServingTokenization(OpenAIServing):
         except (ValueError, OverflowError, TypeError) as e:
             raise OpenAIError(f"Could not detokenize: {e}", 400, "tokens") from e
         return DetokenizeResponse(prompt=text)
+
+
+def build_models_router(models: OpenAIServingModels) -> APIRouter:
+    """``GET /v1/models``: the served names and LoRA adapters."""
+    router = APIRouter()
+
+    @router.get("/v1/models")
+    async def show_available_models():
+        return JSONResponse(models.show_available_models().model_dump(mode="json"))
+
+    return router
+
+
+def build_tokenization_router(serving: OpenAIServingTokenization) -> APIRouter:
+    """``POST /tokenize`` (a prompt or chat messages) and ``POST /detokenize``."""
+    router = APIRouter()
+
+    @router.post("/tokenize")
+    async def tokenize(request: TokenizeChatRequest | TokenizeCompletionRequest):
+        return JSONResponse(serving.tokenize(request).model_dump(mode="json", exclude_none=True))
+
+    @router.post("/detokenize")
+    async def detokenize(request: DetokenizeRequest):
+        return JSONResponse(serving.detokenize(request).model_dump(mode="json"))
+
+    return router

@@ -750,11 +750,11 @@ class OllamaServing:
             OpenAIError: 400 for a generation model (the message ``/v1/embeddings`` gives), an
                 empty input list, an over-long input without ``truncate``, a bad ``dimensions``.
         """
-        from pagedllm.entrypoints.openai.serving_pooling import _Handler
+        from pagedllm.entrypoints.openai.serving_pooling import OpenAIServingPooling
         from pagedllm.pooling_params import PoolingParams
 
         model = self.resolve_model(model_name)
-        h = _Handler(self.engine, self.served)
+        h = OpenAIServingPooling(self.engine, self.served)
         h.check(model, "embeddings")
         if not inputs:
             raise OpenAIError("input: the input list is empty; give at least one text", 400)

@@ -45,6 +45,7 @@ from pydantic import Field
 from pagedllm.engine.protocol import EngineClient
 from pagedllm.entrypoints.openai.errors import OpenAIError, value_error_to_openai
 from pagedllm.entrypoints.openai.protocol import OpenAIBaseModel
+from pagedllm.entrypoints.openai.serving_engine import OpenAIServing
 
 TokenIds = list[int]
 EmbeddingInput = Union[str, list[str], TokenIds, list[TokenIds]]
@@ -166,32 +167,42 @@ def _usage(n: int) -> dict:
     return {"prompt_tokens": n, "total_tokens": n, "completion_tokens": 0, "prompt_tokens_details": None}
 
 
-class _Handler:
-    def __init__(self, engine: EngineClient, served_model_names: Optional[list[str]]) -> None:
-        self.engine = engine
-        names = served_model_names or [str(engine.model_name)]
-        self.served = [names] if isinstance(names, str) else list(names)
+class OpenAIServingPooling(OpenAIServing):
+    """The pooling endpoints' handler: the model check (a served name or a served LoRA adapter,
+    as for generation), concurrent ``engine.encode`` calls and pair scoring
+    (``entrypoints.score_utils``, shared with ``LLM.score``)."""
+
+    @property
+    def served(self) -> list[str]:
+        return self.served_model_names
 
     # ---- checks
     def check(self, model: Optional[str], what: str) -> str:
-        if model and model not in self.served:
-            raise OpenAIError(f"The model `{model}` does not exist.", 404, "model")
+        """The response's ``model`` for a request naming ``model``.
+
+        Raises:
+            OpenAIError: 404 for an unknown model name; 400 for a generation model.
+        """
+        self.check_model(model)
         if self.engine.runner != "pooling" or self.engine.pooler is None:
             raise OpenAIError(
                 f"This model does not support the {what} API: it is a generation model (started with "
                 f"--runner {self.engine.runner}); serve a pooling model with --runner pooling.", 400, "model")
-        return model if model in self.served else self.served[0]
+        return self.response_model_name(model)
 
     @property
     def pooler(self) -> Any:
         return self.engine.pooler
 
     # ---- engine calls
-    async def run(self, prompts: list, params_fn, task: str, base: str, add_special_tokens: bool = True) -> list:
-        """Encode every prompt concurrently (engine ids ``{base}-{i}``); the first error cancels
-        (aborts) the rest."""
+    async def run(self, prompts: list, params_fn, task: str, base: str, add_special_tokens: bool = True,
+                  model: Optional[str] = None) -> list:
+        """Encode every prompt concurrently (engine ids ``{base}-{i}``; with the LoRA adapter
+        ``model`` names, if any); the first error cancels (aborts) the rest."""
+        lora = self.lora_request(model)
+        extra = {"lora_request": lora} if lora is not None else {}
         tasks = [asyncio.ensure_future(self.engine.encode(p, params_fn(), f"{base}-{i}", task=task,
-                                                          add_special_tokens=add_special_tokens))
+                                                          add_special_tokens=add_special_tokens, **extra))
                  for i, p in enumerate(prompts)]
         try:
             return await asyncio.gather(*tasks)
@@ -204,42 +215,38 @@ class _Handler:
             raise
 
     async def scores(self, q: list[str], d: list[str], truncate: Optional[int], use_act: Optional[bool],
-                     base: str) -> tuple[list[float], int]:
+                     base: str, model: Optional[str] = None) -> tuple[list[float], int]:
         """One score per (q[i], d[i]) and the prompt tokens used."""
+        from pagedllm.entrypoints.score_utils import PairScoring
         from pagedllm.pooling_params import PoolingParams
 
-        if self.pooler.task == "embed":
-            # NOTE: cosine similarity does not depend on the embeddings' normalisation, so
-            # use_activation changes nothing here (accepted, as vLLM does).
-            uniq = list(dict.fromkeys(q + d))
-            outs = await self.run(uniq, lambda: PoolingParams(truncate_prompt_tokens=truncate,
-                                                              use_activation=use_act), "embed", base)
-            by = {t: o for t, o in zip(uniq, outs)}
-            import torch
-            res = [float(torch.nn.functional.cosine_similarity(by[a].outputs.data.float(),
-                                                               by[b].outputs.data.float(), dim=-1))
-                   for a, b in zip(q, d)]
-            return res, sum(len(o.prompt_token_ids) for o in outs)
-        tok = self.engine.tokenizer
-        prompts = [{"prompt_token_ids": list(tok(a, b)["input_ids"])} for a, b in zip(q, d)]
-        outs = await self.run(prompts, lambda: PoolingParams(truncate_prompt_tokens=truncate,
-                                                             use_activation=use_act), "score", base)
-        return [o.outputs.score for o in outs], sum(len(o.prompt_token_ids) for o in outs)
+        # NOTE: cosine similarity (embed models) does not depend on the embeddings'
+        # normalisation, so use_activation changes nothing there (accepted, as vLLM does).
+        plan = PairScoring(self.pooler.task, q, d, self.engine.tokenizer)
+        outs = await self.run(plan.inputs, lambda: PoolingParams(truncate_prompt_tokens=truncate,
+                                                                 use_activation=use_act), plan.task, base,
+                              model=model)
+        return [o.outputs.score for o in plan.results(outs)], plan.prompt_tokens(outs)
+
+
+#: The name older callers import.
+_Handler = OpenAIServingPooling
 
 
 def _pair_lists(a: Any, b: Any, pa: str, pb: str) -> tuple[list[str], list[str]]:
+    from pagedllm.entrypoints.score_utils import broadcast_pairs
+
     q = [a] if isinstance(a, str) else list(a or [])
     d = [b] if isinstance(b, str) else list(b or [])
     if not q:
         raise OpenAIError(f"{pa}: empty; give at least one text", 400, pa)
     if not d:
         raise OpenAIError(f"{pb}: empty; give at least one text", 400, pb)
-    if len(q) == 1:
-        q = q * len(d)
-    elif len(q) != len(d):
+    pairs = broadcast_pairs(q, d)
+    if pairs is None:
         raise OpenAIError(f"{pa} has {len(q)} texts and {pb} {len(d)}: give one {pa}, or as many as {pb}",
                           400, pa)
-    return q, d
+    return pairs
 
 
 def _request_id(raw_request: Request, prefix: str) -> str:
@@ -258,11 +265,16 @@ def _wrap(e: BaseException) -> OpenAIError:
 
 
 # ---------------------------------------------------------------------------------------- router
-def build_pooling_router(engine: EngineClient, served_model_names: Optional[list[str]] = None) -> APIRouter:
-    """FastAPI router with the pooling endpoints for ``engine`` (see the module docstring)."""
+def build_pooling_router(engine: EngineClient, served_model_names: Optional[list[str]] = None,
+                         loras: Any = None) -> APIRouter:
+    """FastAPI router with the pooling endpoints for ``engine`` (see the module docstring);
+    ``loras``: the server's ``LoRARegistry`` (a request's ``model`` may name an adapter), or
+    None."""
     from pagedllm.pooling_params import PoolingParams
 
-    h = _Handler(engine, served_model_names)
+    names = served_model_names or [str(engine.model_name)]
+    h = OpenAIServingPooling(engine, [names] if isinstance(names, str) else list(names))
+    h.loras = loras
     router = APIRouter()
 
     async def guarded(coro_fn):
@@ -283,7 +295,7 @@ def build_pooling_router(engine: EngineClient, served_model_names: Optional[list
             mk = lambda: PoolingParams(dimensions=request.dimensions, use_activation=use_act,  # noqa: E731
                                        truncate_prompt_tokens=request.truncate_prompt_tokens)
             mk()  # parameter errors before any work
-            outs = await h.run(prompts, mk, "embed", rid, request.add_special_tokens)
+            outs = await h.run(prompts, mk, "embed", rid, request.add_special_tokens, model=request.model)
             data = []
             for i, o in enumerate(outs):
                 emb = encode_base64(o.outputs.data) if request.encoding_format == "base64" else o.outputs.data.tolist()
@@ -305,7 +317,7 @@ def build_pooling_router(engine: EngineClient, served_model_names: Optional[list
                 dimensions=request.dimensions, use_activation=use_act,
                 truncate_prompt_tokens=request.truncate_prompt_tokens)
             mk()
-            outs = await h.run(prompts, mk, task, rid, request.add_special_tokens)
+            outs = await h.run(prompts, mk, task, rid, request.add_special_tokens, model=request.model)
             data = []
             for i, o in enumerate(outs):
                 val = encode_base64(o.outputs.data) if request.encoding_format == "base64" else o.outputs.data.tolist()
@@ -325,7 +337,7 @@ def build_pooling_router(engine: EngineClient, served_model_names: Optional[list
             mk = lambda: PoolingParams(use_activation=use_act,  # noqa: E731
                                        truncate_prompt_tokens=request.truncate_prompt_tokens)
             mk()
-            outs = await h.run(prompts, mk, "classify", rid, request.add_special_tokens)
+            outs = await h.run(prompts, mk, "classify", rid, request.add_special_tokens, model=request.model)
             data = []
             for i, o in enumerate(outs):
                 probs = o.outputs.data.float().reshape(-1).tolist()
@@ -348,7 +360,7 @@ def build_pooling_router(engine: EngineClient, served_model_names: Optional[list
             else:
                 a, b, pa, pb = request.data_1, request.data_2, "data_1", "data_2"
             q, d = _pair_lists(a, b, pa, pb)
-            res, n = await h.scores(q, d, request.truncate_prompt_tokens, _use_activation(request), rid)
+            res, n = await h.scores(q, d, request.truncate_prompt_tokens, _use_activation(request), rid, request.model)
             data = [{"index": i, "object": "score", "score": s} for i, s in enumerate(res)]
             return JSONResponse({"id": rid, "object": "list", "created": int(time.time()),
                                  "model": model, "data": data, "usage": _usage(n)})
@@ -364,7 +376,7 @@ def build_pooling_router(engine: EngineClient, served_model_names: Optional[list
             if request.top_n is not None and request.top_n < 0:
                 raise OpenAIError(f"top_n: must be >= 0, got {request.top_n}", 400, "top_n")
             res, n = await h.scores([request.query] * len(docs), docs, request.truncate_prompt_tokens,
-                                    _use_activation(request), rid)
+                                    _use_activation(request), rid, request.model)
             order = sorted(range(len(docs)), key=lambda i: res[i], reverse=True)
             if request.top_n:
                 order = order[:request.top_n]

@@ -20,7 +20,7 @@ import logging
 import time
 from typing import Any, AsyncIterator, Optional
 
-from fastapi import Request
+from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 from pydantic import ValidationError
 
@@ -33,7 +33,7 @@ from pagedllm.entrypoints.openai.protocol_responses import (
 from pagedllm.entrypoints.openai.response_store import ResponseStore, StoredResponse
 from pagedllm.entrypoints.openai.serving_chat import (ChatToolSetup, OpenAIServingChat,
                                                       render_chat)
-from pagedllm.entrypoints.openai.serving_engine import ClientDisconnected, SSEResponse
+from pagedllm.entrypoints.openai.serving_engine import (ResponseBuilder, require_generate_runner)
 from pagedllm.entrypoints.openai.tool_calling import check_json_schema, constrain_to_json
 
 logger = logging.getLogger("pagedllm.entrypoints.openai")
@@ -251,36 +251,20 @@ class OpenAIServingResponses:
         rename = {"prompt": "input", "max_tokens": "max_output_tokens", "logprobs": "top_logprobs"}
         pp = chat.process_prompt(prompt_text, add_special_tokens=False, rename=rename)
         ids = pp.prompt_token_ids
-        try:
-            sp = chat_req.to_sampling_params(chat.max_model_len - len(ids), chat.max_model_len,
-                                             chat.default_sampling_params)
-        except ValueError as e:
-            raise value_error_to_openai(e) from e
-        chat.constrain_for_tools(sp, setup)
-        if not setup.choice.forced:
-            self._apply_text_format(sp, request)
-        engine_request = chat.process_inputs(response_id, pp, sp, cache_salt=request.cache_salt,
-                                             lora_request=chat.lora_request(request.model), rename=rename)
-        chat.log_request(response_id, prompt_text, ids, engine_request.sampling_params)
+
+        def constrain(sp: Any) -> None:
+            chat.constrain_for_tools(sp, setup)
+            if not setup.choice.forced:
+                self._apply_text_format(sp, request)
+        engine_request = chat.prepare(response_id, pp, chat_req, constrain=constrain, model=request.model,
+                                      cache_salt=request.cache_salt, rename=rename, log_prompt=prompt_text)
         created = int(time.time())
         ctx = _Run(self, request, response_id, model_name, created, setup, ids, items)
         if request.background:
             return await ctx.start_background(engine_request)
-        try:
-            merged = await chat.start([engine_request], prime=bool(request.stream))
-        except ValueError as e:
-            raise value_error_to_openai(e) from e
-        if request.stream:
-            return SSEResponse(ctx.stream(merged))
-        try:
-            results = await chat.collect(merged, raw_request, [response_id])
-        except ClientDisconnected:
-            return Response(status_code=499)
-        except ValueError as e:
-            raise value_error_to_openai(e) from e
-        resp = ctx.build(results[0])
-        ctx.save(resp)
-        return JSONResponse(resp)
+        return await chat.run([engine_request], bool(request.stream),
+                              ResponseBuilder(stream=ctx.stream, build=lambda results: ctx.build_and_save(results[0])),
+                              raw_request)
 
     # ---- GET / DELETE / cancel -------------------------------------------------------------
     def _get(self, response_id: str) -> StoredResponse:
@@ -358,6 +342,12 @@ class _Run:
         if truncated:
             return self.response("incomplete", output, usage, "max_output_tokens")
         return self.response("completed", output, usage)
+
+    def build_and_save(self, outs: list[Any]) -> dict[str, Any]:
+        """``build(outs)``, stored (``save``) for ``previous_response_id`` / ``GET``."""
+        resp = self.build(outs)
+        self.save(resp)
+        return resp
 
     def save(self, resp: dict[str, Any], task: Any = None) -> bool:
         if self.request.store is False:
@@ -530,3 +520,28 @@ class _Run:
                 "failed", output, error={"code": "server_error", "message": msg}))
         finally:
             await chat.finish(merged, [self.response_id], completed)
+
+
+def build_responses_router(serving: OpenAIServingResponses) -> APIRouter:
+    """``POST /v1/responses`` (400 on a pooling model), ``GET`` / ``DELETE
+    /v1/responses/{response_id}``, ``POST /v1/responses/{response_id}/cancel``."""
+    router = APIRouter()
+
+    @router.post("/v1/responses")
+    async def create_response(request: ResponsesRequest, raw_request: Request):
+        require_generate_runner(serving.chat.engine)
+        return await serving.create_response(request, raw_request)
+
+    @router.get("/v1/responses/{response_id}")
+    async def retrieve_response(response_id: str):
+        return serving.retrieve(response_id)
+
+    @router.delete("/v1/responses/{response_id}")
+    async def delete_response(response_id: str):
+        return serving.delete(response_id)
+
+    @router.post("/v1/responses/{response_id}/cancel")
+    async def cancel_response(response_id: str):
+        return await serving.cancel(response_id)
+
+    return router
