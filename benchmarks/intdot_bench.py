@@ -170,11 +170,11 @@ def gemm_sweep(min_time: float) -> list[dict]:
     return out
 
 
-E2E_MODES = {  # name: (env, LLM kwargs)
-    "default": ({}, {}),  # GGUF blocks on the integer-dot GEMM (int8 activations)
-    "batch-invariant": ({}, {"batch_invariant": True}),  # the same GEMMs + invariant attention / norms
-    "group_gemm": ({"PAGEDLLM_GGUF_INTDOT": "0"}, {}),  # float activations: the previous default
-    "quantization-none": ({}, {"quantization": "none"}),  # dequantized at load (bf16 here)
+E2E_MODES = {  # name: (env, LLM kwargs); each pins PAGEDLLM_GGUF_INTDOT, so the names hold whatever the default is
+    "intdot": ({"PAGEDLLM_GGUF_INTDOT": "1"}, {}),  # GGUF blocks on the integer-dot GEMM (int8 activations)
+    "batch-invariant": ({"PAGEDLLM_GGUF_INTDOT": "1"}, {"batch_invariant": True}),  # + invariant attention / norms
+    "group_gemm": ({"PAGEDLLM_GGUF_INTDOT": "0"}, {}),  # float activations
+    "quantization-none": ({"PAGEDLLM_GGUF_INTDOT": "0"}, {"quantization": "none"}),  # dequantized at load (bf16 here)
 }
 
 
@@ -244,9 +244,9 @@ def e2e(threads: int, repeats: int, num_prompts: int, modes: list[str]) -> list[
 
 
 PPL_CASES = [  # (model, mode, dtype): perplexity of the 400-token text in one prefill step
-    ("smollm2", "quantization-none", "float32"), ("smollm2", "default", "float32"), ("smollm2", "default", "auto"),
+    ("smollm2", "quantization-none", "float32"), ("smollm2", "intdot", "float32"), ("smollm2", "intdot", "auto"),
     ("smollm2", "group_gemm", "auto"),
-    ("gemma3", "quantization-none", "float32"), ("gemma3", "default", "float32"), ("gemma3", "default", "auto"),
+    ("gemma3", "quantization-none", "float32"), ("gemma3", "intdot", "float32"), ("gemma3", "intdot", "auto"),
     ("gemma3", "group_gemm", "auto"),
 ]
 
