@@ -37,15 +37,18 @@
 //     activation codes repacked once per call as [tile][block][4-k group][row][4 codes], the
 //     weight codes of a column panel (~kPanelBytes) prepared once per call into unsigned bytes (int4:
 //     unpacked nibbles; int8 on VNNI: q + 128 with -128 sum_k a as the integer accumulator's start,
-//     on AVX2 |q| next to q for vpsign). A register tile of NC columns x 8 rows: per 4-k group one
-//     activation load and, per column, a broadcast of 4 weight codes and one vpdpbusd, so the
-//     32-k block sum of 8 rows lands in one int32 vector with no horizontal adds; per block and
-//     column one cvt + mul + fma (+ one fma for the mins) for 8 rows. The panel stays in L2 and a
-//     tile's activations in L1 while all row tiles pass over it, so cost grows far slower than M.
+//     on AVX2 |q| next to q for vpsign); the activations are quantized straight from float32 /
+//     bfloat16 into the tiles. A register tile of NC columns x RT 8-row tiles (VNNI: 6 x 2, i.e.
+//     16 rows; AVX2: 2 x 1): per 4-k group RT activation loads and, per column, one broadcast of
+//     4 weight codes feeding RT vpdpbusd, so the 32-k block sum of 8 rows lands in one int32 vector
+//     with no horizontal adds and the 12 chains keep the vpdpbusd port busy; per block and column
+//     one cvt + mul + fma for 8 rows (the mins' fma chains in a pass of their own, which frees the
+//     registers). The panel stays in L2 and a tile's activations in L1 while all row tiles pass
+//     over it, so cost grows far slower than M.
 //
 // ISA paths, chosen at run time (__builtin_cpu_supports) from one build without -march flags:
 //   0 portable C++; 1 AVX2 (+FMA): vpmaddubsw + vpmaddwd; 2 AVX512-VNNI (+VL/BW): vpdpbusd on
-//   256-bit vectors (32 registers: NC = 4 columns; AVX2 NC = 2). The isa argument forces a path.
+//   256-bit vectors (32 registers: 6 columns x 16 rows; AVX2 2 x 8). The isa argument forces a path.
 //
 //   intdot_gemm(x [M, K] f32/bf16, qweight, scales, mins?, bias? [N], kind, group, out_dtype, isa=-1)
 //       -> [M, N] out_dtype (float32 / bfloat16); isa -1 = best available.
