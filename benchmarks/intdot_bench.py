@@ -94,14 +94,15 @@ def micro(reps: int) -> list[dict]:
 
 
 GEMM_SHAPES = [  # (label, K, N, kind, mins, group, max M): the layers of the two test models
-    ("SmolLM2 gate/up Q4_1 576->1536", 576, 1536, 0, True, 32, 256),
-    ("SmolLM2 down Q4_1 1536->576", 1536, 576, 0, True, 32, 256),
-    ("SmolLM2 lm_head Q8_0 576->49152", 576, 49152, 1, False, 32, 8),
+    ("SmolLM2 qkv Q4_1 576->960", 576, 960, 0, True, 32, 1024),
+    ("SmolLM2 gate/up Q4_1 576->3072", 576, 3072, 0, True, 32, 1024),
+    ("SmolLM2 down Q4_1 1536->576", 1536, 576, 0, True, 32, 1024),
+    ("SmolLM2 lm_head Q8_0 576->49152", 576, 49152, 1, False, 32, 64),
     ("Gemma3 attn_output Q4_K 1024->640", 1024, 640, 0, True, 32, 256),
     ("Gemma3 gate/up Q5_0 640->2048", 640, 2048, 1, False, 32, 256),
     ("Gemma3 down Q6_K 2048->640", 2048, 640, 1, False, 16, 256),
 ]
-GEMM_MS = [1, 2, 4, 6, 8, 16, 64, 256]
+GEMM_MS = [1, 2, 4, 6, 8, 16, 64, 256, 1024]
 
 
 def _layer(k: int, n: int, kind: int, with_mins: bool, group: int):
@@ -129,6 +130,7 @@ def gemm_sweep(min_time: float) -> list[dict]:
     import torch.nn.functional as F
 
     from pagedllm.kernels.cpu_ops import get_intdot_ops, get_quant_ops
+    from pagedllm.models.layers import pack_bf16_weight
     from pagedllm.quantization import group_quant as gq
 
     torch.set_num_threads(1)
@@ -137,6 +139,7 @@ def gemm_sweep(min_time: float) -> list[dict]:
     for label, k, n, kind, with_mins, group, max_m in GEMM_SHAPES:
         q, s, mn = _layer(k, n, kind, with_mins, group)
         w16 = gq.dequantize(q, s, mn, kind, group, k).bfloat16()
+        wp = pack_bf16_weight(w16)  # the float mode's oneDNN-blocked weight (prepack_cpu_linears)
         for m in [m_ for m_ in GEMM_MS if m_ <= max_m]:
             x = torch.randn(m, k, generator=torch.Generator().manual_seed(m))
             xb = x.bfloat16()
@@ -145,6 +148,8 @@ def gemm_sweep(min_time: float) -> list[dict]:
                 "group_gemm_f32": lambda: old.group_gemm(x, q, s, mn, None, kind, group, 16, torch.float32),
                 "dequant_bf16": lambda: F.linear(xb, w16),
             }
+            if wp is not None:
+                fns["packed_bf16"] = lambda: torch.ops.mkldnn._linear_pointwise(xb, wp, None, "none", [None], "")
             if group % 32 == 0:
                 if m in (1, 8) and n < 10000:  # the scalar path: its cost, for the record
                     fns["intdot_portable"] = lambda: new.intdot_gemm(x, q, s, mn, None, kind, group, torch.float32, 0)
@@ -170,11 +175,11 @@ def gemm_sweep(min_time: float) -> list[dict]:
     return out
 
 
-E2E_MODES = {  # name: (env, LLM kwargs)
-    "default": ({}, {}),  # GGUF blocks on the integer-dot GEMM (int8 activations)
-    "batch-invariant": ({}, {"batch_invariant": True}),  # the same GEMMs + invariant attention / norms
-    "group_gemm": ({"PAGEDLLM_GGUF_INTDOT": "0"}, {}),  # float activations: the previous default
-    "quantization-none": ({}, {"quantization": "none"}),  # dequantized at load (bf16 here)
+E2E_MODES = {  # name: (env, LLM kwargs); each pins PAGEDLLM_GGUF_INTDOT, so the names hold whatever the default is
+    "intdot": ({"PAGEDLLM_GGUF_INTDOT": "1"}, {}),  # GGUF blocks on the integer-dot GEMM (int8 activations)
+    "batch-invariant": ({"PAGEDLLM_GGUF_INTDOT": "1"}, {"batch_invariant": True}),  # + invariant attention / norms
+    "group_gemm": ({"PAGEDLLM_GGUF_INTDOT": "0"}, {}),  # float activations
+    "quantization-none": ({"PAGEDLLM_GGUF_INTDOT": "0"}, {"quantization": "none"}),  # dequantized at load (bf16 here)
 }
 
 
@@ -244,9 +249,9 @@ def e2e(threads: int, repeats: int, num_prompts: int, modes: list[str]) -> list[
 
 
 PPL_CASES = [  # (model, mode, dtype): perplexity of the 400-token text in one prefill step
-    ("smollm2", "quantization-none", "float32"), ("smollm2", "default", "float32"), ("smollm2", "default", "auto"),
+    ("smollm2", "quantization-none", "float32"), ("smollm2", "intdot", "float32"), ("smollm2", "intdot", "auto"),
     ("smollm2", "group_gemm", "auto"),
-    ("gemma3", "quantization-none", "float32"), ("gemma3", "default", "float32"), ("gemma3", "default", "auto"),
+    ("gemma3", "quantization-none", "float32"), ("gemma3", "intdot", "float32"), ("gemma3", "intdot", "auto"),
     ("gemma3", "group_gemm", "auto"),
 ]
 

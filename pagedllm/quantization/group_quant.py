@@ -47,11 +47,12 @@ KIND_NAMES = {KIND_INT4: "int4", KIND_INT8: "int8", KIND_FP8: "fp8"}
 #: rows above which the C++ kernel dequantizes tiles for ATen's GEMM instead of its register path
 LARGE_M = int(os.environ.get("PAGEDLLM_GROUP_GEMM_LARGE_M", "16"))
 #: the integer-dot kernel for GGUF's int4 / int8 group-32 layers, at every M (decode, verify,
-#: prefill). Opt-in (``PAGEDLLM_GGUF_INTDOT=1``): it decodes ~1.1x faster single-stream than
-#: ``group_gemm`` here but is not faster offline (docs/performance.md "Integer-dot GGUF path"),
+#: prefill). Opt-in (``PAGEDLLM_GGUF_INTDOT=1``): at one thread it is the fastest mode here
+#: (single stream 1.18x ``group_gemm``, offline 1.21x ``group_gemm`` and 1.03x the dequantized bf16
+#: model), at two threads the bf16 model is faster (docs/performance.md "Integer-dot GGUF path");
 #: and with int8 activations the embedded default model's near-tie answers change (its
-#: chat answer to "What is the capital of France?" loses "Paris"), so ``group_gemm`` with float
-#: activations stays the default until the kernel pays offline too. NOTE: int8 activations turn last-bit
+#: chat answer to "What is the capital of France?" loses "Paris"; a dozen real-model tests), so
+#: ``group_gemm`` with float activations stays the default for now. NOTE: int8 activations turn last-bit
 #: differences of the engine's scheduling-dependent float steps (attention sum order under
 #: chunked prefill / prefix hits) into whole code steps, so greedy tokens can differ between
 #: schedules where float activations happened not to (tests that pin scheduling invariance by

@@ -232,6 +232,24 @@ def test_prefill_sized_rows_match_single_row_calls(isa, kind, with_mins):
     assert bool(((alone.double() - ref).abs() <= 1e-5 * (mag + 1)).all())
 
 
+@pytest.mark.parametrize("isa", [0, 1, 2])
+@pytest.mark.parametrize("kind,with_mins", CASES)
+def test_bfloat16_input_equals_its_float32_value(isa, kind, with_mins):
+    """bfloat16 activations (quantized straight into the rows kernel's tiles, no float copy) give
+    the bits of the same values passed as float32, on both kernels and both output dtypes, at M =
+    1, 3 (columns kernel) and 4, 9, 16, 41 (rows kernel: one, two and an odd count of 8-row tiles)."""
+    _require(isa)
+    n, k = 70, 320
+    q, scales, mins = _weight(kind, n, k, with_mins=with_mins, seed=41)
+    g = torch.Generator().manual_seed(42)
+    for m in (1, 3, 4, 9, 16, 41):
+        xb = (torch.randn(m, k, generator=g) * torch.linspace(0.05, 4, k)).bfloat16()
+        for out in (torch.float32, torch.bfloat16):
+            yb = OPS.intdot_gemm(xb, q, scales, mins, None, kind, 32, out, isa)
+            yf = OPS.intdot_gemm(xb.float(), q, scales, mins, None, kind, 32, out, isa)
+            assert yb.dtype == out and torch.equal(yb, yf), (m, out)
+
+
 @pytest.mark.parametrize("kind,with_mins", CASES)
 def test_isa_paths_bit_identical_prefill_sized(kind, with_mins):
     have = [i for i in ISAS if OPS.intdot_isa_supported(i)]

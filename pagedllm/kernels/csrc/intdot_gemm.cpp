@@ -37,15 +37,18 @@
 //     activation codes repacked once per call as [tile][block][4-k group][row][4 codes], the
 //     weight codes of a column panel (~kPanelBytes) prepared once per call into unsigned bytes (int4:
 //     unpacked nibbles; int8 on VNNI: q + 128 with -128 sum_k a as the integer accumulator's start,
-//     on AVX2 |q| next to q for vpsign). A register tile of NC columns x 8 rows: per 4-k group one
-//     activation load and, per column, a broadcast of 4 weight codes and one vpdpbusd, so the
-//     32-k block sum of 8 rows lands in one int32 vector with no horizontal adds; per block and
-//     column one cvt + mul + fma (+ one fma for the mins) for 8 rows. The panel stays in L2 and a
-//     tile's activations in L1 while all row tiles pass over it, so cost grows far slower than M.
+//     on AVX2 |q| next to q for vpsign); the activations are quantized straight from float32 /
+//     bfloat16 into the tiles. A register tile of NC columns x RT 8-row tiles (VNNI: 6 x 2, i.e.
+//     16 rows; AVX2: 2 x 1): per 4-k group RT activation loads and, per column, one broadcast of
+//     4 weight codes feeding RT vpdpbusd, so the 32-k block sum of 8 rows lands in one int32 vector
+//     with no horizontal adds and the 12 chains keep the vpdpbusd port busy; per block and column
+//     one cvt + mul + fma for 8 rows (the mins' fma chains in a pass of their own, which frees the
+//     registers). The panel stays in L2 and a tile's activations in L1 while all row tiles pass
+//     over it, so cost grows far slower than M.
 //
 // ISA paths, chosen at run time (__builtin_cpu_supports) from one build without -march flags:
 //   0 portable C++; 1 AVX2 (+FMA): vpmaddubsw + vpmaddwd; 2 AVX512-VNNI (+VL/BW): vpdpbusd on
-//   256-bit vectors (32 registers: NC = 4 columns; AVX2 NC = 2). The isa argument forces a path.
+//   256-bit vectors (32 registers: 6 columns x 16 rows; AVX2 2 x 8). The isa argument forces a path.
 //
 //   intdot_gemm(x [M, K] f32/bf16, qweight, scales, mins?, bias? [N], kind, group, out_dtype, isa=-1)
 //       -> [M, N] out_dtype (float32 / bfloat16); isa -1 = best available.
@@ -262,6 +265,48 @@ at::Tensor as_float_rows(const at::Tensor& x) {
   return x.scalar_type() == at::kFloat ? x.contiguous() : x.to(at::kFloat).contiguous();
 }
 
+// The rows kernel's activation operands straight from x [M, K] (float32 or bfloat16, contiguous):
+// each row quantized by quantize_rows (the same codes and scales as intdot_quantize) and its codes
+// scattered into the tile layout of Ctx::ap (4 codes at a time), xd / xs into xdp / xsp, and on
+// VNNI with int8 weights -128 sum a into cp. Rows in parallel (each writes its own lanes); rows
+// past M stay as the caller zeroed them.
+void quantize_tiles(int64_t isa, const at::Tensor& x, int64_t M, int64_t K, int8_t* ap, float* xdp, float* xsp,
+                    int32_t* cp) {
+  const int64_t nb = K / QK;
+  const bool bf16 = x.scalar_type() == at::kBFloat16;
+  const float* xf = bf16 ? nullptr : x.data_ptr<float>();
+  const uint16_t* xb = bf16 ? reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>()) : nullptr;
+  at::parallel_for(0, M, std::max<int64_t>(1, (1 << 16) / K), [&](int64_t r0, int64_t r1) {
+    std::vector<float> buf(bf16 ? K : 0);
+    std::vector<int8_t> a(K);
+    std::vector<float> xd(nb), xs(nb);
+    for (int64_t r = r0; r < r1; ++r) {
+      const float* row = xf ? xf + r * K : buf.data();
+      if (bf16) {  // bfloat16 -> float32 is exact: the high half of the float's bits
+        const uint16_t* src = xb + r * K;
+        for (int64_t k = 0; k < K; ++k) {
+          const uint32_t u = static_cast<uint32_t>(src[k]) << 16;
+          std::memcpy(&buf[k], &u, 4);
+        }
+      }
+      quantize_rows(isa, row, 1, K, a.data(), xd.data(), xs.data());
+      const int64_t t = r / 8, rr = r % 8;
+      for (int64_t b = 0; b < nb; ++b) {
+        const int8_t* s0 = a.data() + b * QK;
+        int8_t* d0 = ap + (t * nb + b) * 256 + rr * 4;
+        for (int g = 0; g < 8; ++g) std::memcpy(d0 + 32 * g, s0 + 4 * g, 4);
+        xdp[(t * nb + b) * 8 + rr] = xd[b];
+        xsp[(t * nb + b) * 8 + rr] = xs[b];
+        if (cp) {
+          int32_t sum = 0;
+          for (int j = 0; j < QK; ++j) sum += s0[j];
+          cp[(t * nb + b) * 8 + rr] = -128 * sum;
+        }
+      }
+    }
+  });
+}
+
 }  // namespace
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> intdot_quantize(at::Tensor x, int64_t isa) {
@@ -279,8 +324,11 @@ at::Tensor intdot_gemm(at::Tensor x, at::Tensor qweight, at::Tensor scales, c10:
                        c10::optional<at::Tensor> bias, int64_t kind, int64_t group, at::ScalarType out_dtype,
                        int64_t isa, int64_t rows_min_m) {
   isa = resolve_isa(isa);
-  const at::Tensor xf = as_float_rows(x);
-  const int64_t M = xf.size(0), K = xf.size(1), nb = K / QK;
+  TORCH_CHECK(x.dim() == 2 && (x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16),
+              "x must be a 2-D float32 or bfloat16 tensor");
+  TORCH_CHECK(x.size(1) % QK == 0, "K must be a multiple of 32");
+  const int64_t M = x.size(0), K = x.size(1), nb = K / QK;
+  const auto fopt = x.options().dtype(at::kFloat);
   TORCH_CHECK(K > 0, "K must be positive");
   TORCH_CHECK(kind == kInt4 || kind == kInt8, "intdot: kind must be 0 (int4) or 1 (int8)");
   TORCH_CHECK(group > 0 && group % QK == 0, "intdot: group must be a positive multiple of 32");
@@ -300,56 +348,37 @@ at::Tensor intdot_gemm(at::Tensor x, at::Tensor qweight, at::Tensor scales, c10:
     bf = bias->to(at::kFloat).contiguous();
     TORCH_CHECK(bf.numel() == N, "bias must be [N]");
   }
-  at::Tensor y = at::empty({M, N}, xf.options());
+  at::Tensor y = at::empty({M, N}, fopt);
   if (M == 0 || N == 0) return y.to(out_dtype);
 
-  at::Tensor a = at::empty({M, K}, xf.options().dtype(at::kChar));
-  at::Tensor xd = at::empty({M, nb}, xf.options());
-  at::Tensor xs = at::empty({M, nb}, xf.options());
-  quantize_rows(isa, xf.data_ptr<float>(), M, K, a.data_ptr<int8_t>(), xd.data_ptr<float>(), xs.data_ptr<float>());
   const bool rows = isa != kPortable && M >= (rows_min_m > 0 ? rows_min_m : kRowsMinM);
   const bool int4 = kind == kInt4;
   // x86 paths, once per call, O(M K) bytes: the rows kernel's row tiles (codes [tile][block][group][row][4],
-  // xd / xs [tile][block][row], VNNI on int8 weights -128 sum a [tile][block][row]); the columns
-  // kernel's offset codes a + 128 (VNNI on int8 weights)
-  at::Tensor ap, xdp, xsp, cp, au;
+  // xd / xs [tile][block][row], VNNI on int8 weights -128 sum a [tile][block][row]) quantized
+  // straight from x; the columns kernel's codes a, scales xd / xs and offset codes a + 128 (VNNI
+  // on int8 weights)
+  at::Tensor a, xd, xs, ap, xdp, xsp, cp, au;
   if (rows) {
     const int64_t T = (M + 7) / 8;
-    ap = at::zeros({T * nb * 256}, xf.options().dtype(at::kChar));
-    xdp = at::zeros({T * nb * 8}, xf.options());
-    xsp = at::zeros({T * nb * 8}, xf.options());
+    ap = at::zeros({T * nb * 256}, x.options().dtype(at::kChar));
+    xdp = at::zeros({T * nb * 8}, fopt);
+    xsp = at::zeros({T * nb * 8}, fopt);
     const bool corr = isa == kVnni && !int4;
-    if (corr) cp = at::zeros({T * nb * 8}, xf.options().dtype(at::kInt));
-    const int8_t* src = a.data_ptr<int8_t>();
-    int8_t* dst = ap.data_ptr<int8_t>();
-    const float* xds = xd.data_ptr<float>();
-    const float* xss = xs.data_ptr<float>();
-    float* xdd = xdp.data_ptr<float>();
-    float* xsd = xsp.data_ptr<float>();
-    int32_t* cd = corr ? cp.data_ptr<int32_t>() : nullptr;
-    // 4 codes at a time (one int32 move each); rows in parallel (each writes its own lanes)
-    at::parallel_for(0, M, std::max<int64_t>(1, (1 << 16) / K), [&](int64_t r0, int64_t r1) {
-      for (int64_t r = r0; r < r1; ++r) {
-        const int64_t t = r / 8, rr = r % 8;
-        for (int64_t b = 0; b < nb; ++b) {
-          const int8_t* s0 = src + r * K + b * QK;
-          int8_t* d0 = dst + (t * nb + b) * 256 + rr * 4;
-          for (int g = 0; g < 8; ++g) std::memcpy(d0 + 32 * g, s0 + 4 * g, 4);
-          xdd[(t * nb + b) * 8 + rr] = xds[r * nb + b];
-          xsd[(t * nb + b) * 8 + rr] = xss[r * nb + b];
-          if (cd) {
-            int32_t sum = 0;
-            for (int j = 0; j < QK; ++j) sum += s0[j];
-            cd[(t * nb + b) * 8 + rr] = -128 * sum;
-          }
-        }
-      }
-    });
-  } else if (isa == kVnni && !int4) {
-    au = at::empty({M * K}, xf.options().dtype(at::kByte));
-    const uint8_t* src = reinterpret_cast<const uint8_t*>(a.data_ptr<int8_t>());
-    uint8_t* dst = au.data_ptr<uint8_t>();
-    for (int64_t i = 0; i < M * K; ++i) dst[i] = src[i] ^ 0x80u;
+    if (corr) cp = at::zeros({T * nb * 8}, x.options().dtype(at::kInt));
+    quantize_tiles(isa, x.contiguous(), M, K, ap.data_ptr<int8_t>(), xdp.data_ptr<float>(), xsp.data_ptr<float>(),
+                   corr ? cp.data_ptr<int32_t>() : nullptr);
+  } else {
+    const at::Tensor xf = as_float_rows(x);
+    a = at::empty({M, K}, x.options().dtype(at::kChar));
+    xd = at::empty({M, nb}, fopt);
+    xs = at::empty({M, nb}, fopt);
+    quantize_rows(isa, xf.data_ptr<float>(), M, K, a.data_ptr<int8_t>(), xd.data_ptr<float>(), xs.data_ptr<float>());
+    if (isa == kVnni && !int4) {
+      au = at::empty({M * K}, x.options().dtype(at::kByte));
+      const uint8_t* src = reinterpret_cast<const uint8_t*>(a.data_ptr<int8_t>());
+      uint8_t* dst = au.data_ptr<uint8_t>();
+      for (int64_t i = 0; i < M * K; ++i) dst[i] = src[i] ^ 0x80u;
+    }
   }
   // groups wider than 32: one scale (and min) per 32-block, expanded for this call
   at::Tensor wd = scales, wm = mins.has_value() ? *mins : at::Tensor();
@@ -359,8 +388,8 @@ at::Tensor intdot_gemm(at::Tensor x, at::Tensor qweight, at::Tensor scales, c10:
   }
   auto ptr_f = [](const at::Tensor& t) { return t.defined() ? t.data_ptr<float>() : nullptr; };
   Ctx c{static_cast<const uint8_t*>(qweight.data_ptr()), wd.data_ptr<float>(), ptr_f(wm), rb, nb, N, M, int4,
-        a.data_ptr<int8_t>(), au.defined() ? au.data_ptr<uint8_t>() : nullptr, xd.data_ptr<float>(),
-        xs.data_ptr<float>(), ap.defined() ? ap.data_ptr<int8_t>() : nullptr, ptr_f(xdp), ptr_f(xsp),
+        a.defined() ? a.data_ptr<int8_t>() : nullptr, au.defined() ? au.data_ptr<uint8_t>() : nullptr, ptr_f(xd),
+        ptr_f(xs), ap.defined() ? ap.data_ptr<int8_t>() : nullptr, ptr_f(xdp), ptr_f(xsp),
         cp.defined() ? cp.data_ptr<int32_t>() : nullptr, ptr_f(bf), y.data_ptr<float>()};
   // Threads split the output columns in units of 8 (the columns kernel's vector); grain ~64 KB of
   // weight bytes per task (as group_gemm): smaller tasks cost more to wake than they save
@@ -554,64 +583,87 @@ void cols_range(const Ctx& c, int64_t n0, int64_t n1) {
 }
 
 // ---- rows kernel: NC columns (prepared codes wu[j], stride K; AVX2 int8: signed codes ws[j];
-// column indices n[j]) x the 8 rows of tile t; o[j] lane r = y[8 t + r, n[j]] (bias included).
-template <bool INT4, bool MINS, int NC>
+// column indices n[j]) x the 8 RT rows of tiles t .. t + RT - 1; o[h][j] lane r = y[8 (t + h) + r, n[j]]
+// (bias included). RT = 2 (VNNI): each broadcast of 4 weight codes feeds two row tiles, halving the
+// broadcasts per vpdpbusd; the NC x 2 chains keep enough products in flight. RT = 1: two chains per
+// column (even / odd 4-k groups). Integer sums are exact in any order, so the split changes no bit.
+template <bool INT4, bool MINS, int NC, int RT>
 void rows_tile(const Ctx& c, const uint8_t* const* wu, const uint8_t* const* ws, const int64_t* n, int64_t t,
-               __m256* o) {
-  const int8_t* at = c.ap + t * c.nb * 256;
-  const int64_t tb = t * c.nb * 8;
-  __m256 f[NC], m[NC];
-  for (int j = 0; j < NC; ++j) f[j] = m[j] = _mm256_setzero_ps();
+               __m256 (*o)[NC]) {
+  static_assert(RT == 1 || RT == 2, "RT is 1 or 2 row tiles");
+  constexpr int CH = RT == 1 ? 2 : 1;  // chains per (column, row tile)
+  const int8_t* at[RT];
+  int64_t tb[RT];
+  for (int h = 0; h < RT; ++h) {
+    at[h] = c.ap + (t + h) * c.nb * 256;
+    tb[h] = (t + h) * c.nb * 8;
+  }
+  __m256 f[RT][NC], m[RT][NC];
+  for (int h = 0; h < RT; ++h)
+    for (int j = 0; j < NC; ++j) f[h][j] = m[h][j] = _mm256_setzero_ps();
   const __m256i ones16 = _mm256_set1_epi16(1);
   for (int64_t b = 0; b < c.nb; ++b) {
-    // two integer accumulators per column (even / odd 4-k groups): two vpdpbusd chains, so NC x 2
-    // products are in flight (one chain of 8 waited on vpdpbusd's latency)
-    __m256i acc[NC], acc2[NC];
-    const __m256i start = (kV && !INT4) ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(c.cp + tb + 8 * b))
-                                        : _mm256_setzero_si256();
-    for (int j = 0; j < NC; ++j) {
-      acc[j] = start;
-      acc2[j] = _mm256_setzero_si256();
+    __m256i acc[RT][CH][NC];
+    for (int h = 0; h < RT; ++h) {
+      const __m256i start = (kV && !INT4)
+                                ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(c.cp + tb[h] + 8 * b))
+                                : _mm256_setzero_si256();
+      for (int j = 0; j < NC; ++j) {
+        acc[h][0][j] = start;
+        if (CH == 2) acc[h][CH - 1][j] = _mm256_setzero_si256();
+      }
     }
-    const int8_t* ab = at + b * 256;
-    for (int g = 0; g < 8; g += 2) {
-      const __m256i av = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(ab + 32 * g));
-      const __m256i av2 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(ab + 32 * g + 32));
+    for (int g = 0; g < 8; ++g) {
+      const int ch = CH == 2 ? (g & 1) : 0;
+      __m256i av[RT];
+      for (int h = 0; h < RT; ++h) av[h] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(at[h] + b * 256 + 32 * g));
       for (int j = 0; j < NC; ++j) {
         const __m256i wb = _mm256_set1_epi32(load4(wu[j] + b * QK + 4 * g));
-        const __m256i wb2 = _mm256_set1_epi32(load4(wu[j] + b * QK + 4 * g + 4));
         if constexpr (kV) {
-          acc[j] = _mm256_dpbusd_epi32(acc[j], wb, av);
-          acc2[j] = _mm256_dpbusd_epi32(acc2[j], wb2, av2);
+          for (int h = 0; h < RT; ++h) acc[h][ch][j] = _mm256_dpbusd_epi32(acc[h][ch][j], wb, av[h]);
         } else if (INT4) {  // int16 sums of 4 groups each stay below 4 * 2 * 15 * 127 < 2^15
-          acc[j] = _mm256_add_epi16(acc[j], _mm256_maddubs_epi16(wb, av));
-          acc2[j] = _mm256_add_epi16(acc2[j], _mm256_maddubs_epi16(wb2, av2));
+          for (int h = 0; h < RT; ++h) acc[h][ch][j] = _mm256_add_epi16(acc[h][ch][j], _mm256_maddubs_epi16(wb, av[h]));
         } else {
           const __m256i sb = _mm256_set1_epi32(load4(ws[j] + b * QK + 4 * g));
-          const __m256i sb2 = _mm256_set1_epi32(load4(ws[j] + b * QK + 4 * g + 4));
-          acc[j] = _mm256_add_epi32(acc[j], _mm256_madd_epi16(_mm256_maddubs_epi16(wb, _mm256_sign_epi8(av, sb)), ones16));
-          acc2[j] = _mm256_add_epi32(acc2[j], _mm256_madd_epi16(_mm256_maddubs_epi16(wb2, _mm256_sign_epi8(av2, sb2)), ones16));
+          for (int h = 0; h < RT; ++h)
+            acc[h][ch][j] = _mm256_add_epi32(
+                acc[h][ch][j], _mm256_madd_epi16(_mm256_maddubs_epi16(wb, _mm256_sign_epi8(av[h], sb)), ones16));
         }
       }
     }
-    for (int j = 0; j < NC; ++j) {
-      if constexpr (!kV && INT4) acc[j] = _mm256_madd_epi16(_mm256_add_epi16(acc[j], acc2[j]), ones16);
-      else acc[j] = _mm256_add_epi32(acc[j], acc2[j]);
+    for (int h = 0; h < RT; ++h) {
+      for (int j = 0; j < NC; ++j) {
+        if constexpr (!kV && INT4) {
+          acc[h][0][j] = _mm256_madd_epi16(CH == 2 ? _mm256_add_epi16(acc[h][0][j], acc[h][CH - 1][j]) : acc[h][0][j],
+                                           ones16);
+        } else if (CH == 2) {
+          acc[h][0][j] = _mm256_add_epi32(acc[h][0][j], acc[h][CH - 1][j]);
+        }
+      }
     }
-    const __m256 xdv = _mm256_loadu_ps(c.xdp + tb + 8 * b);
-    for (int j = 0; j < NC; ++j) {
-      const __m256 s = _mm256_mul_ps(_mm256_set1_ps(c.wd[n[j] * c.nb + b]), xdv);
-      f[j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(acc[j]), s, f[j]);
-    }
-    if (MINS) {
-      const __m256 xsv = _mm256_loadu_ps(c.xsp + tb + 8 * b);
-      for (int j = 0; j < NC; ++j) m[j] = _mm256_fmadd_ps(_mm256_set1_ps(c.wm[n[j] * c.nb + b]), xsv, m[j]);
+    for (int h = 0; h < RT; ++h) {
+      const __m256 xdv = _mm256_loadu_ps(c.xdp + tb[h] + 8 * b);
+      for (int j = 0; j < NC; ++j) {
+        const __m256 s = _mm256_mul_ps(_mm256_set1_ps(c.wd[n[j] * c.nb + b]), xdv);
+        f[h][j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(acc[h][0][j]), s, f[h][j]);
+      }
     }
   }
-  for (int j = 0; j < NC; ++j) {
-    __m256 v = MINS ? _mm256_add_ps(f[j], m[j]) : f[j];
-    if (c.bias) v = _mm256_add_ps(v, _mm256_set1_ps(c.bias[n[j]]));
-    o[j] = v;
+  // the mins' chains need no integer sums: their own pass keeps the main loop's registers free
+  if (MINS) {
+    for (int64_t b = 0; b < c.nb; ++b) {
+      for (int h = 0; h < RT; ++h) {
+        const __m256 xsv = _mm256_loadu_ps(c.xsp + tb[h] + 8 * b);
+        for (int j = 0; j < NC; ++j) m[h][j] = _mm256_fmadd_ps(_mm256_set1_ps(c.wm[n[j] * c.nb + b]), xsv, m[h][j]);
+      }
+    }
+  }
+  for (int h = 0; h < RT; ++h) {
+    for (int j = 0; j < NC; ++j) {
+      __m256 v = MINS ? _mm256_add_ps(f[h][j], m[h][j]) : f[h][j];
+      if (c.bias) v = _mm256_add_ps(v, _mm256_set1_ps(c.bias[n[j]]));
+      o[h][j] = v;
+    }
   }
 }
 
@@ -631,15 +683,15 @@ inline void prep_col(const uint8_t* row, int64_t nb, bool int4, uint8_t* dst) {
 
 template <bool INT4, bool MINS>
 void rows_range(const Ctx& c, int64_t n0, int64_t n1) {
-  constexpr int NC = kV ? 4 : 2;  // columns per register tile (VNNI: 32 registers)
+  constexpr int NC = kV ? 6 : 2;  // columns per register tile (VNNI: 32 registers: 2 x 6 int32 chains + 2 x 6 float sums)
   const int64_t K = c.nb * QK, T = (c.M + 7) / 8;
   const int64_t C = std::max<int64_t>(NC, kPanelBytes / K / NC * NC);
   std::vector<uint8_t> wu(std::min(C, n1 - n0) * K);
   for (int64_t p0 = n0; p0 < n1; p0 += C) {
     const int64_t np = std::min(C, n1 - p0);
     for (int64_t j = 0; j < np; ++j) prep_col(c.q + (p0 + j) * c.rb, c.nb, INT4, wu.data() + j * K);
-    for (int64_t t = 0; t < T; ++t) {
-      const int64_t h = std::min<int64_t>(8, c.M - 8 * t);
+    for (int64_t t = 0; t < T;) {
+      const int rt = (kV && t + 1 < T) ? 2 : 1;  // row tiles per register tile
       for (int64_t j0 = 0; j0 < np; j0 += NC) {
         const uint8_t* wp[NC];
         const uint8_t* sp[NC];
@@ -650,15 +702,20 @@ void rows_range(const Ctx& c, int64_t n0, int64_t n1) {
           sp[j] = c.q + (p0 + jj) * c.rb;
           n[j] = p0 + jj;
         }
-        __m256 o[NC];
-        rows_tile<INT4, MINS, NC>(c, wp, sp, n, t, o);
+        __m256 o[2][NC];
+        if (rt == 2) rows_tile<INT4, MINS, NC, 2>(c, wp, sp, n, t, o);
+        else rows_tile<INT4, MINS, NC, 1>(c, wp, sp, n, t, o);
         const int64_t nv = std::min<int64_t>(NC, np - j0);
-        for (int64_t j = 0; j < nv; ++j) {
-          alignas(32) float v[8];
-          _mm256_store_ps(v, o[j]);
-          for (int64_t r = 0; r < h; ++r) c.y[(8 * t + r) * c.N + n[j]] = v[r];
+        for (int hh = 0; hh < rt; ++hh) {
+          const int64_t h = std::min<int64_t>(8, c.M - 8 * (t + hh));
+          for (int64_t j = 0; j < nv; ++j) {
+            alignas(32) float v[8];
+            _mm256_store_ps(v, o[hh][j]);
+            for (int64_t r = 0; r < h; ++r) c.y[(8 * (t + hh) + r) * c.N + n[j]] = v[r];
+          }
         }
       }
+      t += rt;
     }
   }
 }
