@@ -77,6 +77,29 @@ def test_logits_match_transformers_prefill_chunked_and_decode(g4_dir, hf_g4):
     torch.testing.assert_close(torch.cat(out), ref, atol=2e-4, rtol=1e-4)
 
 
+def test_conditional_generation_checkpoint_text_decoder(tmp_path):
+    """A text-only ``Gemma4ForConditionalGeneration`` checkpoint (``model.language_model.*``, tied
+    head): the same logits as transformers."""
+    from transformers import Gemma4Config, Gemma4ForConditionalGeneration
+
+    torch.manual_seed(0)
+    cfg = Gemma4Config(text_config=tiny_gemma4_config().to_dict(), vision_config=None, audio_config=None)
+    hf = Gemma4ForConditionalGeneration(cfg).float().eval()
+    with torch.no_grad():
+        for n, p in hf.named_parameters():
+            p.normal_(0, 1.0 if "embed" in n else 0.1) if p.dim() > 1 else p.normal_(1.0, 0.2)
+    hf.save_pretrained(str(tmp_path / "mm"))
+    model = _ours(str(tmp_path / "mm"))
+    assert type(model).__name__ == "Gemma4ForConditionalGeneration"
+    ids = torch.randint(3, 128, (20,), generator=torch.Generator().manual_seed(2)).tolist()
+    with torch.no_grad():
+        ref = hf(input_ids=torch.tensor([ids])).logits[0]
+    layers, hkv, d = model.get_kv_cache_spec()
+    got = _step(model, [torch.zeros(7, 2, 4, hkv, d) for _ in range(layers)], [(0, 20, list(range(1, 6)))], ids,
+                list(range(20)))
+    torch.testing.assert_close(got, ref, atol=2e-4, rtol=1e-4)
+
+
 def test_llm_greedy_and_logprobs_equal_transformers(g4_dir, hf_g4):
     llm = LLM(g4_dir, **KW)
     prompts = [p["prompt_token_ids"] for p in tiny_prompts(3, seed=5)]
