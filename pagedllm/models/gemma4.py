@@ -303,6 +303,7 @@ class Gemma4ForConditionalGeneration(Gemma4ForCausalLM):
 
     def __init__(self, config, dtype: torch.dtype = torch.float32) -> None:
         text = config.get_text_config() if hasattr(config, "get_text_config") else config
-        if text is not config and not hasattr(text, "tie_word_embeddings"):
-            text.tie_word_embeddings = getattr(config, "tie_word_embeddings", True)
+        if text is not config:
+            # NOTE: transformers ties the head by the top-level config's flag, not the text config's
+            text.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", True))
         super().__init__(text, dtype)
