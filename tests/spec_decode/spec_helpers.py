@@ -296,3 +296,44 @@ def train_mtp_head(d: str, target_dir: str, model, seqs: list[list[int]], prompt
             loss.backward()
             opt.step()
     return _save_head(d, {n: v.detach() for n, v in W.items()}, cfg)
+
+
+def tiny_gemma4_config(**over):
+    """A scaled-down Gemma 4 text config with everything Gemma 3 lacks: sliding + full layers with
+    different head shapes (full: ``global_head_dim`` 32, ``attention_k_eq_v`` with one KV head;
+    sliding: head_dim 16, two KV heads), proportional rope on the full layers, the last two layers
+    sharing earlier layers' KV (double-wide MLP there), per-layer embeddings, final soft-cap."""
+    from transformers import Gemma4TextConfig
+
+    kw = dict(vocab_size=TINY_VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=6,
+              num_attention_heads=4, num_key_value_heads=2, head_dim=16, global_head_dim=32,
+              num_global_key_value_heads=1, attention_k_eq_v=True, num_kv_shared_layers=2,
+              use_double_wide_mlp=True, hidden_size_per_layer_input=8, vocab_size_per_layer_input=TINY_VOCAB,
+              sliding_window=8, max_position_embeddings=512, final_logit_softcapping=15.0,
+              layer_types=["sliding_attention", "sliding_attention", "full_attention", "sliding_attention",
+                           "sliding_attention", "full_attention"],
+              bos_token_id=1, eos_token_id=2, pad_token_id=0, tie_word_embeddings=False)
+    kw.update(over)
+    return Gemma4TextConfig(**kw)
+
+
+def write_tiny_gemma4(d: str, seed: int = 0, **over) -> str:
+    """A tiny random ``Gemma4ForCausalLM`` checkpoint (``tiny_gemma4_config``) saved with
+    ``save_pretrained``, word-level tokenizer."""
+    from transformers import Gemma4ForCausalLM
+
+    if os.path.isdir(d):
+        return d
+    torch.manual_seed(seed)
+    model = Gemma4ForCausalLM(tiny_gemma4_config(**over)).float().eval()
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            if p.dim() > 1:
+                p.normal_(0, 1.0 if "embed" in n else (0.25 if "lm_head" in n else 0.1))
+            elif "norm" in n:
+                p.normal_(1.0, 0.2)  # NOTE: Gemma 4 norms multiply by w (not 1 + w)
+        for layer in model.model.layers:
+            layer.layer_scalar.fill_(0.9)
+    model.save_pretrained(d)
+    tiny_tokenizer().save_pretrained(d)
+    return d
