@@ -139,4 +139,4 @@ def install_pipeline_comm(model: nn.Module) -> None:
     """After loading: stages before the last compute no logits (``compute_logits`` -> None)."""
     rank, size, _, _ = model.pp_stage
     if rank != size - 1:
-        model.compute_logits = lambda hidden: None
+        model.logits_processor.emits_logits = False

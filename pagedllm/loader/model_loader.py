@@ -38,8 +38,7 @@ the ``ModelBuild`` state and says in its docstring what it needs done before it.
     earlier step may replace or repack the linears.
 13. ``build_pooler``: the pooling runner's pooler over the finished model.
 
-The worker then loads a speculative draft (which needs the finished target) and builds the runner
-(whose decode accelerator is chosen from the finished model, ``worker.fused_decode``).
+The worker then loads a speculative draft (which needs the finished target) and builds the runner.
 """
 from __future__ import annotations
 
@@ -226,6 +225,8 @@ def choose_weight_format(b: ModelBuild) -> None:
 
 def construct(b: ModelBuild) -> None:
     """The model's modules on the device (parameters uninitialised)."""
+    import pagedllm.worker.fused_decode  # noqa: F401  (plugs the CPU decode-step fast path into the models)
+
     with torch.device(b.device):
         b.model = b.model_cls(b.loaded.hf_config, b.dtype)
 

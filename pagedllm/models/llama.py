@@ -91,8 +91,8 @@ class LlamaModel(nn.Module):
         """The fused decode plan of this model (``fused_decode_builder``), or None; rebuilt when
         quantization or prepacking has swapped the projections' weights since it was last built."""
         qkv = self.layers[0].self_attn.qkv_proj if len(self.layers) else None
-        # NOTE: prepacking swaps a Linear's weight in place, quantization sets its method
-        key = (qkv, getattr(qkv, "_packed", None), getattr(qkv, "quant_method", None))
+        # NOTE: quantization and prepacking set the projections' methods
+        key = (qkv, getattr(qkv, "quant_method", None))
         old = self._fused[0]
         if old is None or any(a is not b for a, b in zip(old, key)):
             builder = self.fused_decode_builder

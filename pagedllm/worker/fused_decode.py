@@ -10,7 +10,7 @@ stays released for the whole forward.
 
 Two kinds of models qualify: W8A8 (every projection a ``Linear`` whose ``W8A8LinearMethod`` holds
 packed weights, the norms feeding them quantizing, ``int8_gemm_packed``) and float ones (every projection a plain ``Linear`` with no quantization method: bf16
-with oneDNN-packed weights as ``prepack_cpu_linears`` leaves them, or float32). Also required:
+with oneDNN-packed weights as ``kernels.onednn.prepack_cpu_linears`` leaves them, or float32). Also required:
 CPU, float32 or bfloat16 activations, SiLU MLP, Llama-style norms (no q/k norm, no soft cap), a
 decode-only step (one query token per request; W8A8: at most ``PACKED_GEMM_MAX_M`` requests), and
 a KV cache the C++ attention reads, and no LoRA adapter row in the step (projections wrapped for
@@ -61,15 +61,26 @@ def _linear_tensors(lin, with_bias: bool) -> Optional[list[torch.Tensor]]:
     return out
 
 
-def _dense_tensors(lin, dtype: torch.dtype) -> Optional[tuple[list[torch.Tensor], bool]]:
-    """A plain ``Linear``'s ``([weight, bias or empty], packed)`` in ``dtype``, or None."""
+def _float_weight(lin) -> Optional[torch.Tensor]:
+    """A float ``Linear``'s weight as its kernel reads it: the oneDNN-packed one
+    (``OneDNNPackedLinearMethod``) or the dense one (no method); None for any other layer."""
+    from pagedllm.kernels.onednn import OneDNNPackedLinearMethod
     from pagedllm.models.layers import Linear
 
-    lin = _unwrap(lin)
-    if not isinstance(lin, Linear) or type(lin).forward is not Linear.forward or lin.quant_method is not None:
+    if not isinstance(lin, Linear) or type(lin).forward is not Linear.forward:
         return None
-    packed = lin._packed is not None
-    w = lin._packed if packed else lin.weight
+    if lin.quant_method is None:
+        return lin.weight
+    return lin.onednn_weight if isinstance(lin.quant_method, OneDNNPackedLinearMethod) else None
+
+
+def _dense_tensors(lin, dtype: torch.dtype) -> Optional[tuple[list[torch.Tensor], bool]]:
+    """A plain ``Linear``'s ``([weight, bias or empty], packed)`` in ``dtype``, or None."""
+    lin = _unwrap(lin)
+    w = _float_weight(lin)
+    if w is None:
+        return None
+    packed = lin.quant_method is not None
     if w.dtype != dtype or (lin.bias is not None and lin.bias.dtype != dtype):
         return None
     # NOTE: the parameters themselves (not detached views), so that Module.to() swapping their
@@ -116,7 +127,7 @@ class FusedDecode:
         """Gather the operands from a ``LlamaModel`` (embed_tokens, layers, norm), or None when
         any layer is not a Llama shape these kernels run, or the kernels are not built."""
         from pagedllm.kernels.cpu_ops import get_ops
-        from pagedllm.models.layers import Linear, RMSNorm
+        from pagedllm.models.layers import RMSNorm
 
         layers = getattr(model, "layers", None)
         norm = getattr(model, "norm", None)
@@ -127,8 +138,7 @@ class FusedDecode:
         # NOTE: the kind is read off the first projection before the C++ kernels are asked for:
         # a model they cannot run (CUDA, weight-only int8/int4) must not trigger their build.
         qkv0 = _unwrap(getattr(getattr(layers[0], "self_attn", None), "qkv_proj", None))
-        w0 = ((qkv0._packed if qkv0._packed is not None else qkv0.weight)
-              if isinstance(qkv0, Linear) and qkv0.quant_method is None else None)
+        w0 = _float_weight(qkv0)
         if _linear_tensors(qkv0, True) is not None:
             kind, dtype = "w8a8", None
         elif (w0 is not None and qkv0.weight.device.type == "cpu"

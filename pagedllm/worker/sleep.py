@@ -298,7 +298,7 @@ def restore(state: WeightSleep) -> None:
                     if n != g.nbytes:
                         raise OSError(f"sleep backup: read {n} of {g.nbytes} bytes")
             if f is not None:
-                from pagedllm.models.layers import pack_bf16_weight
+                from pagedllm.kernels.onednn import pack_bf16_weight
                 for owner, name, nb, shape, dtype, off in state.packed:
                     dense = torch.empty(shape, dtype=dtype)
                     f.seek(off)
