@@ -118,7 +118,6 @@ def shard_pipeline(model: nn.Module, rank: int, size: int) -> tuple[int, int]:
     if not last:
         inner.norm = SendToNextStage()
         model.lm_head = None  # NOTE: load_weights then skips lm_head.weight
-    inner.disable_fused_decode = True  # NOTE: the fused step runs every layer and no send/receive
 
     def keep(name: str) -> bool:
         if name.startswith("model.layers."):

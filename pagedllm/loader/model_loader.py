@@ -38,7 +38,9 @@ the ``ModelBuild`` state and says in its docstring what it needs done before it.
     earlier step may replace or repack the linears.
 13. ``build_pooler``: the pooling runner's pooler over the finished model.
 
-The worker then loads a speculative draft (which needs the finished target) and builds the runner.
+The worker then loads a speculative draft (which needs the finished target) and builds the runner,
+with the runner-level decode accelerator (``worker.fused_decode.build_decode_accelerator``) chosen
+once from the finished model.
 """
 from __future__ import annotations
 
@@ -225,8 +227,6 @@ def choose_weight_format(b: ModelBuild) -> None:
 
 def construct(b: ModelBuild) -> None:
     """The model's modules on the device (parameters uninitialised)."""
-    import pagedllm.worker.fused_decode  # noqa: F401  (plugs the CPU decode-step fast path into the models)
-
     with torch.device(b.device):
         b.model = b.model_cls(b.loaded.hf_config, b.dtype)
 

@@ -12,7 +12,8 @@ prepacking) changes, on this model instance only:
   SiLU/GELU body and its scalar tail round differently, and which elements fall in the tail
   depends on the step's size and thread split);
 * every ``RMSNorm`` of a 3-D input (per-head q/k norms) to the row-wise C++ norm;
-* the fused C++ decode step (``worker/fused_decode.py``) off: it uses oneDNN's linears.
+* (the fused C++ decode step, ``worker/fused_decode.py``, is not built in this mode: it uses
+  oneDNN's linears).
 
 Attention is swapped by the worker (``attention.batch_invariant``). Norms of 2-D inputs, rope,
 the residual adds, embeddings and greedy sampling are row-wise already.
@@ -179,10 +180,5 @@ def enable_batch_invariant(model: nn.Module) -> int:
                 isinstance(p, nn.Parameter) for p in m.parameters(recurse=False)):
             raise ValueError(f"batch_invariant: {name!r} ({type(m).__name__}) has no batch-invariant GEMM; "
                              f"batch_invariant needs unquantized float weights")
-    inner = getattr(model, "model", None)
-    if inner is not None:
-        inner.disable_fused_decode = True  # NOTE: the fused decode step calls oneDNN's linears
-        if hasattr(inner, "_fused"):
-            inner._fused = (None, None)  # NOTE: rebuilt on the next forward, where the flag refuses it
     model.batch_invariant = True
     return swapped

@@ -17,15 +17,23 @@ a KV cache the C++ attention reads, and no LoRA adapter row in the step (project
 LoRA are seen through: a step without adapter rows still runs here). Anything else runs the
 module path.
 ``PAGEDLLM_FUSED_DECODE=0`` turns it off (for A/B runs).
+
+It is a runner-level accelerator, not part of the model: ``build_decode_accelerator(model, ...)``
+runs once after the model is built (``Worker.initialize_cache``, the draft model's proposer),
+decides eligibility once and logs it; ``ModelRunner`` then tries ``FusedDecode.forward`` for each
+step and runs the model's own forward when it returns None. Model files hold no hook for it.
 """
 from __future__ import annotations
 
+import logging
 import os
-from typing import Optional
+from typing import Any, Optional
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+logger = logging.getLogger("pagedllm")
 
 #: Tensors per decoder layer passed to ``llama_decode_w8a8`` (its ``LayerTensor`` enum).
 FUSED_W8A8_TENSORS_PER_LAYER = 17
@@ -131,8 +139,6 @@ class FusedDecode:
 
         layers = getattr(model, "layers", None)
         norm = getattr(model, "norm", None)
-        if getattr(model, "disable_fused_decode", False):  # NOTE: set by tensor/pipeline sharding
-            return None
         if not layers or not isinstance(norm, RMSNorm) or norm.gemma or getattr(norm, "quantize_output", False):
             return None
         # NOTE: the kind is read off the first projection before the C++ kernels are asked for:
@@ -204,6 +210,19 @@ class FusedDecode:
             ok = self._cache_ok[key] = kernel_reads_cache(self.ops, q, kv_cache)
         return ok and kv_cache.is_contiguous()
 
+    def forward(self, model: nn.Module, input_ids: torch.Tensor, positions: torch.Tensor) -> Optional[torch.Tensor]:
+        """The runner's entry: ``model``'s final hidden states ``[T, H]`` for a decode-only step
+        (embedding lookup, then ``run``), or None (nothing computed but maybe the lookup) when
+        this step is not one the kernel runs; inside ``set_forward_context``."""
+        from pagedllm.attention.backend import get_forward_context
+
+        ctx = get_forward_context()
+        meta, n = ctx.attn_metadata, input_ids.shape[0]
+        if ctx.lora_mapping is not None or ctx.inputs_embeds is not None or meta is None \
+                or meta.num_decodes != n or meta.num_reqs != n:
+            return None  # NOTE: before the lookup: a prefill step goes straight to the module path
+        return self.run(model.model.embed_tokens(input_ids), positions)
+
     def run(self, x: torch.Tensor, positions: torch.Tensor) -> Optional[torch.Tensor]:
         """x ``[T, H]`` token embeddings, positions int64 ``[T]`` -> the final norm's output
         ``[T, H]`` (x's dtype), or None (and nothing done) when this step is not a decode-only
@@ -242,13 +261,46 @@ def _llama_layer_forward():
     return LlamaDecoderLayer.forward
 
 
-def install_fused_decode() -> None:
-    """Plug ``FusedDecode.build`` into ``LlamaModel`` (and the architectures built on it) as its
-    decode-step fast path; called on import. Models stay free of kernel code: without this
-    module imported they run the module path."""
+def build_decode_accelerator(model: nn.Module, *, sharded: bool = False, batch_invariant: bool = False,
+                             name: str = "model") -> Optional[FusedDecode]:
+    """The fused decode step for a finished ``model`` (a ``CausalLM``), or None; called once after
+    the model is built, the decision logged once (``name`` says which model).
+
+    Not eligible: ``PAGEDLLM_FUSED_DECODE=0``; several ranks (the fused step has no collectives and
+    runs every layer); batch-invariant mode (it calls oneDNN's linears); a model whose body is not
+    ``LlamaModel``'s forward; layers with forward hooks (EAGLE-3 reads hidden states there, which
+    the fused step bypasses); layers, weights or kernels ``FusedDecode.build`` does not take.
+    """
     from pagedllm.models.llama import LlamaModel
 
-    LlamaModel.fused_decode_builder = staticmethod(FusedDecode.build)
+    inner = getattr(model, "model", None)
+    reason = None
+    if not fused_decode_enabled():
+        reason = "PAGEDLLM_FUSED_DECODE=0"
+    elif sharded:
+        reason = "tensor/pipeline parallel"
+    elif batch_invariant:
+        reason = "batch-invariant mode"
+    elif not isinstance(inner, LlamaModel) or type(inner).forward is not LlamaModel.forward:
+        reason = f"{type(model).__name__} is not a Llama-shaped model"
+    elif any(m._forward_pre_hooks or m._forward_hooks for m in inner.layers):
+        reason = "hooks on the decoder layers read hidden states"
+    plan = FusedDecode.build(inner) if reason is None else None
+    if reason is None and plan is None:
+        reason = "layers, weights, device or kernels the fused step does not take"
+    if plan is not None:
+        logger.info("pagedllm: %s: fused CPU decode step on (%s%s)", name, plan.kind,
+                    ", oneDNN-packed" if plan.packed else "")
+    else:
+        logger.info("pagedllm: %s: fused CPU decode step off (%s)", name, reason)
+    return plan
 
 
-install_fused_decode()
+def decode_step(accelerator: Any, model: nn.Module, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """One forward of ``model``: through ``accelerator`` (a ``FusedDecode``) when it takes the step,
+    else the model's own forward; inside ``set_forward_context``."""
+    if accelerator is not None:
+        out = accelerator.forward(model, input_ids, positions)
+        if out is not None:
+            return out
+    return model(input_ids, positions)

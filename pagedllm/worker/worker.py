@@ -408,6 +408,7 @@ class Worker:
                                   eos_token_id=self.info.eos_token_id, kv_cache_dtype=self.kv_cache_dtype,
                                   spec_decoder=spec_decoder, max_model_len=max_model_len,
                                   lora_manager=self.lora_manager)
+        self._build_decode_accelerators()  # NOTE: after the spec decoder, whose hooks rule it out
         if spec_decoder is not None and hasattr(spec_decoder.proposer, "bind"):
             spec_decoder.proposer.bind(self.runner.kv_caches)  # MTP reads the target's caches
         if self.device.type != "cpu":
@@ -489,6 +490,25 @@ class Worker:
             kw = dict(model=self.draft_model, block_size=self.args.block_size, device=self.device)
         return SpecDecoder(cfg, build_proposer(cfg, **kw))
 
+    def _build_decode_accelerators(self) -> None:
+        """The fused CPU decode step (``worker.fused_decode``) of the runner's model and of a draft
+        model's proposer: built once from the finished models, eligibility logged."""
+        from pagedllm.worker.fused_decode import build_decode_accelerator
+
+        self.runner.decode_accelerator = build_decode_accelerator(
+            self.model, sharded=self.world_size > 1, batch_invariant=self.batch_invariant)
+        proposer = getattr(self.runner.spec_decoder, "proposer", None)
+        if proposer is not None and hasattr(proposer, "decode_accelerator"):
+            proposer.decode_accelerator = build_decode_accelerator(proposer.model, name="draft model")
+
+    def _drop_decode_accelerators(self) -> None:
+        """Drop the fused decode steps' operand lists (they hold the oneDNN-packed weights that
+        sleep frees and wake re-packs as new tensors)."""
+        self.runner.decode_accelerator = None
+        proposer = getattr(self.runner.spec_decoder, "proposer", None)
+        if proposer is not None and hasattr(proposer, "decode_accelerator"):
+            proposer.decode_accelerator = None
+
     # ------------------------------------------------------------------ sleep mode
     def sleep(self, level: int) -> int:
         """Sleep mode (``pagedllm.worker.sleep``): free the weights (level 1: a copy goes to a
@@ -512,6 +532,8 @@ class Worker:
             return 0, 0
         before = resident_memory_bytes()
         mods = [self.model, self.draft_model]
+        if self.runner is not None:
+            self._drop_decode_accelerators()
         extra = [] if self.pooler is None else [t for t in vars(self.pooler).values() if isinstance(t, torch.Tensor)]
         self._sleep["weights"] = S.offload(mods, level, extra)
         self._sleep["kv_cache"] = S.free_eager_kv(self.kv_caches())
@@ -538,6 +560,8 @@ class Worker:
             state = self._sleep.pop("weights")
             if self._sleep_level == 1:
                 S.restore(state)
+                if self.runner is not None:
+                    self._build_decode_accelerators()
             else:
                 # NOTE: the old model's storages are already freed; the rebuild replaces the model,
                 # its runner (and KV caches), the pooler, draft model and LoRA wrappers.
