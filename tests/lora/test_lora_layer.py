@@ -125,14 +125,14 @@ def test_fused_decode_runs_base_steps_and_skips_adapter_steps(hf_tiny, tiny_adap
     plan = FusedDecode.build(model.model)
     assert isinstance(plan, FusedDecode)  # the wrappers are seen through
     ran = []
-    real = plan.run
+    real = plan.forward
 
-    def spy(x, positions):
-        out = real(x, positions)
+    def spy(model, input_ids, positions):  # the runner's entry (decode_step calls it every step)
+        out = real(model, input_ids, positions)
         ran.append(out is not None)
         return out
 
-    monkeypatch.setattr(plan, "run", spy)
+    monkeypatch.setattr(plan, "forward", spy)
     drv = LoRAStepDriver(model, mgr)
     drv.accelerator = plan
     lr = LoRARequest("qv", 1, tiny_adapters["qv"])
