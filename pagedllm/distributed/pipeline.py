@@ -118,7 +118,6 @@ def shard_pipeline(model: nn.Module, rank: int, size: int) -> tuple[int, int]:
     if not last:
         inner.norm = SendToNextStage()
         model.lm_head = None  # NOTE: load_weights then skips lm_head.weight
-    inner.disable_fused_decode = True  # NOTE: the fused step runs every layer and no send/receive
 
     def keep(name: str) -> bool:
         if name.startswith("model.layers."):
@@ -139,4 +138,4 @@ def install_pipeline_comm(model: nn.Module) -> None:
     """After loading: stages before the last compute no logits (``compute_logits`` -> None)."""
     rank, size, _, _ = model.pp_stage
     if rank != size - 1:
-        model.compute_logits = lambda hidden: None
+        model.logits_processor.emits_logits = False

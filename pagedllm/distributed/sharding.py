@@ -21,7 +21,6 @@ def shard_model(model: nn.Module, tp_rank: int, tp_size: int, pp_rank: int, pp_s
     if tp_size > 1:
         from pagedllm.distributed.tensor_parallel import shard_tensor_parallel
         shard_tensor_parallel(model, tp_rank, tp_size)
-        model.model.disable_fused_decode = True  # NOTE: the fused C++ step has no all-reduce
     if pp_size > 1:
         from pagedllm.distributed.pipeline import shard_pipeline
         shard_pipeline(model, pp_rank, pp_size)

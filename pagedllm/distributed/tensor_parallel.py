@@ -233,14 +233,5 @@ def install_tensor_parallel_comm(model: nn.Module) -> None:
             m.o_proj = RowParallelReduce(m.o_proj)
         elif isinstance(m, GatedMLP) and not isinstance(m.down_proj, RowParallelReduce):
             m.down_proj = RowParallelReduce(m.down_proj)
-    vocab, _padded = model.tp_vocab
-    local_logits = model.compute_logits  # bound method, or the quantized head's rebinding
-
-    def compute_logits(hidden: torch.Tensor) -> Optional[torch.Tensor]:
-        """hidden ``[N, H]`` -> float32 logits ``[N, V]`` on TP rank 0, None on the others."""
-        full = get_tp_group().gather(local_logits(hidden).float(), dim=-1)
-        if full is None or full.shape[-1] == vocab:
-            return full
-        return full[:, :vocab].contiguous()
-
-    model.compute_logits = compute_logits
+    # NOTE: the logits processor gathers the vocabulary-sharded logits onto TP rank 0
+    model.logits_processor.tp_vocab = model.tp_vocab

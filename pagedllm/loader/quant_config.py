@@ -52,9 +52,10 @@ def resolve_quant_config(source: str, hf_config: Any, quantization: Optional[str
         ValueError: an unknown or unsupported method or option, or a flag that does not match
             the checkpoint's own format.
     """
-    from pagedllm.quantization.apply import ON_THE_FLY_METHODS
     from pagedllm.quantization.base import get_quantization_config_cls, registered_methods
 
+    # NOTE: from the registry (each config's ``on_the_fly``), so a newly registered method needs nothing here
+    ON_THE_FLY_METHODS = tuple(m for m in registered_methods() if get_quantization_config_cls(m).on_the_fly)
     q = quantization.lower() if isinstance(quantization, str) else quantization
     if q is not None and q != NONE and q not in registered_methods():
         raise ValueError(f"quantization: {quantization!r} is not supported; supported: "

@@ -5,7 +5,6 @@ import contextlib
 from typing import Iterable, Iterator, Optional
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 
@@ -50,6 +49,14 @@ class CausalLM(nn.Module):
             if not self.tie_word_embeddings:
                 from pagedllm.models.layers import Linear
                 self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
+        from pagedllm.models.layers import LogitsProcessor
+        self.logits_processor = LogitsProcessor(getattr(config, "final_logit_softcapping", None) or None,
+                                                self.logits_scaling(config))
+
+    @classmethod
+    def logits_scaling(cls, config) -> Optional[float]:
+        """A divisor of the logits (None: none; Granite: ``config.logits_scaling``)."""
+        return None
 
     def build(self, config) -> nn.Module:  # pragma: no cover - abstract
         raise NotImplementedError
@@ -58,25 +65,11 @@ class CausalLM(nn.Module):
         """input_ids, positions int64 ``[T]`` -> hidden states after the final norm ``[T, hidden]``."""
         return self.model(input_ids, positions)
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """hidden ``[N, hidden]`` -> float32 logits ``[N, vocab]`` (final soft-cap if configured).
-
-        A ``quantized_lm_head`` (a ``Linear`` with a quantization method, set by
-        ``pagedllm.quantization`` for tied embeddings) takes precedence over the float table."""
-        packed = getattr(self, "_packed_head", None)  # tied head packed by prepack_cpu_linears
-        qhead = getattr(self, "quantized_lm_head", None)
-        if qhead is not None:
-            logits = qhead(hidden).float()
-        elif packed is not None and hidden.dtype == torch.bfloat16 and hidden.device.type == "cpu":
-            logits = torch.ops.mkldnn._linear_pointwise(hidden, packed, None, "none", [None], "").float()
-        elif self.lm_head is not None:
-            logits = self.lm_head(hidden).float()
-        else:
-            logits = F.linear(hidden, self.model.embed_tokens.weight).float()
-        cap = getattr(self.config, "final_logit_softcapping", None)
-        if cap:
-            logits = torch.tanh(logits / cap) * cap
-        return logits
+    def compute_logits(self, hidden: torch.Tensor) -> Optional[torch.Tensor]:
+        """hidden ``[N, hidden]`` -> float32 logits ``[N, vocab]`` (``LogitsProcessor``: the head's
+        method, soft cap, scaling; None on a rank that does not emit logits)."""
+        head = self.lm_head if self.lm_head is not None else self.model.embed_tokens
+        return self.logits_processor(head, hidden)
 
     def get_kv_cache_spec(self) -> tuple[int, int, int]:
         """``(num_layers, num_kv_heads, head_dim)`` of the per-layer KV cache."""

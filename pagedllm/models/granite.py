@@ -52,6 +52,7 @@ class GraniteForCausalLM(LlamaForCausalLM):
         model.embedding_multiplier = float(config.embedding_multiplier)
         return model
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """float32 logits ``[N, vocab]`` divided by ``config.logits_scaling``."""
-        return super().compute_logits(hidden) / self.config.logits_scaling
+    @classmethod
+    def logits_scaling(cls, config) -> float:
+        """The logits are divided by ``config.logits_scaling``."""
+        return config.logits_scaling

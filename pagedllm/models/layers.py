@@ -14,6 +14,7 @@ from torch import nn
 
 from pagedllm.attention.layer import Attention
 from pagedllm.kernels.cpu_ops import get_ops  # NOTE: module level: called per layer (get_ops caches)
+from pagedllm.kernels.onednn import pack_bf16_weight, prepack_cpu_linears  # noqa: F401  (re-exported)
 
 ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
     "silu": F.silu,
@@ -26,16 +27,12 @@ ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
 class Linear(nn.Linear):
     """``nn.Linear`` without random init (weights come from the checkpoint).
 
-    After ``prepack_cpu_linears`` a bf16 CPU layer holds its weight only in oneDNN's blocked
-    layout (``_packed``) and runs ``mkldnn._linear_pointwise``: bit-identical to ``F.linear`` and
-    20-40% faster at decode batch sizes on this CPU (docs/performance.md).
-
-    ``quant_method``: the quantization hook. None (the default) runs the float ``weight``; a
-    ``pagedllm.quantization`` linear method, attached from outside the model, owns the layer's
-    weight parameters and runs ``quant_method.apply(self, x, self.bias)`` instead.
+    ``quant_method``: the layer's one hook. None (the default) runs ``F.linear`` on the float
+    ``weight``; a ``LinearMethodBase`` attached from outside the model (a quantization format,
+    oneDNN-packed bf16 ``kernels.onednn``, the batch-invariant GEMM ``worker.batch_invariant``)
+    owns how the weight is stored and runs ``quant_method.apply(self, x, self.bias)`` instead.
     """
 
-    _packed: Optional[torch.Tensor] = None
     quant_method = None
 
     def reset_parameters(self) -> None:  # NOTE: skipping init saves seconds on big models
@@ -45,54 +42,7 @@ class Linear(nn.Linear):
         qm = self.quant_method
         if qm is not None:
             return qm.apply(self, x, self.bias)
-        return self.forward_unquantized(x)
-
-    def forward_unquantized(self, x: torch.Tensor) -> torch.Tensor:
-        """``x [..., K] -> [..., N]`` with the float weight (oneDNN-packed when prepacked)."""
-        p = self._packed
-        if p is not None and x.dtype == torch.bfloat16 and x.device.type == "cpu":
-            return torch.ops.mkldnn._linear_pointwise(x, p, self.bias, "none", [None], "")
         return F.linear(x, self.weight, self.bias)
-
-
-def pack_bf16_weight(w: torch.Tensor) -> Optional[torch.Tensor]:
-    """oneDNN-blocked copy of a bf16 CPU weight ``[N, K]`` for ``mkldnn._linear_pointwise``, or
-    None where this torch build cannot (no mkldnn, other dtype or device)."""
-    if w.dtype != torch.bfloat16 or w.device.type != "cpu" or not torch.backends.mkldnn.is_available():
-        return None
-    try:
-        return torch.ops.mkldnn._reorder_linear_weight(w.detach().contiguous(), 64)
-    except (RuntimeError, AttributeError):
-        return None
-
-
-def prepack_cpu_linears(model: nn.Module, pack_head: bool = True) -> int:
-    """Pack every bf16 ``Linear`` of ``model`` for oneDNN and drop its dense weight.
-
-    The dense ``weight`` becomes an empty tensor (it is not needed again once the model is
-    loaded and quantized); with ``pack_head``, a tied, unquantized LM head gets its own packed
-    copy (``model._packed_head``) since the embedding table stays dense for lookups.
-
-    Returns:
-        bytes held in packed form (not counted by ``model.parameters()`` any more).
-    """
-    extra = 0
-    for m in model.modules():
-        if isinstance(m, Linear) and m._packed is None and m.quant_method is None:
-            packed = pack_bf16_weight(m.weight)
-            if packed is None:
-                continue
-            extra += m.weight.numel() * m.weight.element_size()
-            m._packed = packed
-            m.weight = nn.Parameter(torch.empty(0, dtype=m.weight.dtype), requires_grad=False)
-    embed = getattr(getattr(model, "model", None), "embed_tokens", None)
-    if (pack_head and getattr(model, "lm_head", True) is None and embed is not None
-            and not hasattr(model, "quantized_lm_head")):
-        head = pack_bf16_weight(embed.weight)
-        if head is not None:
-            model._packed_head = head
-            extra += embed.weight.numel() * embed.weight.element_size()
-    return extra
 
 
 class Embedding(nn.Embedding):
@@ -183,13 +133,26 @@ class RMSNorm(nn.Module):
             self._eff_weight, self._weight_key = ((1.0 + w) if self.gemma else w).contiguous(), key
         return self._eff_weight
 
+    #: how the norm is computed: None = ``forward_native``; a method object (``apply(norm, x,
+    #: residual)``) attached from outside: W8A8's quantizing norm, the batch-invariant norm
+    norm_method = None
+
+    @property
+    def quantize_output(self) -> bool:
+        """Whether this norm emits W8A8-quantized rows (its method says so)."""
+        return bool(getattr(self.norm_method, "quantize_output", False))
+
     def forward(self, x: torch.Tensor, residual: Optional[torch.Tensor] = None):
         """RMSNorm of ``x [..., dim]``; with ``residual`` (same shape) the sum ``x + residual`` is
-        normalized and ``(out, x + residual)`` is returned (vLLM's fused add + norm).
+        normalized and ``(out, x + residual)`` is returned (vLLM's fused add + norm)."""
+        m = self.norm_method
+        if m is not None:
+            return m.apply(self, x, residual)
+        return self.forward_native(x, residual)
 
-        On CPU with the C++ kernels (2-D contiguous float32/bfloat16 input) this is one pass and
-        the residual tensor is updated in place.
-        """
+    def forward_native(self, x: torch.Tensor, residual: Optional[torch.Tensor] = None):
+        """``forward`` without a method. On CPU with the C++ kernels (2-D contiguous
+        float32/bfloat16 input) this is one pass and the residual tensor is updated in place."""
         if x.dim() == 2 and x.device.type == "cpu" and x.dtype in (torch.float32, torch.bfloat16):
             if residual is None or (residual.dtype == x.dtype and residual.is_contiguous()):
                 ops = get_ops()
@@ -355,8 +318,16 @@ class GatedMLP(nn.Module):
         self.down_proj = Linear(intermediate, hidden, bias=bias)
         self.act = ACTIVATIONS[act]
 
+    #: how ``act(gate) * up`` is computed from the fused ``[T, 2I]`` output: None = in torch (or
+    #: the gate/up method's ``apply_act_and_mul``); a method object (``apply(mlp, gate_up)``)
+    #: attached from outside (the batch-invariant row-wise kernel)
+    act_method = None
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x ``[T, hidden]`` (or what the gate/up projection's quantization method takes) -> ``[T, hidden]``."""
+        am = self.act_method
+        if am is not None:
+            return self.down_proj(am.apply(self, self.gate_up_proj(x)))
         qm = self.gate_up_proj.quant_method
         if qm is not None:
             # NOTE: a method may compute act(gate) * up in its own form (W8A8: int8 rows for down_proj)
@@ -411,3 +382,58 @@ class SelfAttention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = self.rotary[0].apply_(positions, q, k)  # NOTE: q/k are fresh views of qkv: in place is safe
         return self.o_proj(self.attn(q, k, v))
+
+
+class LogitsProcessor(nn.Module):
+    """hidden ``[N, hidden]`` -> float32 logits ``[N, vocab]``: the LM head's GEMM (through its own
+    ``quant_method``), the tensor-parallel gather, ``1 / logits_scaling`` and the final soft cap.
+
+    ``forward(head, hidden)`` takes the model's LM head: an untied ``lm_head`` (a ``Linear``, which
+    runs its own ``quant_method``), or for tied embeddings the ``Embedding``, whose table is used
+    through ``tied_head`` when set (a quantized copy of the table), else through this module's
+    ``quant_method`` (a ``LinearMethodBase`` applied to the embedding as the layer: the
+    oneDNN-packed table, the batch-invariant GEMM), else ``F.linear`` on the table.
+
+    Attributes:
+        tied_head: a separate quantized ``Linear`` for a tied head, or None.
+        quant_method: the tied table's linear method, or None.
+        tp_vocab: ``(vocab, padded)`` with tensor parallelism: this rank's vocabulary-sharded
+            logits are gathered onto TP rank 0 (None on the other ranks) and cut to ``vocab``.
+        emits_logits: False on a pipeline stage before the last (returns None).
+        logits_scaling: a divisor of the logits (Granite's ``config.logits_scaling``), or None.
+        soft_cap: ``config.final_logit_softcapping`` (``tanh(x / cap) * cap``), or None.
+    """
+
+    def __init__(self, soft_cap: Optional[float] = None, logits_scaling: Optional[float] = None) -> None:
+        super().__init__()
+        self.tied_head: Optional[Linear] = None
+        self.quant_method = None
+        self.tp_vocab: Optional[tuple[int, int]] = None
+        self.emits_logits = True
+        self.soft_cap, self.logits_scaling = soft_cap, logits_scaling
+
+    def forward(self, head: nn.Module, hidden: torch.Tensor) -> Optional[torch.Tensor]:
+        if not self.emits_logits:
+            return None
+        if not isinstance(head, nn.Embedding):
+            logits = head(hidden).float()
+        elif self.tied_head is not None:
+            logits = self.tied_head(hidden).float()
+        elif self.quant_method is not None:
+            logits = self.quant_method.apply(head, hidden, None).float()
+        else:
+            logits = F.linear(hidden, head.weight).float()
+        if self.tp_vocab is not None:
+            from pagedllm.distributed.parallel_state import get_tp_group
+
+            vocab = self.tp_vocab[0]
+            logits = get_tp_group().gather(logits, dim=-1)
+            if logits is None:
+                return None
+            if logits.shape[-1] != vocab:
+                logits = logits[:, :vocab].contiguous()
+        if self.soft_cap:
+            logits = torch.tanh(logits / self.soft_cap) * self.soft_cap
+        if self.logits_scaling is not None:
+            logits = logits / self.logits_scaling
+        return logits

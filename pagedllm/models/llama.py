@@ -2,7 +2,7 @@
 gated MLP. Subclasses change class attributes (the "spec") or the MLP / decoder layer."""
 from __future__ import annotations
 
-from typing import Any, Callable, Optional
+from typing import Optional
 
 import torch
 from torch import nn
@@ -80,32 +80,9 @@ class LlamaModel(nn.Module):
             layer_cls(config, i, self.rotary, head_dim, spec) for i in range(config.num_hidden_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self._fused: tuple = (None, None)  # ((first qkv module, its packed weight) when built, FusedDecode or None)
-
-    # A decode-step fast path plugged in from outside (``pagedllm.worker.fused_decode`` sets it
-    # when imported): a callable taking this module and returning a plan with ``run(x, positions)``
-    # (hidden states, or None to fall back to the module path), or None when it cannot run it.
-    fused_decode_builder: Optional[Callable[[nn.Module], Any]] = None
-
-    def _fused_decode(self):
-        """The fused decode plan of this model (``fused_decode_builder``), or None; rebuilt when
-        quantization or prepacking has swapped the projections' weights since it was last built."""
-        qkv = self.layers[0].self_attn.qkv_proj if len(self.layers) else None
-        # NOTE: prepacking swaps a Linear's weight in place, quantization sets its method
-        key = (qkv, getattr(qkv, "_packed", None), getattr(qkv, "quant_method", None))
-        old = self._fused[0]
-        if old is None or any(a is not b for a, b in zip(old, key)):
-            builder = self.fused_decode_builder
-            self._fused = (key, builder(self) if builder is not None else None)
-        return self._fused[1]
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         x, residual = self.embed_tokens(input_ids), None
-        fused = self._fused_decode()
-        if fused is not None:
-            out = fused.run(x, positions)  # a decode-only step on CPU: one C++ call
-            if out is not None:
-                return out
         for layer in self.layers:
             x, residual = layer(positions, x, residual)
         return self.norm(x, residual)[0]

@@ -71,7 +71,7 @@ def _tied_head(model: nn.Module, config: QuantizationConfig) -> Optional[nn.Modu
     if not config.quantize_lm_head or getattr(model, "lm_head", "absent") is not None:
         return None
     embed = getattr(getattr(model, "model", None), "embed_tokens", None)
-    if embed is None or not hasattr(model, "compute_logits"):
+    if embed is None or not hasattr(model, "logits_processor"):
         return None
     method = config.tied_lm_head_method(model)
     if method is None:
@@ -89,7 +89,7 @@ def _tied_head(model: nn.Module, config: QuantizationConfig) -> Optional[nn.Modu
 
 def process_quantized_model(model: nn.Module, config: QuantizationConfig) -> dict:
     """After ``load_weights``: each method processes its layer, a tied LM head is added
-    (``model.quantized_lm_head``), then model-level passes run; with ``dequantize_after_load``
+    (``model.logits_processor.tied_head``), then model-level passes run; with ``dequantize_after_load``
     every quantized layer goes back to float weights in the model dtype.
 
     Returns:
@@ -108,7 +108,7 @@ def process_quantized_model(model: nn.Module, config: QuantizationConfig) -> dic
             done.append(mod)
         head = _tied_head(model, config)
         if head is not None:
-            model.quantized_lm_head = head
+            model.logits_processor.tied_head = head
             done.append(head)
         dev = getattr(model, "_quant_device", None)
         if dev is not None and dev.type != "cpu":
@@ -118,8 +118,7 @@ def process_quantized_model(model: nn.Module, config: QuantizationConfig) -> dic
             for mod in done:
                 _to_float(mod, getattr(model, "dtype", torch.float32))
             if head is not None:
-                model.quantized_lm_head = None
-                del model.quantized_lm_head
+                model.logits_processor.tied_head = None
             stats["dequantized"] = True
         else:
             stats.update(config.process_model(model))
@@ -158,7 +157,7 @@ def quantize_model(model: nn.Module, method: str, group_size: int = 32, quantize
         method: "int8", "int4" or "w8a8".
         group_size: int4 group size along K (must divide every K; 32 or 64 for SmolLM2).
         quantize_lm_head: also quantize the LM head (a tied embedding gets a separate quantized
-            head, ``model.quantized_lm_head``; the table stays as is for lookups).
+            head, ``model.logits_processor.tied_head``; the table stays as is for lookups).
 
     Returns:
         ``process_quantized_model``'s statistics.

@@ -70,13 +70,13 @@ class EmbeddingMethodBase(QuantizeMethodBase):
 
 
 class UnquantizedLinearMethod(LinearMethodBase):
-    """The float weight (``Linear``'s own path: ``F.linear``, or oneDNN-packed bf16 on CPU).
+    """The float weight (``Linear``'s own path: ``F.linear``).
 
     ``Linear`` runs this path itself when its ``quant_method`` is None; this class exists for code
     that wants a method object for every layer."""
 
     def apply(self, layer, x, bias=None):
-        return layer.forward_unquantized(x)
+        return torch.nn.functional.linear(x, layer.weight, bias)
 
     def dequantize(self, layer):
         return layer.weight.detach().float()
@@ -119,7 +119,7 @@ class QuantizationConfig:
         raise NotImplementedError
 
     def tied_lm_head_method(self, model: nn.Module) -> Optional[LinearMethodBase]:
-        """For tied embeddings: a method for a separate LM head (``model.quantized_lm_head``),
+        """For tied embeddings: a method for a separate LM head (``model.logits_processor.tied_head``),
         built after loading; None = the head is the float embedding table (default)."""
         return None
 

@@ -22,7 +22,7 @@ Fusions, when the C++ kernels are available (``pagedllm.kernels.cpu_ops``; each 
 reference below, which is also the fallback):
 
 * an ``RMSNorm`` whose output feeds a W8A8 projection (a decoder layer's ``norm_feeds``) is
-  given a quantizing subclass from outside (``W8A8Config.process_model``) that quantizes its
+  given the ``QuantizingNormMethod`` from outside (``W8A8Config.process_model``) that quantizes its
   output directly (``rms_norm_quant``), with the residual add folded in;
 * a SiLU-gated MLP turns the gate/up accumulators into the quantized input of ``down_proj`` in
   one pass (``dequant_silu_mul_quant``, ``W8A8LinearMethod.apply_act_and_mul``).
@@ -299,45 +299,39 @@ class W8A8LinearMethod(LinearMethodBase):
         return QuantizedActivation(q, s, qa.dtype)
 
 
-_QUANTIZING_NORMS: dict[type, type] = {}
+class QuantizingNormMethod:
+    """An ``RMSNorm``'s ``norm_method`` whose 2-D CPU output is a ``QuantizedActivation``
+    computed in one fused pass (``rms_norm_quant``), with the residual add folded in; other inputs
+    take the norm's float path. ``quantize_output`` is True (read through ``RMSNorm.quantize_output``
+    by ``worker.fused_decode``)."""
+
+    quantize_output = True
+
+    def apply(self, norm: nn.Module, x: torch.Tensor, residual: Optional[torch.Tensor] = None):
+        if (x.dim() == 2 and x.device.type == "cpu" and x.dtype in (torch.float32, torch.bfloat16)
+                and (residual is None or (residual.dtype == x.dtype and residual.is_contiguous()))):
+            out = rms_norm_quant(x.contiguous(), residual, norm._effective_weight(), norm.eps)
+            return out if residual is None else (out, residual)
+        return norm.forward_native(x, residual)
 
 
-def quantizing_norm_class(norm_cls: type) -> type:
-    """A subclass of the RMSNorm class ``norm_cls`` whose 2-D CPU output is a
-    ``QuantizedActivation`` computed in one fused pass (``rms_norm_quant``), with the residual
-    add folded in; other inputs take the float path. ``quantize_output`` is True on it (read by
-    ``worker.fused_decode``)."""
-    cls = _QUANTIZING_NORMS.get(norm_cls)
-    if cls is None:
-        def forward(self, x, residual=None):
-            if (x.dim() == 2 and x.device.type == "cpu" and x.dtype in (torch.float32, torch.bfloat16)
-                    and (residual is None or (residual.dtype == x.dtype and residual.is_contiguous()))):
-                out = rms_norm_quant(x.contiguous(), residual, self._effective_weight(), self.eps)
-                return out if residual is None else (out, residual)
-            return norm_cls.forward(self, x, residual)
-
-        cls = type(f"Quantizing{norm_cls.__name__}", (norm_cls,),
-                   {"forward": forward, "quantize_output": True, "__module__": __name__,
-                    "__doc__": f"{norm_cls.__name__} emitting W8A8-quantized rows (quantizing_norm_class)."})
-        _QUANTIZING_NORMS[norm_cls] = cls
-    return cls
+_QUANTIZING_NORM = QuantizingNormMethod()
 
 
 def fuse_norms(model: nn.Module) -> int:
     """W8A8: let each norm that directly feeds a dynamic W8A8 projection emit quantized rows.
 
     Decoder layers declare ``norm_feeds = {norm name: projection path}`` (structure only); the
-    norm's class is switched in place to ``quantizing_norm_class`` (same parameters). Returns how
-    many norms were switched."""
+    norm gets the ``QuantizingNormMethod`` (same parameters). Returns how many norms were given it."""
     n = 0
     for layer in model.modules():
         for norm_name, proj_path in getattr(type(layer), "norm_feeds", {}).items():
             norm = getattr(layer, norm_name, None)
             proj = layer.get_submodule(proj_path)
             qm = getattr(proj, "quant_method", None)
-            if (norm is not None and hasattr(norm, "_effective_weight") and isinstance(qm, W8A8LinearMethod)
-                    and not qm.static and not getattr(norm, "quantize_output", False)):
-                norm.__class__ = quantizing_norm_class(type(norm))
+            if (norm is not None and hasattr(norm, "norm_method") and isinstance(qm, W8A8LinearMethod)
+                    and not qm.static and norm.norm_method is None):
+                norm.norm_method = _QUANTIZING_NORM
                 n += 1
     return n
 

@@ -4,7 +4,7 @@
 ``lm_head``) an ``Int8LinearMethod`` / ``Int4LinearMethod``: the checkpoint's float weight loads as
 usual and ``process_weights_after_loading`` quantizes it, replacing ``weight`` by the packed
 tensors below. The LM head is quantized too; for tied embeddings a separate quantized head
-(``model.quantized_lm_head``) is added and the embedding table stays in the model dtype for lookups.
+(``model.logits_processor.tied_head``) is added and the embedding table stays in the model dtype for lookups.
 
 Kernels (torch CPU, see docs/hardware-and-models.md "Which torch ops are fast or slow" and
 docs/performance.md "Low-bit weights"):

@@ -93,6 +93,7 @@ class DraftModelProposer(Proposer):
                           for _ in range(num_layers)]
         # req_id -> positions below which the draft cache holds the request's committed tokens.
         self._valid: dict[str, int] = {}
+        self.decode_accelerator: Any = None  # the draft's fused CPU decode step (set by the worker)
 
     def remove(self, req_id: str, finished: bool = True) -> None:
         self._valid.pop(req_id, None)
@@ -101,8 +102,10 @@ class DraftModelProposer(Proposer):
                  block_ids: list[list[int]]) -> torch.Tensor:
         meta, pos = paged_metadata(starts, lens, block_ids, self.block_size)
         ctx = ForwardContext(attn_metadata=meta, kv_caches=self.kv_caches, impl=self.attn_impl)
+        from pagedllm.worker.fused_decode import decode_step
         with set_forward_context(ctx):
-            return self.model(torch.from_numpy(ids).to(self.device), torch.from_numpy(pos).to(self.device))
+            return decode_step(self.decode_accelerator, self.model, torch.from_numpy(ids).to(self.device),
+                               torch.from_numpy(pos).to(self.device))
 
     @torch.inference_mode()
     def propose(self, batch: ProposeBatch) -> Proposal:

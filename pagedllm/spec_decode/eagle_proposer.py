@@ -202,8 +202,8 @@ def load_eagle3_head(path: str, target: Any, dtype: torch.dtype) -> Any:
 class AuxHiddenCapture:
     """Records the residual stream entering some target decoder layers during the forward
     (EAGLE-3's low / middle / high features: ``x + residual`` of vLLM's layer loop) with
-    forward pre-hooks; the CPU fused decode path (which bypasses the layer modules) is switched
-    off on the target.
+    forward pre-hooks (the CPU fused decode step, which bypasses the layer modules, is not built
+    for a target with hooks: ``worker.fused_decode.build_decode_accelerator``).
 
     Raises:
         ValueError: a target without ``model.layers``.
@@ -215,9 +215,6 @@ class AuxHiddenCapture:
         if layers is None:
             raise ValueError("speculative_config.method: 'eagle3' needs a target with decoder layers "
                              "(model.layers) to read hidden states from")
-        if hasattr(inner, "fused_decode_builder"):
-            inner.fused_decode_builder = None  # NOTE: instance attribute: this target only
-            inner._fused = (None, None)
         self.layer_ids = tuple(layer_ids)
         self.captured: dict[int, torch.Tensor] = {}
         self.handles = [layers[i].register_forward_pre_hook(self._hook(i)) for i in sorted(set(layer_ids))]

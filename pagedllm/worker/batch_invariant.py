@@ -7,22 +7,24 @@ prepacking) changes, on this model instance only:
   ``kernels.batch_invariant.bi_linear``: a row's result no longer depends on how many rows the
   step has (oneDNN/MKL choose kernels by M: on AVX2 the one-row product differs in the last bits
   from the same row of a 4-row product);
-* the tied LM head (``compute_logits``) likewise;
+* the tied LM head (``LogitsProcessor.quant_method``) likewise;
 * every ``GatedMLP``'s ``act(gate) * up`` to the row-wise C++ ``act_mul`` (torch's vectorized
   SiLU/GELU body and its scalar tail round differently, and which elements fall in the tail
   depends on the step's size and thread split);
 * every ``RMSNorm`` of a 3-D input (per-head q/k norms) to the row-wise C++ norm;
-* the fused C++ decode step (``worker/fused_decode.py``) off: it uses oneDNN's linears.
+* (the fused C++ decode step, ``worker/fused_decode.py``, is not built in this mode: it uses
+  oneDNN's linears).
 
 Attention is swapped by the worker (``attention.batch_invariant``). Norms of 2-D inputs, rope,
 the residual adds, embeddings and greedy sampling are row-wise already.
 
-Module classes are swapped for subclasses (``BatchInvariant<Name>``) that override only
-``forward``, so weight loaders and attributes stay where they were.
+Nothing is subclassed or rebound: each module gets a method object through its one hook
+(``Linear.quant_method``, ``GatedMLP.act_method``, ``RMSNorm.norm_method``), so weight loaders and
+attributes stay where they were; a tied LM head's table runs the invariant GEMM as
+``logits_processor.quant_method``.
 """
 from __future__ import annotations
 
-import types
 from typing import Optional
 
 import torch
@@ -30,6 +32,7 @@ from torch import nn
 
 from pagedllm.kernels.batch_invariant import ACT_KINDS, batch_invariant_from_env, bi_linear, get_bi_ops
 from pagedllm.models.layers import ACTIVATIONS, GatedMLP, Linear, RMSNorm
+from pagedllm.quantization.base import LinearMethodBase
 
 
 def batch_invariant_requested(args) -> bool:
@@ -64,42 +67,36 @@ def check_batch_invariant_supported(args, device: torch.device, dtype: torch.dty
         raise ValueError(f"{where}: LoRA adapters (enable_lora) are not supported")
 
 
-class _LinearMixin:
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """x ``[..., K]`` -> ``[..., N]`` via ``bi_linear`` (weight and bias in x's dtype)."""
-        return bi_linear(x, self.weight, self.bias)
+class BatchInvariantLinearMethod(LinearMethodBase):
+    """A float ``Linear``'s ``quant_method`` running ``bi_linear``: ``x [..., K] -> [..., N]``
+    whose rows do not depend on M (weight and bias in x's dtype)."""
+
+    def apply(self, layer, x, bias=None):
+        return bi_linear(x, layer.weight, bias)
+
+    def dequantize(self, layer):
+        return layer.weight.detach().float()
 
 
-class _GatedMLPMixin:
-    _bi_act_kind: int = 0
+class BatchInvariantActMul:
+    """A ``GatedMLP``'s ``act_method``: ``act(gate) * up`` row-wise in float32 (C++ ``act_mul``)."""
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """x ``[T, hidden]`` -> ``[T, hidden]``; ``act(gate) * up`` row-wise in float32."""
-        gu = self.gate_up_proj(x)
-        return self.down_proj(get_bi_ops().act_mul(gu, self._bi_act_kind))
+    def __init__(self, kind: int) -> None:
+        self.kind = kind
+
+    def apply(self, mlp: nn.Module, gate_up: torch.Tensor) -> torch.Tensor:
+        """``gate_up [T, 2I]`` -> ``[T, I]``."""
+        return get_bi_ops().act_mul(gate_up, self.kind)
 
 
-class _RMSNormMixin:
-    def forward(self, x: torch.Tensor, residual: Optional[torch.Tensor] = None):
-        """As ``RMSNorm.forward``; a 3-D input without residual (q/k norms ``[T, H, D]``) is
-        normalized as ``[T * H, D]`` rows by the row-wise 2-D path."""
+class BatchInvariantNormMethod:
+    """An ``RMSNorm``'s ``norm_method``: a 3-D input without residual (q/k norms ``[T, H, D]``) is
+    normalized as ``[T * H, D]`` rows by the row-wise 2-D path; the rest as ``forward_native``."""
+
+    def apply(self, norm: nn.Module, x: torch.Tensor, residual: Optional[torch.Tensor] = None):
         if residual is None and x.dim() > 2:
-            return super().forward(x.reshape(-1, x.shape[-1]).contiguous()).view(x.shape)
-        return super().forward(x, residual)
-
-
-_SWAPPED: dict[tuple[type, type], type] = {}
-
-
-def _swap(module: nn.Module, mixin: type) -> None:
-    """Make ``module`` an instance of ``BatchInvariant<its class>`` (mixin first in the MRO)."""
-    cls = type(module)
-    if issubclass(cls, mixin):
-        return
-    new = _SWAPPED.get((cls, mixin))
-    if new is None:
-        new = _SWAPPED[(cls, mixin)] = type(f"BatchInvariant{cls.__name__}", (mixin, cls), {})
-    module.__class__ = new
+            return norm.forward_native(x.reshape(-1, x.shape[-1]).contiguous()).view(x.shape)
+        return norm.forward_native(x, residual)
 
 
 def intdot_available() -> bool:
@@ -133,22 +130,6 @@ def _dequantize_layer(m: nn.Module, dtype: torch.dtype) -> None:
     m.weight = nn.Parameter(w, requires_grad=False)
 
 
-def _bi_compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-    """``CausalLM.compute_logits`` with the batch-invariant GEMM (bound onto the model instance); a
-    GGUF head on the integer-dot GEMM (invariant by construction) runs as it is."""
-    qhead = getattr(self, "quantized_lm_head", None)
-    if qhead is not None:
-        logits = qhead(hidden).float()
-    elif self.lm_head is not None:
-        logits = self.lm_head(hidden).float()
-    else:
-        logits = bi_linear(hidden, self.model.embed_tokens.weight).float()
-    cap = getattr(self.config, "final_logit_softcapping", None)
-    if cap:
-        logits = torch.tanh(logits / cap) * cap
-    return logits
-
-
 def enable_batch_invariant(model: nn.Module) -> int:
     """Switch ``model`` (a loaded, unquantized, unpacked CPU ``CausalLM``) to batch-invariant
     operators, in place (see the module docstring).
@@ -165,44 +146,39 @@ def enable_batch_invariant(model: nn.Module) -> int:
     kinds = {id(fn): ACT_KINDS[name] for name, fn in ACTIVATIONS.items() if name in ACT_KINDS}
     swapped = 0
     dtype = next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
-    modules = list(model.named_modules())
-    qhead = getattr(model, "quantized_lm_head", None)
-    if qhead is not None and all(qhead is not m for _, m in modules):
-        modules.append(("quantized_lm_head", qhead))
-    for name, m in modules:
+    lp = getattr(model, "logits_processor", None)
+    embed = getattr(getattr(model, "model", None), "embed_tokens", None)
+    linear_method, norm_method = BatchInvariantLinearMethod(), BatchInvariantNormMethod()
+    if lp is not None and lp.tied_head is None and getattr(model, "lm_head", "absent") is None and embed is not None:
+        if lp.quant_method is not None:
+            raise ValueError("batch_invariant: the tied LM head has a method already (oneDNN-packed?)")
+        lp.quant_method = linear_method  # NOTE: the tied table through the invariant GEMM
+    for name, m in list(model.named_modules()):
         if isinstance(m, Linear) and m.quant_method is not None and hasattr(m, "gq_kind"):
             if _intdot_layer(m):  # GGUF blocks on the integer-dot GEMM: invariant as they are
                 swapped += 1
                 continue
             _dequantize_layer(m, dtype)  # other block types (group 16: Q6_K, ...): float weights
         if isinstance(m, Linear):
-            if m._packed is not None or m.weight.dtype not in (torch.float32, torch.bfloat16) \
+            if m.quant_method is not None or m.weight.dtype not in (torch.float32, torch.bfloat16) \
                     or m.weight.device.type != "cpu":
                 raise ValueError(f"batch_invariant: linear {name!r} is not a float32/bfloat16 CPU weight "
                                  f"(packed or on another device)")
-            _swap(m, _LinearMixin)
+            m.quant_method = linear_method
             swapped += 1
         elif isinstance(m, GatedMLP):
             kind = kinds.get(id(m.act))
             if kind is None:
                 raise ValueError(f"batch_invariant: activation of {name!r} has no batch-invariant kernel "
                                  f"(supported: {sorted(ACT_KINDS)})")
-            _swap(m, _GatedMLPMixin)
-            m._bi_act_kind = kind
+            m.act_method = BatchInvariantActMul(kind)
             swapped += 1
         elif isinstance(m, RMSNorm):
-            _swap(m, _RMSNormMixin)
+            m.norm_method = norm_method
             swapped += 1
         elif type(m).__name__.endswith("Linear") and not isinstance(m, Linear) and any(
                 isinstance(p, nn.Parameter) for p in m.parameters(recurse=False)):
             raise ValueError(f"batch_invariant: {name!r} ({type(m).__name__}) has no batch-invariant GEMM; "
                              f"batch_invariant needs unquantized float weights")
-    inner = getattr(model, "model", None)
-    if inner is not None:
-        inner.disable_fused_decode = True  # NOTE: the fused decode step calls oneDNN's linears
-        if hasattr(inner, "_fused"):
-            inner._fused = (None, None)  # NOTE: rebuilt on the next forward, where the flag refuses it
-    if hasattr(model, "compute_logits") and inner is not None and hasattr(inner, "embed_tokens"):
-        model.compute_logits = types.MethodType(_bi_compute_logits, model)
     model.batch_invariant = True
     return swapped

@@ -10,22 +10,30 @@ stays released for the whole forward.
 
 Two kinds of models qualify: W8A8 (every projection a ``Linear`` whose ``W8A8LinearMethod`` holds
 packed weights, the norms feeding them quantizing, ``int8_gemm_packed``) and float ones (every projection a plain ``Linear`` with no quantization method: bf16
-with oneDNN-packed weights as ``prepack_cpu_linears`` leaves them, or float32). Also required:
+with oneDNN-packed weights as ``kernels.onednn.prepack_cpu_linears`` leaves them, or float32). Also required:
 CPU, float32 or bfloat16 activations, SiLU MLP, Llama-style norms (no q/k norm, no soft cap), a
 decode-only step (one query token per request; W8A8: at most ``PACKED_GEMM_MAX_M`` requests), and
 a KV cache the C++ attention reads, and no LoRA adapter row in the step (projections wrapped for
 LoRA are seen through: a step without adapter rows still runs here). Anything else runs the
 module path.
 ``PAGEDLLM_FUSED_DECODE=0`` turns it off (for A/B runs).
+
+It is a runner-level accelerator, not part of the model: ``build_decode_accelerator(model, ...)``
+runs once after the model is built (``Worker.initialize_cache``, the draft model's proposer),
+decides eligibility once and logs it; ``ModelRunner`` then tries ``FusedDecode.forward`` for each
+step and runs the model's own forward when it returns None. Model files hold no hook for it.
 """
 from __future__ import annotations
 
+import logging
 import os
-from typing import Optional
+from typing import Any, Optional
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+logger = logging.getLogger("pagedllm")
 
 #: Tensors per decoder layer passed to ``llama_decode_w8a8`` (its ``LayerTensor`` enum).
 FUSED_W8A8_TENSORS_PER_LAYER = 17
@@ -61,15 +69,26 @@ def _linear_tensors(lin, with_bias: bool) -> Optional[list[torch.Tensor]]:
     return out
 
 
-def _dense_tensors(lin, dtype: torch.dtype) -> Optional[tuple[list[torch.Tensor], bool]]:
-    """A plain ``Linear``'s ``([weight, bias or empty], packed)`` in ``dtype``, or None."""
+def _float_weight(lin) -> Optional[torch.Tensor]:
+    """A float ``Linear``'s weight as its kernel reads it: the oneDNN-packed one
+    (``OneDNNPackedLinearMethod``) or the dense one (no method); None for any other layer."""
+    from pagedllm.kernels.onednn import OneDNNPackedLinearMethod
     from pagedllm.models.layers import Linear
 
-    lin = _unwrap(lin)
-    if not isinstance(lin, Linear) or type(lin).forward is not Linear.forward or lin.quant_method is not None:
+    if not isinstance(lin, Linear) or type(lin).forward is not Linear.forward:
         return None
-    packed = lin._packed is not None
-    w = lin._packed if packed else lin.weight
+    if lin.quant_method is None:
+        return lin.weight
+    return lin.onednn_weight if isinstance(lin.quant_method, OneDNNPackedLinearMethod) else None
+
+
+def _dense_tensors(lin, dtype: torch.dtype) -> Optional[tuple[list[torch.Tensor], bool]]:
+    """A plain ``Linear``'s ``([weight, bias or empty], packed)`` in ``dtype``, or None."""
+    lin = _unwrap(lin)
+    w = _float_weight(lin)
+    if w is None:
+        return None
+    packed = lin.quant_method is not None
     if w.dtype != dtype or (lin.bias is not None and lin.bias.dtype != dtype):
         return None
     # NOTE: the parameters themselves (not detached views), so that Module.to() swapping their
@@ -116,19 +135,16 @@ class FusedDecode:
         """Gather the operands from a ``LlamaModel`` (embed_tokens, layers, norm), or None when
         any layer is not a Llama shape these kernels run, or the kernels are not built."""
         from pagedllm.kernels.cpu_ops import get_ops
-        from pagedllm.models.layers import Linear, RMSNorm
+        from pagedllm.models.layers import RMSNorm
 
         layers = getattr(model, "layers", None)
         norm = getattr(model, "norm", None)
-        if getattr(model, "disable_fused_decode", False):  # NOTE: set by tensor/pipeline sharding
-            return None
         if not layers or not isinstance(norm, RMSNorm) or norm.gemma or getattr(norm, "quantize_output", False):
             return None
         # NOTE: the kind is read off the first projection before the C++ kernels are asked for:
         # a model they cannot run (CUDA, weight-only int8/int4) must not trigger their build.
         qkv0 = _unwrap(getattr(getattr(layers[0], "self_attn", None), "qkv_proj", None))
-        w0 = ((qkv0._packed if qkv0._packed is not None else qkv0.weight)
-              if isinstance(qkv0, Linear) and qkv0.quant_method is None else None)
+        w0 = _float_weight(qkv0)
         if _linear_tensors(qkv0, True) is not None:
             kind, dtype = "w8a8", None
         elif (w0 is not None and qkv0.weight.device.type == "cpu"
@@ -194,6 +210,19 @@ class FusedDecode:
             ok = self._cache_ok[key] = kernel_reads_cache(self.ops, q, kv_cache)
         return ok and kv_cache.is_contiguous()
 
+    def forward(self, model: nn.Module, input_ids: torch.Tensor, positions: torch.Tensor) -> Optional[torch.Tensor]:
+        """The runner's entry: ``model``'s final hidden states ``[T, H]`` for a decode-only step
+        (embedding lookup, then ``run``), or None (nothing computed but maybe the lookup) when
+        this step is not one the kernel runs; inside ``set_forward_context``."""
+        from pagedllm.attention.backend import get_forward_context
+
+        ctx = get_forward_context()
+        meta, n = ctx.attn_metadata, input_ids.shape[0]
+        if ctx.lora_mapping is not None or ctx.inputs_embeds is not None or meta is None \
+                or meta.num_decodes != n or meta.num_reqs != n:
+            return None  # NOTE: before the lookup: a prefill step goes straight to the module path
+        return self.run(model.model.embed_tokens(input_ids), positions)
+
     def run(self, x: torch.Tensor, positions: torch.Tensor) -> Optional[torch.Tensor]:
         """x ``[T, H]`` token embeddings, positions int64 ``[T]`` -> the final norm's output
         ``[T, H]`` (x's dtype), or None (and nothing done) when this step is not a decode-only
@@ -232,13 +261,46 @@ def _llama_layer_forward():
     return LlamaDecoderLayer.forward
 
 
-def install_fused_decode() -> None:
-    """Plug ``FusedDecode.build`` into ``LlamaModel`` (and the architectures built on it) as its
-    decode-step fast path; called on import. Models stay free of kernel code: without this
-    module imported they run the module path."""
+def build_decode_accelerator(model: nn.Module, *, sharded: bool = False, batch_invariant: bool = False,
+                             name: str = "model") -> Optional[FusedDecode]:
+    """The fused decode step for a finished ``model`` (a ``CausalLM``), or None; called once after
+    the model is built, the decision logged once (``name`` says which model).
+
+    Not eligible: ``PAGEDLLM_FUSED_DECODE=0``; several ranks (the fused step has no collectives and
+    runs every layer); batch-invariant mode (it calls oneDNN's linears); a model whose body is not
+    ``LlamaModel``'s forward; layers with forward hooks (EAGLE-3 reads hidden states there, which
+    the fused step bypasses); layers, weights or kernels ``FusedDecode.build`` does not take.
+    """
     from pagedllm.models.llama import LlamaModel
 
-    LlamaModel.fused_decode_builder = staticmethod(FusedDecode.build)
+    inner = getattr(model, "model", None)
+    reason = None
+    if not fused_decode_enabled():
+        reason = "PAGEDLLM_FUSED_DECODE=0"
+    elif sharded:
+        reason = "tensor/pipeline parallel"
+    elif batch_invariant:
+        reason = "batch-invariant mode"
+    elif not isinstance(inner, LlamaModel) or type(inner).forward is not LlamaModel.forward:
+        reason = f"{type(model).__name__} is not a Llama-shaped model"
+    elif any(m._forward_pre_hooks or m._forward_hooks for m in inner.layers):
+        reason = "hooks on the decoder layers read hidden states"
+    plan = FusedDecode.build(inner) if reason is None else None
+    if reason is None and plan is None:
+        reason = "layers, weights, device or kernels the fused step does not take"
+    if plan is not None:
+        logger.info("pagedllm: %s: fused CPU decode step on (%s%s)", name, plan.kind,
+                    ", oneDNN-packed" if plan.packed else "")
+    else:
+        logger.info("pagedllm: %s: fused CPU decode step off (%s)", name, reason)
+    return plan
 
 
-install_fused_decode()
+def decode_step(accelerator: Any, model: nn.Module, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """One forward of ``model``: through ``accelerator`` (a ``FusedDecode``) when it takes the step,
+    else the model's own forward; inside ``set_forward_context``."""
+    if accelerator is not None:
+        out = accelerator.forward(model, input_ids, positions)
+        if out is not None:
+            return out
+    return model(input_ids, positions)

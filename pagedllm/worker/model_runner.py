@@ -78,6 +78,9 @@ class ModelRunner:
         # Per-request state kept across steps (block tables, sampling parameters).
         self.input_batch = InputBatch(vocab_size)
         self.cuda_graphs = None
+        # The fused CPU decode step (``worker.fused_decode.FusedDecode``), set by the worker once
+        # the model is finished; None = every step runs the model's forward.
+        self.decode_accelerator: Any = None
         self.spec_decoder = spec_decoder
         self.max_model_len = max_model_len
         self.lora_manager = lora_manager
@@ -245,8 +248,10 @@ class ModelRunner:
             hidden = self.cuda_graphs.run(input_ids.to(self.device, non_blocking=True),
                                           positions.to(self.device, non_blocking=True), meta)
         else:
+            from pagedllm.worker.fused_decode import decode_step
             with set_forward_context(ctx):
-                hidden = self.model(input_ids.to(self.device), positions.to(self.device))
+                hidden = decode_step(self.decode_accelerator, self.model, input_ids.to(self.device),
+                                     positions.to(self.device))
 
         gen_rows = [i for i, r in enumerate(reqs) if r.sampling_params is not None and r.is_last_chunk]
         grammar = (so.structured_output_request_ids, so.grammar_bitmask)

@@ -169,7 +169,6 @@ class WeightSleep:
     nbytes: int = 0
     backup: Any = None
     packed: list = field(default_factory=list)  # [(owner, name, dense nbytes, shape, dtype, offset)]
-    fused_owners: list = field(default_factory=list)
 
 
 def _host_view(t_or_storage: Any) -> memoryview:
@@ -245,13 +244,8 @@ def offload(modules: Iterable[nn.Module], level: int, extra: Iterable[torch.Tens
         state.backup = f
     else:
         packed = [(owner, name, 0, None, None, -1) for owner, name, _ in packed]
-    # NOTE: the packed weights are re-packed on wake (new tensor objects): the fused decode
-    # step's operand lists (``_fused`` on the model) are dropped and gathered again on first use.
-    for m in modules:
-        for mod in m.modules():
-            if isinstance(getattr(mod, "_fused", None), tuple):
-                mod._fused = (None, None)
-                state.fused_owners.append(mod)
+    # NOTE: the packed weights are re-packed on wake (new tensor objects): the worker drops the
+    # fused decode step's operand lists before sleeping and gathers them again on wake.
     for owner, name, nb, _shape, _dtype, _off in packed:
         setattr(owner, name, None)
         state.nbytes += nb
@@ -298,7 +292,7 @@ def restore(state: WeightSleep) -> None:
                     if n != g.nbytes:
                         raise OSError(f"sleep backup: read {n} of {g.nbytes} bytes")
             if f is not None:
-                from pagedllm.models.layers import pack_bf16_weight
+                from pagedllm.kernels.onednn import pack_bf16_weight
                 for owner, name, nb, shape, dtype, off in state.packed:
                     dense = torch.empty(shape, dtype=dtype)
                     f.seek(off)

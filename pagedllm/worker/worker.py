@@ -79,31 +79,6 @@ class ModelInfo:
     weight_mapped_path: Optional[str] = None
 
 
-def _checkpoint_files(loaded: Any) -> list[str]:
-    """The weight files of a loaded checkpoint: the .gguf file, or an HF directory's safetensors."""
-    if loaded is None or loaded.load_format == "dummy":
-        return []
-    if loaded.source == "gguf":
-        return [loaded.model_path]
-    from pagedllm.loader.hf_loader import safetensors_files
-
-    try:
-        return safetensors_files(loaded.model_path, None)
-    except (OSError, ValueError):
-        return []
-
-
-def _checkpoint_bytes(loaded: Any) -> int:
-    """Total size of ``_checkpoint_files(loaded)`` in bytes."""
-    total = 0
-    for p in _checkpoint_files(loaded):
-        try:
-            total += os.path.getsize(p)
-        except OSError:
-            pass
-    return total
-
-
 def eos_token_id(tokenizer: Any, hf_config: Any) -> Optional[int]:
     """The EOS id from the tokenizer, else the config (the first of a list), else None."""
     eos = getattr(tokenizer, "eos_token_id", None) if tokenizer is not None else None
@@ -114,22 +89,17 @@ def eos_token_id(tokenizer: Any, hf_config: Any) -> Optional[int]:
     return eos
 
 
-def _hub_kwargs(args: EngineArgs) -> dict:
-    """``load_model``'s Hub and format keywords from the engine arguments."""
-    return dict(revision=args.revision, download_dir=args.download_dir, load_format=args.load_format,
-                tokenizer_revision=args.tokenizer_revision, hf_config_path=args.hf_config_path)
-
-
 def load_model_info(args: EngineArgs):
     """Config and tokenizer of ``args.model`` without reading its weights (for an engine whose
     ranks run elsewhere): a ``LoadedModel``."""
     from pagedllm.loader import load_model
+    from pagedllm.loader.model_loader import hub_kwargs
     from pagedllm.platforms import resolve_device, resolve_dtype
 
     dtype = resolve_dtype(args.dtype, resolve_device(args.device))
     loaded = load_model(args.model, dtype=dtype, tokenizer=args.tokenizer,
                         ignore_patterns=args.ignore_patterns or None, quantization=args.quantization,
-                        **_hub_kwargs(args))
+                        **hub_kwargs(args))
     if args.hf_overrides is not None:
         loaded.hf_config = apply_hf_overrides(loaded.hf_config, args.hf_overrides)
     return loaded
@@ -212,172 +182,30 @@ class Worker:
                              self.pp_size, self.device)
 
     def load_model(self) -> ModelInfo:
-        """Build the model (this rank's shard of it), load, quantize and prepack its weights.
+        """Build this rank's model (``loader.model_loader.build_model``: its ordered steps), then
+        the speculative draft, which needs the finished target.
 
         Raises:
             ValueError: unknown model / bad settings, a checkpoint that does not fit the model,
                 or a model this tensor/pipeline split cannot take.
         """
-        from pagedllm.loader import load_model
-        from pagedllm.models.registry import get_model_class
+        from pagedllm.loader.model_loader import ParallelSetup, build_model, checkpoint_bytes
 
         t0 = time.perf_counter()
-        args = self.args
-        loaded = load_model(args.model, dtype=self.dtype, tokenizer=args.tokenizer,
-                            ignore_patterns=args.ignore_patterns or None,
-                            load_tokenizer=self.load_tokenizer, quantization=args.quantization,
-                            **_hub_kwargs(args))
-        self.loaded = loaded
-        if args.hf_overrides is not None:
-            loaded.hf_config = apply_hf_overrides(loaded.hf_config, args.hf_overrides)
-        hf_config = loaded.hf_config
-        if args.runner not in ("generate", "pooling"):
-            raise ValueError(f"runner: must be 'generate' or 'pooling', got {args.runner!r}")
-        archs = list(getattr(hf_config, "architectures", None) or [])
-        if args.runner == "pooling":
-            # *ForSequenceClassification / bare *Model checkpoints load into the causal-LM body.
-            from pagedllm.pooling.adapters import pooling_architectures
-            archs = pooling_architectures(archs)
-        model_cls = get_model_class(archs, args.model_impl if args.runner == "generate" else "pagedllm", hf_config)
-        import pagedllm.worker.fused_decode  # noqa: F401  (plugs the CPU decode-step fast path into the models)
-        from pagedllm.worker.batch_invariant import batch_invariant_requested, check_batch_invariant_supported
-        self.batch_invariant = batch_invariant_requested(args)
-        if self.batch_invariant:
-            check_batch_invariant_supported(args, self.device, self.dtype, self.kv_cache_dtype)
-        with torch.device(self.device):
-            model = model_cls(hf_config, self.dtype)
-        sharded = self.world_size > 1
-        quant = loaded.quant_config
-        if quant is not None and not quant.on_the_fly and self.tp_size > 1:
-            # NOTE: the tensor-parallel weight loaders slice float tensors; quantized ones have no split yet
-            if loaded.source != "gguf":
-                raise ValueError(f"tensor_parallel_size: {self.tp_size} ranks cannot split a {quant.name} checkpoint "
-                                 f"kept quantized yet (dequantizing it needs the full tensors on every rank)")
-            logger.warning("pagedllm: tensor_parallel_size %d: the GGUF blocks are dequantized to %s at load "
-                           "(quantized shards are not split yet)", self.tp_size, str(self.dtype).replace("torch.", ""))
-            loaded.quant_config = quant = None
-        gguf_kept = False
-        if quant is not None and not quant.on_the_fly and self.batch_invariant and loaded.source == "gguf" \
-                and self.device.type == "cpu":
-            from pagedllm.worker.batch_invariant import intdot_available
-            gguf_kept = intdot_available()
-            if gguf_kept:
-                # the integer-dot GEMM is batch invariant by construction: GGUF int4 / int8 group-32
-                # layers keep their blocks; the others are dequantized by enable_batch_invariant
-                logger.info("pagedllm: batch_invariant: GGUF blocks kept (integer-dot GEMM; other block "
-                            "types dequantized to %s)", str(self.dtype).replace("torch.", ""))
-            else:
-                logger.warning("pagedllm: batch_invariant: the GGUF checkpoint's weights are dequantized to %s "
-                               "at load (integer-dot kernel off or not built)", str(self.dtype).replace("torch.", ""))
-                loaded.quant_config = quant = None
-        if quant is not None and not quant.on_the_fly and self.batch_invariant and not gguf_kept:
-            # NOTE: the batch-invariant GEMMs take float weights
-            logger.warning("pagedllm: batch_invariant: the %s checkpoint's weights are dequantized to %s at load",
-                           quant.name, str(self.dtype).replace("torch.", ""))
-            loaded.quant_config = quant = None
-        if sharded:
-            from pagedllm.distributed.sharding import shard_model
-            # NOTE: before loading: the weight loaders then copy only this rank's slices.
-            shard_model(model, self.tp_rank, self.tp_size, self.pp_rank, self.pp_size)
-        weights = loaded.weights()
-        pool_head: dict = {}
-        if args.runner == "pooling":
-            from pagedllm.pooling.adapters import drop_lm_head, split_head_weights
-            drop_lm_head(model)
-            weights = split_head_weights(weights, pool_head)
-        if quant is not None:
-            from pagedllm.quantization import attach_quantization
-            # NOTE: after sharding (a method quantizes this rank's slice) and before loading
-            # (checkpoint formats create the parameters their tensors load into)
-            attach_quantization(model, quant, quantize_lm_head=args.runner == "generate")
-        if loaded.load_format == "dummy":
-            from pagedllm.loader.dummy import initialize_dummy_weights
-            initialize_dummy_weights(model, args.seed)
-        elif loaded.source == "hf" and not sharded:
-            from pagedllm.loader.hf_loader import check_checkpoint_files, safetensors_files
-            check_checkpoint_files(model, loaded.model_path,
-                                   safetensors_files(loaded.model_path, args.ignore_patterns or None),
-                                   skip_names=("score.weight", "score.bias") if args.runner == "pooling" else ())
-        try:
-            if loaded.load_format != "dummy":
-                model.load_weights(weights)
-        except ValueError as e:
-            from pagedllm.loader.hf_loader import annotate_load_error
-            raise annotate_load_error(e, loaded, args.ignore_patterns or None, model_cls.__name__) from None
-        model.eval()
-        if quant is not None:
-            from pagedllm.quantization import process_quantized_model
-            qstats = process_quantized_model(model, quant)
-            logger.info("pagedllm: quantization %s: %d linear layers, %s -> %s", quant.describe(),
-                        qstats["num_linears"], fmt_bytes(qstats["float_bytes"]), fmt_bytes(qstats["quantized_bytes"]))
-
-        def resident_bytes() -> int:  # parameters and buffers
-            return sum(t.numel() * t.element_size() for t in (*model.parameters(), *model.buffers()))
-
-        weight_bytes = resident_bytes()
-        if self.batch_invariant:
-            from pagedllm.worker.batch_invariant import enable_batch_invariant
-            # NOTE: instead of oneDNN prepacking: the invariant GEMM reads the dense weights.
-            enable_batch_invariant(model)
-            logger.info("pagedllm: batch-invariant mode: outputs do not depend on batching, chunking or caching")
-        elif self.device.type == "cpu" and self.dtype == torch.bfloat16:
-            from pagedllm.models.layers import prepack_cpu_linears
-            # NOTE: bf16 linears move to oneDNN's blocked layout and their dense copies are
-            # dropped; a tied LM head gets a packed copy beside the dense embedding table.
-            packed = prepack_cpu_linears(model, pack_head=args.runner == "generate")
-            weight_bytes = resident_bytes() + packed
-        self.mapped_weights = self._map_weights(model, loaded, sharded)
-        if args.enable_lora:
-            self.lora_manager = self._build_lora_manager(model)
-        if sharded:
-            from pagedllm.distributed.sharding import install_communication
-            # NOTE: after quantization and prepacking, which swap or repack the linears.
-            install_communication(model)
-        self.model = model
-        if args.runner == "pooling":
-            from pagedllm.pooling.pooler import build_pooler
-            self.pooler = build_pooler(args, hf_config, model, pool_head.get("weight"), pool_head.get("bias"))
-        if args.speculative_config is not None:
-            draft_bytes = self._load_draft_model(int(hf_config.vocab_size))
-            weight_bytes += draft_bytes
+        parallel = ParallelSetup(self.tp_rank, self.tp_size, self.pp_rank, self.pp_size)
+        b = build_model(self.args, parallel, self.device, self.dtype, self.kv_cache_dtype, self.load_tokenizer)
+        self.loaded, self.model, self.pooler, self.batch_invariant = b.loaded, b.model, b.pooler, b.batch_invariant
+        self.mapped_weights, self.lora_manager = b.mapped_weights, b.lora_manager
+        hf_config, weight_bytes = b.loaded.hf_config, b.weight_bytes
+        if self.args.speculative_config is not None:
+            weight_bytes += self._load_draft_model(int(hf_config.vocab_size))
         self.info = ModelInfo(
-            loaded=loaded, dtype=self.dtype, kv_cache_dtype=self.kv_cache_dtype, device=self.device,
-            vocab_size=int(hf_config.vocab_size), eos_token_id=eos_token_id(loaded.tokenizer, hf_config),
+            loaded=b.loaded, dtype=self.dtype, kv_cache_dtype=self.kv_cache_dtype, device=self.device,
+            vocab_size=int(hf_config.vocab_size), eos_token_id=eos_token_id(b.loaded.tokenizer, hf_config),
             weight_bytes=weight_bytes, load_seconds=time.perf_counter() - t0,
-            weight_file_bytes=_checkpoint_bytes(loaded), weight_mapped_bytes=self.mapped_weights.mapped_bytes,
+            weight_file_bytes=checkpoint_bytes(b.loaded), weight_mapped_bytes=self.mapped_weights.mapped_bytes,
             weight_mapped_path=self.mapped_weights.path)
         return self.info
-
-    def _map_weights(self, model: torch.nn.Module, loaded: Any, sharded: bool):
-        """Serve the loaded parameters from the mapped weight cache (``loader.mapped_weights``): GGUF
-        checkpoints on CPU by default, safetensors too with ``PAGEDLLM_WEIGHT_MMAP=all``; one rank only
-        (a shard's tensors differ per rank). Returns the ``MappedWeights`` (status "off" when not
-        applied); logs what was mapped."""
-        from pagedllm.loader.mapped_weights import MappedWeights, map_model_weights
-
-        from pagedllm import envs
-
-        mode = envs.get("PAGEDLLM_WEIGHT_MMAP")
-        wanted = loaded.source == "gguf" or (mode == "all" and loaded.load_format == "safetensors")
-        # NOTE: not with sleep mode: a sleeping engine frees weight storages (pagedllm.worker.sleep),
-        # which a mapping of the cache file would keep resident.
-        if (mode == "0" or not wanted or loaded.load_format == "dummy" or sharded or self.device.type != "cpu"
-                or self.args.runner != "generate" or getattr(self.args, "enable_sleep_mode", False)):
-            return MappedWeights()
-        files = _checkpoint_files(loaded)
-        args = self.args
-        options = {"dtype": str(self.dtype), "quantization": args.quantization, "source": loaded.source,
-                   "batch_invariant": bool(self.batch_invariant), "hf_overrides": args.hf_overrides,
-                   "quant": type(loaded.quant_config).__name__ if loaded.quant_config is not None else None}
-        t = time.perf_counter()
-        mw = map_model_weights(model, files, options)
-        if mw.path is not None:
-            logger.info("pagedllm: weights: %s mapped from %s (%s, %.2f s; file-backed pages), %s kept as copies",
-                        fmt_bytes(mw.mapped_bytes), mw.path, mw.status, time.perf_counter() - t,
-                        fmt_bytes(mw.copied_bytes))
-        else:
-            logger.info("pagedllm: weights kept as copies (weight cache %s)", mw.status)
-        return mw
 
     def _load_draft_model(self, vocab_size: int) -> int:
         """Load the draft model of ``speculative_config`` (method "draft_model": its own path,
@@ -425,21 +253,6 @@ class Worker:
         logger.info("pagedllm: speculative draft model %s%s loaded: weights %s", cfg.model,
                     f" ({cfg.quantization})" if cfg.quantization else "", fmt_bytes(info.weight_bytes))
         return info.weight_bytes
-
-    def _build_lora_manager(self, model: Any) -> Any:
-        """Wrap the projections for LoRA (after quantization and prepacking, before the tensor-
-        parallel collectives) and return the ``LoRAModelManager``.
-
-        Raises:
-            ValueError: bad LoRA limits, or tensor parallelism (adapters are not sharded).
-        """
-        from pagedllm.lora.model_manager import LoRAModelManager
-
-        max_loras, max_rank, max_cpu = self.args.lora_limits()
-        if self.tp_size > 1:
-            raise ValueError("enable_lora: LoRA adapters are not split across tensor-parallel ranks yet; use "
-                             "tensor_parallel_size=1 (pipeline or data parallelism work)")
-        return LoRAModelManager(model, max_loras, max_rank, max_cpu, self.dtype, self.device)
 
     def add_lora(self, lora_request: Any) -> bool | str:
         """Load an adapter into this rank's CPU cache (``LoRAModelManager.add_adapter``): True
@@ -595,6 +408,7 @@ class Worker:
                                   eos_token_id=self.info.eos_token_id, kv_cache_dtype=self.kv_cache_dtype,
                                   spec_decoder=spec_decoder, max_model_len=max_model_len,
                                   lora_manager=self.lora_manager)
+        self._build_decode_accelerators()  # NOTE: after the spec decoder, whose hooks rule it out
         if spec_decoder is not None and hasattr(spec_decoder.proposer, "bind"):
             spec_decoder.proposer.bind(self.runner.kv_caches)  # MTP reads the target's caches
         if self.device.type != "cpu":
@@ -676,6 +490,25 @@ class Worker:
             kw = dict(model=self.draft_model, block_size=self.args.block_size, device=self.device)
         return SpecDecoder(cfg, build_proposer(cfg, **kw))
 
+    def _build_decode_accelerators(self) -> None:
+        """The fused CPU decode step (``worker.fused_decode``) of the runner's model and of a draft
+        model's proposer: built once from the finished models, eligibility logged."""
+        from pagedllm.worker.fused_decode import build_decode_accelerator
+
+        self.runner.decode_accelerator = build_decode_accelerator(
+            self.model, sharded=self.world_size > 1, batch_invariant=self.batch_invariant)
+        proposer = getattr(self.runner.spec_decoder, "proposer", None)
+        if proposer is not None and hasattr(proposer, "decode_accelerator"):
+            proposer.decode_accelerator = build_decode_accelerator(proposer.model, name="draft model")
+
+    def _drop_decode_accelerators(self) -> None:
+        """Drop the fused decode steps' operand lists (they hold the oneDNN-packed weights that
+        sleep frees and wake re-packs as new tensors)."""
+        self.runner.decode_accelerator = None
+        proposer = getattr(self.runner.spec_decoder, "proposer", None)
+        if proposer is not None and hasattr(proposer, "decode_accelerator"):
+            proposer.decode_accelerator = None
+
     # ------------------------------------------------------------------ sleep mode
     def sleep(self, level: int) -> int:
         """Sleep mode (``pagedllm.worker.sleep``): free the weights (level 1: a copy goes to a
@@ -699,6 +532,8 @@ class Worker:
             return 0, 0
         before = resident_memory_bytes()
         mods = [self.model, self.draft_model]
+        if self.runner is not None:
+            self._drop_decode_accelerators()
         extra = [] if self.pooler is None else [t for t in vars(self.pooler).values() if isinstance(t, torch.Tensor)]
         self._sleep["weights"] = S.offload(mods, level, extra)
         self._sleep["kv_cache"] = S.free_eager_kv(self.kv_caches())
@@ -725,6 +560,8 @@ class Worker:
             state = self._sleep.pop("weights")
             if self._sleep_level == 1:
                 S.restore(state)
+                if self.runner is not None:
+                    self._build_decode_accelerators()
             else:
                 # NOTE: the old model's storages are already freed; the rebuild replaces the model,
                 # its runner (and KV caches), the pooler, draft model and LoRA wrappers.
@@ -789,5 +626,4 @@ class Worker:
 
 
 def _threads_from_env() -> bool:
-    import os
     return any((os.environ.get(v) or "").isdigit() for v in ("PAGEDLLM_NUM_THREADS", "OMP_NUM_THREADS"))

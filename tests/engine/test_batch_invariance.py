@@ -254,7 +254,7 @@ def test_engine_env_switch_and_refused_settings(tiny_dir, monkeypatch):
     llm = LLM(tiny_dir, dtype="float32", kv_cache_memory=64 * BLOCK_BYTES)
     worker = llm.llm_engine.core.executor.driver_worker
     assert worker.batch_invariant and type(worker.runner.attn_impl).__name__ == "BatchInvariantAttention"
-    assert type(worker.model.model.layers[0].mlp).__name__ == "BatchInvariantGatedMLP"
+    assert type(worker.model.model.layers[0].mlp.act_method).__name__ == "BatchInvariantActMul"
     monkeypatch.delenv("VLLM_BATCH_INVARIANT")
     for kw, field in [({"quantization": "int8"}, "quantization"), ({"kv_cache_dtype": "fp8"}, "kv_cache_dtype"),
                       ({"dtype": "float16"}, "dtype")]:

@@ -52,7 +52,7 @@ def test_sleep_wake_levels_outputs_identical(tiny_dir, dtype):
         assert core.kv_cache_manager.block_pool.num_committed_blocks == 0
         assert _weight_storage_bytes(llm) == 0
         if dtype == "bfloat16":
-            assert all(getattr(m, "_packed", None) is None for m in core.model.modules())
+            assert all(getattr(m, "onednn_weight", None) is None for m in core.model.modules())
         with pytest.raises(EngineSleepingError, match="sleeping"):
             llm.generate(PROMPTS, sp, use_tqdm=False)
         llm.sleep(level=level)  # asleep already: a no-op
@@ -161,18 +161,18 @@ def test_offload_restore_views_numpy_and_packed_tensors(tmp_path, monkeypatch):
     m.np_view = m.np_table[5:9]
     dense = torch.randn(32, 64).bfloat16()
     m.packed_lin = Linear(64, 32)
-    m.packed_lin._packed = pack_bf16_weight(dense)
+    m.packed_lin.onednn_weight = pack_bf16_weight(dense)
     ref = [t.clone() for t in (m.lin.weight, m.lin.bias, m.rows, m.np_table, m.np_view)]
     state = offload([m], 1)
     assert m.lin.weight.untyped_storage().nbytes() == 0 and m.np_table.numel() == 0
-    assert m.packed_lin._packed is None
+    assert m.packed_lin.onednn_weight is None
     assert state.nbytes >= sum(t.numel() * t.element_size() for t in ref[:2]) + 40 * 4 + dense.numel() * 2
     restore(state)
     got = (m.lin.weight, m.lin.bias, m.rows, m.np_table, m.np_view)
     assert all(torch.equal(a, b) for a, b in zip(ref, got))
     assert m.rows.data_ptr() == m.lin.weight.data_ptr() + 3 * 64 * 4  # still a view
     assert m.np_view.data_ptr() == m.np_table.data_ptr() + 5 * 4
-    assert torch.equal(m.packed_lin._packed.to_dense(), dense)
+    assert torch.equal(m.packed_lin.onednn_weight.to_dense(), dense)
 
 
 # ------------------------------------------------------------------ server

@@ -15,7 +15,7 @@ import pagedllm.kernels.cpu_ops as cpu_ops
 import pagedllm.quantization.w8a8 as w8a8
 from pagedllm.attention.backend import ForwardContext, set_forward_context
 from pagedllm.attention.torch_paged import TorchPagedAttention, build_metadata
-from pagedllm.worker.fused_decode import FusedDecode
+from pagedllm.worker.fused_decode import FusedDecode, decode_step
 from pagedllm.quantization import quantize_model
 
 torch.set_num_threads(1)
@@ -58,9 +58,15 @@ def _model(dtype, bias=False, window=None, hidden=128, mode="w8a8"):
     return model.eval()
 
 
+def _plan(model):
+    """The model's decode plan, as the engine builds it once the model is finished."""
+    return FusedDecode.build(model.model)
+
+
 def _forward(model, ids, positions, caches, meta, fused: bool):
-    """One forward; ``fused`` picks the path. Returns (hidden, whether the fused kernel ran)."""
-    plan = model.model._fused_decode() if fused else None
+    """One forward as the runner does it (``decode_step``); ``fused`` gives it the model's plan.
+    Returns (hidden, whether the fused kernel ran)."""
+    plan = _plan(model) if fused else None
     ran = []
     if plan is not None:
         real = plan.ops
@@ -78,17 +84,9 @@ def _forward(model, ids, positions, caches, meta, fused: bool):
                 return real.llama_decode_dense(*a, **k)
 
         plan.ops = Spy()
-    model.model._fused_decode()  # (re)builds the plan if the weights changed
-    saved = model.model._fused
-    model.model._fused = saved if fused else (saved[0], None)  # same key, no plan: module path
-    try:
-        ctx = ForwardContext(attn_metadata=meta, kv_caches=caches, impl=TorchPagedAttention())
-        with torch.inference_mode(), set_forward_context(ctx):
-            h = model(ids, positions)
-    finally:
-        model.model._fused = saved
-        if plan is not None:
-            plan.ops = real
+    ctx = ForwardContext(attn_metadata=meta, kv_caches=caches, impl=TorchPagedAttention())
+    with torch.inference_mode(), set_forward_context(ctx):
+        h = decode_step(plan, model, ids, positions)
     return h, bool(ran)
 
 
@@ -138,7 +136,7 @@ def _decode_both(model, lens, caches, blocks, steps=3):
                                         ("prepack", torch.bfloat16)])
 def test_fused_decode_bit_identical(mode, dtype):
     model = _model(dtype, mode=mode)
-    plan = model.model._fused_decode()
+    plan = _plan(model)
     assert plan.kind == ("w8a8" if mode == "w8a8" else "dense") and plan.packed == (mode == "prepack")
     lens = [5, 13, 2, 9]
     caches, blocks = _prefill(model, lens, None, dtype)
@@ -161,7 +159,7 @@ def test_fused_decode_fp8_cache(kv, mode):
 def test_fused_decode_bias_and_sliding_window(mode):
     model = _model(torch.bfloat16, bias=True, window=6, mode=mode)
     assert model.model.layers[0].self_attn.qkv_proj.bias is not None
-    plan = model.model._fused_decode()
+    plan = _plan(model)
     assert plan is not None and plan.windows == [6, 0, 6]
     lens = [11, 4, 17]
     caches, blocks = _prefill(model, lens, None, torch.bfloat16)
@@ -197,7 +195,7 @@ def test_fused_decode_falls_back():
     meta = build_metadata([(6, 1, blocks[0])], BLOCK)
     ctx = ForwardContext(attn_metadata=meta, kv_caches=caches, impl=TorchPagedAttention())
     with torch.inference_mode(), set_forward_context(ctx):
-        assert dense.model._fused_decode().run(torch.zeros(1, 128, dtype=torch.bfloat16), torch.tensor([6])) is None
+        assert _plan(dense).run(torch.zeros(1, 128, dtype=torch.bfloat16), torch.tensor([6])) is None
 
 
 def test_fused_decode_not_built(monkeypatch, tiny_llama):
@@ -210,26 +208,26 @@ def test_fused_decode_not_built(monkeypatch, tiny_llama):
     quantize_model(wo, "int8")
     with monkeypatch.context() as m:
         m.setattr(cpu_ops, "get_ops", no_build)
-        assert wo.model._fused_decode() is None
+        assert _plan(wo) is None
     model = _model(torch.bfloat16)
-    assert isinstance(model.model._fused_decode(), FusedDecode)
+    assert isinstance(_plan(model), FusedDecode)
     monkeypatch.setenv("PAGEDLLM_FUSED_DECODE", "0")
     assert FusedDecode.build(model.model) is None
     assert FusedDecode.build(_model(torch.bfloat16, mode="prepack").model) is None
     monkeypatch.delenv("PAGEDLLM_FUSED_DECODE")
-    # quantizing or prepacking after a first forward rebuilds the plan
+    # a plan gathered after quantizing or prepacking sees the layers' new methods
     m2 = tiny_llama(True, torch.bfloat16)
-    p0 = m2.model._fused_decode()
+    p0 = _plan(m2)
     assert p0.kind == "dense" and not p0.packed
     from pagedllm.models.layers import prepack_cpu_linears
 
     prepack_cpu_linears(m2)
-    p1 = m2.model._fused_decode()
+    p1 = _plan(m2)
     assert p1 is not p0 and p1.kind == "dense" and p1.packed
     m3 = tiny_llama(True, torch.bfloat16)
-    assert m3.model._fused_decode().kind == "dense"
+    assert _plan(m3).kind == "dense"
     quantize_model(m3, "w8a8")
-    assert m3.model._fused_decode().kind == "w8a8"
+    assert _plan(m3).kind == "w8a8"
 
 
 @pytest.mark.slow
@@ -245,7 +243,7 @@ def test_smollm2_fused_decode_same_tokens_and_logprobs(smollm2_path, monkeypatch
     for flag in ("1", "0"):
         monkeypatch.setenv("PAGEDLLM_FUSED_DECODE", flag)
         llm = LLM(smollm2_path, dtype="bfloat16", quantization=quantization, kv_cache_memory=32 * 1024**2, seed=0)
-        plan = llm.llm_engine.core.runner.model.model._fused_decode()
+        plan = llm.llm_engine.core.runner.decode_accelerator
         assert (plan is not None) == (flag == "1")
         if plan is not None:
             assert plan.kind == ("w8a8" if quantization == "w8a8" else "dense") and plan.packed == (quantization == "none")
@@ -266,8 +264,8 @@ def test_fused_decode_survives_deepcopy():
     lens = [5, 8]
     caches, blocks = _prefill(model, lens, None, torch.bfloat16)
     twin = copy.deepcopy(model)
-    plan = twin.model._fused_decode()
-    assert plan is not model.model._fused_decode() and plan.ops is OPS
+    plan = _plan(twin)
+    assert plan is not _plan(model) and plan.ops is OPS
     assert plan.layer_tensors[1] is twin.model.layers[0].self_attn.qkv_proj.weight
     h = _decode_both(twin, lens, caches, blocks, steps=1)
     ids, positions = torch.randint(0, 512, (2,), generator=torch.Generator().manual_seed(2)), torch.tensor(lens)

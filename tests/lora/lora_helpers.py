@@ -92,6 +92,7 @@ class LoRAStepDriver:
         self.blocks: dict[str, list[int]] = {}
         self.pos: dict[str, int] = {}
         self.last_mapping = None
+        self.accelerator = None  # a decode accelerator (``worker.fused_decode``), as the runner holds one
 
     def step(self, chunks):
         from pagedllm.attention.backend import ForwardContext, set_forward_context
@@ -112,8 +113,9 @@ class LoRAStepDriver:
             positions += range(start, start + r.num_tokens)
             self.pos[r.rid] = start + r.num_tokens
         ctx = ForwardContext(build_metadata(meta_reqs, BS), self.caches, TorchPagedAttention(), lora_mapping=mapping)
+        from pagedllm.worker.fused_decode import decode_step
         with torch.no_grad(), set_forward_context(ctx):
-            hidden = self.model(torch.tensor(ids), torch.tensor(positions))
+            hidden = decode_step(self.accelerator, self.model, torch.tensor(ids), torch.tensor(positions))
         logits = self.model.compute_logits(hidden).float()
         out, off = {}, 0
         for r in reqs:

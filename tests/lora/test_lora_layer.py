@@ -122,18 +122,19 @@ def test_fused_decode_runs_base_steps_and_skips_adapter_steps(hf_tiny, tiny_adap
 
     model = ours_from_hf(hf_tiny)
     mgr = LoRAModelManager(model, 2, 8, 2, torch.float32, torch.device("cpu"))
-    plan = model.model._fused_decode()
+    plan = FusedDecode.build(model.model)
     assert isinstance(plan, FusedDecode)  # the wrappers are seen through
     ran = []
-    real = plan.run
+    real = plan.forward
 
-    def spy(x, positions):
-        out = real(x, positions)
+    def spy(model, input_ids, positions):  # the runner's entry (decode_step calls it every step)
+        out = real(model, input_ids, positions)
         ran.append(out is not None)
         return out
 
-    monkeypatch.setattr(plan, "run", spy)
+    monkeypatch.setattr(plan, "forward", spy)
     drv = LoRAStepDriver(model, mgr)
+    drv.accelerator = plan
     lr = LoRARequest("qv", 1, tiny_adapters["qv"])
     prompt = [5, 17, 3, 88, 42, 9]
     drv.step([("a", prompt, None), ("b", prompt, lr)])

@@ -6,7 +6,8 @@ import copy
 import pytest
 import torch
 
-from pagedllm.models.layers import Linear, prepack_cpu_linears
+from pagedllm.kernels.onednn import OneDNNPackedLinearMethod, prepack_cpu_linears
+from pagedllm.models.layers import Linear
 
 torch.set_num_threads(1)
 
@@ -33,11 +34,15 @@ def test_prepacked_model_is_bit_identical(tie, tiny_llama):
     packed = copy.deepcopy(model)
     nbytes = prepack_cpu_linears(packed)
     linears = [m for m in packed.modules() if isinstance(m, Linear)]
-    assert linears and all(m._packed is not None and m.weight.numel() == 0 for m in linears)
+    assert linears and all(isinstance(m.quant_method, OneDNNPackedLinearMethod) and m.weight.numel() == 0
+                           for m in linears)
     dense = sum(m.weight.numel() * 2 for m in model.modules() if isinstance(m, Linear))
     head = model.model.embed_tokens.weight.numel() * 2 if tie else 0
     assert nbytes == dense + head
-    assert (getattr(packed, "_packed_head", None) is not None) == tie
+    lp = packed.logits_processor
+    assert isinstance(lp.quant_method, OneDNNPackedLinearMethod) == tie and lp.tied_head is None
+    if tie:  # a packed copy beside the dense table, which stays for lookups
+        assert packed.model.embed_tokens.onednn_weight is not None and packed.model.embed_tokens.weight.numel() > 0
     got = _logits(packed, ids)
     assert torch.equal(got, ref)
 
@@ -45,4 +50,4 @@ def test_prepacked_model_is_bit_identical(tie, tiny_llama):
 def test_float32_models_are_left_alone(tiny_llama):
     model = tiny_llama(True)
     assert prepack_cpu_linears(model) == 0
-    assert all(m._packed is None and m.weight.numel() > 0 for m in model.modules() if isinstance(m, Linear))
+    assert all(m.quant_method is None and m.weight.numel() > 0 for m in model.modules() if isinstance(m, Linear))
