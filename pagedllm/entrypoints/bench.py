@@ -334,6 +334,7 @@ def build_null_model_llm(model: str, num_prompts: int, max_prompt_len: int, outp
     V = int(core.vocab_size)
     null = NullModel(V, seed=seed, token_range=(256, V) if V > 512 // 2 + 1 else None)
     core.runner.model = null
+    core.runner.decode_accelerator = None  # built for the real model's layers, not the null one
     core._driver_worker().model = null
     return llm
 
