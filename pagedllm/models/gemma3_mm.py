@@ -111,7 +111,7 @@ class Gemma3ForConditionalGeneration(Gemma3ForCausalLM):
                 self.multi_modal_projector = Gemma3MultiModalProjector(full)
             for p in list(self.vision_tower.parameters()) + list(self.multi_modal_projector.parameters()):
                 p.optional = True  # loaded by load_weights below, not the text loader
-            self.image_token_id = int(full.image_token_id)
+            self.image_token_id = int(getattr(full, "image_token_id", None) or full.image_token_index)
             self.mm_tokens_per_image = int(full.mm_tokens_per_image)
 
     def build(self, config) -> nn.Module:
@@ -131,6 +131,23 @@ class Gemma3ForConditionalGeneration(Gemma3ForCausalLM):
         out = self.vision_tower(pixel_values=pixel_values.to(p.device, p.dtype)).last_hidden_state
         return self.multi_modal_projector(out)
 
+    def _vision_name(self, name: str):
+        """Our name of a vision-tower / projector checkpoint tensor, or None for other tensors."""
+        if name.startswith("model."):
+            name = name[len("model."):]
+        if name.startswith("vision_tower.vision_model."):
+            name = "vision_tower." + name[len("vision_tower.vision_model."):]
+        return name if name.startswith(("vision_tower.", "multi_modal_projector.")) else None
+
+    def _canonical_name(self, name: str):
+        v = self._vision_name(name) if self.supports_images else None
+        return v if v is not None else super()._canonical_name(name)
+
+    def param_target(self, name: str) -> tuple[str, object]:
+        if name.startswith(("vision_tower.", "multi_modal_projector.")):
+            return name, None  # NOTE: HF modules: no packed q/k/v
+        return super().param_target(name)
+
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         """The text decoder's tensors through ``CausalLM.load_weights``; the vision tower's and the
         projector's copied into their modules (names as in ``transformers``' own state dicts).
@@ -145,20 +162,18 @@ class Gemma3ForConditionalGeneration(Gemma3ForCausalLM):
 
         def text_only():
             for name, t in weights:
-                pre = next((p for p in VISION_PREFIXES + PROJECTOR_PREFIXES if name.startswith(p)), None)
-                if pre is None:
+                v = self._vision_name(name)
+                if v is None:
                     yield name, t
                 else:
-                    vision[name] = t
+                    vision[v] = t
 
         loaded = super().load_weights(text_only())
         targets = {f"vision_tower.{k}": v for k, v in self.vision_tower.state_dict().items()}
         targets.update({f"multi_modal_projector.{k}": v for k, v in self.multi_modal_projector.state_dict().items()})
         unexpected = []
         for name, t in vision.items():
-            key = name[len("model."):] if name.startswith("model.") else name
-            if key not in targets and key.startswith("vision_tower.vision_model."):
-                key = "vision_tower." + key[len("vision_tower.vision_model."):]
+            key = name
             dst = targets.pop(key, None)
             if dst is None:
                 unexpected.append(name)

@@ -595,6 +595,7 @@ class Worker:
                                   eos_token_id=self.info.eos_token_id, kv_cache_dtype=self.kv_cache_dtype,
                                   spec_decoder=spec_decoder, max_model_len=max_model_len,
                                   lora_manager=self.lora_manager)
+        _size_encoder_cache(self.runner, args)
         if spec_decoder is not None and hasattr(spec_decoder.proposer, "bind"):
             spec_decoder.proposer.bind(self.runner.kv_caches)  # MTP reads the target's caches
         if self.device.type != "cpu":
@@ -791,3 +792,10 @@ class Worker:
 def _threads_from_env() -> bool:
     import os
     return any((os.environ.get(v) or "").isdigit() for v in ("PAGEDLLM_NUM_THREADS", "OMP_NUM_THREADS"))
+
+
+def _size_encoder_cache(runner, args) -> None:
+    """Bound the runner's encoder cache (image-text models) by ``args.encoder_cache_size`` tokens."""
+    size = getattr(args, "encoder_cache_size", None)
+    if runner.encoder_cache is not None and size is not None:
+        runner.encoder_cache.capacity = int(size)
