@@ -109,7 +109,7 @@ def normalize_messages(messages: list[dict], images: Optional[ImageCollector] = 
         m = dict(m)
         c = m.get("content")
         if isinstance(c, list):
-            parts = []
+            parts: list[Any] = []
             has_image = False
             for j, p in enumerate(c):
                 ptype = p.get("type") if isinstance(p, dict) else None

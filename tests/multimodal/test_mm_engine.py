@@ -82,16 +82,16 @@ def test_chat_with_image_part(ckpt, llm):
 def test_prefix_cache_keyed_by_image(llm):
     a, b = image(10), image(11)
     text = "w3 w4 w5 w6 w7 w8 w9 w13 <start_of_image> w14 w15 w16 w17 w18"
-    first, t1, _ = _run(llm, {"prompt": text, "multi_modal_data": {"image": a}})
-    again, t2, _ = _run(llm, {"prompt": text, "multi_modal_data": {"image": a.copy()}})
-    other, t3, _ = _run(llm, {"prompt": text, "multi_modal_data": {"image": b}})
-    assert t2 == t1
+    first, t1, lp1 = _run(llm, {"prompt": text, "multi_modal_data": {"image": a}})
+    again, t2, lp2 = _run(llm, {"prompt": text, "multi_modal_data": {"image": a.copy()}})
+    other, t3, lp3 = _run(llm, {"prompt": text, "multi_modal_data": {"image": b}})
+    assert t2 == t1 and lp2 == pytest.approx(lp1, abs=1e-5)
     start = first.prompt_token_ids.index(255)  # the first image placeholder
     # the same image: the blocks past the image hit; another image: only the blocks before it
     assert again.num_cached_tokens >= start + 4
     assert other.num_cached_tokens <= start
     assert other.num_cached_tokens > 0
-    assert t3 != t1
+    assert abs(lp3[0] - lp1[0]) > 1e-4  # the other image's embeddings were used, not the cached KV
 
 
 def test_encoder_cache_bound_and_counts(llm):
@@ -158,3 +158,16 @@ def test_text_only_model_refuses_images(tmp_path):
     with pytest.raises(InputValidationError, match="does not take images"):
         text_llm.chat([{"role": "user", "content": [{"type": "image_pil", "image_pil": image(1)}]}], greedy(),
                       use_tqdm=False, chat_template="{% for m in messages %}{{ m['content'] }}{% endfor %}")
+
+
+def test_mm_chunk_end_never_splits_a_bidirectional_run():
+    from pagedllm.core.scheduler import mm_chunk_end
+    from pagedllm.multimodal import MultiModalFeature
+
+    bi = [MultiModalFeature("image", "h", 10, 4, None, True)]
+    assert mm_chunk_end(bi, 0, 8) == 8  # ends before the run
+    assert mm_chunk_end(bi, 0, 12) == 10  # would end inside: stops before it
+    assert mm_chunk_end(bi, 8, 8) == 8  # covers the whole run
+    assert mm_chunk_end(bi, 11, 2) == 0  # starts inside (a prefix hit) and cannot reach its end
+    causal = [MultiModalFeature("image", "h", 10, 4, None, False)]
+    assert mm_chunk_end(causal, 0, 12) == 12  # a causal run may be split

@@ -64,7 +64,7 @@ def test_openai_client_image(setup):
 def test_anthropic_and_ollama_clients(setup):
     base, _ = setup
     c = anthropic.Anthropic(base_url=base, api_key="x")
-    m = c.messages.create(model="tiny", max_tokens=N, temperature=0, messages=[{"role": "user", "content": [
+    m = c.messages.create(model="tiny", max_tokens=N, extra_body={"temperature": 0}, messages=[{"role": "user", "content": [
         {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": B64}},
         {"type": "text", "text": "w40 w41"}]}])
     assert m.content and m.usage.output_tokens >= 1
@@ -110,8 +110,8 @@ def test_metrics_show_encoder_cache(setup):
     base, _ = setup
     text = httpx.get(base + "/metrics", timeout=30).text
     lines = {ln.split("{")[0]: float(ln.rsplit(" ", 1)[1]) for ln in text.splitlines()
-             if ln.startswith("vllm:encoder_cache")}
-    assert lines["vllm:encoder_cache_capacity_tokens"] == 8192
-    assert 0 < lines["vllm:encoder_cache_usage_tokens"] <= 8192
-    assert lines["vllm:encoder_cache_queries_total"] >= 3
-    assert lines["vllm:encoder_cache_hits_total"] >= 1
+             if ln.startswith("pagedllm:encoder_cache")}
+    assert lines["pagedllm:encoder_cache_capacity_tokens"] == 8192
+    assert 0 < lines["pagedllm:encoder_cache_usage_tokens"] <= 8192
+    assert lines["pagedllm:encoder_cache_queries_total"] >= 3
+    assert lines["pagedllm:encoder_cache_hits_total"] >= 1
