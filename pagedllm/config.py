@@ -205,6 +205,14 @@ class EngineArgs:
         enable_prompt_embeds: accept prompts given as embeddings (``{"prompt_embeds": tensor}``
             offline, ``prompt_embeds`` on ``/v1/completions``; vLLM's flag); off by default.
             Generation only, one in-process worker.
+        limit_mm_per_prompt: most items per modality in one prompt (vLLM's ``--limit-mm-per-prompt``,
+            e.g. ``{"image": 2}``); None = 1 image. Only for image-text models (Gemma 3).
+        mm_processor_kwargs: kwargs for the HF processor on every request (vLLM's flag); a request's
+            own ``mm_processor_kwargs`` override them.
+        allowed_local_media_path: a directory ``file://`` image URLs may read from ("" = none).
+        allowed_media_domains: hosts ``http(s)`` image URLs may be fetched from (None = remote
+            media refused).
+        encoder_cache_size: bound of the encoder cache, in tokens of image embeddings (None = 8192).
         scheduling_policy: "fcfs" (first come, first served) or "priority" (vLLM's
             ``--scheduling-policy``): waiting requests run in order of their ``priority`` (lower
             first, ties by arrival) and preemption takes the lowest-priority running request;
@@ -270,6 +278,11 @@ class EngineArgs:
     max_lora_rank: int = 16
     max_cpu_loras: Optional[int] = None
     enable_prompt_embeds: bool = False
+    limit_mm_per_prompt: Optional[dict] = None
+    mm_processor_kwargs: Optional[dict] = None
+    allowed_local_media_path: str = ""
+    allowed_media_domains: Optional[list] = None
+    encoder_cache_size: Optional[int] = None
     scheduling_policy: str = "fcfs"
     otlp_traces_endpoint: Optional[str] = None
     kv_events_config: Optional[Any] = None

@@ -35,10 +35,16 @@ class TextPrompt(TypedDict):
         prompt: the text.
         cache_salt: optional string mixed into the first prefix-cache block hash, so only
             requests with the same salt share cached blocks.
+        multi_modal_data: ``{"image": PIL.Image or list of them}`` for an image-text model (vLLM's
+            key); the prompt marks each image with the processor's placeholder (Gemma 3:
+            ``<start_of_image>``).
+        mm_processor_kwargs: kwargs for the HF processor of this prompt.
     """
 
     prompt: str
     cache_salt: NotRequired[str]
+    multi_modal_data: NotRequired[dict]
+    mm_processor_kwargs: NotRequired[dict]
 
 
 class TokensPrompt(TypedDict):
@@ -77,4 +83,5 @@ PromptType = SingletonPrompt
 serves decoder-only models)."""
 
 # Keys a dict prompt may have (anything else, e.g. vLLM's multi_modal_data, is refused).
-PROMPT_KEYS = frozenset({"prompt", "prompt_token_ids", "prompt_embeds", "cache_salt"})
+PROMPT_KEYS = frozenset({"prompt", "prompt_token_ids", "prompt_embeds", "cache_salt", "multi_modal_data",
+                         "mm_processor_kwargs"})

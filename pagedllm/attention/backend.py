@@ -33,6 +33,9 @@ class AttentionMetadata:
         slot_mapping: int64 ``[T]`` flat slot of every new token; -1 = padding, not written.
         block_size: tokens per block.
         max_seq_len: max(seq_lens).
+        bidirectional_ranges: per request, the ``[start, end)`` position ranges (image placeholder
+            runs of a model with ``mm_bidirectional``) whose tokens also see each other's later keys
+            (prefill only; a chunk never ends inside one); None = causal everywhere.
     """
 
     num_reqs: int
@@ -46,6 +49,7 @@ class AttentionMetadata:
     slot_mapping: torch.Tensor
     block_size: int
     max_seq_len: int
+    bidirectional_ranges: Optional[list[Optional[list[tuple[int, int]]]]] = None
 
 
 class AttentionImpl:
@@ -95,6 +99,10 @@ class ForwardContext:
     # [R, hidden])``, the flat token rows whose input embedding is ``embeds`` instead of the
     # lookup of their (placeholder) ids; the model's ``Embedding`` applies it. None = none.
     inputs_embeds: Optional[tuple[torch.Tensor, torch.Tensor]] = None
+    # Image embeddings of the step: ``(rows int64 [R], embeds [R, hidden])``, the flat token rows
+    # (image placeholders) that take encoder outputs; applied by a multimodal model where its
+    # architecture puts them (Gemma 3: after the embedding scale). None = none.
+    mm_embeds: Optional[tuple[torch.Tensor, torch.Tensor]] = None
 
 
 _forward_context: Optional[ForwardContext] = None

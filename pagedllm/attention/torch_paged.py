@@ -231,11 +231,15 @@ class TorchPagedAttention(AttentionImpl):
         # NOTE: the C++ prefill kernel reads K/V through the block table (no gather) and beats
         # SDPA on short prompts (docs/performance.md); bf16 with AVX512-BF16 only.
         prefill_kernel = use_kernel and nd < meta.num_reqs and self._ops.prefill_supported(q)
+        bidir_all = meta.bidirectional_ranges
         for i in range(nd, meta.num_reqs):
             qs, ql = int(meta.query_start_loc[i]), meta.query_lens[i]
             seq_len = meta.seq_lens_list[i]
             ctx = seq_len - ql
-            if prefill_kernel:
+            # NOTE: image runs this chunk's queries are in: those need the explicit mask (torch path)
+            bidir = ([(a, b) for a, b in bidir_all[i] or () if a < seq_len and b > ctx]
+                     if bidir_all is not None else None) or None
+            if prefill_kernel and bidir is None:
                 out[qs : qs + ql] = self._ops.paged_prefill_attention(
                     q[qs : qs + ql], kv_cache, meta.block_tables[i], ctx, float(scale),
                     int(sliding_window or 0), float(logits_soft_cap or 0.0))
@@ -249,8 +253,10 @@ class TorchPagedAttention(AttentionImpl):
                 blocks = meta.block_tables[i : i + 1, first // bs : math.ceil(seq_len / bs)]
                 kc, vc = _gather(kv_cache, blocks)
                 kc, vc = kc[0, :, : seq_len - first].to(q.dtype), vc[0, :, : seq_len - first].to(q.dtype)
+            if bidir is not None:
+                bidir = [(a - first, b - first) for a, b in bidir]
             out[qs : qs + ql] = self._prefill(
-                q[qs : qs + ql], kc, vc, ctx - first, scale, sliding_window, logits_soft_cap
+                q[qs : qs + ql], kc, vc, ctx - first, scale, sliding_window, logits_soft_cap, bidir
             )
         return out
 
@@ -276,32 +282,37 @@ class TorchPagedAttention(AttentionImpl):
         return out.squeeze(2)
 
     @staticmethod
-    def _prefill(q, kc, vc, q_offset, scale, window, soft_cap) -> torch.Tensor:
+    def _prefill(q, kc, vc, q_offset, scale, window, soft_cap, bidir=None) -> torch.Tensor:
         """q ``[Lq, Hq, D]`` at positions ``q_offset + i``; kc/vc ``[Hkv, Lk, D]`` at ``0..Lk-1``.
+
+        ``bidir``: ``[start, end)`` ranges (in kc's positions) whose tokens see each other whatever
+        the order (image runs; HF Gemma 3: ``window AND (causal OR same-range)``); None = causal.
 
         A chunk that needs a mask (earlier context, a window or a soft-cap) runs in blocks of
         ``PREFILL_Q_BLOCK`` query rows (bit-identical: each row's result does not depend on the other
         rows): the mask (and the soft-cap path's scores) are then at most ``PREFILL_Q_BLOCK x Lk``
         instead of ``Lq x Lk``."""
         lq = q.shape[0]
-        if lq > PREFILL_Q_BLOCK and (window is not None or q_offset != 0 or soft_cap is not None):
+        if lq > PREFILL_Q_BLOCK and (window is not None or q_offset != 0 or soft_cap is not None or bidir):
             return torch.cat([
                 TorchPagedAttention._prefill_rows(q[r:r + PREFILL_Q_BLOCK], kc, vc, q_offset + r, scale, window,
-                                                  soft_cap)
+                                                  soft_cap, bidir)
                 for r in range(0, lq, PREFILL_Q_BLOCK)])
-        return TorchPagedAttention._prefill_rows(q, kc, vc, q_offset, scale, window, soft_cap)
+        return TorchPagedAttention._prefill_rows(q, kc, vc, q_offset, scale, window, soft_cap, bidir)
 
     @staticmethod
-    def _prefill_rows(q, kc, vc, q_offset, scale, window, soft_cap) -> torch.Tensor:
+    def _prefill_rows(q, kc, vc, q_offset, scale, window, soft_cap, bidir=None) -> torch.Tensor:
         # NOTE: every block sees all of kc / vc (the later keys masked): cutting them to the visible
         # ones changes SDPA's tiling and the last bits of the result
         lq, lk = q.shape[0], kc.shape[1]
         qt, kt, vt = q.transpose(0, 1).unsqueeze(0), kc.unsqueeze(0), vc.unsqueeze(0)
         allowed = None
-        if window is not None or q_offset != 0 or soft_cap is not None:
+        if window is not None or q_offset != 0 or soft_cap is not None or bidir:
             qpos = torch.arange(q_offset, q_offset + lq).unsqueeze(1)
             kpos = torch.arange(lk).unsqueeze(0)
             allowed = kpos <= qpos
+            for a, b in bidir or ():
+                allowed |= (qpos >= a) & (qpos < b) & (kpos >= a) & (kpos < b)
             if window is not None:
                 allowed &= kpos > qpos - window
         if soft_cap is not None:

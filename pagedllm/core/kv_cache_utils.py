@@ -72,14 +72,35 @@ def hash_block_tokens(
     return hash_fn(data)
 
 
-def block_extra_keys(request: Any, block_index: int) -> Optional[tuple[Any, ...]]:
+def block_extra_keys(request: Any, block_index: int, block_size: Optional[int] = None) -> Optional[tuple[Any, ...]]:
     """Extra keys mixed into block ``block_index`` of ``request``: on block 0, its
     ``cache_salt`` (a str) and its LoRA adapter's ``lora_int_id`` (an int), so requests with
     different adapters (or none) never share KV blocks; and for a prompt given as embeddings
     the digest of those embeddings (its token ids are placeholders), so it never shares blocks
-    with a token prompt or other embeddings."""
+    with a token prompt or other embeddings.
+
+    With ``block_size``, a block that holds image placeholder tokens (``request.mm_features``)
+    also mixes in the content hash of every image whose placeholder run overlaps it (vLLM v1's
+    ``mm_hashes`` extra keys): the same image in the same place hits, another image misses."""
+    mm = _mm_extra_keys(request, block_index, block_size) if block_size else None
     if block_index != 0:
+        return mm
+    base = _first_block_keys(request)
+    if mm is None:
+        return base
+    return (base or ()) + mm
+
+
+def _mm_extra_keys(request: Any, block_index: int, block_size: int) -> Optional[tuple[Any, ...]]:
+    feats = getattr(request, "mm_features", None)
+    if not feats:
         return None
+    a, b = block_index * block_size, (block_index + 1) * block_size
+    hashes = tuple(f.identifier for f in feats if f.offset < b and f.offset + f.length > a)
+    return ("mm",) + hashes if hashes else None
+
+
+def _first_block_keys(request: Any) -> Optional[tuple[Any, ...]]:
     salt = getattr(request, "cache_salt", None)
     lora = getattr(request, "lora_request", None)
     embeds = getattr(request, "prompt_embeds_hash", None)
@@ -105,5 +126,5 @@ def update_block_hashes(
     for i in range(start, num_full):
         parent = hashes[i - 1] if i > 0 else root_hash
         toks = token_ids[i * block_size:(i + 1) * block_size]
-        hashes.append(hash_block_tokens(hash_fn, parent, toks, block_extra_keys(request, i)))
+        hashes.append(hash_block_tokens(hash_fn, parent, toks, block_extra_keys(request, i, block_size)))
     return max(0, num_full - start)

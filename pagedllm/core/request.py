@@ -74,6 +74,9 @@ class Request:
             ``prompt_token_ids`` are placeholders then) or None.
         prompt_embeds_hash: a digest of ``prompt_embeds`` (hex str), mixed into the first block
             hash so an embeddings prompt shares KV blocks only with the same embeddings.
+        mm_features: the prompt's images (``pagedllm.multimodal.MultiModalFeature``: content hash,
+            placeholder ``offset``/``length``, processed pixels), or None; their hashes enter the
+            hashes of the blocks their placeholders overlap.
         max_tokens / min_tokens / stop_token_ids / ignore_eos: the stop settings the scheduler
             checks every token, read once from ``sampling_params`` here (``stop_token_ids``
             as a frozenset, or None when empty); ``max_tokens`` 0 and the rest off for pooling.
@@ -92,8 +95,10 @@ class Request:
         lora_request: Any = None,
         prompt_embeds: Any = None,
         prompt_embeds_hash: Optional[str] = None,
+        mm_features: Optional[list] = None,
     ) -> None:
         self.request_id = request_id
+        self.mm_features = mm_features or None
         self.prompt_embeds = prompt_embeds
         self.prompt_embeds_hash = prompt_embeds_hash
         self.prompt_token_ids = list(prompt_token_ids)

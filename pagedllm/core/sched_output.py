@@ -30,6 +30,9 @@ class ScheduledRequest:
             dtype, by reference) for a prompt given as embeddings, else None: the runner feeds
             rows ``start_pos .. min(start_pos + num_tokens, prompt_len)`` instead of looking up
             ``token_ids`` (placeholders there).
+        mm_features: the request's ``pagedllm.multimodal.MultiModalFeature`` list (by reference)
+            while its prompt is being computed, else None: the runner feeds the encoder outputs of
+            the placeholder rows this chunk covers.
     """
 
     req_id: str
@@ -45,6 +48,7 @@ class ScheduledRequest:
     spec_token_ids: list[int] = field(default_factory=list)
     lora_request: Any = None
     prompt_embeds: Any = None
+    mm_features: Any = None
 
 
 @dataclass

@@ -288,6 +288,8 @@ class Scheduler:
                 num_new = budget
             if max_model_len - computed < num_new:
                 num_new = max_model_len - computed
+            if req.mm_features:
+                num_new = mm_chunk_end(req.mm_features, computed, num_new)
             if num_new <= 0:
                 i += 1
                 continue
@@ -349,6 +351,10 @@ class Scheduler:
                     num_ext = self.connector.get_num_new_matched_tokens(req, num_hit)[0] or 0
                 req.num_computed_tokens = 0
                 num_new = min(self._cap(req.num_tokens - num_hit - num_ext), budget)
+                if req.mm_features:
+                    num_new = mm_chunk_end(req.mm_features, num_hit + num_ext, num_new)
+                    if num_new <= 0:
+                        break
                 if mgr.allocate_slots(req, num_ext + num_new, hit_blocks) is None:
                     break
                 self.waiting.popleft()
@@ -411,6 +417,7 @@ class Scheduler:
                 spec_token_ids=spec,
                 lora_request=req.lora_request,
                 prompt_embeds=req.prompt_embeds if start < len(req.prompt_token_ids) else None,
+                mm_features=req.mm_features if start < len(req.prompt_token_ids) else None,
             ))
             req.num_computed_tokens = start + n
             total += n
@@ -595,3 +602,17 @@ class Scheduler:
             req.status = RequestStatus.FINISHED_LENGTH
             return True
         return False
+
+
+def mm_chunk_end(features: list, start: int, num_new: int) -> int:
+    """``num_new`` cut so that the chunk ``[start, start + num_new)`` does not end inside the
+    placeholder run of a feature whose tokens attend bidirectionally (``feature.bidirectional``;
+    vLLM's ``disable_chunked_mm_input``): the chunk stops before the run (0 when it starts inside
+    the run and cannot reach its end). Causal features may be split anywhere (the model runner
+    takes the encoder output's slice)."""
+    end = start + num_new
+    for f in features:
+        a, b = f.offset, f.offset + f.length
+        if f.bidirectional and a < end < b:
+            end = a if a > start else start
+    return end - start

@@ -15,6 +15,31 @@ from pagedllm.engine.input_processor import InputValidationError
 
 # Content parts rendered as text (OpenAI chat: "text"; Responses: "input_text" / "output_text").
 _TEXT_PARTS = ("text", "input_text", "output_text")
+# Image content parts (OpenAI chat: "image_url"; Responses: "input_image"; vLLM offline: "image_pil";
+# HF templates' own: "image"), rendered as the template's image part ``{"type": "image"}``.
+_IMAGE_PARTS = ("image_url", "input_image", "image_pil", "image")
+
+
+class ChatPrompt(str):
+    """A rendered chat prompt (a str) with the conversation's images, in order (``images``:
+    RGB ``PIL.Image`` list); the input processor feeds them to the model's processor."""
+
+    images: list = []
+
+
+class ImageCollector:
+    """Decodes a conversation's image parts (``pagedllm.multimodal.media.load_image_part``) under
+    ``media`` (a ``MediaConnector``) and keeps them in order; passed to ``render_chat`` for a
+    model that takes images."""
+
+    def __init__(self, media: Any) -> None:
+        self.media = media
+        self.images: list = []
+
+    def add(self, part: dict, field: str) -> None:
+        from pagedllm.multimodal.media import load_image_part
+
+        self.images.append(load_image_part(part, self.media, field))
 
 
 def load_chat_template(value: Optional[str]) -> Optional[str]:
@@ -60,15 +85,20 @@ def packaged_chat_template(value: str) -> Optional[str]:
     return path if os.path.isfile(path) else None
 
 
-def normalize_messages(messages: list[dict]) -> list[dict]:
+def normalize_messages(messages: list[dict], images: Optional[ImageCollector] = None) -> list[dict]:
     """Copies of the messages with OpenAI content parts (``[{"type": "text", "text": ...}]``,
     also ``input_text`` / ``output_text`` / ``refusal``) joined into one string (newlines
     between parts, as vLLM) and ``None`` content as "". An assistant message's reasoning
     (``reasoning``, vLLM's newer name, or ``reasoning_content``) is set under both names, as
     vLLM does, so a template reading either sees it.
 
+    A message with image parts keeps a list content (``{"type": "text", "text": ...}`` and
+    ``{"type": "image"}`` parts, the layout HF chat templates read); the images go to ``images``
+    (None: the model takes no images, and an image part is an error).
+
     Raises:
-        InputValidationError: empty ``messages``, a message without a role, or a non-text part.
+        InputValidationError: empty ``messages``, a message without a role, an unknown part, an
+            image part for a text-only model, or an image that cannot be loaded.
     """
     if not messages:
         raise InputValidationError("messages: must contain at least one message", "messages")
@@ -79,10 +109,19 @@ def normalize_messages(messages: list[dict]) -> list[dict]:
         m = dict(m)
         c = m.get("content")
         if isinstance(c, list):
-            parts = []
-            for p in c:
+            parts: list[Any] = []
+            has_image = False
+            for j, p in enumerate(c):
                 ptype = p.get("type") if isinstance(p, dict) else None
-                if isinstance(p, str):
+                if ptype in _IMAGE_PARTS:
+                    if images is None:
+                        raise InputValidationError(
+                            f"messages[{i}].content[{j}]: this model does not take images (a text-only model)",
+                            "messages")
+                    images.add(p, f"messages[{i}].content[{j}]")
+                    parts.append({"type": "image"})
+                    has_image = True
+                elif isinstance(p, str):
                     parts.append(p)
                 elif ptype in _TEXT_PARTS:
                     if not isinstance(p.get("text"), str):
@@ -96,7 +135,10 @@ def normalize_messages(messages: list[dict]) -> list[dict]:
                     raise InputValidationError(
                         f"messages[{i}].content: unsupported content part type {ptype!r} (only text parts "
                         "are supported)", "messages")
-            m["content"] = "\n".join(parts)
+            if has_image:
+                m["content"] = [q if isinstance(q, dict) else {"type": "text", "text": q} for q in parts]
+            else:
+                m["content"] = "\n".join(parts)
         elif c is None:
             m["content"] = ""
         if m.get("role") == "assistant":
@@ -178,8 +220,11 @@ def map_developer_role(messages: list[dict], template: Optional[str]) -> list[di
 def render_chat(tokenizer: Any, messages: list[dict], *, chat_template: Optional[str] = None,
                 add_generation_prompt: bool = True, continue_final_message: bool = False,
                 chat_template_kwargs: Optional[dict] = None, tools: Optional[list[dict]] = None,
-                documents: Optional[list[dict]] = None) -> str:
+                documents: Optional[list[dict]] = None, images: Optional[ImageCollector] = None) -> str:
     """Render a conversation with the given Jinja template, else the tokenizer's.
+
+    ``images``: the collector of a model that takes images (see ``normalize_messages``); when the
+    conversation has any, the result is a ``ChatPrompt`` carrying them.
 
     Steps: content parts joined (``normalize_messages``), tool turns checked and their
     arguments parsed (``prepare_tool_history``), ``developer`` mapped to ``system`` for
@@ -196,7 +241,7 @@ def render_chat(tokenizer: Any, messages: list[dict], *, chat_template: Optional
             without a final assistant message, bad tool turns, or a template that fails to
             render ("messages").
     """
-    conv = prepare_tool_history(normalize_messages(messages))
+    conv = prepare_tool_history(normalize_messages(messages, images))
     template = chat_template or getattr(tokenizer, "chat_template", None)
     if not template:
         raise InputValidationError(
@@ -228,6 +273,9 @@ def render_chat(tokenizer: Any, messages: list[dict], *, chat_template: Optional
                                    "messages") from e
     if not isinstance(text, str):  # some tokenizers return a list for batched input
         text = text[0]
+    if images is not None and images.images:
+        text = ChatPrompt(text)
+        text.images = list(images.images)
     return text
 
 

@@ -36,6 +36,7 @@ class EngineCoreRequest:
         prompt_embeds: for a prompt given as embeddings, the ``[len(prompt_token_ids), hidden]``
             tensor in the model dtype (``prompt_token_ids`` are placeholder zeros then), else None.
         prompt_embeds_hash: sha256 hex digest of ``prompt_embeds`` (prefix-cache key), or None.
+        mm_features: the prompt's images (``pagedllm.multimodal.MultiModalFeature`` list) or None.
     """
 
     request_id: str
@@ -51,6 +52,7 @@ class EngineCoreRequest:
     trace_headers: Optional[dict] = None
     prompt_embeds: Optional[Any] = None
     prompt_embeds_hash: Optional[str] = None
+    mm_features: Optional[list] = None
 
     @property
     def params(self) -> Any:

@@ -588,7 +588,18 @@ class EngineCore:
             **(self._lora_stats() if self.args.enable_lora else {}),
             **(self.kv_events.stats() if self.kv_events is not None else {}),
             **({"kv_connector": self.kv_connector.get_kv_connector_stats()} if self.kv_connector else {}),
+            **self._encoder_cache_stats(),
         }
+
+    def _encoder_cache_stats(self) -> dict:
+        """``{"encoder_cache": {usage, capacity (tokens), queries, hits, evictions (totals)}}`` of an
+        in-process worker's encoder cache (image-text models); empty otherwise."""
+        w = getattr(self.executor, "driver_worker", None)
+        ec = getattr(getattr(w, "runner", None), "encoder_cache", None)
+        if ec is None:
+            return {}
+        return {"encoder_cache": {"usage": ec.usage, "capacity": ec.capacity, "queries": ec.hits + ec.misses,
+                                  "hits": ec.hits, "evictions": ec.evictions}}
 
     def release_idle_memory(self) -> int:
         """Between bursts of work: hand finished requests' ids to the workers (they drop their

@@ -27,6 +27,7 @@ class ProcessedPrompt:
         prompt_embeds: for a prompt given as embeddings, the checked ``[n, hidden]`` tensor in
             the model dtype (``prompt_token_ids`` are then ``n`` placeholder zeros), else None.
         prompt_embeds_hash: sha256 hex digest of ``prompt_embeds`` (dtype, shape and bytes).
+        mm_features: the prompt's images (``pagedllm.multimodal.MultiModalFeature``), or None.
     """
 
     prompt: Optional[str]
@@ -34,6 +35,7 @@ class ProcessedPrompt:
     cache_salt: Optional[str] = None
     prompt_embeds: Any = None
     prompt_embeds_hash: Optional[str] = None
+    mm_features: Optional[list] = None
 
 
 class InputProcessor:
@@ -64,6 +66,8 @@ class InputProcessor:
         self.eos_token_id = eos_token_id
         # (hidden_size, model dtype) once ``enable_prompt_embeds`` was called, else None.
         self.prompt_embeds_spec: Optional[tuple[int, Any]] = None
+        # ``pagedllm.multimodal.processing.ImageProcessor`` of an image-text model, else None.
+        self.image_processor: Any = None
 
     def enable_prompt_embeds(self, hidden_size: int, dtype: Any) -> None:
         """Accept ``{"prompt_embeds": tensor}`` prompts of width ``hidden_size``, cast to ``dtype``
@@ -210,6 +214,12 @@ class InputProcessor:
         cache_salt = None
         text: Optional[str] = None
         from_text = False
+        images = getattr(prompt, "images", None)  # a chat prompt with image parts (engine.chat)
+        if images:
+            # NOTE: templated text carries its special tokens
+            prompt, add_special_tokens = {"prompt": str(prompt), "multi_modal_data": {"image": images}}, False
+        if isinstance(prompt, dict) and prompt.get("multi_modal_data") is not None:
+            return self._mm_prompt(prompt, truncate_prompt_tokens, add_special_tokens, strict_length)
         if isinstance(prompt, str):
             text, from_text = prompt, True
             ids = self.tokenize(prompt, add_special_tokens) if prompt else []
@@ -260,6 +270,47 @@ class InputProcessor:
                 text = self.tokenizer.decode(ids)
         self.check_prompt_length(len(ids), strict_length)
         return ProcessedPrompt(text, ids, cache_salt)
+
+    def _mm_prompt(self, prompt: dict, truncate: Optional[int], add_special_tokens: bool,
+                   strict_length: bool) -> ProcessedPrompt:
+        """A ``TextPrompt`` with ``multi_modal_data``: the HF processor expands each image's
+        placeholder; the ids may not be truncated (an image run cannot be cut).
+
+        Raises:
+            InputValidationError: a text-only model, a modality other than "image", too many
+                images, bad images, a prompt without text, or one over ``max_model_len``.
+        """
+        from pagedllm.inputs import PROMPT_KEYS
+
+        unknown = sorted(str(k) for k in prompt if k not in PROMPT_KEYS)
+        if unknown:
+            raise InputValidationError(f"prompt: unsupported key(s) {unknown} in a dict prompt", "prompt")
+        mmd = prompt["multi_modal_data"]
+        if self.image_processor is None:
+            raise InputValidationError("multi_modal_data: this model does not take images (a text-only model)",
+                                       "multi_modal_data")
+        if not isinstance(mmd, dict) or set(mmd) - {"image"}:
+            raise InputValidationError("multi_modal_data: only the 'image' modality is supported, as "
+                                       "{'image': PIL.Image or a list of them}", "multi_modal_data")
+        text = prompt.get("prompt")
+        if not isinstance(text, str) or "prompt_token_ids" in prompt:
+            raise InputValidationError("multi_modal_data: needs a text 'prompt' (not prompt_token_ids)", "prompt")
+        cache_salt = prompt.get("cache_salt")
+        if cache_salt is not None:
+            check_cache_salt(cache_salt)
+        imgs = mmd.get("image")
+        imgs = [] if imgs is None else list(imgs) if isinstance(imgs, (list, tuple)) else [imgs]
+        kw = prompt.get("mm_processor_kwargs")
+        if kw is not None and not isinstance(kw, dict):
+            raise InputValidationError("mm_processor_kwargs: must be a dict", "mm_processor_kwargs")
+        ids, feats = self.image_processor.process(text, imgs, add_special_tokens, kw)
+        self.check_token_ids(ids)
+        keep = self.resolve_truncation(truncate)
+        if keep is not None and len(ids) > keep:
+            raise InputValidationError("truncate_prompt_tokens: a prompt with images cannot be truncated",
+                                       "truncate_prompt_tokens")
+        self.check_prompt_length(len(ids), strict_length)
+        return ProcessedPrompt(text, ids, cache_salt, mm_features=feats or None)
 
     # ------------------------------------------------------------------ parameters
     def process_sampling_params(self, params: Any, prompt_len: int, strict_length: bool = False) -> Any:
@@ -386,7 +437,8 @@ class InputProcessor:
             request_id=request_id, prompt_token_ids=list(pp.prompt_token_ids), sampling_params=sampling_params,
             pooling_params=pooling_params, eos_token_id=self.eos_token_id, prompt=pp.prompt,
             cache_salt=cache_salt if cache_salt is not None else pp.cache_salt, lora_request=lora_request,
-            priority=priority, prompt_embeds=pp.prompt_embeds, prompt_embeds_hash=pp.prompt_embeds_hash, **kw)
+            priority=priority, prompt_embeds=pp.prompt_embeds, prompt_embeds_hash=pp.prompt_embeds_hash,
+            mm_features=pp.mm_features, **kw)
 
     def _prompt(self, prompt: Any, truncate: Optional[int], add_special_tokens: bool,
                 strict_length: bool) -> ProcessedPrompt:

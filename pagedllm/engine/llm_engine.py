@@ -53,6 +53,8 @@ class LLMEngine:
             hc = self.core.hf_config
             hc = hc.get_text_config() if hasattr(hc, "get_text_config") else hc
             self.input_processor.enable_prompt_embeds(int(hc.hidden_size), self.core.dtype)
+        from pagedllm.multimodal.processing import build_image_processor
+        self.input_processor.image_processor = build_image_processor(args, self.core)
         self.output_processor = OutputProcessor(self.tokenizer)
         self.default_sampling_params = self._generation_defaults()
         self._ids = itertools.count()
@@ -211,7 +213,8 @@ class LLMEngine:
                       pooling_params=request.pooling_params, eos_token_id=eos,
                       arrival_time=request.arrival_time, cache_salt=request.cache_salt,
                       priority=request.priority, lora_request=request.lora_request,
-                      prompt_embeds=request.prompt_embeds, prompt_embeds_hash=request.prompt_embeds_hash)
+                      prompt_embeds=request.prompt_embeds, prompt_embeds_hash=request.prompt_embeds_hash,
+                      mm_features=request.mm_features)
         try:
             self.core.add_request(req)
         except BaseException:

@@ -131,11 +131,15 @@ class LLM:
         """Render a conversation to ``{"prompt": text, "prompt_token_ids": ids}`` (the template's
         text, tokenized without adding special tokens, as the server does)."""
         from pagedllm.engine.chat import render_chat
+        from pagedllm.multimodal.processing import image_collector
 
         text = render_chat(self.llm_engine.tokenizer, conversation, chat_template=chat_template,
                            add_generation_prompt=add_generation_prompt,
                            continue_final_message=continue_final_message,
-                           chat_template_kwargs=chat_template_kwargs, tools=tools)
+                           chat_template_kwargs=chat_template_kwargs, tools=tools,
+                           images=image_collector(self.llm_engine.input_processor))
+        if getattr(text, "images", None):  # image parts: the processor tokenizes (placeholders expanded)
+            return text  # a ChatPrompt (str) carrying its images
         ids = self.llm_engine.input_processor.tokenize(text, add_special_tokens=False)
         return {"prompt": text, "prompt_token_ids": ids}
 

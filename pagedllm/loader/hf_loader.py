@@ -146,6 +146,9 @@ def text_model_config(config):
     if text is config or "vocab_size" in config.__dict__:
         return config
     text.architectures = list(getattr(config, "architectures", None) or [])
+    # NOTE: a plain dict (the text config is part of the full one: no reference cycle); the
+    # multimodal model rebuilds the full config from it for its vision tower
+    text.mm_parent_config = config.to_dict()
     if "tie_word_embeddings" in config.__dict__:
         text.tie_word_embeddings = config.tie_word_embeddings
     return text

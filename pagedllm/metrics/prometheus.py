@@ -415,6 +415,38 @@ class PrometheusStatLogger:
                 else:
                     metric.set(v)
 
+    def record_encoder_cache(self, stats: dict) -> None:
+        """Set the encoder-cache metrics (image-text models) from ``get_scheduler_stats()["encoder_cache"]``
+        (totals; counters advance by the difference): P:encoder_cache_usage_tokens (at most
+        P:encoder_cache_capacity_tokens), P:encoder_cache_queries_total, P:encoder_cache_hits_total,
+        P:encoder_cache_evictions_total. Registered on the first call."""
+        with self._lock:
+            ec = getattr(self, "_encoder_cache", None)
+            if ec is None:
+                p, reg, labels = self.prefix + ":", self.registry, ["model_name"]
+                ec = self._encoder_cache = {
+                    "usage": Gauge(p + "encoder_cache_usage_tokens", "Image-embedding tokens held in the encoder "
+                                   "cache.", labels, registry=reg).labels(self.model_name),
+                    "capacity": Gauge(p + "encoder_cache_capacity_tokens", "Most image-embedding tokens the encoder "
+                                      "cache holds (encoder_cache_size).", labels, registry=reg).labels(self.model_name),
+                    "queries": Counter(p + "encoder_cache_queries", "Encoder-cache lookups (one per image per "
+                                       "chunk that computes its placeholders).", labels, registry=reg).labels(self.model_name),
+                    "hits": Counter(p + "encoder_cache_hits", "Encoder-cache lookups that found the image's "
+                                    "embeddings.", labels, registry=reg).labels(self.model_name),
+                    "evictions": Counter(p + "encoder_cache_evictions", "Encoder-cache entries evicted to stay "
+                                         "within the bound.", labels, registry=reg).labels(self.model_name),
+                }
+                self._encoder_cache_seen: dict = {}
+            for key, metric in ec.items():
+                v = int(stats.get(key, 0))
+                if key in ("usage", "capacity"):
+                    metric.set(v)
+                    continue
+                delta = v - self._encoder_cache_seen.get(key, 0)
+                if delta > 0:
+                    metric.inc(delta)
+                self._encoder_cache_seen[key] = v
+
     def record_kv_connector(self, stats: Optional[dict]) -> None:
         """Set the KV-tier metrics from ``get_scheduler_stats()["kv_connector"]`` (the
         connector's totals, ``OffloadingConnector.get_kv_connector_stats``)."""

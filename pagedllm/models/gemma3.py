@@ -84,18 +84,3 @@ class Gemma3ForCausalLM(CausalLM):
     def build(self, config) -> nn.Module:
         return Gemma3TextModel(config, type(self))
 
-
-class Gemma3ForConditionalGeneration(Gemma3ForCausalLM):
-    """The text decoder of an image-text Gemma 3 checkpoint (``Gemma3ForConditionalGeneration``),
-    built from its ``text_config``; the vision tower and projector weights are not loaded (text-only
-    prompts). Checkpoint names: ``model.language_model.*`` (transformers 5) or
-    ``language_model.model.*`` (older)."""
-
-    ignored_weight_prefixes = ("vision_tower.", "multi_modal_projector.", "model.vision_tower.",
-                               "model.multi_modal_projector.")
-
-    def __init__(self, config, dtype: torch.dtype = torch.float32) -> None:
-        text = config.get_text_config() if hasattr(config, "get_text_config") else config
-        if text is not config and not hasattr(text, "tie_word_embeddings"):
-            text.tie_word_embeddings = getattr(config, "tie_word_embeddings", True)
-        super().__init__(text, dtype)

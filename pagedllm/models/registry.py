@@ -2,7 +2,8 @@
 from __future__ import annotations
 
 from pagedllm.models.gemma2 import Gemma2ForCausalLM
-from pagedllm.models.gemma3 import Gemma3ForCausalLM, Gemma3ForConditionalGeneration
+from pagedllm.models.gemma3 import Gemma3ForCausalLM
+from pagedllm.models.gemma3_mm import Gemma3ForConditionalGeneration
 from pagedllm.models.gemma4 import Gemma4ForCausalLM, Gemma4ForConditionalGeneration
 from pagedllm.models.granite import GraniteForCausalLM
 from pagedllm.models.llama import LlamaForCausalLM

@@ -21,6 +21,9 @@ from pagedllm.worker.input_batch import InputBatch
 
 logger = logging.getLogger(__name__)
 
+#: encoder-cache bound (tokens of image embeddings) unless ``encoder_cache_size`` sets it
+DEFAULT_ENCODER_CACHE_TOKENS = 8192
+
 
 class ModelRunner:
     """Runs the model for the scheduler's batch.
@@ -84,6 +87,16 @@ class ModelRunner:
         self.spec_decoder = spec_decoder
         self.max_model_len = max_model_len
         self.lora_manager = lora_manager
+        # Image-text models: encoder outputs by image hash (``pagedllm.multimodal.encoder_cache``).
+        self.encoder_cache = None
+        if getattr(model, "supports_images", False):
+            from pagedllm.multimodal.encoder_cache import EncoderCache
+            self.encoder_cache = EncoderCache(DEFAULT_ENCODER_CACHE_TOKENS)
+            from pagedllm.attention.torch_paged import TorchPagedAttention
+            if getattr(model, "mm_bidirectional", False) and not isinstance(attn_impl, TorchPagedAttention):
+                logger.warning("pagedllm: the %s attention backend has no bidirectional image mask: image tokens "
+                               "attend causally (outputs differ from transformers); use the torch backend",
+                               type(attn_impl).__name__)
 
     def capture_cuda_graphs(self, max_num_seqs: int, max_model_len: int) -> float:
         """Capture decode-only CUDA graphs (CUDA + Triton backend only); returns seconds spent."""
@@ -222,6 +235,9 @@ class ModelRunner:
             batch.remove(rid)
             if sd is not None:
                 sd.remove(rid, finished=True)
+        if self.encoder_cache is not None:
+            for rid in so.finished_req_ids | so.preempted_req_ids:
+                self.encoder_cache.release_request(rid)
         for rid in so.preempted_req_ids:
             self.pool_state.pop(rid, None)
             batch.remove(rid)
@@ -241,9 +257,17 @@ class ModelRunner:
         rows, max_blocks = batch.update(reqs, self._generator_for)
         input_ids, positions, meta, qsl = self._prepare(reqs, rows, max_blocks)
         inputs_embeds = _prompt_embeds_rows(reqs, qsl)
+        mm_embeds = None
+        if self.encoder_cache is not None and any(r.mm_features for r in reqs):
+            mm_embeds = self._mm_embeds(reqs, qsl)
+            if getattr(self.model, "mm_bidirectional", False):
+                meta.bidirectional_ranges = [
+                    [(f.offset, f.offset + f.length) for f in r.mm_features if f.bidirectional]
+                    if r.mm_features else None for r in reqs]
         ctx = ForwardContext(attn_metadata=meta, kv_caches=self.kv_caches, impl=self.attn_impl,
-                             lora_mapping=lora_mapping, inputs_embeds=inputs_embeds)
+                             lora_mapping=lora_mapping, inputs_embeds=inputs_embeds, mm_embeds=mm_embeds)
         if (self.cuda_graphs is not None and lora_mapping is None and inputs_embeds is None
+                and mm_embeds is None
                 and self.cuda_graphs.can_run(meta)):
             hidden = self.cuda_graphs.run(input_ids.to(self.device, non_blocking=True),
                                           positions.to(self.device, non_blocking=True), meta)
@@ -276,6 +300,38 @@ class ModelRunner:
                         out.pooler_output[r.req_id] = res
                         self.pool_state.pop(r.req_id, None)
         return out
+
+    def _mm_embeds(self, reqs: list[ScheduledRequest], qsl: np.ndarray
+                   ) -> Optional[tuple[torch.Tensor, torch.Tensor]]:
+        """``ForwardContext.mm_embeds`` of a step: for each image whose placeholder run overlaps a
+        request's chunk, the overlapping slice of its encoder output (from the encoder cache, else
+        encoded now and cached) at the chunk's flat rows. A request keeps its reference on an image
+        until the chunk that computes the run's last placeholder."""
+        cache = self.encoder_cache
+        rows, vals = [], []
+        for i, r in enumerate(reqs):
+            if not r.mm_features:
+                continue
+            s, e = r.start_pos, r.start_pos + r.num_tokens
+            for f in r.mm_features:
+                a, b = max(s, f.offset), min(e, f.offset + f.length)
+                if a >= b:
+                    continue
+                out = cache.get(f.identifier)
+                if out is None:
+                    out = self.model.embed_images(f.data.to(self.device))[0]
+                    if out.shape[0] != f.length:
+                        raise ValueError(f"image encoder gave {out.shape[0]} embeddings for {f.length} placeholders")
+                    cache.put(f.identifier, out)
+                if f.offset + f.length <= e:
+                    cache.unref(f.identifier, r.req_id)
+                else:
+                    cache.ref(f.identifier, r.req_id)
+                rows.append(torch.arange(int(qsl[i]) + a - s, int(qsl[i]) + b - s, dtype=torch.int64))
+                vals.append(out[a - f.offset:b - f.offset])
+        if not rows:
+            return None
+        return torch.cat(rows), torch.cat(vals)
 
     def _sample(self, reqs: list[ScheduledRequest], sel_idx: list[int], rows: np.ndarray,
                 hidden: torch.Tensor, qsl: np.ndarray, out: ModelRunnerOutput,

@@ -409,6 +409,7 @@ class Worker:
                                   spec_decoder=spec_decoder, max_model_len=max_model_len,
                                   lora_manager=self.lora_manager)
         self._build_decode_accelerators()  # NOTE: after the spec decoder, whose hooks rule it out
+        _size_encoder_cache(self.runner, args)
         if spec_decoder is not None and hasattr(spec_decoder.proposer, "bind"):
             spec_decoder.proposer.bind(self.runner.kv_caches)  # MTP reads the target's caches
         if self.device.type != "cpu":
@@ -627,3 +628,10 @@ class Worker:
 
 def _threads_from_env() -> bool:
     return any((os.environ.get(v) or "").isdigit() for v in ("PAGEDLLM_NUM_THREADS", "OMP_NUM_THREADS"))
+
+
+def _size_encoder_cache(runner, args) -> None:
+    """Bound the runner's encoder cache (image-text models) by ``args.encoder_cache_size`` tokens."""
+    size = getattr(args, "encoder_cache_size", None)
+    if runner.encoder_cache is not None and size is not None:
+        runner.encoder_cache.capacity = int(size)

@@ -261,6 +261,14 @@ def add_serve_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                    help="Accept `prompt_embeds` on /v1/completions: base64 of a torch.save'd float tensor "
                         "(seq_len, hidden_size) fed to the model in place of the token embeddings (vLLM's "
                         "flag; default: off, such a request is a 400).")
+    g.add_argument("--limit-mm-per-prompt", type=_json_dict, default=None,
+                   help='Most images per prompt as JSON (vLLM\'s flag), e.g. \'{"image": 2}\' (default 1).')
+    g.add_argument("--mm-processor-kwargs", type=_json_dict, default=None,
+                   help="HF processor kwargs as JSON applied to every image request (vLLM's flag).")
+    g.add_argument("--allowed-local-media-path", default=None,
+                   help="Directory that file:// image URLs may read from (default: file:// refused).")
+    g.add_argument("--allowed-media-domains", nargs="+", default=None,
+                   help="Hosts http(s) image URLs may be fetched from (default: remote images refused).")
     g.add_argument("--model-impl", default="auto", choices=["auto", "pagedllm", "transformers"],
                    help="auto: pagedllm's native implementation when the architecture has one, else the "
                         "transformers fallback (slower); pagedllm: native only; transformers: always the fallback.")

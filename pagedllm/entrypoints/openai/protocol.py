@@ -479,6 +479,8 @@ class ChatMessageParam(OpenAIBaseModel):
                 texts.append(text)
             elif ptype == "refusal":
                 texts.append(str(part.get("refusal", "")))
+            elif ptype in ("image_url", "input_image", "image", "image_pil"):
+                continue  # NOTE: images have no text (decoded when the chat is rendered)
             else:
                 raise ValueError(f"Unsupported content part type in `messages`: {ptype!r} "
                                  "(this server accepts text only).")

@@ -91,6 +91,8 @@ def build_admin_router(engine: Any, prom: Any) -> APIRouter:
             prom.gauge_so_entries.set(s.get("structured_output_cache_entries", 0))
             if "lora_running_adapters" in s:
                 prom.record_lora(s)
+            if "encoder_cache" in s:
+                prom.record_encoder_cache(s["encoder_cache"])
             if "kv_connector" in s and hasattr(prom, "record_kv_connector"):
                 prom.record_kv_connector(s["kv_connector"])
         except Exception:

@@ -59,13 +59,17 @@ def render_chat(serving: OpenAIServing, messages: list[ChatMessageParam], *,
         OpenAIError: 400 (param "messages", or "chat_template" when the model has none).
     """
     from pagedllm.engine.chat import render_chat as render
+    from pagedllm.multimodal.processing import image_collector
 
     try:
+        # NOTE: image parts (image_url, ...) are decoded here; the result then carries them
+        # (engine.chat.ChatPrompt) to the input processor
         return render(serving.tokenizer, messages_to_dicts(messages),
                       chat_template=chat_template or serving.chat_template,
                       add_generation_prompt=add_generation_prompt,
                       continue_final_message=continue_final_message,
-                      chat_template_kwargs=chat_template_kwargs, tools=tools, documents=documents)
+                      chat_template_kwargs=chat_template_kwargs, tools=tools, documents=documents,
+                      images=image_collector(serving.input_processor))
     except ValueError as e:
         raise value_error_to_openai(e, "messages") from e
 

@@ -77,6 +77,7 @@ def messages_to_chat(system: Any, messages: list[dict[str, Any]]) -> list[dict[s
             raise _err(f"{where}.content: expected a string or a list of content blocks")
         texts: list[str] = []
         calls: list[dict[str, Any]] = []
+        parts: list[dict[str, Any]] = []  # a user message's text and image blocks, in order
         for k, b in enumerate(content):
             bw = f"{where}.content.{k}"
             btype = b.get("type") if isinstance(b, dict) else None
@@ -84,6 +85,14 @@ def messages_to_chat(system: Any, messages: list[dict[str, Any]]) -> list[dict[s
                 if not isinstance(b.get("text"), str):
                     raise _err(f"{bw}.text: Field required (a string)")
                 texts.append(b["text"])
+                parts.append({"type": "text", "text": b["text"]})
+            elif btype == "image" and role == "user":
+                src = b.get("source")
+                if not isinstance(src, dict) or src.get("type") not in ("base64", "url"):
+                    raise OpenAIError(f"{bw}.source: an image block needs a source of type 'base64' (with "
+                                      "`media_type` and `data`) or 'url'", 400, f"{bw}.source")
+                # NOTE: decoded (and refused for a text-only model) when the chat is rendered
+                parts.append({"type": "image", "source": src})
             elif btype == "tool_use" and role == "assistant":
                 if not isinstance(b.get("id"), str) or not isinstance(b.get("name"), str):
                     raise _err(f"{bw}: a tool_use block needs string `id` and `name`")
@@ -108,6 +117,8 @@ def messages_to_chat(system: Any, messages: list[dict[str, Any]]) -> list[dict[s
             if calls:
                 msg["tool_calls"] = calls
             out.append(msg)
+        elif any(p["type"] == "image" for p in parts):
+            out.append({"role": "user", "content": parts})
         elif texts:
             out.append({"role": "user", "content": "\n".join(texts)})
     return out
@@ -207,6 +218,8 @@ class AnthropicServingMessages:
                                       tools=setup.tools or None)
         except ValueError as e:
             raise value_error_to_openai(e, "messages") from e
+        if getattr(prompt_text, "images", None):
+            return chat_req, setup, prompt_text, None  # the image processor tokenizes it (_run)
         return chat_req, setup, prompt_text, chat.encode(prompt_text, False)
 
     async def _run(self, request: AnthropicMessagesRequest, raw_request: Request,
@@ -216,10 +229,15 @@ class AnthropicServingMessages:
             raise _err(f"model: {request.model!r} not found (served: "
                        f"{', '.join(chat.served_model_names)})", 404)
         chat_req, setup, prompt_text, ids = self._prepare(request)
+        rename = {"prompt": "messages"}
+        pp = None
+        if ids is None:  # a prompt with images
+            pp = chat.process_prompt(prompt_text, rename=rename)
+            ids = pp.prompt_token_ids
         if count_only:
             return JSONResponse({"input_tokens": len(ids)})
-        rename = {"prompt": "messages"}
-        pp = chat.process_prompt({"prompt_token_ids": ids, "prompt": prompt_text}, rename=rename)
+        if pp is None:
+            pp = chat.process_prompt({"prompt_token_ids": ids, "prompt": prompt_text}, rename=rename)
         msg_id = new_id("msg")
         engine_request = chat.prepare(msg_id, pp, chat_req, constrain=lambda sp: chat.constrain_for_tools(sp, setup),
                                       model=request.model, rename=rename, log_prompt=prompt_text)

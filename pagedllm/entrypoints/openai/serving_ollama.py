@@ -319,6 +319,22 @@ def describe_model(model: str, max_model_len: int) -> ModelDescription:
 
 
 # ------------------------------------------------------------------------- messages
+def ollama_image_parts(images: list[Any], field: str) -> list[dict[str, Any]]:
+    """Ollama ``images`` (base64 strings, no ``data:`` prefix) as Chat Completions ``image_url``
+    parts (data URLs; decoded, and refused for a text-only model, when the chat is rendered).
+
+    Raises:
+        OpenAIError: 400 naming ``field`` for an entry that is not a string.
+    """
+    parts = []
+    for k, b64 in enumerate(images):
+        if not isinstance(b64, str) or not b64:
+            raise OpenAIError(f"{field}[{k}]: must be a base64-encoded image string", 400, f"{field}[{k}]")
+        url = b64 if b64.startswith("data:") else "data:image/*;base64," + b64
+        parts.append({"type": "image_url", "image_url": {"url": url}})
+    return parts
+
+
 def ollama_messages_to_chat(messages: list[OllamaMessage]) -> list[dict[str, Any]]:
     """Ollama chat messages as Chat Completions messages: assistant ``tool_calls`` get ids and
     JSON-text arguments; a ``tool`` message answers the call its ``tool_call_id`` names, else
@@ -330,13 +346,16 @@ def ollama_messages_to_chat(messages: list[OllamaMessage]) -> list[dict[str, Any
     out: list[dict[str, Any]] = []
     pending: list[tuple[str, str]] = []  # (call id, function name) not answered yet
     for i, m in enumerate(messages):
-        if m.images:
-            raise OpenAIError(f"messages[{i}].images: images are not supported (this server serves "
-                              "text-only models)", 400)
+        if m.images and m.role != "user":
+            raise OpenAIError(f"messages[{i}].images: only user messages may carry images", 400,
+                              f"messages[{i}].images")
         if m.role not in ("system", "user", "assistant", "tool"):
             raise OpenAIError(f"messages[{i}].role: must be system, user, assistant or tool, got "
                               f"{m.role!r}", 400)
         d: dict[str, Any] = {"role": m.role, "content": m.content or ""}
+        if m.images:
+            d["content"] = ollama_image_parts(m.images, f"messages[{i}].images") + [
+                {"type": "text", "text": m.content or ""}]
         if m.role == "assistant":
             if m.thinking:
                 d["reasoning_content"] = m.thinking
@@ -703,8 +722,8 @@ class OllamaServing:
         timing = _Timing()
         model = self.resolve_model(req.model)
         self._check_generate(req.model)
-        if req.images:
-            raise OpenAIError("images: images are not supported (this server serves text-only models)", 400)
+        if req.images and (req.raw or req.template or req.suffix or req.context):
+            raise OpenAIError("images: not available with raw, template, suffix or context", 400, "images")
         fim = None
         if req.suffix:
             from pagedllm.engine.fim import encode_fim, fim_tokens
@@ -715,7 +734,9 @@ class OllamaServing:
         if not req.prompt and not req.context:
             return JSONResponse(self._load_response("generate", req.model, req.keep_alive))
         prompt = req.prompt or ""
-        user = [{"role": "user", "content": prompt}]
+        user: list[dict[str, Any]] = [{"role": "user", "content": prompt}]
+        if req.images:
+            user[0]["content"] = ollama_image_parts(req.images, "images") + [{"type": "text", "text": prompt}]
         messages = ([{"role": "system", "content": req.system}] if req.system else []) + user
         chat_req = self._chat_request(req, messages, model)
         run = self._run("generate", req, raw_request, chat_req, timing)
@@ -733,6 +754,8 @@ class OllamaServing:
             text = render_chat(self.chat, [ChatMessageParam(**m) for m in messages], add_generation_prompt=True,
                                continue_final_message=False, chat_template=None,
                                chat_template_kwargs=chat_req.chat_template_kwargs)
+            if getattr(text, "images", None):  # the processor tokenizes a prompt with images
+                return await self._start(run, chat_req, text, raw_request, req)
             ids = self.chat.encode(text, False)
         if req.context:
             self.chat.check_token_ids(req.context, "context")
