@@ -56,7 +56,7 @@ def main() -> None:
     from pagedllm.sim.replay import replay
     from pagedllm.sim.simulator import ReplicaConfig, simulate
     from pagedllm.sim.step_model import StepModel
-    from pagedllm.sim.trace import TraceRequest, synthetic_trace, write_trace
+    from pagedllm.sim.trace import TraceRequest, load_trace, synthetic_trace, write_trace
 
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--step-model", required=True)
@@ -67,6 +67,10 @@ def main() -> None:
     ap.add_argument("--input-len", type=int, nargs=2, default=[64, 256])
     ap.add_argument("--output-len", type=int, nargs=2, default=[16, 64])
     ap.add_argument("--json-output", default=None)
+    ap.add_argument("--trace-dir", default="/tmp", help="where the traces are written (sim-validate-trace-N.jsonl)")
+    ap.add_argument("--resimulate", default=None, metavar="JSON",
+                    help="keep the measurements of an earlier --json-output (and its traces in --trace-dir); "
+                         "only simulate again (e.g. with a refitted --step-model)")
     args = ap.parse_args()
     model = StepModel.load(args.step_model)
     eng = model.engine
@@ -78,35 +82,49 @@ def main() -> None:
              "--max-num-batched-tokens", str(cfg.max_num_batched_tokens)]
     out: dict = {"cpu": model.meta.get("cpu"), "loadavg_start": os.getloadavg(), "step_model": args.step_model,
                  "args": vars(args), "runs": []}
+    earlier = {}
+    if args.resimulate:
+        with open(args.resimulate) as f:
+            prev = json.load(f)
+        earlier = {r["replicas"]: r for r in prev["runs"]}
+        out.update({k: prev[k] for k in ("cpu", "loadavg_start", "loadavg_end") if k in prev})
+        out["measured_with"] = prev.get("args")
     for n in [int(x) for x in args.replicas.split(",")]:
-        trace = synthetic_trace("poisson", rate=args.rate * n, duration_s=args.duration_s, seed=n,
-                                input_len=tuple(args.input_len), output_len=tuple(args.output_len))
-        write_trace(f"/tmp/sim_validate_trace_{n}.jsonl", trace)
-        base, proc = _serve(flags + (["--data-parallel-size", str(n)] if n > 1 else []))
-        try:
-            warm = [TraceRequest(f"warm-{i}", 0.0, [300 + i] * 100, 8) for i in range(n)]
-            replay(warm, base)
-            load0 = os.getloadavg()
-            meas = replay(trace, base)
-        finally:
-            proc.terminate()
+        path = os.path.join(args.trace_dir, f"sim-validate-trace-{n}.jsonl")
+        if n in earlier:
+            trace = load_trace(path)
+            meas, load0 = earlier[n]["measured"], earlier[n]["loadavg_before"]
+        else:
+            trace = synthetic_trace("poisson", rate=args.rate * n, duration_s=args.duration_s, seed=n,
+                                    input_len=tuple(args.input_len), output_len=tuple(args.output_len))
+            write_trace(path, trace)
+            base, proc = _serve(flags + (["--data-parallel-size", str(n)] if n > 1 else []))
             try:
-                proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                proc.kill()
+                warm = [TraceRequest(f"warm-{i}", 0.0, [300 + i] * 100, 8) for i in range(n)]
+                replay(warm, base)
+                load0 = os.getloadavg()
+                meas = replay(trace, base)
+            finally:
+                proc.terminate()
+                try:
+                    proc.wait(timeout=30)
+                except subprocess.TimeoutExpired:
+                    proc.kill()
         sim = simulate(trace, n, "least-load", model, cfg).summary
         ratio = {
             "output_throughput": sim["output_throughput_tok_s"] / meas["output_throughput_tok_s"],
             "ttft_p50": sim["ttft_ms"]["p50"] / meas["ttft_ms"]["p50"],
             "itl_p50": sim["itl_ms"]["p50"] / meas["itl_ms"]["p50"],
             "e2e_p50": sim["e2e_ms"]["p50"] / meas["e2e_ms"]["p50"]}
-        run = {"replicas": n, "num_requests": len(trace), "loadavg_before": load0, "loadavg_after": os.getloadavg(),
+        run = {"replicas": n, "num_requests": len(trace), "loadavg_before": load0,
+               "loadavg_after": earlier[n]["loadavg_after"] if n in earlier else os.getloadavg(),
                "measured": meas, "simulated": sim, "sim_over_measured": ratio}
         out["runs"].append(run)
         print(json.dumps({"replicas": n, "measured_tok_s": meas["output_throughput_tok_s"],
                           "sim_tok_s": sim["output_throughput_tok_s"], "measured_ttft_p50": meas["ttft_ms"]["p50"],
                           "sim_ttft_p50": sim["ttft_ms"]["p50"], "ratios": ratio}), flush=True)
-    out["loadavg_end"] = os.getloadavg()
+    if not earlier:
+        out["loadavg_end"] = os.getloadavg()
     if args.json_output:
         with open(args.json_output, "w") as f:
             json.dump(out, f, indent=1)

@@ -114,6 +114,8 @@ def add_fit_args(p: argparse.ArgumentParser) -> None:
                    help="Skip grid points whose rows x context exceeds this.")
     p.add_argument("--repeats", type=_pos_int, default=2, help="Passes over the grid (first: warm-up too).")
     p.add_argument("--output", default=None, metavar="FILE", help="Write the step-model JSON here.")
+    p.add_argument("--from-samples", default=None, metavar="FILE",
+                   help="Refit from the measured steps ('meta.samples') of an earlier fit's JSON; runs no engine.")
 
 
 def add_replay_args(p: argparse.ArgumentParser) -> None:
@@ -212,8 +214,18 @@ def _write_json(path: Optional[str], obj: Any) -> None:
 def run_fit(args: argparse.Namespace) -> int:
     """``pagedllm simulate fit``."""
     from pagedllm.sim.fit import fit_on_engine
+    from pagedllm.sim.step_model import StepModel, fit_step_model
 
-    model = fit_on_engine(args)
+    if args.from_samples:
+        old = StepModel.load(args.from_samples)
+        samples = old.meta.get("samples")
+        if not isinstance(samples, list) or not all(isinstance(x, list) and len(x) == 5 for x in samples):
+            raise ValueError(f"--from-samples {args.from_samples}: meta.samples: expected a list of "
+                             "[prefill_tokens, decode_rows, decode_context_k, prefill_attention_kpairs, seconds]")
+        meta = {k: v for k, v in old.meta.items() if k != "fit"}
+        model = fit_step_model([tuple(x) for x in samples], engine=old.engine, meta=meta)
+    else:
+        model = fit_on_engine(args)
     m = model.to_json()
     from pagedllm.sim.step_model import COEFFICIENTS
     print(json.dumps({k: m[k] for k in COEFFICIENTS}))

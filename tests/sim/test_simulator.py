@@ -124,7 +124,7 @@ def test_round_robin_and_least_load_spread_requests():
 
 def test_fit_recovers_coefficients():
     true = StepModel(a=0.02, b_prefill_token=1e-3, c_decode_row=4e-3, d_decode_context_ktoken=3e-3,
-                     e_prefill_attention_kpair=2e-5)
+                     e_prefill_attention_kpair=2e-5, f_prefill_step=0.05)
     samples = []
     for p in (0, 32, 128, 512, 2048):
         for r in (0, 1, 4, 16):
