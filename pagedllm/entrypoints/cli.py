@@ -63,6 +63,27 @@ def _add_complete_parser(sub: argparse._SubParsersAction, subparsers: dict) -> N
                    help="With --offline: torch threads (default: all cores).")
 
 
+def _add_simulate_parsers(sub: argparse._SubParsersAction, subparsers: dict) -> None:
+    from pagedllm.sim import cli as sim_cli
+
+    p = sub.add_parser("simulate", help="simulate a fleet of replicas (the real scheduler, a fitted step time)",
+                       description="Simulate N replicas behind a router policy: the real scheduler and block "
+                                   "pool per replica, in simulated time, with a step-time model fitted by "
+                                   "`pagedllm simulate fit`; `pagedllm simulate replay` measures a trace on a "
+                                   "running server (docs/scaling.md).")
+    subparsers["simulate"] = p
+    sim_cli.add_simulate_args(p)
+    # NOTE: `simulate fit` / `simulate replay` are dispatched in main() (`simulate` itself takes flags).
+    for name, add, desc in (
+            ("fit", sim_cli.add_fit_args, "Time the real engine's steps over a grid of batch shapes and fit the "
+                                          "simulator's step-time model (JSON)."),
+            ("replay", sim_cli.add_replay_args, "Send a trace to a running server at its arrival times and "
+                                                "measure throughput, TTFT, ITL, E2E.")):
+        sp = FlexibleArgumentParser(prog=f"pagedllm simulate {name}", description=desc)
+        add(sp)
+        subparsers[f"simulate {name}"] = sp
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The ``pagedllm`` parser; ``parser.subcommand_parsers`` maps "serve", "chat", "complete",
     "bench", "bench throughput", ... to their parsers."""
@@ -73,7 +94,7 @@ def build_parser() -> argparse.ArgumentParser:
         prog="pagedllm", description="pagedllm: paged-KV-cache LLM serving with vLLM's API")
     parser.add_argument("--version", action="store_true", help="Print the version and exit.")
     subparsers: dict[str, argparse.ArgumentParser] = {}
-    sub = parser.add_subparsers(dest="cmd", metavar="{serve,chat,complete,run,run-batch,bench}")
+    sub = parser.add_subparsers(dest="cmd", metavar="{serve,chat,complete,run,run-batch,bench,simulate}")
     sp = sub.add_parser("serve", help="serve a model behind an OpenAI-compatible HTTP API",
                         description="Serve a model behind an OpenAI-compatible HTTP API (vLLM's `vllm serve` "
                                     "flags). --help=listgroup lists the flag groups, --help=<group> shows "
@@ -105,6 +126,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_run_batch_args(rb)
     add_serve_args(rb)
     _add_bench_parsers(sub, subparsers)
+    _add_simulate_parsers(sub, subparsers)
     parser.subcommand_parsers = subparsers  # type: ignore[attr-defined]
     return parser
 
@@ -155,6 +177,8 @@ def main(argv: Optional[list[str]] = None) -> int:
         run_args, serve_args = parser.subcommand_parsers["run"].parse_known_args(rest)
         run_args.run_model = model
         return run_local(run_args, serve_args)
+    if len(argv) > 1 and argv[0] == "simulate" and argv[1] in ("fit", "replay"):
+        return _simulate_sub(parser.subcommand_parsers[f"simulate {argv[1]}"], argv[1], argv[2:])
     args, extra = parser.parse_known_args(argv)
     if extra:  # reported by the subcommand's parser: "pagedllm serve: error: unrecognized arguments"
         cmd = " ".join(x for x in (args.cmd, getattr(args, "bench_cmd", None)) if x)
@@ -197,8 +221,25 @@ def main(argv: Optional[list[str]] = None) -> int:
                             "'pagedllm serve' or pass --base-url / --host / --port", status=1)
         from pagedllm.entrypoints import bench
         return _run_user_errors_one_line(f"pagedllm bench {args.bench_cmd}", bench.run, args)
+    if args.cmd == "simulate":
+        from pagedllm.sim.cli import run_simulate
+        return _run_user_errors_one_line("pagedllm simulate", run_simulate, args)
     parser.print_help()
     return 1
+
+
+def _simulate_sub(p: argparse.ArgumentParser, name: str, argv: list[str]) -> int:
+    """``pagedllm simulate fit|replay``."""
+    from pagedllm.sim import cli as sim_cli
+
+    args = p.parse_args(argv)
+    if name == "fit":
+        return _run_user_errors_one_line("pagedllm simulate fit", sim_cli.run_fit, args)
+    import httpx
+    try:
+        return _run_user_errors_one_line("pagedllm simulate replay", sim_cli.run_replay, args)
+    except (httpx.HTTPError, OSError) as e:
+        return fail("pagedllm simulate replay", f"cannot reach the server at {args.base_url} ({e})", status=1)
 
 
 def _run_user_errors_one_line(prog: str, fn, args: argparse.Namespace) -> int:

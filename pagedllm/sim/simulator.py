@@ -1,0 +1,464 @@
+"""A fleet simulator: the real scheduler and block pool per replica, in simulated time.
+
+Each replica is a real :class:`pagedllm.core.scheduler.Scheduler` over a real
+:class:`pagedllm.core.kv_cache_manager.KVCacheManager` (prefix cache, chained block hashes, LRU
+eviction, chunked prefill, preemption: the engine's own code, not a model of it). Only the forward
+pass is replaced: a step takes ``StepModel.cost`` simulated seconds, and each request that reaches
+the end of its tokens "samples" its next trace token (``TraceRequest.output_token_ids``, else a
+filler token; EOS is ignored, a request stops at ``max_tokens``), exactly as the engine core's loop
+does ``schedule() -> execute_model -> update_from_output``.
+
+The loop is event driven: a heap of the busy replicas' step-end times and the sorted arrivals.
+An idle replica costs nothing; an arrival is routed (:class:`Router`) and, if its replica is idle,
+starts a step at once. Arrivals during a step join the next ``schedule()``, as in the engine.
+
+Routing policies (``--policy``), over the requests each replica has in flight (routed, not
+finished), the notion the server's data-parallel front door uses:
+
+- ``least-load``: fewest requests in flight, then lowest KV cache usage, then lowest index;
+- ``round-robin``: replicas in turn;
+- ``sticky``: a conversation's first request goes least-load, its later ones to the same replica
+  (requests without a conversation id: least-load);
+- ``prefix``: the replicas whose block pools hold the longest run of the request's leading block
+  hashes (known from the replicas' KV events, "stored"/"removed", as a cache-aware router learns
+  them), least-load among those; least-load when none holds its first block, or when the chosen
+  replica has more than ``balance_abs_threshold`` requests in flight beyond the least loaded one.
+"""
+from __future__ import annotations
+
+import heapq
+import math
+import time
+from dataclasses import dataclass, field
+from typing import Any, Optional, Sequence
+
+from pagedllm.core.kv_cache_manager import KVCacheManager
+from pagedllm.core.kv_cache_utils import get_hash_fn, make_root_hash, update_block_hashes
+from pagedllm.core.request import Request
+from pagedllm.core.scheduler import Scheduler
+from pagedllm.core.sched_output import ModelRunnerOutput
+from pagedllm.sim.step_model import COEFFICIENTS, StepModel
+from pagedllm.sim.trace import FILLER_TOKEN, TraceRequest
+
+POLICIES = ("prefix", "least-load", "round-robin", "sticky")
+
+# ITL histogram: bins of 0.2% relative width (log-spaced), so percentiles are within 0.1%.
+_ITL_BINS_PER_E = 500.0
+
+
+@dataclass
+class ReplicaConfig:
+    """Engine settings of every simulated replica (``EngineArgs`` names and defaults)."""
+
+    num_blocks: int = 4096
+    block_size: int = 16
+    max_num_seqs: int = 128
+    max_num_batched_tokens: int = 2048
+    max_model_len: int = 8192
+    enable_prefix_caching: bool = True
+    long_prefill_token_threshold: int = 0
+    prefix_caching_hash_algo: str = "sha256"
+
+
+class _SimSamplingParams:
+    """What the scheduler and KV cache manager read of a ``SamplingParams`` (greedy, EOS ignored)."""
+
+    __slots__ = ("max_tokens", "min_tokens", "stop_token_ids", "ignore_eos", "prompt_logprobs")
+
+    def __init__(self, max_tokens: int) -> None:
+        self.max_tokens = max_tokens
+        self.min_tokens = 0
+        self.stop_token_ids = None
+        self.ignore_eos = True
+        self.prompt_logprobs = None
+
+
+class Replica:
+    """One simulated engine: a Scheduler + KVCacheManager, its clock, and its counters."""
+
+    def __init__(self, index: int, cfg: ReplicaConfig, hash_seed: str, kv_events: bool) -> None:
+        self.index = index
+        self.mgr = KVCacheManager(cfg.num_blocks, cfg.block_size, cfg.enable_prefix_caching,
+                                  cfg.prefix_caching_hash_algo, hash_seed=hash_seed,
+                                  max_model_len=cfg.max_model_len)
+        if kv_events:
+            self.mgr.block_pool.enable_kv_events(cfg.block_size)
+        self.sched = Scheduler(cfg.max_num_seqs, cfg.max_num_batched_tokens, cfg.max_model_len, self.mgr,
+                               long_prefill_token_threshold=cfg.long_prefill_token_threshold, debug=False)
+        self.busy = False
+        self.current: Any = None  # the SchedulerOutput in flight
+        self.step_start = 0.0
+        self.num_steps = 0
+        self.busy_s = 0.0
+        self.usage_time = 0.0  # integral of KV usage over busy time
+        self.peak_usage = 0.0
+        self.num_requests = 0
+        self.num_output_tokens = 0
+        self.added_since_step: list[str] = []
+        self.ttft: list[float] = []
+        self.e2e: list[float] = []
+        self.itl_hist: dict[int, int] = {}
+
+
+class Router:
+    """Picks a replica per request (module docstring); tracks in-flight counts and KV usage."""
+
+    def __init__(self, policy: str, num_replicas: int, balance_abs_threshold: int = 8) -> None:
+        if policy not in POLICIES:
+            raise ValueError(f"--policy: expected one of {list(POLICIES)}, got {policy!r}")
+        self.policy = policy
+        self.n = num_replicas
+        self.balance_abs_threshold = balance_abs_threshold
+        self.in_flight = [0] * num_replicas
+        self.usage = [0.0] * num_replicas
+        # buckets[k]: replicas with k requests in flight; min_load: the lowest non-empty k.
+        self.buckets: list[set[int]] = [set(range(num_replicas))]
+        self.min_load = 0
+        self.index: dict[bytes, set[int]] = {}  # block hash -> replicas holding it (prefix)
+        self._rr = 0
+        self.sticky: dict[str, int] = {}
+        self.num_prefix_routed = 0  # routed by a prefix match (prefix policy)
+
+    # ---- load bookkeeping ----------------------------------------------------------------
+    def inc(self, i: int) -> None:
+        k = self.in_flight[i]
+        b = self.buckets
+        b[k].discard(i)
+        if len(b) == k + 1:
+            b.append(set())
+        b[k + 1].add(i)
+        self.in_flight[i] = k + 1
+        if k == self.min_load and not b[k]:
+            self.min_load = k + 1
+
+    def dec(self, i: int) -> None:
+        k = self.in_flight[i]
+        self.buckets[k].discard(i)
+        self.buckets[k - 1].add(i)
+        self.in_flight[i] = k - 1
+        if k - 1 < self.min_load:
+            self.min_load = k - 1
+
+    def least_loaded(self, among: Optional[set[int]] = None) -> int:
+        """Fewest in flight, then lowest KV usage, then lowest index (``among``: a subset)."""
+        usage = self.usage
+        if among is not None and len(among) <= 8:
+            inf = self.in_flight
+            return min(among, key=lambda i: (inf[i], usage[i], i))
+        for k in range(self.min_load, len(self.buckets)):
+            b = self.buckets[k]
+            if among is not None:
+                b = b & among
+            if b:
+                if k == 0:  # nothing in flight: no blocks held, usage 0 everywhere
+                    return min(b)
+                return min(b, key=lambda i: (usage[i], i))
+        raise AssertionError("no replica")
+
+    # ---- KV events -------------------------------------------------------------------------
+    def apply_kv_events(self, i: int, events: list[tuple]) -> None:
+        index = self.index
+        for ev in events:
+            kind = ev[0]
+            if kind == "stored":
+                for h in ev[1]:
+                    s = index.get(h)
+                    if s is None:
+                        index[h] = {i}
+                    else:
+                        s.add(i)
+            elif kind == "removed":
+                for h in ev[1]:
+                    s = index.get(h)
+                    if s is not None:
+                        s.discard(i)
+                        if not s:
+                            del index[h]
+            elif kind == "cleared":
+                for h in [h for h, s in index.items() if i in s]:
+                    index[h].discard(i)
+                    if not index[h]:
+                        del index[h]
+
+    # ---- routing ---------------------------------------------------------------------------
+    def route(self, block_hashes: Sequence[bytes], conversation_id: Optional[str]) -> int:
+        """The replica for a request whose full prompt blocks hash to ``block_hashes``."""
+        p = self.policy
+        if p == "round-robin":
+            i = self._rr
+            self._rr = (i + 1) % self.n
+            return i
+        if p == "sticky":
+            if conversation_id is None:
+                return self.least_loaded()
+            i = self.sticky.get(conversation_id, -1)
+            if i < 0:
+                i = self.sticky[conversation_id] = self.least_loaded()
+            return i
+        if p == "prefix" and block_hashes:
+            index = self.index
+            cand = index.get(block_hashes[0])
+            if cand:
+                for h in block_hashes[1:]:
+                    s = index.get(h)
+                    if not s:
+                        break
+                    nxt = cand & s
+                    if not nxt:
+                        break
+                    cand = nxt
+                i = self.least_loaded(cand)
+                if self.in_flight[i] - self.min_load <= self.balance_abs_threshold:
+                    self.num_prefix_routed += 1
+                    return i
+        return self.least_loaded()
+
+
+@dataclass
+class SimResult:
+    """What :func:`simulate` returns (``to_json`` for ``--output-json``)."""
+
+    summary: dict
+    replicas: list[dict]
+    steps: Optional[list[tuple]] = field(default=None, repr=False)
+    #: the run's Router and Replica objects (for inspection; not serialized).
+    router: Any = field(default=None, repr=False)
+    replica_objects: list = field(default_factory=list, repr=False)
+
+    def to_json(self) -> dict:
+        return {"summary": self.summary, "replicas": self.replicas}
+
+
+def _percentiles(values: list[float], ps: Sequence[float] = (50, 90, 99)) -> dict:
+    if not values:
+        return {"mean": None, **{f"p{p:g}": None for p in ps}}
+    v = sorted(values)
+    out = {"mean": sum(v) / len(v)}
+    for p in ps:
+        out[f"p{p:g}"] = v[min(len(v) - 1, max(0, math.ceil(p / 100 * len(v)) - 1))]
+    return out
+
+
+def _hist_percentiles(hist: dict[int, int], ps: Sequence[float] = (50, 90, 99)) -> dict:
+    total = sum(hist.values())
+    if not total:
+        return {"mean": None, **{f"p{p:g}": None for p in ps}}
+    keys = sorted(hist)
+    out: dict[str, Any] = {"mean": sum(math.exp((k + 0.5) / _ITL_BINS_PER_E) * hist[k] for k in keys) / total}
+    for p in ps:
+        target = max(1, math.ceil(p / 100 * total))
+        acc = 0
+        for k in keys:
+            acc += hist[k]
+            if acc >= target:
+                out[f"p{p:g}"] = math.exp((k + 0.5) / _ITL_BINS_PER_E)
+                break
+    return out
+
+
+def _to_ms(d: dict) -> dict:
+    return {k: (None if v is None else round(v * 1e3, 3)) for k, v in d.items()}
+
+
+def simulate(trace: Sequence[TraceRequest], num_replicas: int, policy: str, step_model: StepModel,
+             cfg: Optional[ReplicaConfig] = None, *, seed: int = 0, balance_abs_threshold: int = 8,
+             record_steps: bool = False, per_replica: bool = True) -> SimResult:
+    """Run ``trace`` through ``num_replicas`` simulated replicas behind ``policy``.
+
+    Args:
+        trace: requests sorted by ``arrival_s``.
+        num_replicas: >= 1.
+        policy: one of ``POLICIES``.
+        step_model: seconds per step from the batch's shape.
+        cfg: replica engine settings (default ``ReplicaConfig()``).
+        seed: seeds the shared prefix-cache root hash (the run is deterministic given the trace).
+        balance_abs_threshold: prefix policy's load guard (requests in flight).
+        record_steps: keep, per step, ``(replica, start_s, ids added before it, [(req_id, num_tokens)])``
+            (``SimResult.steps``; tests compare it with the real engine's steps).
+        per_replica: include per-replica figures (percentiles too) in the result.
+
+    Returns:
+        a :class:`SimResult`. A request that cannot fit (prompt + max_tokens > max_model_len) is
+        rejected (counted in ``summary["num_rejected"]``), as a server would answer 400.
+    """
+    if num_replicas < 1:
+        raise ValueError(f"--replicas: must be >= 1, got {num_replicas}")
+    cfg = cfg or ReplicaConfig()
+    wall0 = time.perf_counter()
+    hash_seed = f"pagedllm-sim-{seed}"
+    hash_fn = get_hash_fn(cfg.prefix_caching_hash_algo)
+    root = make_root_hash(hash_fn, hash_seed)
+    want_hashes = policy == "prefix" and cfg.enable_prefix_caching
+    replicas = [Replica(i, cfg, hash_seed, want_hashes) for i in range(num_replicas)]
+    router = Router(policy, num_replicas, balance_abs_threshold)
+    bs = cfg.block_size
+    cost = step_model.cost
+    heap: list[tuple[float, int]] = []
+    steps: Optional[list[tuple]] = [] if record_steps else None
+    arrival: dict[str, float] = {}
+    last_emit: dict[str, float] = {}
+    where: dict[str, int] = {}
+    ttft_all: list[float] = []
+    e2e_all: list[float] = []
+    itl_all: dict[int, int] = {}
+    num_rejected = 0
+    total_out = 0
+    log = math.log
+    ITL_K = _ITL_BINS_PER_E
+
+    def start_step(rep: Replica, t: float) -> None:
+        so = rep.sched.schedule()
+        if so.is_empty and not rep.sched.running:
+            # Nothing can run (cannot happen for requests that fit): stay idle until an arrival.
+            rep.busy = False
+            return
+        prefill = rows = 0
+        ctx = pairs = 0.0
+        for sr in so.scheduled:  # (step_features, inlined)
+            n = sr.num_tokens
+            s = sr.start_pos
+            if n == 1 and s >= sr.prompt_len:
+                rows += 1
+                ctx += s + 1
+            else:
+                prefill += n
+                pairs += n * s + n * (n + 1) / 2
+        dt = cost(prefill, rows, ctx / 1000.0, pairs / 1000.0)
+        u = rep.mgr.block_pool.get_usage()
+        rep.usage_time += u * dt
+        if u > rep.peak_usage:
+            rep.peak_usage = u
+        router.usage[rep.index] = u
+        rep.busy_s += dt
+        rep.num_steps += 1
+        if steps is not None:
+            steps.append((rep.index, t, rep.added_since_step, [(sr.req_id, sr.num_tokens) for sr in so.scheduled]))
+            rep.added_since_step = []
+        rep.current = so
+        rep.busy = True
+        heapq.heappush(heap, (t + dt, rep.index))
+
+    def end_step(rep: Replica, t: float) -> None:
+        nonlocal total_out
+        so = rep.current
+        sched = rep.sched
+        reqs = sched.requests
+        sampled: dict[str, list[int]] = {}
+        for sr in so.scheduled:
+            if sr.is_last_chunk:
+                req = reqs.get(sr.req_id)
+                if req is None:
+                    continue
+                outs = req.sim_output  # type: ignore[attr-defined]
+                k = len(req.output_token_ids)
+                sampled[sr.req_id] = [outs[k] if outs is not None and k < len(outs) else FILLER_TOKEN]
+        outputs = sched.update_from_output(so, ModelRunnerOutput(sampled_token_ids=sampled))
+        hist = rep.itl_hist
+        for o in outputs:
+            rid = o.req_id
+            if o.new_token_ids:
+                n = len(o.new_token_ids)
+                rep.num_output_tokens += n
+                total_out += n
+                prev = last_emit.get(rid)
+                if prev is None:
+                    v = t - arrival[rid]
+                    rep.ttft.append(v)
+                    ttft_all.append(v)
+                elif t > prev:
+                    key = int(log(t - prev) * ITL_K)
+                    hist[key] = hist.get(key, 0) + 1
+                    itl_all[key] = itl_all.get(key, 0) + 1
+                last_emit[rid] = t
+            if o.finish_reason is not None:
+                v = t - arrival.pop(rid)
+                rep.e2e.append(v)
+                e2e_all.append(v)
+                last_emit.pop(rid, None)
+                router.dec(rep.index)
+                del where[rid]
+        if want_hashes:
+            ev = rep.mgr.block_pool.take_kv_events()
+            if ev:
+                router.apply_kv_events(rep.index, ev)
+        rep.current = None
+        if sched.has_unfinished_requests():
+            start_step(rep, t)
+        else:
+            rep.busy = False
+            router.usage[rep.index] = rep.mgr.block_pool.get_usage()
+
+    n_arr = len(trace)
+    ai = 0
+    t_now = 0.0
+    INF = float("inf")
+    while True:
+        t_arr = trace[ai].arrival_s if ai < n_arr else INF
+        t_step = heap[0][0] if heap else INF
+        if t_arr == INF and t_step == INF:
+            break
+        if t_arr <= t_step:
+            tr = trace[ai]
+            ai += 1
+            t_now = t_arr
+            if len(tr.prompt_token_ids) + tr.max_tokens > cfg.max_model_len:
+                num_rejected += 1
+                continue
+            req = Request(tr.request_id, tr.prompt_token_ids, sampling_params=_SimSamplingParams(tr.max_tokens),
+                          arrival_time=tr.arrival_s)
+            req.sim_output = tr.output_token_ids  # type: ignore[attr-defined]
+            if want_hashes:
+                update_block_hashes(req, bs, hash_fn, root)
+                i = router.route(req.block_hashes[:(req.num_tokens - 1) // bs], tr.conversation_id)
+            else:
+                i = router.route((), tr.conversation_id)
+            rep = replicas[i]
+            rep.sched.add_request(req)
+            rep.num_requests += 1
+            if steps is not None:
+                rep.added_since_step.append(tr.request_id)
+            arrival[tr.request_id] = tr.arrival_s
+            where[tr.request_id] = i
+            router.inc(i)
+            if not rep.busy:
+                start_step(rep, t_now)
+        else:
+            t_now, i = heapq.heappop(heap)
+            end_step(replicas[i], t_now)
+
+    makespan = t_now
+    wall = time.perf_counter() - wall0
+    q = sum(r.mgr.prefix_cache_stats.queries for r in replicas)
+    h = sum(r.mgr.prefix_cache_stats.hits for r in replicas)
+    n_done = len(e2e_all)
+    summary = {
+        "num_replicas": num_replicas, "policy": policy, "num_requests": n_arr, "num_completed": n_done,
+        "num_rejected": num_rejected, "num_output_tokens": total_out,
+        "simulated_s": round(makespan, 6),
+        "output_throughput_tok_s": total_out / makespan if makespan > 0 else 0.0,
+        "request_throughput_req_s": n_done / makespan if makespan > 0 else 0.0,
+        "ttft_ms": _to_ms(_percentiles(ttft_all)), "itl_ms": _to_ms(_hist_percentiles(itl_all)),
+        "e2e_ms": _to_ms(_percentiles(e2e_all)),
+        "prefix_cache_queries": q, "prefix_cache_hits": h, "prefix_cache_hit_rate": h / q if q else 0.0,
+        "kv_usage_mean": (sum(r.usage_time for r in replicas) / (makespan * num_replicas)) if makespan > 0 else 0.0,
+        "kv_usage_peak": max(r.peak_usage for r in replicas),
+        "num_steps": sum(r.num_steps for r in replicas),
+        "num_preemptions": sum(r.sched.num_preemptions_total for r in replicas),
+        "prefix_routed": router.num_prefix_routed,
+        "wall_s": round(wall, 3),
+        "config": {**cfg.__dict__, "balance_abs_threshold": balance_abs_threshold, "seed": seed,
+                   "step_model": {k: getattr(step_model, k) for k in COEFFICIENTS}},
+    }
+    reps: list[dict] = []
+    if per_replica:
+        for r in replicas:
+            st = r.mgr.prefix_cache_stats
+            reps.append({
+                "replica": r.index, "num_requests": r.num_requests, "num_output_tokens": r.num_output_tokens,
+                "num_steps": r.num_steps, "busy_fraction": r.busy_s / makespan if makespan > 0 else 0.0,
+                "ttft_ms": _to_ms(_percentiles(r.ttft)), "itl_ms": _to_ms(_hist_percentiles(r.itl_hist)),
+                "e2e_ms": _to_ms(_percentiles(r.e2e)),
+                "prefix_cache_hit_rate": st.hit_rate, "prefix_cache_queries": st.queries,
+                "kv_usage_mean": r.usage_time / makespan if makespan > 0 else 0.0, "kv_usage_peak": r.peak_usage,
+                "num_preemptions": r.sched.num_preemptions_total})
+    return SimResult(summary, reps, steps, router, replicas)
