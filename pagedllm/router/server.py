@@ -61,7 +61,7 @@ def check_replica_url(url: str) -> str:
     if u.scheme not in ("http", "https") or not u.hostname:
         raise ValueError(f"--replica: {url!r} is not an http(s)://HOST:PORT URL")
     try:
-        u.port
+        _ = u.port
     except ValueError:
         raise ValueError(f"--replica: {url!r} has a bad port") from None
     if u.query or u.fragment:

@@ -293,7 +293,8 @@ def test_index_bound_evicts_and_counts():
     idx = PrefixIndex(max_blocks=6)
     toks = list(range(40))
     idx.block_stored(0, [f"h{i}" for i in range(10)], None, toks, 4)
-    assert len(idx) == 6 and idx.stats()["evicted"] == 4
+    st = idx.stats()
+    assert len(idx) == 6 and st["capacity"] == 6 and st["evicted"] + st["ext_evicted"] == 4
     # The first blocks went: the prompt's chain no longer matches from its start.
     assert idx.match(chain_hashes(toks, 4)) == {}
     idx2 = PrefixIndex(max_blocks=100)
