@@ -306,3 +306,30 @@ def test_index_bound_evicts_and_counts():
     assert idx2.match(chain_hashes(toks[:14], 4)) == {1: 1}
     idx2.block_stored(1, ["q"], "unknown-parent", toks[4:8], 4)
     assert idx2.stats()["unchained"] == 1
+
+
+def test_policies_choose_as_documented():
+    from pagedllm.router.policy import PolicyConfig, Router
+
+    rr = Router("round-robin")
+    assert [rr.choose([0, 1, 2], [5, 0, 0]).replica for _ in range(4)] == [0, 1, 2, 0]
+    ll = Router("least-load")
+    assert ll.choose([0, 1, 2], [3, 1, 2]).replica == 1
+    assert ll.choose([0, 2], [3, 1, 2]).replica == 2  # only eligible ones
+    st = Router("sticky")
+    picks = {st.choose([0, 1, 2], [0, 0, 0], session=f"s{i}").replica for i in range(30)}
+    assert len(picks) > 1
+    assert all(st.choose([0, 1, 2], [i, 0, 9], session="abc").replica == st.choose([0, 1, 2], [0, 0, 0],
+                                                                                   session="abc").replica
+               for i in range(3))
+    px = Router("prefix", PolicyConfig(cache_threshold=0.5, balance_abs_threshold=2, balance_rel_threshold=1.5))
+    d = px.choose([0, 1], [1, 0], matches={0: 6}, prompt_blocks=8)
+    assert (d.replica, d.reason, d.matched_blocks) == (0, "prefix", 6)
+    d = px.choose([0, 1], [1, 0], matches={0: 3}, prompt_blocks=8)  # 3/8 <= threshold: by load
+    assert (d.replica, d.reason) == (1, "load")
+    d = px.choose([0, 1], [4, 0], matches={0: 8}, prompt_blocks=8)  # imbalanced: by load
+    assert (d.replica, d.reason) == (1, "load")
+    d = px.choose([1], [0, 0], matches={0: 8}, prompt_blocks=8)  # the holder is not eligible
+    assert (d.replica, d.reason) == (1, "load")
+    with pytest.raises(ValueError, match="policy"):
+        Router("fastest")
