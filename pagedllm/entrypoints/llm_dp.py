@@ -13,6 +13,7 @@ Each replica's engine arguments are the caller's with ``data_parallel_size=1`` a
 """
 from __future__ import annotations
 
+import inspect
 import multiprocessing as mp
 import traceback
 from typing import Any, Optional
@@ -117,6 +118,10 @@ class DataParallelLLM(LLM):
     def _split_call(self, name: str, items: Any, args: tuple, kwargs: dict) -> list[Any]:
         single = isinstance(items, (str, dict)) or (name == "chat" and items and isinstance(items[0], dict))
         items = [items] if single else list(items)
+        # Positional arguments by name (so a per-prompt list given positionally is split too).
+        params = list(inspect.signature(getattr(LLM, name)).parameters)[2:]
+        kwargs = dict(kwargs, **dict(zip(params, args)))
+        args = ()
         calls: list[Optional[tuple[str, tuple, dict]]] = []
         for lo, hi in _slices(len(items), self.data_parallel_size):
             if lo == hi:
