@@ -190,6 +190,8 @@ def test_prefix_routing_follows_the_replicas_kv_events(fleet):
             convs[name] = (home, msgs + [{"role": "assistant", "content": reply}])
     assert router.metric("pagedllm_router_routing_decisions_total", reason="prefix") == before + 6
     assert router.metric("pagedllm_router_matched_blocks_total") > 0
+    assert router.metric("pagedllm_router_prefix_index_capacity_blocks") == 1_000_000
+    assert router.metric("pagedllm_router_prefix_index_blocks") >= 16
     # The replica's own prefix cache agrees: the follow-ups hit it.
     m = httpx.get(a + "/metrics").text
     hits = sum(float(x.rsplit(" ", 1)[1]) for x in m.splitlines() if x.startswith("pagedllm:prefix_cache_hits"))
