@@ -3,7 +3,7 @@
 
 Trace: ``--conversations`` conversations sharing one system prompt, ``--turns`` user turns each
 (the conversation's history grows by the assistant's reply every turn), ``--concurrency``
-conversations running at once (each sends its next turn when the last reply is in). Every
+conversations running at once (each sends its next turn ``--think-time`` seconds, exponential, after the last reply is in). Every
 request streams; TTFT is the time to the first content chunk. Each policy runs the same trace
 on freshly reset prefix caches; the prefix cache hit rate is the replicas' own
 (``pagedllm:prefix_cache_hits_total / queries_total`` over the run).
@@ -85,7 +85,7 @@ def make_trace(n_conv: int, turns: int, seed: int = 0):
     return system, convs
 
 
-def run_trace(base: str, system: str, convs, concurrency: int, max_tokens: int):
+def run_trace(base: str, system: str, convs, concurrency: int, max_tokens: int, think: float):
     ttfts: list[float] = []
     lock = threading.Lock()
     todo = list(range(len(convs)))
@@ -98,7 +98,9 @@ def run_trace(base: str, system: str, convs, concurrency: int, max_tokens: int):
                     return
                 c = todo.pop(0)
             msgs = [{"role": "system", "content": system}]
+            rng = random.Random(c)
             for user in convs[c]:
+                time.sleep(rng.expovariate(1.0 / think) if think > 0 else 0.0)
                 msgs.append({"role": "user", "content": user})
                 t0 = time.perf_counter()
                 first = None
@@ -132,7 +134,9 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--conversations", type=int, default=8)
     ap.add_argument("--turns", type=int, default=8)
-    ap.add_argument("--concurrency", type=int, default=4)
+    ap.add_argument("--concurrency", type=int, default=8)
+    ap.add_argument("--think-time", type=float, default=1.0,
+                    help="mean seconds (exponential) a user waits before each turn")
     ap.add_argument("--max-tokens", type=int, default=16)
     ap.add_argument("--kv-cache-memory", default="96MiB")
     ap.add_argument("--overhead-requests", type=int, default=200)
@@ -153,7 +157,7 @@ def main() -> None:
             try:
                 q0 = sum(metric(r, "pagedllm:prefix_cache_queries_total") for r in reps)
                 h0 = sum(metric(r, "pagedllm:prefix_cache_hits_total") for r in reps)
-                ttfts, wall = run_trace(router.base, system, convs, a.concurrency, a.max_tokens)
+                ttfts, wall = run_trace(router.base, system, convs, a.concurrency, a.max_tokens, a.think_time)
                 q1 = sum(metric(r, "pagedllm:prefix_cache_queries_total") for r in reps)
                 h1 = sum(metric(r, "pagedllm:prefix_cache_hits_total") for r in reps)
                 dec = httpx.get(router.base + "/metrics").text

@@ -455,9 +455,14 @@ class RouterApp:
 
         @contextlib.asynccontextmanager
         async def lifespan(app: Any):
-            self._client = httpx.AsyncClient(timeout=httpx.Timeout(None, connect=5.0),
-                                             limits=httpx.Limits(max_connections=None,
-                                                                 max_keepalive_connections=256))
+            import socket
+
+            # NOTE: TCP_NODELAY on the upstream sockets: a request's headers and body are separate
+            # writes, which Nagle + delayed ACK would hold for ~40 ms.
+            transport = httpx.AsyncHTTPTransport(
+                limits=httpx.Limits(max_connections=None, max_keepalive_connections=256),
+                socket_options=[(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)])
+            self._client = httpx.AsyncClient(timeout=httpx.Timeout(None, connect=5.0), transport=transport)
             if any(r.kv_endpoint for r in self.replicas):
                 self._sub_thread = threading.Thread(target=self._subscribe_loop, name="router-kv-events",
                                                     daemon=True)

@@ -30,14 +30,21 @@ def cluster():
     env = dict(os.environ, RAY_USAGE_STATS_ENABLED="0", PAGEDLLM_NUM_THREADS="1", OMP_NUM_THREADS="1")
     common = ["--num-cpus", "1", "--num-gpus", "0", "--disable-usage-stats", "--object-store-memory",
               str(80 * 1024**2)]
-    subprocess.run([ray_bin, "start", "--head", "--port", str(port), "--node-ip-address", "127.0.0.1",
-                    "--include-dashboard=false", "--temp-dir", tmp, "--resources", '{"node_head": 1}', *common],
-                   env=env, check=True, capture_output=True, timeout=180)
+    p = subprocess.run([ray_bin, "start", "--head", "--port", str(port), "--node-ip-address", "127.0.0.1",
+                        "--include-dashboard=false", "--temp-dir", tmp, "--resources", '{"node_head": 1}', *common],
+                       env=env, capture_output=True, text=True, timeout=180)
+    assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-2000:]
     address = f"127.0.0.1:{port}"
     try:
-        subprocess.run([ray_bin, "start", "--address", address, "--node-ip-address", "127.0.0.1",
-                        "--resources", '{"node_second": 1}', *common],
-                       env=env, check=True, capture_output=True, timeout=180)
+        # A second node on the same machine: its own ports (the defaults would collide with the head's).
+        ports = []
+        for name in ("--node-manager-port", "--object-manager-port", "--dashboard-agent-listen-port",
+                     "--dashboard-agent-grpc-port", "--metrics-export-port", "--runtime-env-agent-port"):
+            ports += [name, str(free_port())]
+        p = subprocess.run([ray_bin, "start", "--address", address, "--node-ip-address", "127.0.0.1",
+                            "--resources", '{"node_second": 1}', *common, *ports],
+                           env=env, capture_output=True, text=True, timeout=180)
+        assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-2000:]
         status = subprocess.run([ray_bin, "status", "--address", address], env=env, capture_output=True,
                                 text=True, timeout=120).stdout
         assert "2.0 CPU" in status or "0.0/2.0 CPU" in status, status
