@@ -17,8 +17,7 @@ from server_helpers import free_port, serve
 pytest.importorskip("ray", reason="ray is not installed (pip install ray)")
 # NOTE: not passing yet: on this machine the second `ray start --address 127.0.0.1:PORT` fails with
 # "Failed to connect to GCS" (it reports its node IP as the host's, 192.0.2.2, not 127.0.0.1).
-pytestmark = [pytest.mark.slow, pytest.mark.xfail(reason="second `ray start --address` on this machine cannot "
-                                                         "reach the head's GCS (see the NOTE above)", strict=False)]
+pytestmark = pytest.mark.slow
 
 PROMPTS = [[1, 17, 3, 88, 42, 9, 61, 23], [5, 6, 7, 8, 200, 13]]
 N = 6
@@ -47,7 +46,9 @@ def cluster():
         p = subprocess.run([ray_bin, "start", "--address", address, "--node-ip-address", "127.0.0.1",
                             "--resources", '{"node_second": 1}', *common, *ports],
                            env=env, capture_output=True, text=True, timeout=180)
-        assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-2000:]
+        if p.returncode != 0:
+            pytest.xfail("the second `ray start --address` failed (known, see the NOTE above): "
+                         + (p.stdout + p.stderr).strip().splitlines()[-1][-300:])
         status = subprocess.run([ray_bin, "status", "--address", address], env=env, capture_output=True,
                                 text=True, timeout=120).stdout
         assert "2.0 CPU" in status or "0.0/2.0 CPU" in status, status
