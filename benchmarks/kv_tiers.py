@@ -20,8 +20,8 @@ generates ``--output-len`` tokens, and appends them to its history. The chats of
 ``generate`` call (so the pool churns through all of them before a chat comes back), host tier
 off vs on (``kv_offloading_size``). Throughput = (prompt + generated tokens) / wall seconds.
 
-    /work/bin/heavy --exclusive python benchmarks/kv_tiers.py restart-ttft --json-output r.json
-    /work/bin/heavy --exclusive python benchmarks/kv_tiers.py multiturn --json-output m.json
+    python benchmarks/kv_tiers.py restart-ttft --json-output r.json
+    python benchmarks/kv_tiers.py multiturn --json-output m.json
 """
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""``pagedllm`` command line: serve, chat, complete, run, run-batch, bench (vLLM's names and flags).
+"""``pagedllm`` command line: serve, chat, complete, run, run-batch, bench, router (vLLM's names and flags).
 
 A user mistake is one line on stderr, ``pagedllm <cmd>: error: ...``, and exit status 2
 (``cli_utils.FlexibleArgumentParser``); ``pagedllm serve --help=<group or keyword>`` shows part
@@ -94,7 +94,7 @@ def build_parser() -> argparse.ArgumentParser:
         prog="pagedllm", description="pagedllm: paged-KV-cache LLM serving with vLLM's API")
     parser.add_argument("--version", action="store_true", help="Print the version and exit.")
     subparsers: dict[str, argparse.ArgumentParser] = {}
-    sub = parser.add_subparsers(dest="cmd", metavar="{serve,chat,complete,run,run-batch,bench,simulate}")
+    sub = parser.add_subparsers(dest="cmd", metavar="{serve,chat,complete,run,run-batch,bench,simulate,router}")
     sp = sub.add_parser("serve", help="serve a model behind an OpenAI-compatible HTTP API",
                         description="Serve a model behind an OpenAI-compatible HTTP API (vLLM's `vllm serve` "
                                     "flags). --help=listgroup lists the flag groups, --help=<group> shows "
@@ -127,6 +127,14 @@ def build_parser() -> argparse.ArgumentParser:
     add_serve_args(rb)
     _add_bench_parsers(sub, subparsers)
     _add_simulate_parsers(sub, subparsers)
+    from pagedllm.router.server import add_router_args
+    rt = sub.add_parser("router", help="route requests over many running servers (prefix-cache aware)",
+                        description="One OpenAI / Anthropic / Ollama-compatible endpoint over running "
+                                    "`pagedllm serve` replicas: forwards requests and streams unchanged, "
+                                    "routes by the prefix the replicas' KV events say they hold "
+                                    "(--policy prefix), or by load, round-robin or session.")
+    subparsers["router"] = rt
+    add_router_args(rt)
     parser.subcommand_parsers = subparsers  # type: ignore[attr-defined]
     return parser
 
@@ -196,6 +204,13 @@ def main(argv: Optional[list[str]] = None) -> int:
             return fail("pagedllm serve", str(e))
         from pagedllm.entrypoints.openai.api_server import run_server
         return run_server(args, sock) or 0
+    if args.cmd == "router":
+        from pagedllm.router.server import build_router, run_router
+        try:  # flags, URLs, replicas and tokenizer checked before serving: one line, exit 2
+            ra = build_router(args)
+        except ValueError as e:
+            return fail("pagedllm router", str(e))
+        return run_router(args, ra)
     if args.cmd == "run-batch":
         from pagedllm.entrypoints.openai.run_batch import run_batch_main
         return run_batch_main(args)

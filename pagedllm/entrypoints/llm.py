@@ -20,12 +20,21 @@ class LLM:
             (bytes or "2GiB"), ``kv_prefix_cache_memory``, ``kv_cache_dtype`` ("auto", "bfloat16",
             "fp8", "fp8_e5m2"), ``seed``,
             ``enable_prefix_caching``, ``num_threads``, ``enable_lora``, ``max_loras``,
-            ``max_lora_rank``, ``max_cpu_loras``, ...
+            ``max_lora_rank``, ``max_cpu_loras``, ...; ``data_parallel_size=N`` (> 1) runs N
+            replica processes and splits each batch over them (``pagedllm.entrypoints.llm_dp``).
 
     Raises:
         TypeError: an unknown keyword.
         ValueError: unknown model or invalid settings (the message names the field).
     """
+
+    def __new__(cls, *args: Any, **kwargs: Any) -> "LLM":
+        # data_parallel_size > 1: N replica processes (pagedllm.entrypoints.llm_dp).
+        dp = kwargs.get("data_parallel_size", 1)
+        if cls is LLM and isinstance(dp, int) and not isinstance(dp, bool) and dp > 1:
+            from pagedllm.entrypoints.llm_dp import DataParallelLLM
+            return super().__new__(DataParallelLLM)
+        return super().__new__(cls)
 
     def __init__(self, model: str = "SmolLM2-135M-Instruct", **kwargs: Any) -> None:
         from pagedllm.engine.llm_engine import LLMEngine
@@ -36,11 +45,6 @@ class LLM:
         if "pooler_config" in kwargs and dataclasses.is_dataclass(kwargs["pooler_config"]):
             kwargs["pooler_config"] = dataclasses.asdict(kwargs["pooler_config"])
         self.engine_args = EngineArgs(model=model, **kwargs)
-        if self.engine_args.data_parallel_size != 1:
-            raise ValueError(
-                f"data_parallel_size: {self.engine_args.data_parallel_size} replicas are served by "
-                f"`pagedllm serve --data-parallel-size N` (one endpoint, least-loaded routing); offline, "
-                f"run one LLM per replica (as vLLM's offline data-parallel example does)")
         self.llm_engine = LLMEngine(self.engine_args)
 
     def shutdown(self) -> None:

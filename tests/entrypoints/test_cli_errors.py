@@ -92,8 +92,8 @@ def test_serve_parses_suffixed_lengths():
     (("bench", "throughput", "--zzz"),
      "pagedllm bench throughput: error: unrecognized arguments: --zzz (see 'pagedllm bench throughput --help')"),
     (("frob",),
-     "pagedllm: error: argument {serve,chat,complete,run,run-batch,bench,simulate}: invalid choice: 'frob' "
-     "(choose from serve, chat, complete, run, run-batch, bench, simulate) (see 'pagedllm --help')"),
+     "pagedllm: error: argument {serve,chat,complete,run,run-batch,bench,simulate,router}: invalid choice: 'frob' "
+     "(choose from serve, chat, complete, run, run-batch, bench, simulate, router) (see 'pagedllm --help')"),
     (("run-batch", "-i", "in.jsonl"),
      "pagedllm run-batch: error: the following arguments are required: -o/--output-file "
      "(see 'pagedllm run-batch --help')"),

@@ -1,0 +1,104 @@
+"""Routing policies (pure functions, no I/O, no torch): which replica gets a request.
+
+* ``round-robin``: the next eligible replica in turn.
+* ``least-load``: fewest requests in flight (dispatched by the router, not finished); ties go
+  round-robin.
+* ``sticky``: the same session key (the ``X-Session-Id`` header, else the body's ``user``) goes to
+  the same replica while it is eligible (rendezvous hashing, so a replica leaving moves only its
+  own sessions); no key: least-load.
+* ``prefix``: the replica holding the longest prefix of the prompt (``PrefixIndex.match``), ties
+  by load, when (a) the load is balanced, i.e. NOT (max - min in flight > ``balance_abs_threshold``
+  and max > ``balance_rel_threshold`` * min), and (b) the best match covers more than
+  ``cache_threshold`` of the prompt's tokens; otherwise least-load (SGLang's ``sgl-router`` cache-
+  aware policy has the same two knobs and fallback).
+"""
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+from typing import Optional, Sequence
+
+POLICIES = ("prefix", "least-load", "round-robin", "sticky")
+
+
+@dataclass
+class PolicyConfig:
+    """Knobs of the prefix policy (see the module docstring)."""
+
+    cache_threshold: float = 0.5
+    balance_abs_threshold: int = 2
+    balance_rel_threshold: float = 1.5
+
+
+@dataclass
+class Decision:
+    """The chosen replica index, why (``"prefix"``, ``"load"``, ``"round-robin"``, ``"sticky"``)
+    and the prompt blocks it already holds."""
+
+    replica: int
+    reason: str
+    matched_blocks: int = 0
+
+
+class Router:
+    """Chooses among replicas ``0..n-1``.
+
+    Args:
+        policy: one of ``POLICIES``.
+        config: prefix-policy knobs.
+
+    Raises:
+        ValueError: an unknown policy.
+    """
+
+    def __init__(self, policy: str, config: Optional[PolicyConfig] = None) -> None:
+        if policy not in POLICIES:
+            raise ValueError(f"policy: expected one of {list(POLICIES)}, got {policy!r}")
+        self.policy = policy
+        self.config = config or PolicyConfig()
+        self._rr = 0
+
+    def _least_load(self, eligible: Sequence[int], in_flight: Sequence[int]) -> int:
+        low = min(in_flight[i] for i in eligible)
+        ties = [i for i in eligible if in_flight[i] == low]
+        pick = ties[self._rr % len(ties)]
+        self._rr += 1
+        return pick
+
+    def choose(self, eligible: Sequence[int], in_flight: Sequence[int], *,
+               matches: Optional[dict[int, int]] = None, prompt_blocks: int = 0,
+               session: Optional[str] = None) -> Decision:
+        """Pick one of ``eligible`` (replica indices, non-empty).
+
+        Args:
+            eligible: healthy, not draining replicas.
+            in_flight: requests in flight per replica (indexed by replica).
+            matches: replica -> leading prompt blocks it holds (prefix policy).
+            prompt_blocks: full blocks in the prompt (prefix policy).
+            session: the session key (sticky policy).
+
+        Raises:
+            ValueError: no eligible replica.
+        """
+        if not eligible:
+            raise ValueError("no eligible replica")
+        if self.policy == "round-robin":
+            pick = eligible[self._rr % len(eligible)]
+            self._rr += 1
+            return Decision(pick, "round-robin")
+        if self.policy == "sticky" and session:
+            best = max(eligible, key=lambda i: hashlib.blake2b(f"{session}|{i}".encode(), digest_size=8).digest())
+            return Decision(best, "sticky")
+        if self.policy == "prefix" and matches and prompt_blocks > 0:
+            c = self.config
+            loads = [in_flight[i] for i in eligible]
+            hi, lo = max(loads), min(loads)
+            imbalanced = hi - lo > c.balance_abs_threshold and hi > c.balance_rel_threshold * lo
+            cands = {i: d for i, d in matches.items() if i in eligible}
+            if cands and not imbalanced:
+                depth = max(cands.values())
+                if depth / prompt_blocks > c.cache_threshold:
+                    best = [i for i in eligible if cands.get(i) == depth]
+                    return Decision(self._least_load(best, in_flight), "prefix", depth)
+        pick = self._least_load(eligible, in_flight)
+        return Decision(pick, "load", (matches or {}).get(pick, 0))
