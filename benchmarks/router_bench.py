@@ -14,7 +14,7 @@ interleaved; reported: the p50 of the per-pair differences for ``GET /v1/models`
 for a 1-token chat completion (proxy + render + tokenize + hash + route), and the router's own
 ``pagedllm_router_routing_seconds``.
 
-Usage: ``/work/bin/heavy --exclusive python benchmarks/router_bench.py [--out FILE.json]``.
+Usage: ``python benchmarks/router_bench.py [--out FILE.json]``.
 """
 from __future__ import annotations
 

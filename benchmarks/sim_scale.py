@@ -1,7 +1,7 @@
 """The simulator at fleet scale: a curve from 1 to 1,000 replicas per routing policy, and the wall
 time of the simulation itself.
 
-    PYTHONPATH=. /work/bin/heavy --exclusive python benchmarks/sim_scale.py \\
+    PYTHONPATH=. python benchmarks/sim_scale.py \\
         --step-model benchmarks/results/sim-step-model-DATE.json \\
         --json-output benchmarks/results/sim-scale-DATE.json
 

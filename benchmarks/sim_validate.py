@@ -1,7 +1,7 @@
 """Validate the fleet simulator against measured runs: the same trace through ``pagedllm serve``
 (1 replica, and ``--data-parallel-size 2``) and through ``pagedllm simulate`` (the fitted step model).
 
-    PYTHONPATH=. /work/bin/heavy --exclusive python benchmarks/sim_validate.py \\
+    PYTHONPATH=. python benchmarks/sim_validate.py \\
         --step-model benchmarks/results/sim-step-model-DATE.json \\
         --json-output benchmarks/results/sim-validate-DATE.json
 

@@ -20,7 +20,7 @@ length (issue 38's benchmark).
 Each configuration is loaded once; passes alternate between them (one warm-up, then
 ``--repeats``); medians. Greedy, so every configuration emits the same tokens (checked).
 
-    /work/bin/heavy --exclusive env PYTHONPATH=. python benchmarks/spec_decode_trained.py \\
+    env PYTHONPATH=. python benchmarks/spec_decode_trained.py \\
         --json-output benchmarks/results/spec-decode-trained-DATE.json
 """
 from __future__ import annotations
