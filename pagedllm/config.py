@@ -168,7 +168,8 @@ class EngineArgs:
             ``disable_fallback``, ``disable_any_whitespace``, ``max_whitespace_cnt`` (most
             whitespace characters in a row in JSON, default 16, None = unbounded),
             ``disable_additional_properties``, ``grammar_cache_size`` (compiled grammars kept,
-            default 256), ``compile_threads`` (default 2); see
+            default 256), ``compile_threads`` (default 2), ``jump_forward`` (lossless
+            jump-forward decoding, default True), ``jump_forward_max_tokens`` (default 16); see
             ``pagedllm.structured_output.config``.
         tensor_parallel_size: ranks each layer is split across (attention heads, MLP, vocab).
         pipeline_parallel_size: stages the layers are split across (contiguous ranges).

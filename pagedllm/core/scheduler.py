@@ -28,6 +28,13 @@ Structured outputs: a request with a grammar (``Request.structured_output_reques
 as WAITING_FOR_FSM, skipped by admission (others go ahead), until its grammar has compiled;
 one whose grammar failed is finished ("abort"). Each sampled token advances its matcher, and
 a grammar that has ended finishes the request ("stop").
+
+Jump-forward (``jump_forward_max_tokens > 0``): after a constrained request's new tokens, the
+text its grammar forces next (``StructuredOutputRequest.jump_forward_tokens``) becomes its draft
+tokens for the next step, verified like speculative drafts (the engine core adds one grammar
+bitmask row per draft position; ``SchedulerOutput.structured_output_request_ids`` gives each
+request's first row). Counted in ``jump_forward_stats``. Drafts of a configured speculative
+method are never used for constrained requests (the worker proposes none for them).
 """
 from __future__ import annotations
 
@@ -95,6 +102,7 @@ class Scheduler:
         max_loras: int = 0,
         policy: str = "fcfs",
         connector: Any = None,
+        jump_forward_max_tokens: int = 0,
     ) -> None:
         if max_num_seqs < 1 or max_num_batched_tokens < 1:
             raise ValueError("max_num_seqs and max_num_batched_tokens must be >= 1")
@@ -119,6 +127,10 @@ class Scheduler:
         self.num_lookahead_tokens = num_lookahead_tokens
         self.spec_stats: Optional[SpecDecodingStats] = (
             SpecDecodingStats(num_spec_tokens) if num_spec_tokens > 0 else None)
+        # Jump-forward structured decoding: most grammar draft tokens per step (0 = off).
+        self.jump_forward_max_tokens = jump_forward_max_tokens
+        self.jump_forward_stats: Optional[SpecDecodingStats] = (
+            SpecDecodingStats(0) if jump_forward_max_tokens > 0 else None)
         # Outputs of requests finished inside schedule() (a grammar that failed to compile),
         # returned by the next update_from_output().
         self._pending_outputs: list[EngineCoreOutput] = []
@@ -274,9 +286,9 @@ class Scheduler:
             req = running[i]
             computed = req.num_computed_tokens
             if req.spec_token_ids:
-                # NOTE: a grammar's bitmask covers one position per step; drafts would need one
-                # per draft (matcher advance + rollback), so constrained requests do not speculate.
-                if req.structured_output_request is not None:
+                # NOTE: a constrained request's drafts are its grammar's (jump-forward); they get
+                # one bitmask row per position (engine core).
+                if req.structured_output_request is not None and not self.jump_forward_max_tokens:
                     req.spec_token_ids = []
                 else:
                     self._trim_drafts(req)
@@ -388,6 +400,7 @@ class Scheduler:
         block_ids = mgr.req_to_block_ids
         scheduled_reqs = out.scheduled
         grammar_rows = out.structured_output_request_ids
+        num_grammar_rows = 0
         total = 0
         for req, n, is_new in order:
             start = req.num_computed_tokens
@@ -402,7 +415,8 @@ class Scheduler:
                 else:
                     req.spec_token_ids = []
             if req.structured_output_request is not None and start + n >= len(tokens):
-                grammar_rows[req.request_id] = len(grammar_rows)
+                grammar_rows[req.request_id] = num_grammar_rows  # first row; one per draft follows
+                num_grammar_rows += 1 + len(spec)
             scheduled_reqs.append(ScheduledRequest(
                 req_id=req.request_id,
                 token_ids=tokens,
@@ -507,8 +521,10 @@ class Scheduler:
                 # Roll back over the rejected drafts: their K/V slots are rewritten next step.
                 num_accepted = min(len(new_ids) - 1, len(spec)) if new_ids else 0
                 req.num_computed_tokens -= len(spec) - num_accepted
-                if self.spec_stats is not None:
-                    self.spec_stats.observe_draft(len(spec), num_accepted)
+                stats = (self.jump_forward_stats if req.structured_output_request is not None
+                         else self.spec_stats)
+                if stats is not None:
+                    stats.observe_draft(len(spec), num_accepted)
             if new_ids:
                 if len(new_ids) == 1:  # (the common case: one token, no copy of the list)
                     tok = new_ids[0]
@@ -538,7 +554,10 @@ class Scheduler:
             finished = status > RequestStatus.PREEMPTED
             any_finished |= finished
             if not finished and new_ids:
-                req.spec_token_ids = runner_output.spec_token_ids.get(req_id) or []
+                if sor is not None and self.jump_forward_max_tokens:
+                    req.spec_token_ids = self._jump_forward_drafts(req, sor)
+                else:
+                    req.spec_token_ids = runner_output.spec_token_ids.get(req_id) or []
             ncached = req.num_cached_tokens
             outputs.append(EngineCoreOutput(
                 req_id, appended, lps, prompt_lps, RequestStatus.finish_reason(status) if finished else None,
@@ -560,6 +579,16 @@ class Scheduler:
             room = req.max_tokens - len(req.output_token_ids) - 1
             if room < len(req.spec_token_ids):
                 del req.spec_token_ids[max(room, 0):]
+
+    def _jump_forward_drafts(self, req: Request, sor: Any) -> list[int]:
+        """The grammar's forced continuation as draft tokens for ``req``'s next step: at most
+        ``jump_forward_max_tokens``, and only as many as can lead to an emitted token
+        (``max_tokens``, ``max_model_len``)."""
+        cap = self.jump_forward_max_tokens
+        if req.max_tokens is not None:
+            cap = min(cap, req.max_tokens - len(req.output_token_ids) - 1)
+        cap = min(cap, self.max_model_len - len(req.all_token_ids) - 1)
+        return sor.jump_forward_tokens(cap) if cap > 0 else []
 
     def _advance_grammar(self, req: Request, sor: Any, new_ids: list[int]) -> None:
         """Advance the request's matcher over its new tokens; a token the grammar refuses (a

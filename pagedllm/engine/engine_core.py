@@ -119,13 +119,18 @@ class EngineCore:
                 raise
             self.kv_cache_manager.block_pool.enable_kv_events(args.block_size)
         sc = self.spec_config
+        so_cfg = None
+        if args.runner == "generate":
+            from pagedllm.structured_output.config import StructuredOutputsConfig
+            so_cfg = StructuredOutputsConfig.from_any(args.structured_outputs_config)
         self.scheduler = Scheduler(
             max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
             max_model_len=self.max_model_len, kv_cache_manager=self.kv_cache_manager,
             num_spec_tokens=(sc.num_speculative_tokens or 0) if sc else 0,
             num_lookahead_tokens=sc.num_lookahead_tokens if sc else 0,
             max_loras=args.max_loras if args.enable_lora else 0,
-            policy=args.scheduling_policy, connector=self.kv_connector)
+            policy=args.scheduling_policy, connector=self.kv_connector,
+            jump_forward_max_tokens=so_cfg.jump_forward_max_tokens if so_cfg and so_cfg.jump_forward else 0)
         # LoRA: the adapters in the workers' CPU caches, least recently used first (add_lora).
         self.loras: "OrderedDict[int, Any]" = OrderedDict()
         self.max_cpu_loras = args.lora_limits()[2] if args.enable_lora else 0
@@ -134,7 +139,7 @@ class EngineCore:
             from pagedllm.structured_output.manager import StructuredOutputManager
             # NOTE: cheap; a backend (tokenizer scan) is built on first use, off this thread.
             self.structured_output_manager = StructuredOutputManager(
-                self.tokenizer, self.vocab_size, self.eos_token_id, args.structured_outputs_config)
+                self.tokenizer, self.vocab_size, self.eos_token_id, so_cfg)
         # Steps in flight (pipeline parallelism): (SchedulerOutput, Future of its output).
         self.batch_queue_size = self.executor.max_concurrent_batches
         self._batch_queue: deque = deque()
@@ -473,8 +478,12 @@ class EngineCore:
         if so.structured_output_request_ids:
             assert self.structured_output_manager is not None, "constrained rows need the manager"
             reqs = self.scheduler.requests
+            rids = list(so.structured_output_request_ids)
+            # NOTE: a request verifying jump-forward drafts gets one row per position (its drafts:
+            # the scheduled ones, ``Request.spec_token_ids`` trimmed in schedule()).
             so.grammar_bitmask = self.structured_output_manager.grammar_bitmask(
-                [reqs[rid].structured_output_request for rid in so.structured_output_request_ids])
+                [reqs[rid].structured_output_request for rid in rids],
+                [reqs[rid].spec_token_ids for rid in rids])
         return so
 
     def _step_with_batch_queue(self) -> list[EngineCoreOutput]:
@@ -585,6 +594,7 @@ class EngineCore:
             "prefix_cache_hits": s.prefix_cache_hits,
             **(self.structured_output_manager.stats() if self.structured_output_manager else {}),
             **self._spec_decode_stats(),
+            **self._jump_forward_stats(),
             **(self._lora_stats() if self.args.enable_lora else {}),
             **(self.kv_events.stats() if self.kv_events is not None else {}),
             **({"kv_connector": self.kv_connector.get_kv_connector_stats()} if self.kv_connector else {}),
@@ -661,6 +671,16 @@ class EngineCore:
         logger.debug("pagedllm: gave back the KV pages of %d free blocks (%s)", n,
                      _fmt_bytes(n * self.kv_block_bytes))
         return n
+
+    def _jump_forward_stats(self) -> dict:
+        """Jump-forward structured decoding totals (empty when off): verified grammar drafts,
+        their tokens, and the accepted ones."""
+        st = self.scheduler.jump_forward_stats
+        if st is None:
+            return {}
+        return {"jump_forward_num_drafts": st.num_drafts,
+                "jump_forward_num_draft_tokens": st.num_draft_tokens,
+                "jump_forward_num_accepted_tokens": st.num_accepted_tokens}
 
     def _spec_decode_stats(self) -> dict:
         """Speculative decoding totals (empty when off): the scheduler's draft counters and, for

@@ -29,6 +29,9 @@ counters   P:prompt_tokens_total, P:generation_tokens_total,
            P:structured_output_compile_failures_total, P:spec_decode_num_drafts_total,
            P:spec_decode_num_draft_tokens_total, P:spec_decode_num_accepted_tokens_total,
            P:spec_decode_num_accepted_tokens_per_pos_total{position},
+           P:jump_forward_num_drafts_total, P:jump_forward_num_draft_tokens_total,
+           P:jump_forward_num_accepted_tokens_total (jump-forward structured decoding: grammar
+           drafts verified, their tokens, the accepted ones),
            P:kv_events_batches_published_total, P:kv_events_batches_dropped_total (batches that
            found the queue full; --kv-events-config only)
 histograms P:time_to_first_token_seconds, P:inter_token_latency_seconds,
@@ -277,6 +280,15 @@ class PrometheusStatLogger:
         self.gauge_suffix_nodes = Gauge(
             p + "spec_decode_suffix_tree_nodes", "Nodes of the suffix proposer's global tree.",
             labels, registry=reg).labels(m)
+        self.counter_jf_drafts = Counter(
+            p + "jump_forward_num_drafts", "Number of jump-forward drafts (a grammar's forced tokens) verified.",
+            labels, registry=reg).labels(m)
+        self.counter_jf_draft_tokens = Counter(
+            p + "jump_forward_num_draft_tokens", "Number of jump-forward draft tokens.",
+            labels, registry=reg).labels(m)
+        self.counter_jf_accepted = Counter(
+            p + "jump_forward_num_accepted_tokens", "Number of accepted jump-forward draft tokens.",
+            labels, registry=reg).labels(m)
         self._spec_totals = [0, 0, 0]  # drafts, accepted tokens, draft tokens
         # Per method (one per engine): the same totals as ratios, labelled by the method.
         self._spec_rate_family = Gauge(
@@ -289,6 +301,11 @@ class PrometheusStatLogger:
             labels + ["method"], registry=reg)
 
     def _record_spec_decode(self, st: SchedulerStats) -> None:
+        if st.jump_forward_num_drafts > 0:
+            self.counter_jf_drafts.inc(st.jump_forward_num_drafts)
+            self.counter_jf_draft_tokens.inc(st.jump_forward_num_draft_tokens)
+            if st.jump_forward_num_accepted_tokens > 0:
+                self.counter_jf_accepted.inc(st.jump_forward_num_accepted_tokens)
         if st.spec_decode_num_drafts > 0:
             self.counter_spec_drafts.inc(st.spec_decode_num_drafts)
             self.counter_spec_draft_tokens.inc(st.spec_decode_num_draft_tokens)

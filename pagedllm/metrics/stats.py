@@ -38,6 +38,9 @@ class SchedulerStats:
         spec_decode_suffix_cached_requests / spec_decode_suffix_cache_capacity /
         spec_decode_suffix_tree_nodes: the suffix proposer's global cache (snapshots).
         spec_decode_method: the speculative method ("ngram", "mtp", ...; "" when off).
+        jump_forward_num_drafts / jump_forward_num_draft_tokens / jump_forward_num_accepted_tokens:
+            jump-forward structured decoding this step: verified grammar drafts (request-steps),
+            their tokens, and the accepted ones (deltas).
     """
 
     num_running_reqs: int = 0
@@ -58,6 +61,9 @@ class SchedulerStats:
     spec_decode_suffix_cache_capacity: int = 0
     spec_decode_suffix_tree_nodes: int = 0
     spec_decode_method: str = ""
+    jump_forward_num_drafts: int = 0
+    jump_forward_num_draft_tokens: int = 0
+    jump_forward_num_accepted_tokens: int = 0
 
     @classmethod
     def from_totals(cls, stats: dict, prev: Optional[dict] = None) -> "SchedulerStats":
@@ -84,6 +90,9 @@ class SchedulerStats:
             spec_decode_suffix_cache_capacity=int(stats.get("spec_decode_suffix_cache_capacity", 0)),
             spec_decode_suffix_tree_nodes=int(stats.get("spec_decode_suffix_tree_nodes", 0)),
             spec_decode_method=str(stats.get("spec_decode_method") or ""),
+            jump_forward_num_drafts=_delta(stats, prev, "jump_forward_num_drafts"),
+            jump_forward_num_draft_tokens=_delta(stats, prev, "jump_forward_num_draft_tokens"),
+            jump_forward_num_accepted_tokens=_delta(stats, prev, "jump_forward_num_accepted_tokens"),
         )
 
 

@@ -25,6 +25,14 @@ draft is checked against is exactly the one the plain sampler would sample from 
   heads) pass ``draft_probs=None``: ``q_j`` is one-hot on ``d_j``, so acceptance is ``p_j(d_j)``
   and the recovered distribution is ``p_j`` without ``d_j``, renormalized.
 
+* Match sampling (``match_sampling``, for point-mass drafts: jump-forward's grammar-forced
+  tokens): row ``j`` samples a token exactly as the plain sampler does (one uniform, from the
+  request's generator when seeded); draft ``d_{j+1}`` is accepted iff that token equals it, and
+  the first token that differs (or row ``k``'s) is emitted. For a one-hot ``q`` this is the rule
+  above (accept with probability ``p_j(d)``; a rejection emits ``p_j`` without ``d``), and it
+  draws one uniform per emitted token in order, so a seeded request emits exactly the tokens
+  it would emit one step at a time.
+
 Seeded rows draw their uniforms from the request's own generator (``k_i`` acceptance draws, then
 one for the emitted token), so a seeded request's output does not depend on the batch.
 Logprobs are those of the RAW target distribution at each emitted token's row (vLLM's default
@@ -122,6 +130,7 @@ class RejectionSampler:
         draft_token_ids: Sequence[Sequence[int]],
         generators: Optional[dict[int, torch.Generator]] = None,
         draft_probs: Optional[torch.Tensor] = None,
+        match_sampling: Optional[Sequence[bool]] = None,
     ) -> RejectionSamplerOutput:
         """Verify every request's drafts.
 
@@ -135,6 +144,8 @@ class RejectionSampler:
             draft_probs: float32 ``[sum k_i, V]`` the draft distribution each draft was drawn
                 from (row order = drafts in request order), or None for one-hot (deterministic
                 proposers).
+            match_sampling: per request, True to verify its (point-mass) drafts by match
+                sampling (module docstring; its ``draft_probs`` rows are then ignored), or None.
 
         Returns:
             RejectionSamplerOutput.
@@ -182,6 +193,10 @@ class RejectionSampler:
         elif not meta.all_random:
             greedy_row = meta.greedy_mask.to("cpu", torch.bool)
         greedy_req = greedy_row[starts]
+        match = torch.zeros(B, dtype=torch.bool)
+        if match_sampling is not None:
+            match = torch.tensor(list(match_sampling), dtype=torch.bool) & ~greedy_req
+        vec_random = ~greedy_req & ~match  # random requests verified by the rule above
 
         argmax = None
         if not meta.all_random:
@@ -197,7 +212,7 @@ class RejectionSampler:
             # Uniforms: seeded requests draw theirs (k_i of them) from their own generator.
             u = torch.rand(B, max_k)
             for i, g in generators.items():
-                if ks[i] and not bool(greedy_req[i]):
+                if ks[i] and bool(vec_random[i]):
                     u[i, :ks[i]] = torch.rand(ks[i], generator=g, device=g.device).cpu()
             p = probs[rows.to(device), drafts.to(device)].cpu()  # [B, max_k]
             if draft_probs is None:
@@ -206,16 +221,23 @@ class RejectionSampler:
                 flat = torch.zeros(B, max_k, dtype=torch.int64)
                 flat[real] = torch.arange(sum(ks))
                 q = draft_probs.to(device)[flat.to(device), drafts.to(device)].cpu().float()
-            accept |= (u * q < p) & ~greedy_req.unsqueeze(1)
+            accept |= (u * q < p) & vec_random.unsqueeze(1)
         accept &= real
         num_accepted = accept.to(torch.int64).cumprod(dim=1).sum(dim=1)  # [B]
+        matched: dict[int, int] = {}
+        if probs is not None and bool(match.any()):
+            for i in match.nonzero().squeeze(1).tolist():
+                num_accepted[i], matched[i] = self._match_sample(
+                    probs, int(starts[i]), list(draft_token_ids[i]), generators.get(i))
         final_rows = starts + num_accepted  # row that emits the last token
 
         final = torch.empty(B, dtype=torch.int64)
         if argmax is not None:
             final = argmax[final_rows].clone()
-        if probs is not None:
-            rand_reqs = (~greedy_req).nonzero().squeeze(1)
+        for i, t in matched.items():
+            final[i] = t
+        if probs is not None and bool(vec_random.any()):
+            rand_reqs = vec_random.nonzero().squeeze(1)
             fr = final_rows[rand_reqs].to(device)
             target = probs.index_select(0, fr)  # [R, V]
             rejected = num_accepted[rand_reqs] < k_t[rand_reqs]
@@ -249,6 +271,20 @@ class RejectionSampler:
             ids, lps, ranks = gather_logprobs(raw_logprobs, meta.max_num_logprobs, emitted.to(device))
             out.logprob_token_ids, out.logprobs, out.sampled_ranks = ids, lps, ranks
         return out
+
+    @staticmethod
+    def _match_sample(probs: torch.Tensor, start: int, drafts: list[int],
+                      generator: Optional[torch.Generator]) -> tuple[int, int]:
+        """Match sampling of one request (module docstring): ``(accepted drafts, emitted
+        token)``, sampling rows ``start ..`` of ``probs`` one at a time as the plain sampler does."""
+        j = 0
+        while True:
+            row = probs[start + j:start + j + 1]
+            t = int(random_sample(row, {0: generator} if generator is not None else {})[0])
+            if j < len(drafts) and t == drafts[j]:
+                j += 1
+                continue
+            return j, t
 
     @staticmethod
     def recovered_distribution(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:

@@ -106,6 +106,11 @@ class GrammarMatcher(ABC):
     def reset(self) -> None:
         """Back to the start of the grammar."""
 
+    def find_jump_forward_string(self) -> str:
+        """The longest text the grammar forces from here (every valid continuation starts with
+        it; "" when the next character is a choice). Does not advance the matcher."""
+        return ""
+
 
 class CompiledGrammar(ABC):
     """A compiled constraint, shared by every request with the same spec (immutable)."""

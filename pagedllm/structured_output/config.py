@@ -29,6 +29,13 @@ class StructuredOutputsConfig:
             ``--reasoning-parser``): constraints start only once the reasoning has ended, so
             the thinking text is free and only the answer is constrained (vLLM's field).
         enable_in_reasoning: constrain the reasoning too (ignore ``reasoning_parser`` here).
+        jump_forward: lossless jump-forward decoding (default on): where the grammar allows only
+            one continuation (a JSON schema's fixed keys and punctuation), its canonical tokens
+            are proposed as draft tokens and verified by the model in one forward pass, with the
+            grammar's bitmask at every position, so the output is exactly that of step-by-step
+            constrained decoding (greedy: the same tokens; seeded sampling: the same tokens, as
+            each position draws from the request's generator as a plain step does).
+        jump_forward_max_tokens: most draft tokens one jump-forward proposes (>= 1).
     """
 
     backend: str = "auto"
@@ -40,6 +47,8 @@ class StructuredOutputsConfig:
     compile_threads: int = 2
     reasoning_parser: Optional[str] = None
     enable_in_reasoning: bool = False
+    jump_forward: bool = True
+    jump_forward_max_tokens: int = 16
 
     @classmethod
     def from_any(cls, value: Optional[Any]) -> "StructuredOutputsConfig":
@@ -69,7 +78,7 @@ class StructuredOutputsConfig:
             except KeyError as e:
                 raise ValueError(f"structured_outputs_config.reasoning_parser: {e.args[0]}") from None
         for name in ("disable_fallback", "disable_any_whitespace", "disable_additional_properties",
-                     "enable_in_reasoning"):
+                     "enable_in_reasoning", "jump_forward"):
             if not isinstance(getattr(cfg, name), bool):
                 raise ValueError(f"structured_outputs_config.{name}: must be a boolean")
         v = cfg.max_whitespace_cnt
@@ -77,7 +86,7 @@ class StructuredOutputsConfig:
             raise ValueError("structured_outputs_config.max_whitespace_cnt: must be an integer >= 1 "
                              f"or null (unbounded), got {v!r}; for no whitespace at all use "
                              "disable_any_whitespace")
-        for name in ("grammar_cache_size", "compile_threads"):
+        for name in ("grammar_cache_size", "compile_threads", "jump_forward_max_tokens"):
             v = getattr(cfg, name)
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:
                 raise ValueError(f"structured_outputs_config.{name}: must be an integer >= 1, got {v!r}")

@@ -44,6 +44,13 @@ class GuidanceMatcher(GrammarMatcher):
     def reset(self) -> None:
         self._m.reset()
 
+    def find_jump_forward_string(self) -> str:
+        if self._m.is_stopped() or self._m.is_error():
+            return ""
+        ff = bytes(self._m.compute_ff_bytes())
+        # NOTE: forced bytes may end inside a UTF-8 character: keep the whole characters.
+        return ff.decode("utf-8", errors="ignore") if ff else ""
+
 
 class GuidanceCompiled(CompiledGrammar):
     backend = "guidance"

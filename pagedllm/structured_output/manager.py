@@ -195,22 +195,33 @@ class StructuredOutputManager:
                     prompt_token_ids: Optional[list[int]] = None) -> StructuredOutputRequest:
         """Grammar state for one core request (not counted as a cache query). With a reasoning
         parser, the grammar starts after the reasoning ends (in the prompt or in the output)."""
+        encode = self._encode if self.config.jump_forward else None
         return StructuredOutputRequest(self.grammar_future(params, count=False), self.reasoner,
-                                       prompt_token_ids)
+                                       prompt_token_ids, encode)
 
-    def grammar_bitmask(self, requests: list[StructuredOutputRequest]) -> Any:
-        """The step's bitmask: row i = allowed next tokens of ``requests[i]``.
+    def _encode(self, text: str) -> list[int]:
+        """Canonical token ids of ``text`` (no special tokens): jump-forward drafts."""
+        return list(self.tokenizer.encode(text, add_special_tokens=False))
+
+    def grammar_bitmask(self, requests: list[StructuredOutputRequest],
+                        drafts: Optional[list[list[int]]] = None) -> Any:
+        """The step's bitmask: one row per request, or ``1 + len(drafts[i])`` consecutive rows for
+        a request verifying draft tokens (the allowed tokens after each accepted draft), in
+        request order.
 
         Returns:
-            int32 torch tensor ``[len(requests), ceil(vocab_size / 32)]`` on the CPU (a fresh
+            int32 torch tensor ``[sum(1 + len(d)), ceil(vocab_size / 32)]`` on the CPU (a fresh
             tensor: the runner may use it after the next step starts).
         """
         import torch
 
-        bitmask = torch.full((len(requests), self.bitmask_words), -1, dtype=torch.int32)
+        ks = [len(d) for d in drafts] if drafts is not None else [0] * len(requests)
+        bitmask = torch.full((len(requests) + sum(ks), self.bitmask_words), -1, dtype=torch.int32)
+        row = 0
         for i, r in enumerate(requests):
             if not r.is_terminated():
-                r.fill_bitmask(bitmask, i)
+                r.fill_bitmask(bitmask, row, drafts[i] if ks[i] else None)
+            row += 1 + ks[i]
         return bitmask
 
     # ------------------------------------------------------------------ stats

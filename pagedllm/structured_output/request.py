@@ -6,7 +6,7 @@ The scheduler (pure Python) sees only this object's methods: ``is_ready``, ``err
 from __future__ import annotations
 
 from concurrent.futures import Future
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 from pagedllm.structured_output.backend import GrammarMatcher, clean_error
 
@@ -23,8 +23,11 @@ class StructuredOutputRequest:
     """
 
     def __init__(self, grammar: Future, reasoner: Any = None,
-                 prompt_token_ids: Optional[list[int]] = None) -> None:
+                 prompt_token_ids: Optional[list[int]] = None,
+                 encode: Optional[Callable[[str], list[int]]] = None) -> None:
         self._grammar = grammar
+        # Jump-forward: text -> its canonical token ids (the tokenizer, no special tokens).
+        self._encode = encode
         self._matcher: Optional[GrammarMatcher] = None
         self.num_accepted = 0
         # With a reasoning parser the grammar applies only after the reasoning: until then
@@ -80,8 +83,48 @@ class StructuredOutputRequest:
     def is_terminated(self) -> bool:
         return self.reasoning_ended and self.matcher.is_terminated()
 
-    def fill_bitmask(self, bitmask: Any, row: int) -> None:
+    def fill_bitmask(self, bitmask: Any, row: int, drafts: Optional[list[int]] = None) -> None:
         """Allowed next tokens into ``bitmask[row]`` (int32 ``[rows, ceil(V/32)]``, CPU); the
-        row stays all-allowed while the request is reasoning."""
-        if self.reasoning_ended:
-            self.matcher.fill_bitmask(bitmask, row)
+        row stays all-allowed while the request is reasoning.
+
+        With ``drafts`` (jump-forward draft tokens, all allowed in sequence: see
+        ``jump_forward_tokens``), rows ``row + 1 .. row + len(drafts)`` get the allowed tokens
+        after each draft in turn (the matcher is advanced over them and rolled back)."""
+        if not self.reasoning_ended:
+            return
+        m = self.matcher
+        m.fill_bitmask(bitmask, row)
+        if not drafts:
+            return
+        n = 0
+        for j, t in enumerate(drafts):
+            if not m.accept_tokens([t]):
+                raise AssertionError(f"jump-forward draft token {t} refused by the grammar")  # checked when drafted
+            n += 1
+            m.fill_bitmask(bitmask, row + 1 + j)
+        m.rollback(n)
+
+    def jump_forward_tokens(self, max_tokens: int) -> list[int]:
+        """Jump-forward drafts: the canonical tokens of the text the grammar forces next (at most
+        ``max_tokens``; only the leading ones the grammar accepts in sequence), or [] (no forced
+        text, the grammar ended or is still reasoning, or no tokenizer). The matcher's state is
+        unchanged. The drafts are verified by the model like speculative ones, so a model that
+        tokenizes the forced text differently still decodes exactly as step by step."""
+        if max_tokens <= 0 or self._encode is None or not self.reasoning_ended:
+            return []
+        m = self.matcher
+        if m.is_terminated():
+            return []
+        text = m.find_jump_forward_string()
+        if not text:
+            return []
+        ids = self._encode(text)[:max_tokens]
+        n = 0
+        for t in ids:
+            if not m.accept_tokens([t]):
+                break
+            n += 1
+            if m.is_terminated():
+                break
+        m.rollback(n)
+        return list(ids[:n])

@@ -57,6 +57,9 @@ class XgrammarMatcher(GrammarMatcher):
     def reset(self) -> None:
         self._m.reset()
 
+    def find_jump_forward_string(self) -> str:
+        return self._m.find_jump_forward_string()
+
 
 class XgrammarCompiled(CompiledGrammar):
     backend = "xgrammar"

@@ -162,7 +162,7 @@ class ModelRunner:
             seq_lens = [s + n for s, n in zip(starts, query_lens)]
             blk = block_tables[req_idx, pos // bs]
         slots = blk * bs + pos % bs
-        if self.spec_decoder is not None and total != B:
+        if total != B and (self.spec_decoder is not None or any(r.spec_token_ids for r in reqs)):
             return self._prepare_verify(reqs, ids, pos, slots, block_tables, qsl)
         meta = AttentionMetadata(
             num_reqs=B, num_decodes=num_decodes, num_decode_tokens=num_decodes,
@@ -205,6 +205,15 @@ class ModelRunner:
             block_size=self.block_size, max_seq_len=max(seq_lens),
         )
         return torch.from_numpy(ids), torch.from_numpy(pos), meta, qsl
+
+    @property
+    def _draft_verifier(self) -> Any:
+        """A verification-only ``SpecDecoder`` (jump-forward drafts, no speculative method)."""
+        v = getattr(self, "_jf_verifier", None)
+        if v is None:
+            from pagedllm.worker.spec_decoder import SpecDecoder
+            v = self._jf_verifier = SpecDecoder(None, None)
+        return v
 
     def _generator_for(self, r: ScheduledRequest) -> Optional[torch.Generator]:
         sp = r.sampling_params
@@ -279,12 +288,17 @@ class ModelRunner:
 
         gen_rows = [i for i, r in enumerate(reqs) if r.sampling_params is not None and r.is_last_chunk]
         grammar = (so.structured_output_request_ids, so.grammar_bitmask)
-        if sd is not None:
+        verifier = sd
+        if verifier is None and so.structured_output_request_ids and any(r.spec_token_ids for r in reqs):
+            # Jump-forward drafts (a grammar's forced tokens) without a speculative method.
+            verifier = self._draft_verifier
+        if verifier is not None:
             # Requests with drafts: verified (rejection sampler); the rest sample below.
-            rest = sd.verify(self, reqs, gen_rows, rows, hidden, qsl, out) if gen_rows else []
+            rest = verifier.verify(self, reqs, gen_rows, rows, hidden, qsl, out, grammar) if gen_rows else []
             if rest:
                 self._sample(reqs, rest, rows, hidden, qsl, out, grammar=grammar)
-            sd.propose(reqs, hidden, qsl, out, self.max_model_len)
+            if sd is not None:
+                sd.propose(reqs, hidden, qsl, out, self.max_model_len)
         elif gen_rows:
             self._sample(reqs, gen_rows, rows, hidden, qsl, out, grammar=grammar)
         if batch.wants_prompt_logprobs[rows].any():

@@ -67,15 +67,20 @@ class SpecDecoder:
     """Verification and proposal for one runner.
 
     Args:
-        config: the SpeculativeConfig.
-        proposer: its proposer (``build_proposer``).
+        config: the SpeculativeConfig; None: verification only (jump-forward structured decoding
+            without a speculative method; ``propose`` is not called).
+        proposer: its proposer (``build_proposer``); None with ``config`` None.
+
+    Jump-forward drafts (a grammar's forced tokens, proposed by the scheduler) are verified here
+    too, with the step's grammar bitmask row for each position, and by sampling each position as
+    the plain sampler would (``RejectionSampler``'s ``match_sampling``).
     """
 
-    def __init__(self, config: SpeculativeConfig, proposer: Proposer) -> None:
+    def __init__(self, config: Optional[SpeculativeConfig], proposer: Optional[Proposer]) -> None:
         self.config = config
-        self.proposer = proposer
-        self.k = config.num_speculative_tokens
-        d = config.disable_by_batch_size
+        self.proposer = proposer  # type: ignore[assignment]
+        self.k = config.num_speculative_tokens if config is not None else 0
+        d = config.disable_by_batch_size if config is not None else 0
         self.disable_batch_size = AUTO_DISABLE_BATCH_SIZE if d is None else d
         self.rejection_sampler = RejectionSampler()
         self._logged_grammar = False
@@ -84,13 +89,19 @@ class SpecDecoder:
 
     def remove(self, req_id: str, finished: bool) -> None:
         self._draft_probs.pop(req_id, None)
-        self.proposer.remove(req_id, finished)
+        if self.proposer is not None:
+            self.proposer.remove(req_id, finished)
 
     # ------------------------------------------------------------------ verify
     def verify(self, runner: Any, reqs: list[ScheduledRequest], gen_idx: list[int], rows: np.ndarray,
-               hidden: torch.Tensor, qsl: np.ndarray, out: ModelRunnerOutput) -> list[int]:
+               hidden: torch.Tensor, qsl: np.ndarray, out: ModelRunnerOutput,
+               grammar: Optional[tuple[dict[str, int], Any]] = None) -> list[int]:
         """Verify the drafts of the requests in ``gen_idx`` that have some; returns the indices
-        left for the plain sampler."""
+        left for the plain sampler.
+
+        ``grammar``: ``(SchedulerOutput.structured_output_request_ids, .grammar_bitmask)``; a
+        constrained request with ``k`` drafts has ``k + 1`` consecutive bitmask rows from its
+        first one (the allowed tokens after each accepted draft)."""
         spec_idx = [i for i in gen_idx if reqs[i].spec_token_ids]
         if not spec_idx:
             return gen_idx
@@ -112,6 +123,22 @@ class SpecDecoder:
                 [r.sampling_params for r in sel], [_prompt_if_needed(r) for r in sel],
                 [_output_if_needed(r) for r in sel], drafts, runner.vocab_size,
                 [runner.eos_token_id] * len(sel), runner.device)
+        match = None
+        if grammar is not None and grammar[1] is not None and grammar[0]:
+            row_of, bitmask = grammar
+            logit_rows, mask_rows, match = [], [], []
+            off = 0
+            for r, d in zip(sel, drafts):
+                g0 = row_of.get(r.req_id)
+                match.append(g0 is not None)
+                if g0 is not None:
+                    logit_rows.extend(range(off, off + len(d) + 1))
+                    mask_rows.extend(range(g0, g0 + len(d) + 1))
+                off += len(d) + 1
+            if logit_rows:
+                meta.grammar_bitmask = (
+                    torch.tensor(logit_rows, dtype=torch.int64, device=runner.device),
+                    bitmask[torch.tensor(mask_rows, dtype=torch.int64)].to(runner.device))
         gens = {}
         for j, r in enumerate(sel):
             g = runner._generator_for(r)
@@ -120,7 +147,8 @@ class SpecDecoder:
         probs = None
         if self._draft_probs:
             probs = self._stack_draft_probs(sel, logits.shape[1])
-        res = self.rejection_sampler(logits, meta, drafts, generators=gens, draft_probs=probs)
+        res = self.rejection_sampler(logits, meta, drafts, generators=gens, draft_probs=probs,
+                                     match_sampling=match)
         for r, toks in zip(sel, res.output_token_ids):
             out.sampled_token_ids[r.req_id] = toks
         if res.logprob_token_ids is not None:

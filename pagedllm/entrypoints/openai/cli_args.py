@@ -281,7 +281,9 @@ def add_serve_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                         'disable_additional_properties (booleans); max_whitespace_cnt (most '
                         'whitespace characters in a row in JSON, default 16, null = unbounded); '
                         'grammar_cache_size (compiled '
-                        'grammars kept, default 256); compile_threads (default 2).')
+                        'grammars kept, default 256); compile_threads (default 2); jump_forward '
+                        '(lossless jump-forward decoding of the text a grammar forces, default true) '
+                        'and jump_forward_max_tokens (its most draft tokens per step, default 16).')
 
     g = parser.add_argument_group("Speculative decoding")
     g.add_argument("--speculative-config", type=_json_dict, default=None,
