@@ -103,6 +103,7 @@ class Scheduler:
         policy: str = "fcfs",
         connector: Any = None,
         jump_forward_max_tokens: int = 0,
+        jump_forward_disable_batch_size: int = 0,
     ) -> None:
         if max_num_seqs < 1 or max_num_batched_tokens < 1:
             raise ValueError("max_num_seqs and max_num_batched_tokens must be >= 1")
@@ -129,6 +130,8 @@ class Scheduler:
             SpecDecodingStats(num_spec_tokens) if num_spec_tokens > 0 else None)
         # Jump-forward structured decoding: most grammar draft tokens per step (0 = off).
         self.jump_forward_max_tokens = jump_forward_max_tokens
+        # No grammar drafts while this many requests or more run (0: never off).
+        self.jump_forward_disable_batch_size = jump_forward_disable_batch_size
         self.jump_forward_stats: Optional[SpecDecodingStats] = (
             SpecDecodingStats(0) if jump_forward_max_tokens > 0 else None)
         # Outputs of requests finished inside schedule() (a grammar that failed to compile),
@@ -490,6 +493,8 @@ class Scheduler:
         """
         outputs: list[EngineCoreOutput] = self._pending_outputs
         self._pending_outputs = []
+        # Grammar drafts only in small batches (``jump_forward_disable_batch_size``).
+        jf_on = not self.jump_forward_disable_batch_size or len(self.running) < self.jump_forward_disable_batch_size
         if self.connector is not None:
             self.connector.update_connector_output(runner_output.kv_connector_output)
         any_finished = False
@@ -555,7 +560,7 @@ class Scheduler:
             any_finished |= finished
             if not finished and new_ids:
                 if sor is not None and self.jump_forward_max_tokens:
-                    req.spec_token_ids = self._jump_forward_drafts(req, sor)
+                    req.spec_token_ids = self._jump_forward_drafts(req, sor) if jf_on else []
                 else:
                     req.spec_token_ids = runner_output.spec_token_ids.get(req_id) or []
             ncached = req.num_cached_tokens

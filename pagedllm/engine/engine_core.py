@@ -130,7 +130,8 @@ class EngineCore:
             num_lookahead_tokens=sc.num_lookahead_tokens if sc else 0,
             max_loras=args.max_loras if args.enable_lora else 0,
             policy=args.scheduling_policy, connector=self.kv_connector,
-            jump_forward_max_tokens=so_cfg.jump_forward_max_tokens if so_cfg and so_cfg.jump_forward else 0)
+            jump_forward_max_tokens=so_cfg.jump_forward_max_tokens if so_cfg and so_cfg.jump_forward else 0,
+            jump_forward_disable_batch_size=so_cfg.jump_forward_disable_batch_size if so_cfg else 0)
         # LoRA: the adapters in the workers' CPU caches, least recently used first (add_lora).
         self.loras: "OrderedDict[int, Any]" = OrderedDict()
         self.max_cpu_loras = args.lora_limits()[2] if args.enable_lora else 0

@@ -176,8 +176,9 @@ def tiny_dir(tmp_path_factory, smollm2_tokenizer):
 @pytest.fixture(scope="module")
 def tiny_llm(tiny_dir):
     from pagedllm import LLM
+    # jump_forward_disable_batch_size 0: drafts in every step, however many requests run
     return LLM(tiny_dir, dtype="float32", batch_invariant=True, seed=0, max_num_batched_tokens=512,
-               kv_cache_memory=64 * 1024**2)
+               kv_cache_memory=64 * 1024**2, structured_outputs_config={"jump_forward_disable_batch_size": 0})
 
 
 def run(llm, prompts, params, jump_forward: bool):
@@ -246,7 +247,8 @@ def test_with_a_speculative_method_configured(tiny_dir, tiny_llm):
     """ngram drafts for free rows, grammar drafts for constrained ones, one verification batch."""
     from pagedllm import LLM
     llm = LLM(tiny_dir, dtype="float32", batch_invariant=True, seed=0, max_num_batched_tokens=512,
-              kv_cache_memory=64 * 1024**2, speculative_config={
+              kv_cache_memory=64 * 1024**2, structured_outputs_config={"jump_forward_disable_batch_size": 0},
+              speculative_config={
                   "method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1,
                   "prompt_lookup_max": 2, "disable_by_batch_size": 0})
     prompts, params = batch(0.0)
@@ -281,3 +283,36 @@ def test_config_switch_and_metrics(tiny_dir, tiny_llm):
         line = next(ln for ln in text.splitlines() if ln.startswith(f"pagedllm:jump_forward_num_{name}_total{{"))
         assert float(line.rsplit(" ", 1)[1]) == stats[f"jump_forward_num_{name}"] > 0
     assert json.dumps(stats)  # plain numbers
+
+
+def test_switched_off_in_large_batches(tiny_dir, tiny_llm):
+    """With ``jump_forward_disable_batch_size`` N, no grammar drafts are proposed while N or more
+    requests run; the tokens are those of step-by-step decoding either way."""
+    from pagedllm import LLM
+    from pagedllm.structured_output.config import StructuredOutputsConfig
+
+    assert StructuredOutputsConfig().jump_forward_disable_batch_size == 4
+    with pytest.raises(ValueError, match=r"structured_outputs_config\.jump_forward_disable_batch_size"):
+        StructuredOutputsConfig.from_any({"jump_forward_disable_batch_size": -1})
+    prompts, params = batch(0.0)
+    ref, _, _ = run(tiny_llm, prompts, params, False)
+    n = len(prompts)
+    big = LLM(tiny_dir, dtype="float32", batch_invariant=True, seed=0, max_num_batched_tokens=512,
+              kv_cache_memory=64 * 1024**2, structured_outputs_config={"jump_forward_disable_batch_size": n})
+    sched = big.llm_engine.core.scheduler
+    seen: list[tuple[int, int]] = []  # (running requests, requests given grammar drafts) per update
+    update = sched.update_from_output
+
+    def spy(so, ro):
+        running = len(sched.running)
+        out = update(so, ro)
+        seen.append((running, sum(1 for r in sched.running if r.spec_token_ids)))
+        return out
+    sched.update_from_output = spy
+    try:
+        got, _, c = run(big, prompts, params, True)
+    finally:
+        sched.update_from_output = update
+    assert got == ref
+    assert seen and all(d == 0 for r, d in seen if r >= n)
+    assert any(r >= n for r, _ in seen)  # the whole batch did run together
