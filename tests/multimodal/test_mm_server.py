@@ -115,3 +115,22 @@ def test_metrics_show_encoder_cache(setup):
     assert 0 < lines["pagedllm:encoder_cache_usage_tokens"] <= 8192
     assert lines["pagedllm:encoder_cache_queries_total"] >= 3
     assert lines["pagedllm:encoder_cache_hits_total"] >= 1
+
+
+def test_readme_image_example(setup, tmp_path):
+    """examples/openai_image_chat.py (the README's image block) against this server: it prints the
+    answer the openai client gets for the same image and question."""
+    import os
+    import subprocess
+
+    base, path = setup
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    env = dict(os.environ, PAGEDLLM_URL=base, PAGEDLLM_MODEL="tiny")
+    p = subprocess.run([sys.executable, os.path.join(root, "examples", "openai_image_chat.py"), path], env=env,
+                       cwd=str(tmp_path), capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0, p.stderr[-2000:]
+    c = openai.OpenAI(base_url=base + "/v1", api_key="x")
+    r = c.chat.completions.create(model="tiny", max_tokens=16, temperature=0, messages=[{"role": "user", "content": [
+        {"type": "image_url", "image_url": {"url": "data:image/png;base64," + B64}},
+        {"type": "text", "text": "What is in this picture?"}]}])
+    assert p.stdout.rstrip("\n") == r.choices[0].message.content
