@@ -9,6 +9,7 @@ import os
 import shutil
 import subprocess
 import tempfile
+import time
 
 import httpx
 import pytest
@@ -48,13 +49,43 @@ def cluster():
                             "--resources", '{"node_second": 1}', *common, *ports],
                            env=env, capture_output=True, text=True, timeout=180)
         assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-2000:]
-        status = subprocess.run([ray_bin, "status", "--address", address], env=env, capture_output=True,
-                                text=True, timeout=120).stdout
-        assert "2.0 CPU" in status or "0.0/2.0 CPU" in status, status
+        # The second node registers with the head asynchronously: wait (bounded) until both CPUs show.
+        deadline = time.time() + 90
+        while True:
+            status = subprocess.run([ray_bin, "status", "--address", address], env=env, capture_output=True,
+                                    text=True, timeout=120).stdout
+            if "/2.0 CPU" in status or time.time() > deadline:
+                break
+            time.sleep(1)
+        assert "/2.0 CPU" in status, status
         yield address, dict(env, RAY_ADDRESS=address)
     finally:
-        subprocess.run([ray_bin, "stop", "--force"], env=env, capture_output=True, timeout=120)
+        # NOTE: not `ray stop`: it kills every Ray process on the machine, including a local
+        # cluster another test worker may be using; only the processes of this cluster (their
+        # command lines name its --temp-dir or its GCS address) are stopped.
+        _kill_cluster(tmp, address)
         shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _kill_cluster(temp_dir: str, address: str) -> None:
+    """SIGKILL the processes whose command line names ``temp_dir`` or ``address`` (raylets, GCS,
+    workers and agents of the cluster this module started)."""
+    import signal
+
+    me = os.getpid()
+    for pid in os.listdir("/proc"):
+        if not pid.isdigit() or int(pid) == me:
+            continue
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                cmd = f.read().replace(b"\0", b" ").decode(errors="replace")
+        except OSError:
+            continue
+        if temp_dir in cmd or address in cmd:
+            try:
+                os.kill(int(pid), signal.SIGKILL)
+            except OSError:
+                pass
 
 
 def _tokens(base):
