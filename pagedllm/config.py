@@ -1,6 +1,7 @@
 """Engine configuration, with vLLM's argument names and defaults where they apply."""
 from __future__ import annotations
 
+from collections.abc import Sequence
 import dataclasses
 from dataclasses import dataclass, field
 import re
@@ -18,10 +19,40 @@ KV_AUTO_MEMORY_FRACTION = 0.5
 # idle release (--kv-prefix-cache-memory).
 DEFAULT_KV_PREFIX_CACHE_BYTES = 64 * 1024**2
 
-#: ``--quantization`` values: re-quantize float weights at load (int8, int4, w8a8), a checkpoint
-#: format (gguf, gptq, awq, compressed-tensors, fp8: the default is the checkpoint's own), or
-#: "none" (dequantize a quantized checkpoint at load). ``pagedllm.quantization`` registers them.
-QUANTIZATION_CHOICES = ("int8", "int4", "w8a8", "gguf", "gptq", "awq", "compressed-tensors", "fp8", "none")
+class _QuantizationChoices(Sequence[str]):
+    """The ``--quantization`` values, read from the quantization method registry each time they
+    are asked for (``pagedllm.quantization.base.register_quantization_config``), plus "none".
+
+    Built in: re-quantize float weights at load (int8, int4, w8a8) or a checkpoint format (gguf,
+    gptq, awq, compressed-tensors, fp8: the default is the checkpoint's own); "none" dequantizes a
+    quantized checkpoint at load. A method registered later (a plugin, a test) is a choice as soon
+    as it is registered: pass this object itself as argparse ``choices``. The registry is imported
+    on first use, so importing ``pagedllm.config`` stays light.
+    """
+
+    def _names(self) -> tuple[str, ...]:
+        from pagedllm.quantization.base import registered_methods
+
+        return (*registered_methods(), "none")
+
+    def __getitem__(self, i):  # type: ignore[override]
+        return self._names()[i]
+
+    def __len__(self) -> int:
+        return len(self._names())
+
+    def __iter__(self):
+        return iter(self._names())
+
+    def __contains__(self, name: object) -> bool:
+        return name in self._names()
+
+    def __repr__(self) -> str:
+        return repr(self._names())
+
+
+#: ``--quantization`` values (a live view of the registry, see ``_QuantizationChoices``).
+QUANTIZATION_CHOICES: Sequence[str] = _QuantizationChoices()
 
 _SIZE_UNITS = {
     "": 1, "b": 1,

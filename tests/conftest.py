@@ -42,7 +42,7 @@ def isa_paths() -> list[tuple[str, bool, str]]:
     A path is available when the C++ extension built it for this CPU (``-march=native``) and the
     CPU has the flags it needs; ISA-gated tests skip with the same reason when it is not."""
     from pagedllm.kernels.cpu_ops import get_ops
-    from pagedllm.models.layers import pack_bf16_weight
+    from pagedllm.kernels.onednn import pack_bf16_weight
 
     flags = _cpu_flags()
     from pagedllm.kernels.cpu_ops import get_intdot_ops

@@ -55,7 +55,7 @@ def _add_complete_parser(sub: argparse._SubParsersAction, subparsers: dict) -> N
     g.add_argument("--chat", action="store_true",
                    help="With --offline: wrap each prompt as a user chat message (default: off).")
     g.add_argument("--dtype", default="auto", help="With --offline: weight/activation dtype (default: auto).")
-    g.add_argument("--quantization", default=None, choices=list(QUANTIZATION_CHOICES),
+    g.add_argument("--quantization", default=None, choices=QUANTIZATION_CHOICES,
                    help="With --offline: as `pagedllm serve --quantization` (default: the checkpoint's own).")
     g.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "bfloat16", "fp8", "fp8_e4m3", "fp8_e5m2"],
                    help="With --offline: KV cache storage (default: auto).")

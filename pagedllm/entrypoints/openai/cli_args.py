@@ -233,7 +233,7 @@ def add_serve_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                         '"use_activation": false}\' (use_activation: the output activation of every '
                         'pooling task, i.e. the L2 normalisation of embeddings and the softmax of '
                         'classifiers; "normalize", "softmax" and "activation" are deprecated aliases).')
-    g.add_argument("--quantization", "-q", default=None, choices=list(QUANTIZATION_CHOICES),
+    g.add_argument("--quantization", "-q", default=None, choices=QUANTIZATION_CHOICES,
                    help="Default: a quantized checkpoint (GGUF blocks, GPTQ, AWQ, compressed-tensors, "
                         "FP8) runs in its own format. int8/int4/w8a8 re-quantize float weights after "
                         "loading (CPU): weight-only int8 per-channel or int4 group-wise (group 32), or "
