@@ -6,7 +6,7 @@ import asyncio
 import dataclasses
 import json
 import logging
-from typing import Any, AsyncIterator, Callable, Optional, Sequence
+from typing import Any, AsyncIterator, Callable, Iterable, Optional, Sequence
 
 import anyio
 from fastapi import Request
@@ -17,7 +17,7 @@ from starlette.types import Receive, Scope, Send
 from pagedllm.engine.core_request import EngineCoreRequest
 from pagedllm.engine.input_processor import InputProcessor, ProcessedPrompt
 from pagedllm.engine.protocol import EngineClient
-from pagedllm.entrypoints.openai.errors import OpenAIError, value_error_to_openai
+from pagedllm.entrypoints.openai.errors import OpenAIError, error_body, value_error_to_openai
 from pagedllm.entrypoints.openai.protocol import clamp_logprob, random_uuid
 
 logger = logging.getLogger("pagedllm.entrypoints.openai")
@@ -81,6 +81,14 @@ def sse(data: Any) -> str:
 
 
 SSE_DONE = "data: [DONE]\n\n"
+
+
+def stream_error_body(e: Exception) -> dict[str, Any]:
+    """The OpenAI error body an SSE stream ends with when ``e`` cut it: the 400 body of a
+    ``ValueError`` (``value_error_to_openai``), else a 500 "Internal server error: ..." one."""
+    if isinstance(e, ValueError):
+        return value_error_to_openai(e).to_dict()
+    return error_body(f"Internal server error: {e}", 500)
 
 
 class SSEResponse(StreamingResponse):
@@ -582,6 +590,48 @@ class OpenAIServing:
                 await self.abort_requests(request_ids)
             self.inflight.difference_update(request_ids)
             self.inflight_streams.discard(merged)
+
+    async def stream_results(self, merged: MergedGenerators, request_ids: Sequence[str], *,
+                             on_result: Callable[[int, Any], Iterable[str]],
+                             on_end: Callable[[bool], Iterable[str]],
+                             on_error: Callable[[Exception], Iterable[str]],
+                             start: Callable[[], Iterable[str]] = lambda: (),
+                             done: Optional[str] = None) -> AsyncIterator[str]:
+        """The streaming loop every generate endpoint shares (chat, completions, responses,
+        Anthropic messages); the callbacks turn engine outputs into the endpoint's own events
+        (already-framed strings: ``sse(...)`` chunks or ``event:`` lines).
+
+        ``start()``: the events before the first output (a role chunk, ``message_start``).
+        ``on_result(prompt_index, RequestOutput)``: the events for one merged output.
+        ``on_end(stopping)``: the closing events once every generator is exhausted; ``stopping``
+        is True when server shutdown cut the stream (``MergedGenerators.stop``).
+        ``on_error(exc)``: the error events for an exception raised by any of the above or by
+        the engine (the callback logs it as it sees fit); the stream then ends normally.
+        ``done``: one last event after the cleanup (``SSE_DONE`` for the OpenAI endpoints);
+        not sent when the client went away.
+
+        Cleanup (``finish``) always runs: the generators are closed and, unless the stream got
+        to its end (or to an error event), the engine requests ``request_ids`` are aborted (a
+        client disconnect closes this generator at a ``yield``).
+        """
+        completed = False
+        try:
+            for event in start():
+                yield event
+            async for index, result in merged:
+                for event in on_result(index, result):
+                    yield event
+            for event in on_end(merged._stopping):
+                yield event
+            completed = True
+        except Exception as e:
+            completed = True
+            for event in on_error(e):
+                yield event
+        finally:
+            await self.finish(merged, request_ids, completed)
+        if done is not None:
+            yield done
 
     async def collect(self, merged: MergedGenerators, raw_request: Optional[Request],
                       request_ids: Sequence[str]) -> dict[int, list[Any]]:
