@@ -84,6 +84,46 @@ def parse_bytes(value: str | int) -> int:
     return n
 
 
+def parse_json_arg(value: Any, name: str, what: str = "a JSON object") -> Any:
+    """A JSON-valued argument (a ``--*-config`` flag, an ``LLM(...)`` keyword): a string is parsed
+    as JSON, anything else is returned as given; the result must be a dict.
+
+    Args:
+        value: a dict, or a JSON object string.
+        name: the argument's name for the messages (``speculative_config``).
+        what: how the messages name the expected value.
+
+    Raises:
+        ValueError: ``"{name}: invalid JSON: ..."``, or ``"{name}: expected {what}, got list"``.
+    """
+    import json
+
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{name}: invalid JSON: {e}") from None
+    if not isinstance(value, dict):
+        raise ValueError(f"{name}: expected {what}, got {type(value).__name__}")
+    return value
+
+
+def dataclass_from_json(cls: type, value: Any, name: str) -> Any:
+    """``cls(**fields)`` from a dict or a JSON object string (``parse_json_arg``), refusing a
+    key that is not a field of the dataclass ``cls``.
+
+    Raises:
+        ValueError: invalid JSON, not an object, ``"{name}: unknown field 'x' (known: [...])"``,
+            or whatever ``cls`` raises for a bad value.
+    """
+    value = parse_json_arg(value, name)
+    names = {f.name for f in dataclasses.fields(cls)}
+    unknown = sorted(set(value) - names)
+    if unknown:
+        raise ValueError(f"{name}: unknown field {unknown[0]!r} (known: {sorted(names)})")
+    return cls(**value)
+
+
 def apply_hf_overrides(hf_config: Any, overrides: Any) -> Any:
     """Merge ``overrides`` into ``hf_config`` in place (vLLM ``--hf-overrides`` /
     ``LLM(hf_overrides=...)``) and return the config.
@@ -97,19 +137,11 @@ def apply_hf_overrides(hf_config: Any, overrides: Any) -> Any:
     Raises:
         ValueError: invalid JSON, or not a dict / callable.
     """
-    import json
-
     if overrides is None:
         return hf_config
     if callable(overrides):
         return overrides(hf_config)
-    if isinstance(overrides, str):
-        try:
-            overrides = json.loads(overrides)
-        except json.JSONDecodeError as e:
-            raise ValueError(f"hf_overrides: invalid JSON: {e}") from None
-    if not isinstance(overrides, dict):
-        raise ValueError(f"hf_overrides: expected a dict, got {type(overrides).__name__}")
+    overrides = parse_json_arg(overrides, "hf_overrides", "a dict")
 
     def merge(target: Any, updates: dict) -> None:
         for key, value in updates.items():

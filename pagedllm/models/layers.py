@@ -6,7 +6,7 @@ Parameters are created uninitialised (``torch.empty``): every one is expected fr
 from __future__ import annotations
 
 import math
-from typing import Callable, Optional
+from typing import Any, Callable, Optional
 
 import torch
 import torch.nn.functional as F
@@ -108,6 +108,17 @@ class QKVLinear(PackedLinear):
     def __init__(self, hidden: int, num_heads: int, num_kv_heads: int, head_dim: int, bias: bool) -> None:
         super().__init__(hidden, {"q": num_heads * head_dim, "k": num_kv_heads * head_dim,
                                   "v": num_kv_heads * head_dim}, bias=bias)
+
+
+def residual_norm(norm: Callable[..., Any], x: torch.Tensor,
+                  residual: Optional[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    """A decoder layer's first norm with vLLM's residual passing: ``(norm(x), x)`` in the first
+    layer (``residual`` None), else ``norm(x, residual)`` (the previous layer's add folded into
+    the norm, ``RMSNorm.forward``). ``norm`` may be any module with that call shape (an EAGLE
+    head's identity norm)."""
+    if residual is None:
+        return norm(x), x
+    return norm(x, residual)
 
 
 class RMSNorm(nn.Module):

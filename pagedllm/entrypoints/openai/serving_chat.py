@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import logging
-import time
 from typing import Any, AsyncIterator, Iterator, Optional
 
 from fastapi import APIRouter, Request
@@ -17,9 +16,7 @@ from pagedllm.entrypoints.openai.protocol import (ChatCompletionLogProb, ChatCom
                                                   ChatCompletionStreamResponse, ChatMessage,
                                                   ChatMessageParam, DeltaMessage,
                                                   PromptTokenUsageInfo, UsageInfo)
-from pagedllm.entrypoints.openai.serving_engine import (SSE_DONE, OpenAIServing, ResponseBuilder, base_request_id,
-                                                        decoded_token, lp_value, record_request_id,
-                                                        require_generate_runner, sse, stream_error_body)
+from pagedllm.entrypoints.openai.serving_engine import (SSE_DONE, OpenAIServing, ResponseBuilder, decoded_token, lp_value, require_generate_runner, sse, stream_error_body, abort_unfinished)
 from pagedllm.entrypoints.openai.output_parser import OutputParser
 from pagedllm.entrypoints.openai.tool_calling import (AUTO_TOOL_CHOICE_FLAGS_MESSAGE, ToolChoice,
                                                       constrain_to_json, forced_tool_schema,
@@ -123,6 +120,27 @@ class OpenAIServingChat(OpenAIServing):
         include_reasoning = getattr(request, "include_reasoning", True) is not False
         return ChatToolSetup(self, tools, choice, parallel, include_reasoning)
 
+    def render_request(self, request: ChatCompletionRequest, param: str = "messages") -> tuple[ChatToolSetup, Any]:
+        """The request's tool set-up and its prompt: ``request.messages`` through the chat
+        template with the request's template options and the tools the set-up keeps (the
+        Anthropic messages and Responses endpoints render their translated chat request here).
+
+        Raises:
+            OpenAIError: 400 for bad tools, or for a template error (param ``param``).
+        """
+        setup = self.setup_tools(request)
+        try:
+            prompt_text = render_chat(
+                self, request.messages, add_generation_prompt=request.add_generation_prompt,
+                continue_final_message=request.continue_final_message,
+                chat_template=request.chat_template,
+                chat_template_kwargs=request.chat_template_kwargs,
+                tools=setup.tools or None,
+                documents=request.documents)
+        except ValueError as e:
+            raise value_error_to_openai(e, param) from e
+        return setup, prompt_text
+
     def constrain_for_tools(self, sp: Any, setup: ChatToolSetup) -> None:
         """A forced tool choice constrains the output to its JSON schema."""
         schema = forced_tool_schema(setup.choice, setup.tools, setup.parallel)
@@ -162,22 +180,8 @@ class OpenAIServingChat(OpenAIServing):
 
     async def create_chat_completion(self, request: ChatCompletionRequest,
                                      raw_request: Optional[Request] = None) -> Response:
-        self.check_model(request.model)
-        request_id = f"chatcmpl-{base_request_id(raw_request, request.request_id)}"
-        record_request_id(raw_request, request_id)
-        created = int(time.time())
-        model_name = self.response_model_name(request.model)
-        setup = self.setup_tools(request)
-        try:
-            prompt_text = render_chat(
-                self, request.messages, add_generation_prompt=request.add_generation_prompt,
-                continue_final_message=request.continue_final_message,
-                chat_template=request.chat_template,
-                chat_template_kwargs=request.chat_template_kwargs,
-                tools=setup.tools or None,
-                documents=request.documents)
-        except ValueError as e:
-            raise value_error_to_openai(e, "messages") from e
+        request_id, created, model_name = self.begin_request(request, raw_request, "chatcmpl")
+        setup, prompt_text = self.render_request(request)
         # NOTE: the engine's field names as this endpoint calls them.
         rename = {"prompt": "messages", "logprobs": "top_logprobs",
                   "max_tokens": ("max_completion_tokens" if request.max_completion_tokens is not None
@@ -352,13 +356,9 @@ class OpenAIServingChat(OpenAIServing):
 
         def on_end(stopping: bool) -> Iterator[str]:
             if stopping:
-                # Server shutdown cut the stream: finish every open choice with "abort" (vLLM).
-                for i in range(n):
-                    if not finish_sent[i]:
-                        finish_sent[i] = True
-                        choice = ChatCompletionResponseStreamChoice(
-                            index=i, delta=DeltaMessage(content=""), logprobs=None, finish_reason="abort")
-                        yield sse(chunk_json(choice, previous_num_tokens[i]))
+                yield from abort_unfinished(finish_sent, lambda i: sse(chunk_json(ChatCompletionResponseStreamChoice(
+                    index=i, delta=DeltaMessage(content=""), logprobs=None, finish_reason="abort"),
+                    previous_num_tokens[i])))
             if include_usage:
                 ct = sum(previous_num_tokens)
                 final = ChatCompletionStreamResponse(

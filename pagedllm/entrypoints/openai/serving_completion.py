@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import json
 import logging
-import time
 from typing import Any, AsyncIterator, Iterator, Optional
 
 from fastapi import APIRouter, Request
@@ -17,9 +16,7 @@ from pagedllm.entrypoints.openai.protocol import (CompletionLogProbs, Completion
                                                   CompletionStreamResponse, InfillRequest,
                                                   PromptTokenUsageInfo, UsageInfo)
 from pagedllm.entrypoints.openai.serving_engine import (SSE_DONE, OpenAIServing, ResponseBuilder, SSEResponse,
-                                                        base_request_id,
-                                                        decoded_token, lp_value, record_request_id,
-                                                        require_generate_runner, sse, stream_error_body)
+                                                        decoded_token, lp_value, require_generate_runner, sse, stream_error_body, abort_unfinished)
 
 logger = logging.getLogger("pagedllm.entrypoints.openai")
 
@@ -172,11 +169,7 @@ class OpenAIServingCompletion(OpenAIServing):
 
     async def create_completion(self, request: CompletionRequest,
                                 raw_request: Optional[Request] = None) -> Response:
-        self.check_model(request.model)
-        request_id = f"cmpl-{base_request_id(raw_request, request.request_id)}"
-        record_request_id(raw_request, request_id)
-        created = int(time.time())
-        model_name = self.response_model_name(request.model)
+        request_id, created, model_name = self.begin_request(request, raw_request, "cmpl")
         prompts = self._normalize_prompts(request)
 
         engine_requests, rids, prompt_texts = [], [], []
@@ -421,14 +414,10 @@ class OpenAIServingCompletion(OpenAIServing):
 
         def on_end(stopping: bool) -> Iterator[str]:
             if stopping:
-                # Server shutdown cut the stream: tell the client, choice by choice (vLLM's "abort").
-                for i in range(total):
-                    if not finished[i]:
-                        finished[i] = True
-                        chunk = CompletionStreamResponse(
-                            id=request_id, created=created, model=model_name,
-                            choices=[CompletionResponseStreamChoice(index=i, text="", finish_reason="abort")])
-                        yield sse(chunk.model_dump_json(exclude={"usage"}, exclude_none=False))
+                yield from abort_unfinished(finished, lambda i: sse(CompletionStreamResponse(
+                    id=request_id, created=created, model=model_name,
+                    choices=[CompletionResponseStreamChoice(index=i, text="", finish_reason="abort")]
+                ).model_dump_json(exclude={"usage"}, exclude_none=False)))
             if include_usage:
                 pt = sum(num_prompt_tokens)
                 ct = sum(previous_num_tokens)

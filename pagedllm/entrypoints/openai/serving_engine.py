@@ -6,7 +6,8 @@ import asyncio
 import dataclasses
 import json
 import logging
-from typing import Any, AsyncIterator, Callable, Iterable, Optional, Sequence
+import time
+from typing import Any, AsyncIterator, Callable, Iterable, Iterator, Optional, Sequence
 
 import anyio
 from fastapi import Request
@@ -81,6 +82,15 @@ def sse(data: Any) -> str:
 
 
 SSE_DONE = "data: [DONE]\n\n"
+
+
+def abort_unfinished(finished: list[bool], chunk: Callable[[int], str]) -> Iterator[str]:
+    """Server shutdown cut a stream: ``chunk(i)`` (an event with finish_reason "abort", as vLLM
+    ends them) for every choice ``i`` not finished yet, which is then marked finished."""
+    for i, done in enumerate(finished):
+        if not done:
+            finished[i] = True
+            yield chunk(i)
 
 
 def stream_error_body(e: Exception) -> dict[str, Any]:
@@ -288,6 +298,15 @@ class OpenAIServing:
         if model and (model in self.served_model_names or self.lora_request(model) is not None):
             return model
         return self.served_model_names[0]
+
+    def begin_request(self, request: Any, raw_request: Optional[Request], prefix: str) -> tuple[str, int, str]:
+        """Check ``request.model`` (404 when not served) and name the request: returns
+        (request id ``{prefix}-{X-Request-Id or body request_id or a random id}``, recorded for the
+        response header; ``created``, Unix seconds; the model name the response reports)."""
+        self.check_model(request.model)
+        request_id = f"{prefix}-{base_request_id(raw_request, request.request_id)}"
+        record_request_id(raw_request, request_id)
+        return request_id, int(time.time()), self.response_model_name(request.model)
 
     def lora_request(self, model: Optional[str]) -> Any:
         """The LoRA adapter a request's ``model`` names (a ``LoRARequest``), or None (a base

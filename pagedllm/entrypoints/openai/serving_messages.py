@@ -20,15 +20,13 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 from pydantic import ValidationError
 
-from pagedllm.entrypoints.openai.errors import (OpenAIError, format_validation_errors,
-                                                value_error_to_openai)
+from pagedllm.entrypoints.openai.errors import (OpenAIError, format_validation_errors)
 from pagedllm.entrypoints.openai.output_parser import OutputDelta
 from pagedllm.entrypoints.openai.protocol import ChatCompletionRequest
 from pagedllm.entrypoints.openai.protocol_anthropic import (AnthropicMessagesRequest,
                                                             anthropic_error_body)
 from pagedllm.entrypoints.openai.protocol_responses import new_id
-from pagedllm.entrypoints.openai.serving_chat import (ChatToolSetup, OpenAIServingChat,
-                                                      render_chat)
+from pagedllm.entrypoints.openai.serving_chat import (ChatToolSetup, OpenAIServingChat)
 from pagedllm.entrypoints.openai.serving_engine import ResponseBuilder
 
 logger = logging.getLogger("pagedllm.entrypoints.openai")
@@ -210,14 +208,7 @@ class AnthropicServingMessages:
         except ValidationError as e:
             raise _err("; ".join(str(x.get("msg", "")).removeprefix("Value error, ")
                                  for x in e.errors())) from None
-        setup = chat.setup_tools(chat_req)
-        try:
-            prompt_text = render_chat(chat, chat_req.messages, add_generation_prompt=True,
-                                      continue_final_message=False, chat_template=None,
-                                      chat_template_kwargs=chat_req.chat_template_kwargs,
-                                      tools=setup.tools or None)
-        except ValueError as e:
-            raise value_error_to_openai(e, "messages") from e
+        setup, prompt_text = chat.render_request(chat_req)
         if getattr(prompt_text, "images", None):
             return chat_req, setup, prompt_text, None  # the image processor tokenizes it (_run)
         return chat_req, setup, prompt_text, chat.encode(prompt_text, False)
@@ -356,12 +347,9 @@ class _MessageRun:
             cached = int(getattr(res, "num_cached_tokens", 0) or 0)
             for co in res.outputs:
                 num_tokens += len(co.token_ids)
-                final = co.finish_reason is not None
-                if final:
+                if co.finish_reason is not None:
                     last = co
-                d = parser.feed(co.text, final) if parser.active else OutputDelta(
-                    content=co.text)
-                yield from on_delta(d)
+                yield from on_delta(parser.feed_output(co))
 
         def on_end(_: bool) -> Iterator[str]:
             yield from close()

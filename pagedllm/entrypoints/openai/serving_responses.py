@@ -25,14 +25,12 @@ from fastapi.responses import JSONResponse, Response
 from pydantic import ValidationError
 
 from pagedllm.entrypoints.openai.errors import OpenAIError, value_error_to_openai
-from pagedllm.entrypoints.openai.output_parser import OutputDelta
 from pagedllm.entrypoints.openai.protocol import ChatCompletionRequest
 from pagedllm.entrypoints.openai.protocol_responses import (
     ResponsesRequest, function_call_item, message_item, new_id, output_text_part, reasoning_item,
     response_dict, usage_dict)
 from pagedllm.entrypoints.openai.response_store import ResponseStore, StoredResponse
-from pagedllm.entrypoints.openai.serving_chat import (ChatToolSetup, OpenAIServingChat,
-                                                      render_chat)
+from pagedllm.entrypoints.openai.serving_chat import (ChatToolSetup, OpenAIServingChat)
 from pagedllm.entrypoints.openai.serving_engine import (ResponseBuilder, require_generate_runner)
 from pagedllm.entrypoints.openai.tool_calling import check_json_schema, constrain_to_json
 
@@ -239,14 +237,7 @@ class OpenAIServingResponses:
         if not messages:
             raise OpenAIError("`input` must not be empty.", 400, "input")
         chat_req = self._chat_request(request, messages)
-        setup = chat.setup_tools(chat_req)
-        try:
-            prompt_text = render_chat(chat, chat_req.messages, add_generation_prompt=True,
-                                      continue_final_message=False, chat_template=None,
-                                      chat_template_kwargs=chat_req.chat_template_kwargs,
-                                      tools=setup.tools or None)
-        except ValueError as e:
-            raise value_error_to_openai(e, "input") from e
+        setup, prompt_text = chat.render_request(chat_req, "input")
         # NOTE: the engine's field names as this endpoint calls them.
         rename = {"prompt": "input", "max_tokens": "max_output_tokens", "logprobs": "top_logprobs"}
         pp = chat.process_prompt(prompt_text, add_special_tokens=False, rename=rename)
@@ -487,12 +478,9 @@ class _Run:
             cached = int(getattr(res, "num_cached_tokens", 0) or 0)
             for co in res.outputs:
                 num_tokens += len(co.token_ids)
-                final = co.finish_reason is not None
-                if final:
+                if co.finish_reason is not None:
                     finish = co.finish_reason
-                d = (parser.feed(co.text, final) if parser.active
-                     else OutputDelta(content=co.text))
-                yield from on_delta(d)
+                yield from on_delta(parser.feed_output(co))
 
         def on_end(stopping: bool) -> Iterator[str]:
             if not output:  # an empty answer is still one (empty) message
