@@ -93,6 +93,29 @@ class LoRAModulePath:
     base_model_name: Optional[str] = None
 
 
+def engine_flag(field: str, help: str, *aliases: str, **kwargs: Any) -> tuple[str, str, tuple[str, ...], dict]:
+    """One ``EngineArgs`` field's flag for ``add_engine_args``: ``--field-name`` (plus ``aliases``
+    such as ``-tp``), ``help`` (may say ``%(default)s``), other ``add_argument`` keywords."""
+    return field, help, aliases, kwargs
+
+
+def add_engine_args(group: Any, *flags: tuple[str, str, tuple[str, ...], dict]) -> None:
+    """Add flags generated from ``EngineArgs`` dataclass fields (vLLM's ``EngineArgs.add_cli_args``
+    shape): the flag's name is the field's with dashes, its destination the field, and its
+    default the field's default, so the default is stated once, in ``pagedllm.config``.
+
+    Raises:
+        KeyError: a field ``EngineArgs`` does not have (a programming error).
+    """
+    import dataclasses
+
+    from pagedllm.config import EngineArgs
+
+    defaults = {f.name: f.default for f in dataclasses.fields(EngineArgs)}
+    for field, help, aliases, kwargs in flags:
+        group.add_argument("--" + field.replace("_", "-"), *aliases, default=defaults[field], help=help, **kwargs)
+
+
 def parse_lora_module(value: str) -> LoRAModulePath:
     """``name=path`` or a JSON object ``{"name": ..., "path": ..., "base_model_name": ...}``
     (vLLM's ``--lora-modules`` forms), for argparse.
@@ -315,13 +338,12 @@ def add_serve_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                         "can reach the server can load files from its disk.")
 
     g = parser.add_argument_group("Scheduler and KV cache")
-    g.add_argument("--max-num-seqs", type=_positive_int, default=128,
-                   help="Max requests scheduled in one step (default: 128).")
-    g.add_argument("--max-num-batched-tokens", type=positive_human_int, default=2048,
-                   help="Max tokens processed in one step; longer prompts are prefilled in "
-                        "chunks (default: 2048).")
-    g.add_argument("--block-size", type=_positive_int, default=16,
-                   help="Tokens per KV cache block (default: 16).")
+    add_engine_args(
+        g,
+        engine_flag("max_num_seqs", "Max requests scheduled in one step (default: %(default)s).", type=_positive_int),
+        engine_flag("max_num_batched_tokens", "Max tokens processed in one step; longer prompts are prefilled in "
+                    "chunks (default: %(default)s).", type=positive_human_int),
+        engine_flag("block_size", "Tokens per KV cache block (default: %(default)s).", type=_positive_int))
     g.add_argument("--kv-cache-memory", type=parse_bytes, default=None,
                    help="KV cache budget in bytes; accepts suffixes like 2GiB, 512MiB, 1.5G. "
                         "Default on CPU: half of the free memory (MemAvailable) after the weights "
@@ -332,20 +354,21 @@ def add_serve_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                    help="Free KV blocks holding cached prefixes kept resident (default 64MiB; 0 = "
                         "none): past this, least recently used prefixes are reused before fresh "
                         "blocks are committed, and an idle server gives the rest back to the OS.")
-    g.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "bfloat16", "fp8", "fp8_e4m3", "fp8_e5m2"],
-                   help="KV cache storage: auto (the model dtype; bfloat16 on CPUs without native "
-                        "bf16, where --dtype auto runs the model in float32), bfloat16, or 8-bit floats "
-                        "(fp8 = fp8_e4m3, or fp8_e5m2): half the bytes per token of bf16 (CPU only).")
-    g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
-                   default=True,
-                   help="Reuse the KV cache of shared prompt prefixes (default: on).")
-    g.add_argument("--prefix-caching-hash-algo", default="sha256", choices=["sha256", "xxhash"],
-                   help="Hash of prefix-cache blocks (default: sha256).")
+    add_engine_args(
+        g,
+        engine_flag("kv_cache_dtype", "KV cache storage: auto (the model dtype; bfloat16 on CPUs without native "
+                    "bf16, where --dtype auto runs the model in float32), bfloat16, or 8-bit floats "
+                    "(fp8 = fp8_e4m3, or fp8_e5m2): half the bytes per token of bf16 (CPU only).",
+                    choices=["auto", "bfloat16", "fp8", "fp8_e4m3", "fp8_e5m2"]),
+        engine_flag("enable_prefix_caching", "Reuse the KV cache of shared prompt prefixes (default: on).",
+                    action=argparse.BooleanOptionalAction),
+        engine_flag("prefix_caching_hash_algo", "Hash of prefix-cache blocks (default: %(default)s).",
+                    choices=["sha256", "xxhash"]))
 
-    g.add_argument("--scheduling-policy", default="fcfs", choices=["fcfs", "priority"],
-                   help="fcfs: requests run in arrival order; priority: by each request's `priority` "
-                        "(lower first, ties by arrival), and preemption takes the lowest-priority running "
-                        "request (vLLM's flag). With fcfs a nonzero `priority` is refused (400).")
+    add_engine_args(g, engine_flag(
+        "scheduling_policy", "fcfs: requests run in arrival order; priority: by each request's `priority` "
+        "(lower first, ties by arrival), and preemption takes the lowest-priority running "
+        "request (vLLM's flag). With fcfs a nonzero `priority` is refused (400).", choices=["fcfs", "priority"]))
     g.add_argument("--kv-events-config", type=_json_dict, default=None,
                    help='Publish the prefix cache\'s KV block events over ZeroMQ (vLLM\'s flag and '
                         'KVEventsConfig JSON), e.g. \'{"enable_kv_cache_events": true, "endpoint": '
@@ -379,17 +402,17 @@ def add_serve_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                         "header becomes the span's parent. Needs opentelemetry-sdk and the OTLP exporter.")
 
     g = parser.add_argument_group("Parallelism")
-    g.add_argument("--tensor-parallel-size", "-tp", type=_positive_int, default=1,
-                   help="Ranks each layer is split across (attention heads, MLP, vocabulary; default: 1).")
-    g.add_argument("--pipeline-parallel-size", "-pp", type=_positive_int, default=1,
-                   help="Pipeline stages the layers are split across (default: 1).")
-    g.add_argument("--data-parallel-size", "-dp", type=_positive_int, default=1,
-                   help="Independent engine replicas behind this server; requests go to the least "
-                        "loaded one (default: 1).")
-    g.add_argument("--distributed-executor-backend", default=None, choices=["uni", "mp", "ray"],
-                   help="How ranks run: 'uni' (in this process; one rank only), 'mp' (a process per "
-                        "rank) or 'ray' (a Ray actor per rank; multi-node). Default: uni for one "
-                        "rank, else mp.")
+    add_engine_args(
+        g,
+        engine_flag("tensor_parallel_size", "Ranks each layer is split across (attention heads, MLP, vocabulary; "
+                    "default: %(default)s).", "-tp", type=_positive_int),
+        engine_flag("pipeline_parallel_size", "Pipeline stages the layers are split across (default: %(default)s).",
+                    "-pp", type=_positive_int),
+        engine_flag("data_parallel_size", "Independent engine replicas behind this server; requests go to the "
+                    "least loaded one (default: %(default)s).", "-dp", type=_positive_int),
+        engine_flag("distributed_executor_backend", "How ranks run: 'uni' (in this process; one rank only), 'mp' "
+                    "(a process per rank) or 'ray' (a Ray actor per rank; multi-node). Default: uni for one "
+                    "rank, else mp.", choices=["uni", "mp", "ray"]))
 
     g = parser.add_argument_group("Device")
     g.add_argument("--attention-backend", default=None, choices=["torch", "triton", "flashinfer"],
