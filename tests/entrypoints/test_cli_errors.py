@@ -277,7 +277,8 @@ def test_engine_arg_flags_take_engine_args_defaults():
     defaults = {f.name: f.default for f in dataclasses.fields(EngineArgs)}
     generated = ["max_num_seqs", "max_num_batched_tokens", "block_size", "kv_cache_dtype", "enable_prefix_caching",
                  "prefix_caching_hash_algo", "scheduling_policy", "tensor_parallel_size", "pipeline_parallel_size",
-                 "data_parallel_size", "distributed_executor_backend"]
+                 "data_parallel_size", "distributed_executor_backend", "structured_outputs_config", "speculative_config",
+                 "kv_events_config"]
     assert {k: getattr(ns, k) for k in generated} == {k: defaults[k] for k in generated}
     text = p.format_help()
     assert "Max requests scheduled in one step (default: 128)." in text

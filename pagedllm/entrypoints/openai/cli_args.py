@@ -297,24 +297,26 @@ def add_serve_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                         "transformers fallback (slower); pagedllm: native only; transformers: always the fallback.")
 
     g = parser.add_argument_group("Structured outputs")
-    g.add_argument("--structured-outputs-config", type=_json_dict, default=None,
-                   help='Structured-output settings as JSON (vLLM\'s flag), e.g. \'{"backend": "auto"}\': '
-                        'backend auto (xgrammar, llguidance for what it cannot compile) | xgrammar | '
-                        'guidance; disable_fallback, disable_any_whitespace, '
-                        'disable_additional_properties (booleans); max_whitespace_cnt (most '
-                        'whitespace characters in a row in JSON, default 16, null = unbounded); '
-                        'grammar_cache_size (compiled '
-                        'grammars kept, default 256); compile_threads (default 2); jump_forward '
-                        '(lossless jump-forward decoding of the text a grammar forces, default true) '
-                        'and jump_forward_max_tokens (its most draft tokens per step, default 16).')
+    add_engine_args(g, engine_flag(
+        "structured_outputs_config", 'Structured-output settings as JSON (vLLM\'s flag), e.g. \'{"backend": "auto"}\': '
+        'backend auto (xgrammar, llguidance for what it cannot compile) | xgrammar | '
+        'guidance; disable_fallback, disable_any_whitespace, '
+        'disable_additional_properties (booleans); max_whitespace_cnt (most '
+        'whitespace characters in a row in JSON, default 16, null = unbounded); '
+        'grammar_cache_size (compiled '
+        'grammars kept, default 256); compile_threads (default 2); jump_forward '
+        '(lossless jump-forward decoding of the text a grammar forces, default true) '
+        'and jump_forward_max_tokens (its most draft tokens per step, default 16).',
+        type=_json_dict))
 
     g = parser.add_argument_group("Speculative decoding")
-    g.add_argument("--speculative-config", type=_json_dict, default=None,
-                   help='Speculative decoding as JSON (vLLM\'s flag), e.g. \'{"method": "ngram", '
-                        '"num_speculative_tokens": 4, "prompt_lookup_max": 4}\': method ngram | suffix '
-                        '| draft_model (with "model", optionally "quantization": "int4" for a '
-                        'self-draft); disable_by_batch_size (no drafts in steps with at least that '
-                        'many requests; default: measured automatic threshold, 0 = never).')
+    add_engine_args(g, engine_flag(
+        "speculative_config", 'Speculative decoding as JSON (vLLM\'s flag), e.g. \'{"method": "ngram", '
+        '"num_speculative_tokens": 4, "prompt_lookup_max": 4}\': method ngram | suffix '
+        '| draft_model (with "model", optionally "quantization": "int4" for a '
+        'self-draft); disable_by_batch_size (no drafts in steps with at least that '
+        'many requests; default: measured automatic threshold, 0 = never).',
+        type=_json_dict))
 
     g = parser.add_argument_group("LoRA adapters")
     g.add_argument("--enable-lora", action="store_true",
@@ -369,13 +371,14 @@ def add_serve_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         "scheduling_policy", "fcfs: requests run in arrival order; priority: by each request's `priority` "
         "(lower first, ties by arrival), and preemption takes the lowest-priority running "
         "request (vLLM's flag). With fcfs a nonzero `priority` is refused (400).", choices=["fcfs", "priority"]))
-    g.add_argument("--kv-events-config", type=_json_dict, default=None,
-                   help='Publish the prefix cache\'s KV block events over ZeroMQ (vLLM\'s flag and '
-                        'KVEventsConfig JSON), e.g. \'{"enable_kv_cache_events": true, "endpoint": '
-                        '"tcp://*:5557", "topic": "kv-events"}\': publisher zmq | null, endpoint, '
-                        'replay_endpoint, buffer_steps (batches kept for replay), hwm, max_queue_size '
-                        '(batches queued; beyond it a batch is dropped and counted on /metrics), topic. '
-                        'Needs pyzmq and msgspec.')
+    add_engine_args(g, engine_flag(
+        "kv_events_config", 'Publish the prefix cache\'s KV block events over ZeroMQ (vLLM\'s flag and '
+        'KVEventsConfig JSON), e.g. \'{"enable_kv_cache_events": true, "endpoint": '
+        '"tcp://*:5557", "topic": "kv-events"}\': publisher zmq | null, endpoint, '
+        'replay_endpoint, buffer_steps (batches kept for replay), hwm, max_queue_size '
+        '(batches queued; beyond it a batch is dropped and counted on /metrics), topic. '
+        'Needs pyzmq and msgspec.',
+        type=_json_dict))
 
     g = parser.add_argument_group("KV cache tiers")
     g.add_argument("--kv-transfer-config", type=_json_dict, default=None,
