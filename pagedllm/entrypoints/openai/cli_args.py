@@ -5,7 +5,7 @@ import argparse
 import json
 import logging
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 from pagedllm.config import QUANTIZATION_CHOICES
 from pagedllm.config import parse_bytes as config_parse_bytes
@@ -40,14 +40,22 @@ def _positive_int(value: str) -> int:
     return n
 
 
-def _json_list(value: str) -> list[Any]:
-    try:
-        v = json.loads(value)
-    except json.JSONDecodeError as e:
-        raise argparse.ArgumentTypeError(f"invalid JSON {value!r}: {e}") from None
-    if not isinstance(v, list):
-        raise argparse.ArgumentTypeError(f"expected a JSON list such as '[\"*\"]', got {value!r}")
-    return v
+def _json_arg(kind: type, expected: str) -> Callable[[str], Any]:
+    """An argparse ``type`` parsing a JSON ``kind`` (list / dict); a bad value is one line:
+    "invalid JSON 'x': ..." or "expected {expected}, got 'x'"."""
+    def parse(value: str) -> Any:
+        try:
+            v = json.loads(value)
+        except json.JSONDecodeError as e:
+            raise argparse.ArgumentTypeError(f"invalid JSON {value!r}: {e}") from None
+        if not isinstance(v, kind):
+            raise argparse.ArgumentTypeError(f"expected {expected}, got {value!r}")
+        return v
+    return parse
+
+
+_json_list = _json_arg(list, "a JSON list such as '[\"*\"]'")
+_json_dict = _json_arg(dict, "a JSON object")
 
 
 def _max_model_len(value: str) -> Optional[int]:
@@ -72,16 +80,6 @@ def _positive_float(value: str) -> float:
     if not v > 0:
         raise argparse.ArgumentTypeError(f"expected a positive number, got {value!r}")
     return v
-
-
-def _json_dict(value: str) -> dict[str, Any]:
-    try:
-        d = json.loads(value)
-    except json.JSONDecodeError as e:
-        raise argparse.ArgumentTypeError(f"invalid JSON {value!r}: {e}") from None
-    if not isinstance(d, dict):
-        raise argparse.ArgumentTypeError(f"expected a JSON object, got {value!r}")
-    return d
 
 
 @dataclass

@@ -16,7 +16,7 @@ from pagedllm.entrypoints.openai.protocol import (ChatCompletionLogProb, ChatCom
                                                   ChatCompletionStreamResponse, ChatMessage,
                                                   ChatMessageParam, DeltaMessage,
                                                   PromptTokenUsageInfo, UsageInfo)
-from pagedllm.entrypoints.openai.serving_engine import (SSE_DONE, OpenAIServing, ResponseBuilder, decoded_token, lp_value, require_generate_runner, sse, stream_error_body, abort_unfinished)
+from pagedllm.entrypoints.openai.serving_engine import (SSE_DONE, OpenAIServing, ResponseBuilder, decoded_token, lp_value, require_generate_runner, sse, stream_error_body, abort_unfinished, final_outputs)
 from pagedllm.entrypoints.openai.output_parser import OutputParser
 from pagedllm.entrypoints.openai.tool_calling import (AUTO_TOOL_CHOICE_FLAGS_MESSAGE, ToolChoice,
                                                       constrain_to_json, forced_tool_schema,
@@ -210,17 +210,7 @@ class OpenAIServingChat(OpenAIServing):
                         created: int, model_name: str, prompt_ids: list[int],
                         setup: Optional[ChatToolSetup] = None) -> ChatCompletionResponse:
         role = self.get_role(request)
-        final: dict[int, Any] = {}
-        num_cached = 0
-        prompt_logprobs = None
-        for ro in outs:
-            if ro.prompt_token_ids:
-                prompt_ids = list(ro.prompt_token_ids)
-            if ro.prompt_logprobs is not None:
-                prompt_logprobs = ro.prompt_logprobs
-            num_cached = int(getattr(ro, "num_cached_tokens", 0) or 0)
-            for co in ro.outputs:
-                final[co.index] = co
+        prompt_ids, prompt_logprobs, final, num_cached = final_outputs(outs, prompt_ids)
         echo = self._echo_text(request, role)
         as_tid = bool(request.return_tokens_as_token_ids)
         choices = []

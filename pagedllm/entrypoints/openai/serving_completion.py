@@ -16,7 +16,7 @@ from pagedllm.entrypoints.openai.protocol import (CompletionLogProbs, Completion
                                                   CompletionStreamResponse, InfillRequest,
                                                   PromptTokenUsageInfo, UsageInfo)
 from pagedllm.entrypoints.openai.serving_engine import (SSE_DONE, OpenAIServing, ResponseBuilder, SSEResponse,
-                                                        decoded_token, lp_value, require_generate_runner, sse, stream_error_body, abort_unfinished)
+                                                        decoded_token, lp_value, require_generate_runner, sse, stream_error_body, abort_unfinished, final_outputs)
 
 logger = logging.getLogger("pagedllm.entrypoints.openai")
 
@@ -274,28 +274,14 @@ class OpenAIServingCompletion(OpenAIServing):
             outs = results.get(p_idx, [])
             prompt_ids = prompts[p_idx][1]
             prompt_text = prompt_texts[p_idx]
-            # Latest state per sample; text/token_ids/logprobs accumulated across outputs (works
-            # for FINAL_ONLY, CUMULATIVE-final and DELTA streams alike).
-            final: dict[int, dict[str, Any]] = {}
-            prompt_logprobs = None
-            for ro in outs:
-                if ro.prompt_token_ids:
-                    prompt_ids = list(ro.prompt_token_ids)
-                if ro.prompt_logprobs is not None:
-                    prompt_logprobs = ro.prompt_logprobs
-                for co in ro.outputs:
-                    st = final.setdefault(co.index, {"text": "", "token_ids": [], "logprobs": None,
-                                                     "finish_reason": None, "stop_reason": None})
-                    st["text"] = co.text
-                    st["token_ids"] = list(co.token_ids)
-                    st["logprobs"] = co.logprobs
-                    st["finish_reason"] = co.finish_reason
-                    st["stop_reason"] = co.stop_reason
-            if outs:
-                num_cached += int(getattr(outs[-1], "num_cached_tokens", 0) or 0)
+            # The latest state per sample (the server collects FINAL_ONLY / CUMULATIVE outputs).
+            prompt_ids, prompt_logprobs, final, cached = final_outputs(outs, prompt_ids)
+            num_cached += cached
             num_prompt_tokens += len(prompt_ids)
             for idx in sorted(final):
-                st = final[idx]
+                co = final[idx]
+                st = {"text": co.text, "token_ids": list(co.token_ids), "logprobs": co.logprobs,
+                      "finish_reason": co.finish_reason, "stop_reason": co.stop_reason}
                 token_ids = st["token_ids"]
                 out_logprobs = st["logprobs"]
                 text = st["text"]

@@ -93,6 +93,25 @@ def abort_unfinished(finished: list[bool], chunk: Callable[[int], str]) -> Itera
             yield chunk(i)
 
 
+def final_outputs(outs: Sequence[Any], prompt_ids: list[int]) -> tuple[list[int], Any, dict[int, Any], int]:
+    """A non-streamed prompt's results (its ``RequestOutput`` s, in order) as (the prompt token ids:
+    the engine's when it reports them, else ``prompt_ids``; the prompt logprobs or None; sample
+    index -> that sample's last ``CompletionOutput`` (the whole answer: the server collects
+    cumulative / final-only outputs); cached prompt tokens, from the last output)."""
+    final: dict[int, Any] = {}
+    prompt_logprobs = None
+    num_cached = 0
+    for ro in outs:
+        if ro.prompt_token_ids:
+            prompt_ids = list(ro.prompt_token_ids)
+        if ro.prompt_logprobs is not None:
+            prompt_logprobs = ro.prompt_logprobs
+        num_cached = int(getattr(ro, "num_cached_tokens", 0) or 0)
+        for co in ro.outputs:
+            final[co.index] = co
+    return prompt_ids, prompt_logprobs, final, num_cached
+
+
 def stream_error_body(e: Exception) -> dict[str, Any]:
     """The OpenAI error body an SSE stream ends with when ``e`` cut it: the 400 body of a
     ``ValueError`` (``value_error_to_openai``), else a 500 "Internal server error: ..." one."""
