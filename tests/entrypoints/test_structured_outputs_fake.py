@@ -14,7 +14,7 @@ from pagedllm.structured_output.params import StructuredOutputsParams
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from fake_engine import FakeAsyncLLM  # noqa: E402
-from test_api_server_fake import MODEL, assert_error, make_args  # noqa: E402
+from api_helpers import MODEL, assert_error, make_args  # noqa: E402
 
 SCHEMA = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
 
