@@ -19,17 +19,6 @@ from fake_engine import FakeAsyncLLM  # noqa: E402
 
 
 
-@pytest.fixture(scope="module")
-def engine():
-    return FakeAsyncLLM(max_model_len=256)
-
-
-@pytest.fixture(scope="module")
-def client(engine):
-    app = build_app(engine, make_args())
-    with TestClient(app) as c:
-        yield c
-
 
 # ---------------------------------------------------------------------------------------
 # completions

@@ -16,16 +16,6 @@ from fake_engine import FakeAsyncLLM  # noqa: E402
 from api_helpers import make_args, sse_events  # noqa: E402
 
 
-@pytest.fixture(scope="module")
-def engine():
-    return FakeAsyncLLM(max_model_len=256)
-
-
-@pytest.fixture(scope="module")
-def client(engine):
-    with TestClient(build_app(engine, make_args())) as c:
-        yield c
-
 
 CHAT = {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 3, "n": 2, "stream": True}
 COMPLETION = {"prompt": "Hello", "max_tokens": 3, "n": 2, "stream": True}
