@@ -130,7 +130,7 @@ def gemm_sweep(min_time: float) -> list[dict]:
     import torch.nn.functional as F
 
     from pagedllm.kernels.cpu_ops import get_intdot_ops, get_quant_ops
-    from pagedllm.models.layers import pack_bf16_weight
+    from pagedllm.kernels.onednn import pack_bf16_weight
     from pagedllm.quantization import group_quant as gq
 
     torch.set_num_threads(1)

@@ -1,6 +1,7 @@
 """Engine configuration, with vLLM's argument names and defaults where they apply."""
 from __future__ import annotations
 
+from collections.abc import Sequence
 import dataclasses
 from dataclasses import dataclass, field
 import re
@@ -18,10 +19,40 @@ KV_AUTO_MEMORY_FRACTION = 0.5
 # idle release (--kv-prefix-cache-memory).
 DEFAULT_KV_PREFIX_CACHE_BYTES = 64 * 1024**2
 
-#: ``--quantization`` values: re-quantize float weights at load (int8, int4, w8a8), a checkpoint
-#: format (gguf, gptq, awq, compressed-tensors, fp8: the default is the checkpoint's own), or
-#: "none" (dequantize a quantized checkpoint at load). ``pagedllm.quantization`` registers them.
-QUANTIZATION_CHOICES = ("int8", "int4", "w8a8", "gguf", "gptq", "awq", "compressed-tensors", "fp8", "none")
+class _QuantizationChoices(Sequence[str]):
+    """The ``--quantization`` values, read from the quantization method registry each time they
+    are asked for (``pagedllm.quantization.base.register_quantization_config``), plus "none".
+
+    Built in: re-quantize float weights at load (int8, int4, w8a8) or a checkpoint format (gguf,
+    gptq, awq, compressed-tensors, fp8: the default is the checkpoint's own); "none" dequantizes a
+    quantized checkpoint at load. A method registered later (a plugin, a test) is a choice as soon
+    as it is registered: pass this object itself as argparse ``choices``. The registry is imported
+    on first use, so importing ``pagedllm.config`` stays light.
+    """
+
+    def _names(self) -> tuple[str, ...]:
+        from pagedllm.quantization.base import registered_methods
+
+        return (*registered_methods(), "none")
+
+    def __getitem__(self, i):  # type: ignore[override]
+        return self._names()[i]
+
+    def __len__(self) -> int:
+        return len(self._names())
+
+    def __iter__(self):
+        return iter(self._names())
+
+    def __contains__(self, name: object) -> bool:
+        return name in self._names()
+
+    def __repr__(self) -> str:
+        return repr(self._names())
+
+
+#: ``--quantization`` values (a live view of the registry, see ``_QuantizationChoices``).
+QUANTIZATION_CHOICES: Sequence[str] = _QuantizationChoices()
 
 _SIZE_UNITS = {
     "": 1, "b": 1,
@@ -53,6 +84,46 @@ def parse_bytes(value: str | int) -> int:
     return n
 
 
+def parse_json_arg(value: Any, name: str, what: str = "a JSON object") -> Any:
+    """A JSON-valued argument (a ``--*-config`` flag, an ``LLM(...)`` keyword): a string is parsed
+    as JSON, anything else is returned as given; the result must be a dict.
+
+    Args:
+        value: a dict, or a JSON object string.
+        name: the argument's name for the messages (``speculative_config``).
+        what: how the messages name the expected value.
+
+    Raises:
+        ValueError: ``"{name}: invalid JSON: ..."``, or ``"{name}: expected {what}, got list"``.
+    """
+    import json
+
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{name}: invalid JSON: {e}") from None
+    if not isinstance(value, dict):
+        raise ValueError(f"{name}: expected {what}, got {type(value).__name__}")
+    return value
+
+
+def dataclass_from_json(cls: type, value: Any, name: str) -> Any:
+    """``cls(**fields)`` from a dict or a JSON object string (``parse_json_arg``), refusing a
+    key that is not a field of the dataclass ``cls``.
+
+    Raises:
+        ValueError: invalid JSON, not an object, ``"{name}: unknown field 'x' (known: [...])"``,
+            or whatever ``cls`` raises for a bad value.
+    """
+    value = parse_json_arg(value, name)
+    names = {f.name for f in dataclasses.fields(cls)}
+    unknown = sorted(set(value) - names)
+    if unknown:
+        raise ValueError(f"{name}: unknown field {unknown[0]!r} (known: {sorted(names)})")
+    return cls(**value)
+
+
 def apply_hf_overrides(hf_config: Any, overrides: Any) -> Any:
     """Merge ``overrides`` into ``hf_config`` in place (vLLM ``--hf-overrides`` /
     ``LLM(hf_overrides=...)``) and return the config.
@@ -66,19 +137,11 @@ def apply_hf_overrides(hf_config: Any, overrides: Any) -> Any:
     Raises:
         ValueError: invalid JSON, or not a dict / callable.
     """
-    import json
-
     if overrides is None:
         return hf_config
     if callable(overrides):
         return overrides(hf_config)
-    if isinstance(overrides, str):
-        try:
-            overrides = json.loads(overrides)
-        except json.JSONDecodeError as e:
-            raise ValueError(f"hf_overrides: invalid JSON: {e}") from None
-    if not isinstance(overrides, dict):
-        raise ValueError(f"hf_overrides: expected a dict, got {type(overrides).__name__}")
+    overrides = parse_json_arg(overrides, "hf_overrides", "a dict")
 
     def merge(target: Any, updates: dict) -> None:
         for key, value in updates.items():

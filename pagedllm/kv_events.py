@@ -36,8 +36,6 @@ events are enabled.
 """
 from __future__ import annotations
 
-import dataclasses
-import json
 import logging
 import queue
 import threading
@@ -45,6 +43,8 @@ import time
 from collections import deque
 from dataclasses import dataclass
 from typing import Any, Optional
+
+from pagedllm.config import dataclass_from_json
 
 logger = logging.getLogger("pagedllm")
 
@@ -97,18 +97,7 @@ class KVEventsConfig:
         """
         if value is None or isinstance(value, cls):
             return value
-        if isinstance(value, str):
-            try:
-                value = json.loads(value)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"kv_events_config: invalid JSON: {e}") from None
-        if not isinstance(value, dict):
-            raise ValueError(f"kv_events_config: expected a JSON object, got {type(value).__name__}")
-        names = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(value) - names)
-        if unknown:
-            raise ValueError(f"kv_events_config: unknown field {unknown[0]!r} (expected some of {sorted(names)})")
-        return cls(**value)
+        return dataclass_from_json(cls, value, "kv_events_config")
 
 
 def offset_endpoint_port(endpoint: Optional[str], data_parallel_rank: int) -> Optional[str]:

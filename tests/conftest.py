@@ -42,7 +42,7 @@ def isa_paths() -> list[tuple[str, bool, str]]:
     A path is available when the C++ extension built it for this CPU (``-march=native``) and the
     CPU has the flags it needs; ISA-gated tests skip with the same reason when it is not."""
     from pagedllm.kernels.cpu_ops import get_ops
-    from pagedllm.models.layers import pack_bf16_weight
+    from pagedllm.kernels.onednn import pack_bf16_weight
 
     flags = _cpu_flags()
     from pagedllm.kernels.cpu_ops import get_intdot_ops
@@ -123,6 +123,16 @@ def _hf_from_gguf(path: str):
 
 
 @pytest.fixture(scope="session")
+def smollm2_hf_tokenizer(smollm2_path):
+    """transformers' tokenizer of the SmolLM2 GGUF (skips when the GGUF is not installed)."""
+    from transformers import AutoTokenizer
+
+    if not os.path.exists(smollm2_path):
+        pytest.skip("SmolLM2 GGUF not available")
+    return AutoTokenizer.from_pretrained(os.path.dirname(smollm2_path), gguf_file=os.path.basename(smollm2_path))
+
+
+@pytest.fixture(scope="session")
 def hf_smollm2(smollm2_path):
     """(transformers LlamaForCausalLM fp32, tokenizer) from the SmolLM2 GGUF (~15 s)."""
     return _hf_from_gguf(smollm2_path)
@@ -142,6 +152,17 @@ def smollm2_llm():
     from pagedllm import LLM
     return LLM("SmolLM2-135M-Instruct", dtype="float32", kv_cache_memory=256 * 1024**2,
                max_num_batched_tokens=512, seed=0, quantization="none")
+
+
+@pytest.fixture(scope="session")
+def tiny_smollm2_llama_dir(tmp_path_factory, smollm2_path) -> str:
+    """A tiny random Llama checkpoint (``tiny_models.save_tiny_llama``, seed 5, untied head) with
+    SmolLM2's tokenizer (vocab 49152), written once per session; tests only read it."""
+    from tiny_models import save_tiny_llama
+
+    from pagedllm.loader.tokenizer import load_tokenizer
+
+    return save_tiny_llama(str(tmp_path_factory.mktemp("tiny_smollm2_llama")), load_tokenizer(smollm2_path), 5)
 
 
 def make_tiny_llama(tie: bool, dtype: torch.dtype = torch.float32, std: float = 0.02):

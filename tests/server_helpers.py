@@ -7,9 +7,29 @@ import socket
 import subprocess
 import sys
 import time
-from typing import Iterator
+from typing import Any, Awaitable, Callable, Iterator, Optional
 
 import httpx
+
+
+def run_in_process(make_app: Callable[[], Any], body: Callable[[httpx.AsyncClient], Awaitable[Any]],
+                   finally_: Optional[Callable[[], Any]] = None) -> Any:
+    """``await body(client)`` against the ASGI app ``make_app()`` (built inside the event loop)
+    in this process, no server: an ``httpx.AsyncClient`` on ``http://test`` with a 60 s timeout,
+    on a fresh event loop; ``finally_()`` afterwards (e.g. ``engine.shutdown``). Returns what
+    ``body`` returns."""
+    import asyncio
+
+    async def main() -> Any:
+        transport = httpx.ASGITransport(app=make_app())
+        async with httpx.AsyncClient(transport=transport, base_url="http://test", timeout=60) as client:
+            return await body(client)
+
+    try:
+        return asyncio.run(main())
+    finally:
+        if finally_ is not None:
+            finally_()
 
 
 def free_port() -> int:

@@ -123,7 +123,7 @@ def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("model", nargs="?", default="SmolLM2-135M-Instruct",
                    help="Model to benchmark, as `pagedllm serve` takes it (default: SmolLM2-135M-Instruct).")
     p.add_argument("--dtype", default="auto", help="Weight and activation dtype, as serve (default: auto).")
-    p.add_argument("--quantization", default=None, choices=list(QUANTIZATION_CHOICES),
+    p.add_argument("--quantization", default=None, choices=QUANTIZATION_CHOICES,
                    help="int8/int4: weight-only; w8a8: int8 weights and dynamic per-token int8 activations "
                         "(default: the checkpoint's own format)")
     p.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "bfloat16", "fp8", "fp8_e4m3", "fp8_e5m2"],

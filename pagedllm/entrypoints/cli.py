@@ -9,7 +9,7 @@ from __future__ import annotations
 import argparse
 import logging
 import sys
-from typing import Optional
+from typing import Any, Callable, Optional
 
 from pagedllm.config import QUANTIZATION_CHOICES
 from pagedllm.entrypoints.cli_utils import FlexibleArgumentParser, fail, show_filtered_help
@@ -17,12 +17,23 @@ from pagedllm.entrypoints.cli_utils import FlexibleArgumentParser, fail, show_fi
 logger = logging.getLogger("pagedllm")
 
 
+def _add_subcommand(sub: argparse._SubParsersAction, subparsers: dict, name: str, help: str, description: str,
+                    *add_args: Callable[[argparse.ArgumentParser], Any]) -> argparse.ArgumentParser:
+    """``pagedllm NAME``: a subparser, recorded in ``subparsers`` under ``name``, with the flags each
+    of ``add_args`` adds (in order)."""
+    p = sub.add_parser(name, help=help, description=description)
+    subparsers[name] = p
+    for add in add_args:
+        add(p)
+    return p
+
+
 def _add_bench_parsers(sub: argparse._SubParsersAction, subparsers: dict) -> None:
     from pagedllm.entrypoints import bench
 
-    p = sub.add_parser("bench", help="benchmarks: throughput, latency, prefix-caching, embed, hardware, serve",
-                       description="Benchmarks (vLLM's `vllm bench` names).")
-    subparsers["bench"] = p
+    p = _add_subcommand(sub, subparsers, "bench",
+                        "benchmarks: throughput, latency, prefix-caching, embed, hardware, serve",
+                        "Benchmarks (vLLM's `vllm bench` names).")
     bsub = p.add_subparsers(dest="bench_cmd", required=True, metavar="{throughput,latency,prefix-caching,"
                                                                        "embed,hardware,serve}")
     for add in (bench.add_throughput_parser, bench.add_latency_parser, bench.add_prefix_parser,
@@ -39,13 +50,12 @@ def _add_bench_parsers(sub: argparse._SubParsersAction, subparsers: dict) -> Non
 def _add_complete_parser(sub: argparse._SubParsersAction, subparsers: dict) -> None:
     from pagedllm.entrypoints.chat_client import add_client_args
 
-    cp = sub.add_parser(
-        "complete", help="text completions from a running server (or in-process with --offline)",
-        description="Send prompts to a running server's /v1/completions and stream the completions "
-                    "(vLLM's `vllm complete`): -q PROMPT for one, else one prompt per stdin line until "
-                    "EOF or 'exit'. --offline loads the model in this process instead (no server).")
-    subparsers["complete"] = cp
-    add_client_args(cp, chat=False)
+    cp = _add_subcommand(
+        sub, subparsers, "complete", "text completions from a running server (or in-process with --offline)",
+        "Send prompts to a running server's /v1/completions and stream the completions "
+        "(vLLM's `vllm complete`): -q PROMPT for one, else one prompt per stdin line until "
+        "EOF or 'exit'. --offline loads the model in this process instead (no server).",
+        lambda p: add_client_args(p, chat=False))
     g = cp.add_argument_group("Offline (--offline: no server, the model loads in this process)")
     g.add_argument("--offline", action="store_true",
                    help="Load the model here with LLM() instead of talking to a server (default: off).")
@@ -55,7 +65,7 @@ def _add_complete_parser(sub: argparse._SubParsersAction, subparsers: dict) -> N
     g.add_argument("--chat", action="store_true",
                    help="With --offline: wrap each prompt as a user chat message (default: off).")
     g.add_argument("--dtype", default="auto", help="With --offline: weight/activation dtype (default: auto).")
-    g.add_argument("--quantization", default=None, choices=list(QUANTIZATION_CHOICES),
+    g.add_argument("--quantization", default=None, choices=QUANTIZATION_CHOICES,
                    help="With --offline: as `pagedllm serve --quantization` (default: the checkpoint's own).")
     g.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "bfloat16", "fp8", "fp8_e4m3", "fp8_e5m2"],
                    help="With --offline: KV cache storage (default: auto).")
@@ -66,13 +76,12 @@ def _add_complete_parser(sub: argparse._SubParsersAction, subparsers: dict) -> N
 def _add_simulate_parsers(sub: argparse._SubParsersAction, subparsers: dict) -> None:
     from pagedllm.sim import cli as sim_cli
 
-    p = sub.add_parser("simulate", help="simulate a fleet of replicas (the real scheduler, a fitted step time)",
-                       description="Simulate N replicas behind a router policy: the real scheduler and block "
-                                   "pool per replica, in simulated time, with a step-time model fitted by "
-                                   "`pagedllm simulate fit`; `pagedllm simulate replay` measures a trace on a "
-                                   "running server (docs/scaling.md).")
-    subparsers["simulate"] = p
-    sim_cli.add_simulate_args(p)
+    _add_subcommand(sub, subparsers, "simulate",
+                    "simulate a fleet of replicas (the real scheduler, a fitted step time)",
+                    "Simulate N replicas behind a router policy: the real scheduler and block "
+                    "pool per replica, in simulated time, with a step-time model fitted by "
+                    "`pagedllm simulate fit`; `pagedllm simulate replay` measures a trace on a "
+                    "running server (docs/scaling.md).", sim_cli.add_simulate_args)
     # NOTE: `simulate fit` / `simulate replay` are dispatched in main() (`simulate` itself takes flags).
     for name, add, desc in (
             ("fit", sim_cli.add_fit_args, "Time the real engine's steps over a grid of batch shapes and fit the "
@@ -95,46 +104,35 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="store_true", help="Print the version and exit.")
     subparsers: dict[str, argparse.ArgumentParser] = {}
     sub = parser.add_subparsers(dest="cmd", metavar="{serve,chat,complete,run,run-batch,bench,simulate,router}")
-    sp = sub.add_parser("serve", help="serve a model behind an OpenAI-compatible HTTP API",
-                        description="Serve a model behind an OpenAI-compatible HTTP API (vLLM's `vllm serve` "
-                                    "flags). --help=listgroup lists the flag groups, --help=<group> shows "
-                                    "one, --help=<keyword> the flags whose name contains it.")
-    subparsers["serve"] = sp
-    add_serve_args(sp)
-    cp = sub.add_parser("chat", help="chat with a running server (interactive, or -q MESSAGE)",
-                        description="Chat with a running server's /v1/chat/completions, streaming the answers "
-                                    "(vLLM's `vllm chat`): -q MESSAGE for one turn, else one message per stdin "
-                                    "line until EOF or 'exit', keeping the conversation.")
-    subparsers["chat"] = cp
-    add_client_args(cp, chat=True)
+    _add_subcommand(sub, subparsers, "serve", "serve a model behind an OpenAI-compatible HTTP API",
+                    "Serve a model behind an OpenAI-compatible HTTP API (vLLM's `vllm serve` "
+                    "flags). --help=listgroup lists the flag groups, --help=<group> shows "
+                    "one, --help=<keyword> the flags whose name contains it.", add_serve_args)
+    _add_subcommand(sub, subparsers, "chat", "chat with a running server (interactive, or -q MESSAGE)",
+                    "Chat with a running server's /v1/chat/completions, streaming the answers "
+                    "(vLLM's `vllm chat`): -q MESSAGE for one turn, else one message per stdin "
+                    "line until EOF or 'exit', keeping the conversation.", lambda p: add_client_args(p, chat=True))
     _add_complete_parser(sub, subparsers)
     from pagedllm.entrypoints.run_local import add_run_args
-    rp = sub.add_parser("run", help="start a local server for MODEL and chat with it (as `ollama run`)",
-                        description="Start `pagedllm serve MODEL` on a free local port (every flag that is "
-                                    "not listed here goes to serve), chat with it as `pagedllm chat` does, "
-                                    "and stop it when the chat ends.")
-    subparsers["run"] = rp
-    add_run_args(rp)
+    _add_subcommand(sub, subparsers, "run", "start a local server for MODEL and chat with it (as `ollama run`)",
+                    "Start `pagedllm serve MODEL` on a free local port (every flag that is "
+                    "not listed here goes to serve), chat with it as `pagedllm chat` does, "
+                    "and stop it when the chat ends.", add_run_args)
     from pagedllm.entrypoints.openai.run_batch import add_run_batch_args
-    rb = sub.add_parser("run-batch", help="run an OpenAI batch file (.jsonl) through the model, no server",
-                        description="Run the requests of an OpenAI batch file (one {custom_id, method, url, body} "
-                                    "a line; /v1/chat/completions, /v1/completions, /v1/embeddings, /v1/score) "
-                                    "through the server's handlers in this process, writing one result a line "
-                                    "(vLLM's `vllm run-batch`); an existing output file is resumed. The engine "
-                                    "flags are `pagedllm serve`'s.")
-    subparsers["run-batch"] = rb
-    add_run_batch_args(rb)
-    add_serve_args(rb)
+    _add_subcommand(sub, subparsers, "run-batch", "run an OpenAI batch file (.jsonl) through the model, no server",
+                    "Run the requests of an OpenAI batch file (one {custom_id, method, url, body} "
+                    "a line; /v1/chat/completions, /v1/completions, /v1/embeddings, /v1/score) "
+                    "through the server's handlers in this process, writing one result a line "
+                    "(vLLM's `vllm run-batch`); an existing output file is resumed. The engine "
+                    "flags are `pagedllm serve`'s.", add_run_batch_args, add_serve_args)
     _add_bench_parsers(sub, subparsers)
     _add_simulate_parsers(sub, subparsers)
     from pagedllm.router.server import add_router_args
-    rt = sub.add_parser("router", help="route requests over many running servers (prefix-cache aware)",
-                        description="One OpenAI / Anthropic / Ollama-compatible endpoint over running "
-                                    "`pagedllm serve` replicas: forwards requests and streams unchanged, "
-                                    "routes by the prefix the replicas' KV events say they hold "
-                                    "(--policy prefix), or by load, round-robin or session.")
-    subparsers["router"] = rt
-    add_router_args(rt)
+    _add_subcommand(sub, subparsers, "router", "route requests over many running servers (prefix-cache aware)",
+                    "One OpenAI / Anthropic / Ollama-compatible endpoint over running "
+                    "`pagedllm serve` replicas: forwards requests and streams unchanged, "
+                    "routes by the prefix the replicas' KV events say they hold "
+                    "(--policy prefix), or by load, round-robin or session.", add_router_args)
     parser.subcommand_parsers = subparsers  # type: ignore[attr-defined]
     return parser
 

@@ -2,6 +2,7 @@
 ``execute_model``, ``collective_rpc``, ``check_health``, ``shutdown``."""
 from __future__ import annotations
 
+import logging
 from concurrent.futures import Future
 from typing import Any, Callable, Optional, Union
 
@@ -9,6 +10,8 @@ from pagedllm.config import EngineArgs
 from pagedllm.core.sched_output import ModelRunnerOutput, SchedulerOutput
 
 BACKENDS = ("uni", "mp", "ray")
+
+logger = logging.getLogger("pagedllm")
 
 
 class ExecutorDeadError(RuntimeError):
@@ -30,12 +33,24 @@ class Executor:
         max_concurrent_batches: steps the engine may keep in flight (the pipeline depth).
     """
 
+    #: the first failure's message; once set, every later call raises ``ExecutorDeadError`` with it
+    _failure: Optional[str] = None
+
     def __init__(self, args: EngineArgs) -> None:
         self.args = args
         self.world_size = args.world_size
         self.model_info: Any = None
         self.is_failed = False
         self._init_executor()
+
+    def _fail(self, msg: str) -> ExecutorDeadError:
+        """Mark the replica failed (the first message is kept and logged once) and return the
+        error to raise."""
+        if self._failure is None:
+            self._failure = msg
+            logger.error("pagedllm: %s", msg)
+        self.is_failed = True
+        return ExecutorDeadError(self._failure)
 
     @staticmethod
     def get_class(args: EngineArgs) -> type["Executor"]:

@@ -227,13 +227,6 @@ class MultiprocExecutor(Executor):
         return {"resident_memory_bytes": sum(resident_memory_bytes(p.pid) for p in self.procs)}
 
     # ------------------------------------------------------------------ channel
-    def _fail(self, msg: str) -> ExecutorDeadError:
-        if self._failure is None:
-            self._failure = msg
-            logger.error("pagedllm: %s", msg)
-        self.is_failed = True
-        return ExecutorDeadError(self._failure)
-
     def _dead_rank(self) -> Optional[str]:
         for rank, p in enumerate(self.procs):
             if not p.is_alive():

@@ -133,13 +133,6 @@ class RayExecutor(Executor):
             raise
         logger.info("pagedllm: %d Ray actors on nodes %s", n, self.nodes)
 
-    def _fail(self, msg: str) -> ExecutorDeadError:
-        if self._failure is None:
-            self._failure = msg
-            logger.error("pagedllm: %s", msg)
-        self.is_failed = True
-        return ExecutorDeadError(self._failure)
-
     def _get_all(self, refs: list, timeout: Optional[float], want: Optional[int] = None) -> dict[int, Any]:
         """Wait for ``refs`` (one per rank) until rank ``want``'s (or every) result is in; any
         rank's error or death raises (an RPC's own exception type is kept)."""

@@ -296,7 +296,7 @@ def select_kernels(b: ModelBuild) -> None:
         enable_batch_invariant(b.model)
         logger.info("pagedllm: batch-invariant mode: outputs do not depend on batching, chunking or caching")
     elif b.device.type == "cpu" and b.dtype == torch.bfloat16:
-        from pagedllm.models.layers import prepack_cpu_linears
+        from pagedllm.kernels.onednn import prepack_cpu_linears
         packed = prepack_cpu_linears(b.model, pack_head=b.args.runner == "generate")
         b.weight_bytes = b.resident_bytes() + packed
 

@@ -89,6 +89,17 @@ def _token_buckets(max_model_len: int) -> list[float]:
         mag *= 10
 
 
+def record_scheduler_snapshot(prom: Any, stats: dict) -> None:
+    """Refresh the request-count, KV-usage, grammar-cache and LoRA gauges of ``prom`` (a
+    ``PrometheusStatLogger``, or one replica's logger in ``metrics.replicas``) from an engine's
+    ``get_scheduler_stats()`` dict; called at scrape time, since an idle engine does not step."""
+    prom.set_scheduler_gauges(stats.get("num_running", 0), stats.get("num_waiting", 0),
+                              stats.get("kv_cache_usage", 0.0))
+    prom.gauge_so_entries.set(stats.get("structured_output_cache_entries", 0))
+    if "lora_running_adapters" in stats:
+        prom.record_lora(stats)
+
+
 class PrometheusStatLogger:
     """Stat logger exporting the engine's metrics to a private Prometheus registry."""
 
@@ -115,22 +126,19 @@ class PrometheusStatLogger:
         p = prefix + ":"
         labels = ["model_name"]
         reg = self.registry
-        self.gauge_running = Gauge(p + "num_requests_running",
-                                   "Number of requests in model execution batches.",
-                                   labels, registry=reg).labels(model_name)
-        self.gauge_waiting = Gauge(p + "num_requests_waiting",
-                                   "Number of requests waiting to be processed.",
-                                   labels, registry=reg).labels(model_name)
+        self.gauge_running = self._labelled(
+            Gauge, "num_requests_running", "Number of requests in model execution batches.")
+        self.gauge_waiting = self._labelled(
+            Gauge, "num_requests_waiting", "Number of requests waiting to be processed.")
         self.kv_tiers = _KVTierCollector(p, model_name)
         reg.register(self.kv_tiers)
-        self.gauge_kv_usage = Gauge(p + "kv_cache_usage_perc",
-                                    "KV-cache usage. 1 means 100 percent usage.",
-                                    labels, registry=reg).labels(model_name)
+        self.gauge_kv_usage = self._labelled(
+            Gauge, "kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.")
         # Memory (bytes), refreshed on every scrape by ``record_memory``; the standard
         # process_resident_memory_bytes etc. come from prometheus_client's ProcessCollector.
         ProcessCollector(registry=reg)
         self.gauge_memory = {
-            key: Gauge(p + key, doc, labels, registry=reg).labels(model_name)
+            key: self._labelled(Gauge, key, doc)
             for key, doc in (
                 ("cpu_allocator_cached_bytes",
                  "Free blocks the caching CPU allocator keeps for reuse (bounded by its cache limit)."),
@@ -150,145 +158,125 @@ class PrometheusStatLogger:
                 ("sleep_weights_backup_bytes", "Sleep mode level 1: bytes of the weights' copy in the "
                  "temporary file (at most the weights' bytes; 0 when awake or at level 2)."),
             )}
-        self.counter_preemptions = Counter(p + "num_preemptions",
-                                           "Cumulative number of preemption from the engine.",
-                                           labels, registry=reg).labels(model_name)
-        self.counter_prompt_tokens = Counter(p + "prompt_tokens",
-                                             "Number of prefill tokens processed.",
-                                             labels, registry=reg).labels(model_name)
-        self.counter_generation_tokens = Counter(p + "generation_tokens",
-                                                 "Number of generation tokens processed.",
-                                                 labels, registry=reg).labels(model_name)
-        self.counter_prefix_queries = Counter(
-            p + "prefix_cache_queries",
-            "Prefix cache queries, in terms of number of queried tokens.",
-            labels, registry=reg).labels(model_name)
-        self.counter_prefix_hits = Counter(
-            p + "prefix_cache_hits",
-            "Prefix cache hits, in terms of number of cached tokens.",
-            labels, registry=reg).labels(model_name)
+        self.counter_preemptions = self._labelled(
+            Counter, "num_preemptions", "Cumulative number of preemption from the engine.")
+        self.counter_prompt_tokens = self._labelled(
+            Counter, "prompt_tokens", "Number of prefill tokens processed.")
+        self.counter_generation_tokens = self._labelled(
+            Counter, "generation_tokens", "Number of generation tokens processed.")
+        self.counter_prefix_queries = self._labelled(
+            Counter, "prefix_cache_queries", "Prefix cache queries, in terms of number of queried tokens.")
+        self.counter_prefix_hits = self._labelled(
+            Counter, "prefix_cache_hits", "Prefix cache hits, in terms of number of cached tokens.")
         success = Counter(p + "request_success", "Count of successfully processed requests.",
                           labels + ["finished_reason"], registry=reg)
         self.counter_success = {r: success.labels(model_name, r) for r in FINISH_REASONS}
         self._success_family = success
-        self.hist_ttft = Histogram(p + "time_to_first_token_seconds",
-                                   "Histogram of time to first token in seconds.",
-                                   labels, buckets=TTFT_BUCKETS, registry=reg).labels(model_name)
-        self.hist_itl = Histogram(p + "inter_token_latency_seconds",
-                                  "Histogram of inter-token latency in seconds.",
-                                  labels, buckets=ITL_BUCKETS, registry=reg).labels(model_name)
-        self.hist_e2e = Histogram(p + "e2e_request_latency_seconds",
-                                  "Histogram of e2e request latency in seconds.",
-                                  labels, buckets=REQUEST_LATENCY_BUCKETS,
-                                  registry=reg).labels(model_name)
-        self.hist_queue = Histogram(p + "request_queue_time_seconds",
-                                    "Histogram of time spent in WAITING phase for request.",
-                                    labels, buckets=REQUEST_LATENCY_BUCKETS,
-                                    registry=reg).labels(model_name)
+        self.hist_ttft = self._labelled(
+            Histogram, "time_to_first_token_seconds",
+            "Histogram of time to first token in seconds.", buckets=TTFT_BUCKETS)
+        self.hist_itl = self._labelled(
+            Histogram, "inter_token_latency_seconds",
+            "Histogram of inter-token latency in seconds.", buckets=ITL_BUCKETS)
+        self.hist_e2e = self._labelled(
+            Histogram, "e2e_request_latency_seconds",
+            "Histogram of e2e request latency in seconds.", buckets=REQUEST_LATENCY_BUCKETS)
+        self.hist_queue = self._labelled(
+            Histogram, "request_queue_time_seconds",
+            "Histogram of time spent in WAITING phase for request.", buckets=REQUEST_LATENCY_BUCKETS)
         tok_buckets = _token_buckets(max(1, int(max_model_len or 1)))
-        self.hist_req_prompt = Histogram(p + "request_prompt_tokens",
-                                         "Number of prefill tokens processed.", labels,
-                                         buckets=tok_buckets, registry=reg).labels(model_name)
-        self.hist_req_gen = Histogram(p + "request_generation_tokens",
-                                      "Number of generation tokens processed.", labels,
-                                      buckets=tok_buckets, registry=reg).labels(model_name)
-        self.hist_max_gen = Histogram(p + "request_max_num_generation_tokens",
-                                      "Histogram of maximum number of requested generation tokens.",
-                                      labels, buckets=tok_buckets, registry=reg).labels(model_name)
-        self.hist_prefill = Histogram(p + "request_prefill_time_seconds",
-                                      "Histogram of time spent in PREFILL phase for request.",
-                                      labels, buckets=REQUEST_LATENCY_BUCKETS, registry=reg).labels(model_name)
-        self.hist_decode = Histogram(p + "request_decode_time_seconds",
-                                     "Histogram of time spent in DECODE phase for request.",
-                                     labels, buckets=REQUEST_LATENCY_BUCKETS, registry=reg).labels(model_name)
-        self.hist_inference = Histogram(p + "request_inference_time_seconds",
-                                        "Histogram of time spent in RUNNING phase for request.",
-                                        labels, buckets=REQUEST_LATENCY_BUCKETS, registry=reg).labels(model_name)
+        self.hist_req_prompt = self._labelled(
+            Histogram, "request_prompt_tokens", "Number of prefill tokens processed.", buckets=tok_buckets)
+        self.hist_req_gen = self._labelled(
+            Histogram, "request_generation_tokens", "Number of generation tokens processed.", buckets=tok_buckets)
+        self.hist_max_gen = self._labelled(
+            Histogram, "request_max_num_generation_tokens",
+            "Histogram of maximum number of requested generation tokens.", buckets=tok_buckets)
+        self.hist_prefill = self._labelled(
+            Histogram, "request_prefill_time_seconds",
+            "Histogram of time spent in PREFILL phase for request.", buckets=REQUEST_LATENCY_BUCKETS)
+        self.hist_decode = self._labelled(
+            Histogram, "request_decode_time_seconds",
+            "Histogram of time spent in DECODE phase for request.", buckets=REQUEST_LATENCY_BUCKETS)
+        self.hist_inference = self._labelled(
+            Histogram, "request_inference_time_seconds",
+            "Histogram of time spent in RUNNING phase for request.", buckets=REQUEST_LATENCY_BUCKETS)
         # vLLM's deprecated names, still read by its example Grafana dashboard.
         self.gauge_gpu_cache = self.hist_tpot = None
         if prefix == "vllm":
-            self.gauge_gpu_cache = Gauge(p + "gpu_cache_usage_perc",
-                                         "GPU KV-cache usage. 1 means 100 percent usage (deprecated: "
-                                         "use vllm:kv_cache_usage_perc).",
-                                         labels, registry=reg).labels(model_name)
-            self.hist_tpot = Histogram(p + "time_per_output_token_seconds",
-                                       "Histogram of time per output token in seconds (deprecated: "
-                                       "use vllm:inter_token_latency_seconds).",
-                                       labels, buckets=ITL_BUCKETS, registry=reg).labels(model_name)
-        self.counter_so_queries = Counter(
-            p + "structured_output_cache_queries",
-            "Compiled-grammar cache lookups by structured-output requests.",
-            labels, registry=reg).labels(model_name)
-        self.counter_so_hits = Counter(
-            p + "structured_output_cache_hits",
-            "Structured-output requests whose grammar was already compiled (cache hits).",
-            labels, registry=reg).labels(model_name)
-        self.counter_so_failures = Counter(
-            p + "structured_output_compile_failures",
-            "Structured-output constraints no grammar backend could compile.",
-            labels, registry=reg).labels(model_name)
-        self.gauge_so_entries = Gauge(p + "structured_output_cache_entries",
-                                      "Compiled grammars held in the cache.",
-                                      labels, registry=reg).labels(model_name)
-        self.gauge_so_capacity = Gauge(p + "structured_output_cache_capacity",
-                                       "Most compiled grammars the cache holds (LRU bound).",
-                                       labels, registry=reg).labels(model_name)
-        self.hist_grammar_compile = Histogram(
-            p + "structured_output_compile_seconds",
-            "Histogram of structured-output grammar compile time in seconds.",
-            labels, buckets=GRAMMAR_COMPILE_BUCKETS, registry=reg).labels(model_name)
+            self.gauge_gpu_cache = self._labelled(
+                Gauge, "gpu_cache_usage_perc", "GPU KV-cache usage. 1 means 100 percent usage (deprecated: "
+                "use vllm:kv_cache_usage_perc).")
+            self.hist_tpot = self._labelled(
+                Histogram, "time_per_output_token_seconds",
+                "Histogram of time per output token in seconds (deprecated: "
+                "use vllm:inter_token_latency_seconds).", buckets=ITL_BUCKETS)
+        self.counter_so_queries = self._labelled(
+            Counter, "structured_output_cache_queries",
+            "Compiled-grammar cache lookups by structured-output requests.")
+        self.counter_so_hits = self._labelled(
+            Counter, "structured_output_cache_hits",
+            "Structured-output requests whose grammar was already compiled (cache hits).")
+        self.counter_so_failures = self._labelled(
+            Counter, "structured_output_compile_failures",
+            "Structured-output constraints no grammar backend could compile.")
+        self.gauge_so_entries = self._labelled(
+            Gauge, "structured_output_cache_entries", "Compiled grammars held in the cache.")
+        self.gauge_so_capacity = self._labelled(
+            Gauge, "structured_output_cache_capacity", "Most compiled grammars the cache holds (LRU bound).")
+        self.hist_grammar_compile = self._labelled(
+            Histogram, "structured_output_compile_seconds",
+            "Histogram of structured-output grammar compile time in seconds.", buckets=GRAMMAR_COMPILE_BUCKETS)
         # LoRA (engines with enable_lora): vLLM's info gauge, plus the adapters held in memory.
         self.gauge_lora_info = Gauge(p + "lora_requests_info", "Running stats on lora requests.",
                                      labels + ["max_lora", "waiting_lora_adapters", "running_lora_adapters"],
                                      registry=reg)
         self._lora_labels: Optional[tuple] = None
-        self.gauge_lora_cache = Gauge(p + "lora_cpu_cache_adapters",
-                                      "LoRA adapters loaded in CPU memory (at most lora_cpu_cache_capacity).",
-                                      labels, registry=reg).labels(model_name)
-        self.gauge_lora_capacity = Gauge(p + "lora_cpu_cache_capacity",
-                                         "Most LoRA adapters kept loaded in CPU memory (max_cpu_loras).",
-                                         labels, registry=reg).labels(model_name)
+        self.gauge_lora_cache = self._labelled(
+            Gauge, "lora_cpu_cache_adapters", "LoRA adapters loaded in CPU memory (at most lora_cpu_cache_capacity).")
+        self.gauge_lora_capacity = self._labelled(
+            Gauge, "lora_cpu_cache_capacity", "Most LoRA adapters kept loaded in CPU memory (max_cpu_loras).")
         self._init_spec_decode(p, labels, reg)
         # KV cache events (--kv-events-config); registered on first record_kv_events.
         self._kv_events: Optional[dict] = None
         self._kv_events_seen = {"kv_events_batches_published_total": 0, "kv_events_batches_dropped_total": 0}
 
+    def _labelled(self, kind: type, name: str, doc: str, **kwargs: Any) -> Any:
+        """The ``model_name`` child of a new ``kind`` (``Counter`` / ``Gauge`` / ``Histogram``)
+        metric ``{prefix}:{name}`` in this logger's registry; ``kwargs`` go to the metric
+        (``buckets=...``)."""
+        metric = kind(self.prefix + ":" + name, doc, ["model_name"], registry=self.registry, **kwargs)
+        return metric.labels(self.model_name)
+
     def _init_spec_decode(self, p: str, labels: list[str], reg: CollectorRegistry) -> None:
         """Speculative decoding counters (vLLM's ``vllm:spec_decode_*`` names) and gauges."""
-        m = self.model_name
-        self.counter_spec_drafts = Counter(
-            p + "spec_decode_num_drafts", "Number of spec decoding drafts.", labels, registry=reg).labels(m)
-        self.counter_spec_draft_tokens = Counter(
-            p + "spec_decode_num_draft_tokens", "Number of draft tokens.", labels, registry=reg).labels(m)
-        self.counter_spec_accepted = Counter(
-            p + "spec_decode_num_accepted_tokens", "Number of accepted tokens.", labels, registry=reg).labels(m)
+        self.counter_spec_drafts = self._labelled(
+            Counter, "spec_decode_num_drafts", "Number of spec decoding drafts.")
+        self.counter_spec_draft_tokens = self._labelled(
+            Counter, "spec_decode_num_draft_tokens", "Number of draft tokens.")
+        self.counter_spec_accepted = self._labelled(
+            Counter, "spec_decode_num_accepted_tokens", "Number of accepted tokens.")
         self._spec_per_pos_family = Counter(
             p + "spec_decode_num_accepted_tokens_per_pos", "Accepted tokens per draft position.",
             labels + ["position"], registry=reg)
         self.counter_spec_per_pos: dict[int, Any] = {}
-        self.gauge_spec_mean_len = Gauge(
-            p + "spec_decode_mean_acceptance_length",
-            "Mean acceptance length since start: 1 + accepted draft tokens / drafts.",
-            labels, registry=reg).labels(m)
-        self.gauge_suffix_cached = Gauge(
-            p + "spec_decode_suffix_cached_requests",
-            "Finished outputs held in the suffix proposer's global tree.", labels, registry=reg).labels(m)
-        self.gauge_suffix_capacity = Gauge(
-            p + "spec_decode_suffix_cache_capacity",
-            "Most finished outputs the suffix proposer keeps (suffix_decoding_max_cached_requests).",
-            labels, registry=reg).labels(m)
-        self.gauge_suffix_nodes = Gauge(
-            p + "spec_decode_suffix_tree_nodes", "Nodes of the suffix proposer's global tree.",
-            labels, registry=reg).labels(m)
-        self.counter_jf_drafts = Counter(
-            p + "jump_forward_num_drafts", "Number of jump-forward drafts (a grammar's forced tokens) verified.",
-            labels, registry=reg).labels(m)
-        self.counter_jf_draft_tokens = Counter(
-            p + "jump_forward_num_draft_tokens", "Number of jump-forward draft tokens.",
-            labels, registry=reg).labels(m)
-        self.counter_jf_accepted = Counter(
-            p + "jump_forward_num_accepted_tokens", "Number of accepted jump-forward draft tokens.",
-            labels, registry=reg).labels(m)
+        self.gauge_spec_mean_len = self._labelled(
+            Gauge, "spec_decode_mean_acceptance_length",
+            "Mean acceptance length since start: 1 + accepted draft tokens / drafts.")
+        self.gauge_suffix_cached = self._labelled(
+            Gauge, "spec_decode_suffix_cached_requests",
+            "Finished outputs held in the suffix proposer's global tree.")
+        self.gauge_suffix_capacity = self._labelled(
+            Gauge, "spec_decode_suffix_cache_capacity",
+            "Most finished outputs the suffix proposer keeps (suffix_decoding_max_cached_requests).")
+        self.gauge_suffix_nodes = self._labelled(
+            Gauge, "spec_decode_suffix_tree_nodes", "Nodes of the suffix proposer's global tree.")
+        self.counter_jf_drafts = self._labelled(
+            Counter, "jump_forward_num_drafts", "Number of jump-forward drafts (a grammar's forced tokens) verified.")
+        self.counter_jf_draft_tokens = self._labelled(
+            Counter, "jump_forward_num_draft_tokens", "Number of jump-forward draft tokens.")
+        self.counter_jf_accepted = self._labelled(
+            Counter, "jump_forward_num_accepted_tokens", "Number of accepted jump-forward draft tokens.")
         self._spec_totals = [0, 0, 0]  # drafts, accepted tokens, draft tokens
         # Per method (one per engine): the same totals as ratios, labelled by the method.
         self._spec_rate_family = Gauge(
@@ -404,21 +392,17 @@ class PrometheusStatLogger:
         by the difference since the last call). The metrics exist from the first call on."""
         with self._lock:
             if self._kv_events is None:
-                p, reg, labels = self.prefix + ":", self.registry, ["model_name"]
                 self._kv_events = {
-                    "kv_events_queue_batches": Gauge(
-                        p + "kv_events_queue_batches", "KV cache event batches waiting for the publisher thread.",
-                        labels, registry=reg).labels(self.model_name),
-                    "kv_events_queue_capacity": Gauge(
-                        p + "kv_events_queue_capacity", "Most KV cache event batches queued "
-                        "(kv_events_config.max_queue_size); a batch beyond it is dropped.",
-                        labels, registry=reg).labels(self.model_name),
-                    "kv_events_batches_published_total": Counter(
-                        p + "kv_events_batches_published", "KV cache event batches sent.",
-                        labels, registry=reg).labels(self.model_name),
-                    "kv_events_batches_dropped_total": Counter(
-                        p + "kv_events_batches_dropped", "KV cache event batches dropped because the "
-                        "queue was full.", labels, registry=reg).labels(self.model_name),
+                    "kv_events_queue_batches": self._labelled(
+                        Gauge, "kv_events_queue_batches", "KV cache event batches waiting for the publisher thread."),
+                    "kv_events_queue_capacity": self._labelled(
+                        Gauge, "kv_events_queue_capacity", "Most KV cache event batches queued "
+                        "(kv_events_config.max_queue_size); a batch beyond it is dropped."),
+                    "kv_events_batches_published_total": self._labelled(
+                        Counter, "kv_events_batches_published", "KV cache event batches sent."),
+                    "kv_events_batches_dropped_total": self._labelled(
+                        Counter, "kv_events_batches_dropped", "KV cache event batches dropped because the "
+                        "queue was full."),
                 }
             for key, metric in self._kv_events.items():
                 if key not in stats:
@@ -440,18 +424,22 @@ class PrometheusStatLogger:
         with self._lock:
             ec = getattr(self, "_encoder_cache", None)
             if ec is None:
-                p, reg, labels = self.prefix + ":", self.registry, ["model_name"]
                 ec = self._encoder_cache = {
-                    "usage": Gauge(p + "encoder_cache_usage_tokens", "Image-embedding tokens held in the encoder "
-                                   "cache.", labels, registry=reg).labels(self.model_name),
-                    "capacity": Gauge(p + "encoder_cache_capacity_tokens", "Most image-embedding tokens the encoder "
-                                      "cache holds (encoder_cache_size).", labels, registry=reg).labels(self.model_name),
-                    "queries": Counter(p + "encoder_cache_queries", "Encoder-cache lookups (one per image per "
-                                       "chunk that computes its placeholders).", labels, registry=reg).labels(self.model_name),
-                    "hits": Counter(p + "encoder_cache_hits", "Encoder-cache lookups that found the image's "
-                                    "embeddings.", labels, registry=reg).labels(self.model_name),
-                    "evictions": Counter(p + "encoder_cache_evictions", "Encoder-cache entries evicted to stay "
-                                         "within the bound.", labels, registry=reg).labels(self.model_name),
+                    "usage": self._labelled(
+                        Gauge, "encoder_cache_usage_tokens", "Image-embedding tokens held in the encoder "
+                        "cache."),
+                    "capacity": self._labelled(
+                        Gauge, "encoder_cache_capacity_tokens", "Most image-embedding tokens the encoder "
+                        "cache holds (encoder_cache_size)."),
+                    "queries": self._labelled(
+                        Counter, "encoder_cache_queries", "Encoder-cache lookups (one per image per "
+                        "chunk that computes its placeholders)."),
+                    "hits": self._labelled(
+                        Counter, "encoder_cache_hits", "Encoder-cache lookups that found the image's "
+                        "embeddings."),
+                    "evictions": self._labelled(
+                        Counter, "encoder_cache_evictions", "Encoder-cache entries evicted to stay "
+                        "within the bound."),
                 }
                 self._encoder_cache_seen: dict = {}
             for key, metric in ec.items():

@@ -12,7 +12,7 @@ from typing import Any, Optional, Sequence
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 from prometheus_client.metrics_core import Metric
 
-from pagedllm.metrics.prometheus import PrometheusStatLogger
+from pagedllm.metrics.prometheus import PrometheusStatLogger, record_scheduler_snapshot
 
 
 class _NoGauge:
@@ -82,10 +82,5 @@ class ReplicaPrometheusLogger:
     def render(self) -> bytes:
         if self.replicas is not None:
             for child, r in zip(self.children, self.replicas):
-                s = r.get_scheduler_stats()
-                child.set_scheduler_gauges(s.get("num_running", 0), s.get("num_waiting", 0),
-                                           s.get("kv_cache_usage", 0.0))
-                child.gauge_so_entries.set(s.get("structured_output_cache_entries", 0))
-                if "lora_running_adapters" in s:
-                    child.record_lora(s)
+                record_scheduler_snapshot(child, r.get_scheduler_stats())
         return generate_latest(self.registry)

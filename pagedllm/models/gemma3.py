@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from pagedllm.models.base import CausalLM
-from pagedllm.models.layers import Embedding, GatedMLP, RMSNorm, RotaryEmbedding, SelfAttention
+from pagedllm.models.layers import Embedding, GatedMLP, RMSNorm, RotaryEmbedding, SelfAttention, residual_norm
 from pagedllm.models.rope import make_rotary
 
 
@@ -41,10 +41,7 @@ class Gemma3DecoderLayer(nn.Module):
     def forward(self, positions: torch.Tensor, x: torch.Tensor,
                 residual: Optional[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
         """vLLM-style residual passing: returns ``(h, residual)`` with the layer output ``h + residual``."""
-        if residual is None:
-            residual, h = x, self.input_layernorm(x)
-        else:
-            h, residual = self.input_layernorm(x, residual)
+        h, residual = residual_norm(self.input_layernorm, x, residual)
         h = self.post_attention_layernorm(self.self_attn(positions, h))
         h, residual = self.pre_feedforward_layernorm(h, residual)
         return self.post_feedforward_layernorm(self.mlp(h)), residual

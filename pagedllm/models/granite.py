@@ -8,6 +8,7 @@ from typing import Optional
 import torch
 from torch import nn
 
+from pagedllm.models.layers import residual_norm
 from pagedllm.models.llama import LlamaDecoderLayer, LlamaForCausalLM, LlamaModel
 
 
@@ -21,10 +22,7 @@ class GraniteDecoderLayer(LlamaDecoderLayer):
     def forward(self, positions: torch.Tensor, x: torch.Tensor,
                 residual: Optional[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
         """Returns ``(h, residual)`` with the layer output ``h + residual`` (as ``LlamaDecoderLayer``)."""
-        if residual is None:
-            residual, h = x, self.input_layernorm(x)
-        else:
-            h, residual = self.input_layernorm(x, residual)
+        h, residual = residual_norm(self.input_layernorm, x, residual)
         h = self.self_attn(positions, h) * self.residual_multiplier
         h, residual = self.post_attention_layernorm(h, residual)
         return self.mlp(h) * self.residual_multiplier, residual

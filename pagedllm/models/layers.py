@@ -6,15 +6,14 @@ Parameters are created uninitialised (``torch.empty``): every one is expected fr
 from __future__ import annotations
 
 import math
-from typing import Callable, Optional
+from typing import Any, Callable, Optional
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from pagedllm.attention.layer import Attention
-from pagedllm.kernels.cpu_ops import get_ops  # NOTE: module level: called per layer (get_ops caches)
-from pagedllm.kernels.onednn import pack_bf16_weight, prepack_cpu_linears  # noqa: F401  (re-exported)
+from pagedllm._custom_ops import cpu_op
 
 ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
     "silu": F.silu,
@@ -111,6 +110,17 @@ class QKVLinear(PackedLinear):
                                   "v": num_kv_heads * head_dim}, bias=bias)
 
 
+def residual_norm(norm: Callable[..., Any], x: torch.Tensor,
+                  residual: Optional[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    """A decoder layer's first norm with vLLM's residual passing: ``(norm(x), x)`` in the first
+    layer (``residual`` None), else ``norm(x, residual)`` (the previous layer's add folded into
+    the norm, ``RMSNorm.forward``). ``norm`` may be any module with that call shape (an EAGLE
+    head's identity norm)."""
+    if residual is None:
+        return norm(x), x
+    return norm(x, residual)
+
+
 class RMSNorm(nn.Module):
     """RMSNorm over the last dim, computed in float32 as HF does.
 
@@ -155,9 +165,9 @@ class RMSNorm(nn.Module):
         float32/bfloat16 input) this is one pass and the residual tensor is updated in place."""
         if x.dim() == 2 and x.device.type == "cpu" and x.dtype in (torch.float32, torch.bfloat16):
             if residual is None or (residual.dtype == x.dtype and residual.is_contiguous()):
-                ops = get_ops()
-                if ops is not None and hasattr(ops, "rms_norm"):
-                    out = ops.rms_norm(x.contiguous(), residual, self._effective_weight(), self.eps)
+                rms_norm = cpu_op("rms_norm")
+                if rms_norm is not None:
+                    out = rms_norm(x.contiguous(), residual, self._effective_weight(), self.eps)
                     return out if residual is None else (out, residual)
         if residual is not None:
             x = x + residual
@@ -267,12 +277,12 @@ class RotaryEmbedding(nn.Module):
         On CPU with the C++ kernels this is one pass over q and k in float32 math with no
         temporaries (``rotary_inplace``); otherwise it is ``forward``.
         """
-        ops = get_ops() if q.device.type == "cpu" and self.rotary_dim == self.head_dim else None
-        if (ops is None or not hasattr(ops, "rotary_inplace") or q.dtype not in (torch.float32, torch.bfloat16)
+        rotary = cpu_op("rotary_inplace") if q.device.type == "cpu" and self.rotary_dim == self.head_dim else None
+        if (rotary is None or q.dtype not in (torch.float32, torch.bfloat16)
                 or q.stride(-1) != 1 or k.stride(-1) != 1 or positions.dtype != torch.int64):
             return self.forward(positions, q, k)
         self._ensure(positions)
-        ops.rotary_inplace(q, k, positions.contiguous(), self._cos_half, self._sin_half)
+        rotary(q, k, positions.contiguous(), self._cos_half, self._sin_half)
         return q, k
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 from pagedllm.models.base import CausalLM
-from pagedllm.models.layers import Embedding, GatedMLP, RMSNorm, RotaryEmbedding, SelfAttention
+from pagedllm.models.layers import Embedding, GatedMLP, RMSNorm, RotaryEmbedding, SelfAttention, residual_norm
 from pagedllm.models.rope import make_rotary
 
 
@@ -51,10 +51,7 @@ class LlamaDecoderLayer(nn.Module):
 
         The adds are folded into the next norm (``RMSNorm.forward(x, residual)``).
         """
-        if residual is None:
-            residual, h = x, self.input_layernorm(x)
-        else:
-            h, residual = self.input_layernorm(x, residual)
+        h, residual = residual_norm(self.input_layernorm, x, residual)
         h = self.self_attn(positions, h)
         h, residual = self.post_attention_layernorm(h, residual)
         return self.mlp(h), residual

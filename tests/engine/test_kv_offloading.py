@@ -9,24 +9,8 @@ import os
 import random
 
 import pytest
-import torch
-import transformers as tf
 
-BLOCK_BYTES = 2 * 2 * 2 * 16 * 4 * 16  # layers * K/V * kv heads * head_dim * float32 * block_size 16
-
-
-def _make_tiny(d: str, tok, seed: int) -> str:
-    cfg = tf.LlamaConfig(vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=512,
-                         tie_word_embeddings=False, architectures=["LlamaForCausalLM"])
-    torch.manual_seed(seed)
-    m = tf.LlamaForCausalLM(cfg).float().eval()
-    with torch.no_grad():
-        for p in m.parameters():
-            p.normal_(0, 0.2)
-    m.save_pretrained(d)
-    tok.save_pretrained(d)
-    return d
+from tiny_models import TINY_LLAMA_BLOCK_BYTES as BLOCK_BYTES, save_tiny_llama
 
 
 @pytest.fixture(scope="module")
@@ -35,8 +19,8 @@ def tiny_dirs(tmp_path_factory, smollm2_path):
     from pagedllm.loader.tokenizer import load_tokenizer
 
     tok = load_tokenizer(smollm2_path)
-    return (_make_tiny(str(tmp_path_factory.mktemp("kvt_a")), tok, 5),
-            _make_tiny(str(tmp_path_factory.mktemp("kvt_b")), tok, 6))
+    return (save_tiny_llama(str(tmp_path_factory.mktemp("kvt_a")), tok, 5),
+            save_tiny_llama(str(tmp_path_factory.mktemp("kvt_b")), tok, 6))
 
 
 def _workload(n_docs=4, doc_len=96, n=12, seed=0):

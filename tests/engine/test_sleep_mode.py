@@ -146,7 +146,8 @@ def test_offload_restore_views_numpy_and_packed_tensors(tmp_path, monkeypatch):
     (non-resizable) tensor and its view, a oneDNN-packed weight; level 1 gives the same bytes back."""
     import numpy as np
 
-    from pagedllm.models.layers import Linear, pack_bf16_weight
+    from pagedllm.kernels.onednn import pack_bf16_weight
+    from pagedllm.models.layers import Linear
     from pagedllm.worker.sleep import offload, restore
 
     monkeypatch.setenv("PAGEDLLM_SLEEP_DIR", str(tmp_path))

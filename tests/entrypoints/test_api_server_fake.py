@@ -1,7 +1,6 @@
 """HTTP-layer tests of the OpenAI-compatible server against the fake engine."""
 from __future__ import annotations
 
-import argparse
 import asyncio
 import json
 
@@ -15,55 +14,10 @@ import os
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from api_helpers import MODEL, assert_error, make_args, sse_events  # noqa: E402,F401  (tests use them)
 from fake_engine import FakeAsyncLLM  # noqa: E402
 
-MODEL = "SmolLM2-135M-Instruct"
 
-
-def make_args(**kw) -> argparse.Namespace:
-    args = make_arg_parser().parse_args([])
-    args.api_key = None
-    args.disable_log_requests = True
-    for k, v in kw.items():
-        setattr(args, k, v)
-    return args
-
-
-@pytest.fixture(scope="module")
-def engine():
-    return FakeAsyncLLM(max_model_len=256)
-
-
-@pytest.fixture(scope="module")
-def client(engine):
-    app = build_app(engine, make_args())
-    with TestClient(app) as c:
-        yield c
-
-
-def sse_events(text: str) -> list:
-    assert text.endswith("data: [DONE]\n\n"), text[-200:]
-    events = []
-    for block in text.split("\n\n"):
-        if not block:
-            continue
-        assert block.startswith("data: "), block
-        payload = block[len("data: "):]
-        events.append(payload if payload == "[DONE]" else json.loads(payload))
-    assert events[-1] == "[DONE]" and events.count("[DONE]") == 1
-    return events[:-1]
-
-
-def assert_error(r, status: int, param=None):
-    assert r.status_code == status, r.text
-    body = r.json()
-    assert set(body) == {"error"}
-    err = body["error"]
-    assert set(err) == {"message", "type", "param", "code"}
-    assert err["code"] == status and isinstance(err["message"], str) and err["message"]
-    if param is not None:
-        assert err["param"] == param, err
-    return err
 
 
 # ---------------------------------------------------------------------------------------

@@ -12,13 +12,10 @@ from fastapi.testclient import TestClient
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from scripted_engine import ScriptedAsyncLLM  # noqa: E402
-from test_api_server_fake import assert_error, make_args, sse_events  # noqa: E402
+from api_helpers import MODEL, TEMPLATE, TWO_CALLS, assert_error, has_structured_outputs, make_args, sse_events  # noqa: E402
 
 from pagedllm.entrypoints.openai.api_server import build_app  # noqa: E402
 
-MODEL = "SmolLM2-135M-Instruct"
-TEMPLATE = os.path.join(os.path.dirname(__file__), "..", "..", "pagedllm", "entrypoints", "openai",
-                        "chat_templates", "tool_chat_template_smollm2_hermes.jinja")
 WEATHER_TOOL = {"type": "function", "function": {
     "name": "get_weather", "description": "Current weather in a city",
     "parameters": {"type": "object", "properties": {"city": {"type": "string"},
@@ -27,9 +24,6 @@ WEATHER_TOOL = {"type": "function", "function": {
                    "required": ["city"]}}}
 TIME_TOOL = {"type": "function", "function": {"name": "get_time", "parameters": {
     "type": "object", "properties": {"tz": {"type": "string"}}}}}
-TWO_CALLS = ("Let me check.\n<tool_call>\n{\"name\": \"get_weather\", \"arguments\": "
-             "{\"city\": \"Paris\", \"unit\": \"C\"}}\n</tool_call>\n<tool_call>\n"
-             "{\"name\": \"get_time\", \"arguments\": {\"tz\": \"Europe/Paris\"}}\n</tool_call>")
 REASONED = ("<think>\nThe user asks about <tool_call> syntax; no call needed.\n</think>\n\n"
             "Just answer: 42.")
 MSGS = [{"role": "user", "content": "Weather and time in Paris?"}]
@@ -261,18 +255,13 @@ def test_server_flags_are_checked():
         resolve_parsers(make_args(reasoning_parser="r1"))
 
 
-def _has_structured_outputs() -> bool:
-    import pagedllm.sampling_params as spm
-    return hasattr(spm, "StructuredOutputsParams")
-
-
 @pytest.mark.parametrize("tool_choice", ["required",
                                          {"type": "function", "function": {"name": "get_time"}}])
 def test_forced_choice_is_constrained_or_refused(hermes, engine, tool_choice):
     script = ('[{"name": "get_time", "parameters": {"tz": "UTC"}}]' if tool_choice == "required"
               else '{"tz": "UTC"}')
     r = chat(hermes, script, tools=[WEATHER_TOOL, TIME_TOOL], tool_choice=tool_choice)
-    if not _has_structured_outputs():
+    if not has_structured_outputs():
         err = assert_error(r, 400, "tool_choice")
         assert "structured outputs" in err["message"]
         return

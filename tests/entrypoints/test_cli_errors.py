@@ -262,3 +262,26 @@ def test_kv_tier_flag_errors():
     _one_line_error(("serve", "--kv-offloading-size", "1", "--no-enable-prefix-caching"),
                     "pagedllm serve: error: kv_transfer_config: needs prefix caching (blocks are addressed by "
                     "their prefix-cache hash); drop --no-enable-prefix-caching")
+
+
+def test_engine_arg_flags_take_engine_args_defaults():
+    """Flags generated from ``EngineArgs`` fields (``cli_args.add_engine_args``): the default is
+    the dataclass field's, the help's ``%(default)s`` renders it, aliases and types still work."""
+    import dataclasses
+
+    from pagedllm.config import EngineArgs
+    from pagedllm.entrypoints.openai.cli_args import make_arg_parser
+
+    p = make_arg_parser()
+    ns = p.parse_args(["m"])
+    defaults = {f.name: f.default for f in dataclasses.fields(EngineArgs)}
+    generated = ["max_num_seqs", "max_num_batched_tokens", "block_size", "kv_cache_dtype", "enable_prefix_caching",
+                 "prefix_caching_hash_algo", "scheduling_policy", "tensor_parallel_size", "pipeline_parallel_size",
+                 "data_parallel_size", "distributed_executor_backend", "structured_outputs_config", "speculative_config",
+                 "kv_events_config"]
+    assert {k: getattr(ns, k) for k in generated} == {k: defaults[k] for k in generated}
+    text = p.format_help()
+    assert "Max requests scheduled in one step (default: 128)." in text
+    assert "Hash of prefix-cache blocks (default: sha256)." in text
+    ns = p.parse_args(["m", "-tp", "2", "--max-num-batched-tokens", "4k", "--no-enable-prefix-caching"])  # k = 1000
+    assert (ns.tensor_parallel_size, ns.max_num_batched_tokens, ns.enable_prefix_caching) == (2, 4000, False)

@@ -4,14 +4,10 @@ stray file beside the index) in an offline Hugging Face cache, loaded by ``LLM("
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
-import time
 
-import httpx
 import pytest
 from hub_cache import add_snapshot
+from server_helpers import serve
 
 from pagedllm import LLM, SamplingParams
 
@@ -68,37 +64,12 @@ def test_llm_by_hub_id_matches_the_gguf(offline, smollm2_llm):
 
 
 def test_serve_by_hub_id(offline, smollm2_llm):
-    import socket
-
     from openai import OpenAI
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    env = dict(os.environ, PAGEDLLM_NUM_THREADS="1", OMP_NUM_THREADS="1")
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "pagedllm.entrypoints.cli", "serve", REPO, "--port", str(port), "--dtype", "float32",
-         "--kv-cache-memory", str(64 * 1024**2), "--max-model-len", "512", "--disable-log-stats"],
-        env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    base = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.time() + 180
-        while True:
-            if proc.poll() is not None:
-                raise RuntimeError("server exited:\n" + proc.stdout.read())
-            try:
-                if httpx.get(base + "/health", timeout=1).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            if time.time() > deadline:
-                raise RuntimeError("server did not start")
-            time.sleep(0.5)
+    with serve([REPO, "--dtype", "float32", "--kv-cache-memory", str(64 * 1024**2), "--max-model-len", "512",
+                "--disable-log-stats"]) as (base, _):
         client = OpenAI(base_url=base + "/v1", api_key="unused", max_retries=0)
         assert [m.id for m in client.models.list().data] == [REPO]
         got = [client.completions.create(model=REPO, prompt=p, max_tokens=12, temperature=0).choices[0].text
                for p in PROMPTS]
         assert got == _texts(smollm2_llm)
-    finally:
-        proc.kill()
-        proc.wait()

@@ -25,7 +25,7 @@ from pagedllm.sampling_params import SamplingParams
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from fake_engine import FakeAsyncLLM  # noqa: E402
-from test_api_server_fake import make_args  # noqa: E402
+from api_helpers import make_args  # noqa: E402
 
 MML = 64
 LONG = "hello " * 100  # > MML tokens

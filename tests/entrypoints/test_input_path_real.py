@@ -15,7 +15,7 @@ from pagedllm.engine.async_llm import AsyncLLM
 from pagedllm.entrypoints.openai.api_server import build_app
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from test_api_server_fake import make_args  # noqa: E402
+from api_helpers import make_args  # noqa: E402
 
 pytestmark = pytest.mark.slow
 

@@ -13,8 +13,7 @@ from fastapi.testclient import TestClient
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from scripted_engine import ScriptedAsyncLLM  # noqa: E402
-from test_api_server_fake import make_args  # noqa: E402
-from test_chat_tools_fake import TEMPLATE, TWO_CALLS, _has_structured_outputs  # noqa: E402
+from api_helpers import TEMPLATE, TWO_CALLS, has_structured_outputs, make_args  # noqa: E402
 
 from pagedllm.entrypoints.openai.api_server import build_app  # noqa: E402
 
@@ -216,7 +215,7 @@ def test_bad_input_has_anthropic_shape(client, body, needle):
 def test_forced_tool_choice(client, engine):
     r = post(client, '[{"name": "get_time", "parameters": {"tz": "UTC"}}]', tools=[WEATHER, TIME],
              tool_choice={"type": "any"})
-    if not _has_structured_outputs():
+    if not has_structured_outputs():
         assert_anthropic_error(r, 400, "structured outputs")
         return
     m = validate(r.json())

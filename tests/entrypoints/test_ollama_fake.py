@@ -15,7 +15,7 @@ from fastapi.testclient import TestClient
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from fake_engine import FAKE_TEXT, FakeAsyncLLM  # noqa: E402
 from scripted_engine import ScriptedAsyncLLM  # noqa: E402
-from test_api_server_fake import make_args  # noqa: E402
+from api_helpers import make_args  # noqa: E402
 
 from pagedllm.entrypoints.openai.api_server import build_app  # noqa: E402
 from pagedllm.entrypoints.openai.serving_ollama import render_go_template  # noqa: E402

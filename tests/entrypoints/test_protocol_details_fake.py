@@ -13,18 +13,8 @@ from pagedllm.entrypoints.openai.api_server import build_app
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from fake_engine import FakeAsyncLLM  # noqa: E402
-from test_api_server_fake import make_args, sse_events  # noqa: E402
+from api_helpers import make_args, sse_events  # noqa: E402
 
-
-@pytest.fixture(scope="module")
-def engine():
-    return FakeAsyncLLM(max_model_len=256)
-
-
-@pytest.fixture(scope="module")
-def client(engine):
-    with TestClient(build_app(engine, make_args())) as c:
-        yield c
 
 
 CHAT = {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 3, "n": 2, "stream": True}
@@ -268,7 +258,7 @@ def test_metrics_prefix_vllm_serves_the_dashboard_names():
 @pytest.fixture(scope="module")
 def tools_client():
     from scripted_engine import ScriptedAsyncLLM
-    from test_chat_tools_fake import TEMPLATE
+    from api_helpers import TEMPLATE
     engine = ScriptedAsyncLLM(lambda prompt: "<think>Hmm.</think>Plain text.", max_model_len=1024)
     args = make_args(chat_template=TEMPLATE, enable_auto_tool_choice=True,
                      tool_call_parser="hermes", reasoning_parser="qwen3")
@@ -290,7 +280,7 @@ NAMED = {"type": "function", "function": {"name": "get_time"}}
     ("/v1/responses", {"input": "Hi", "tool_choice": {"type": "function", "name": "get_time"}}),
 ])
 def test_forced_tool_choice_without_tools_is_400(tools_client, path, body):
-    from test_api_server_fake import assert_error
+    from api_helpers import assert_error
     err = assert_error(tools_client.post(path, json=body), 400, "tool_choice")
     assert err["message"] == "When using `tool_choice`, `tools` must be set."
     assert err["type"] == "BadRequestError"

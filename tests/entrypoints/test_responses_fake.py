@@ -14,8 +14,7 @@ from fastapi.testclient import TestClient
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from scripted_engine import ScriptedAsyncLLM  # noqa: E402
-from test_api_server_fake import assert_error, make_args  # noqa: E402
-from test_chat_tools_fake import TEMPLATE, TWO_CALLS, _has_structured_outputs  # noqa: E402
+from api_helpers import TEMPLATE, TWO_CALLS, assert_error, has_structured_outputs, make_args  # noqa: E402
 
 from pagedllm.entrypoints.openai.api_server import build_app  # noqa: E402
 
@@ -259,7 +258,7 @@ def test_text_format_json_schema(client, engine):
     schema = {"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"]}
     r = create(client, '{"n": 3}', input="n?", text={"format": {"type": "json_schema",
                                                                 "name": "n", "schema": schema}})
-    if not _has_structured_outputs():
+    if not has_structured_outputs():
         assert "structured outputs" in assert_error(r, 400, "text")["message"]
         return
     assert r.status_code == 200

@@ -7,27 +7,14 @@ import os
 import sys
 
 import pytest
-from fastapi.testclient import TestClient
 
-from pagedllm.entrypoints.openai.api_server import build_app
 from pagedllm.structured_output.params import StructuredOutputsParams
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from fake_engine import FakeAsyncLLM  # noqa: E402
-from test_api_server_fake import MODEL, assert_error, make_args  # noqa: E402
+from api_helpers import MODEL, assert_error  # noqa: E402
 
 SCHEMA = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
 
-
-@pytest.fixture(scope="module")
-def engine():
-    return FakeAsyncLLM(max_model_len=256)
-
-
-@pytest.fixture(scope="module")
-def client(engine):
-    with TestClient(build_app(engine, make_args())) as c:
-        yield c
 
 
 def chat(client, **body):

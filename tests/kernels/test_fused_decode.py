@@ -52,7 +52,7 @@ def _model(dtype, bias=False, window=None, hidden=128, mode="w8a8"):
     if mode == "w8a8":
         quantize_model(model, "w8a8")
     elif mode == "prepack":
-        from pagedllm.models.layers import prepack_cpu_linears
+        from pagedllm.kernels.onednn import prepack_cpu_linears
 
         assert prepack_cpu_linears(model) > 0
     return model.eval()
@@ -219,7 +219,7 @@ def test_fused_decode_not_built(monkeypatch, tiny_llama):
     m2 = tiny_llama(True, torch.bfloat16)
     p0 = _plan(m2)
     assert p0.kind == "dense" and not p0.packed
-    from pagedllm.models.layers import prepack_cpu_linears
+    from pagedllm.kernels.onednn import prepack_cpu_linears
 
     prepack_cpu_linears(m2)
     p1 = _plan(m2)

@@ -11,7 +11,7 @@ from pagedllm.models.layers import Linear
 
 torch.set_num_threads(1)
 
-from pagedllm.models.layers import pack_bf16_weight
+from pagedllm.kernels.onednn import pack_bf16_weight
 
 # oneDNN packs bf16 weights only on CPUs with avx512bw/vl/dq or avx_ne_convert (not on AVX2-only
 # machines, where prepack_cpu_linears leaves the dense weights and F.linear in place).

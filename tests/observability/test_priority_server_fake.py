@@ -11,7 +11,7 @@ from fastapi.testclient import TestClient
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "entrypoints"))
 from fake_engine import FakeAsyncLLM  # noqa: E402
-from test_api_server_fake import make_args  # noqa: E402
+from api_helpers import make_args  # noqa: E402
 
 from pagedllm.entrypoints.openai.api_server import build_app  # noqa: E402
 

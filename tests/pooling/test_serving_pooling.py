@@ -4,13 +4,13 @@ from __future__ import annotations
 import asyncio
 import base64
 
-import httpx
 import numpy as np
 import pytest
 import torch
 
 from pagedllm.config import EngineArgs
 from pagedllm.engine.async_llm import AsyncLLM
+from server_helpers import run_in_process
 
 KW = dict(dtype="float32", kv_cache_memory=16 * 1024**2, num_threads=1, max_model_len=64)
 
@@ -28,14 +28,7 @@ def _app(engine):
 
 
 def _serve(engine, body):
-    async def main():
-        transport = httpx.ASGITransport(app=_app(engine))
-        async with httpx.AsyncClient(transport=transport, base_url="http://test", timeout=60) as client:
-            return await body(client)
-    try:
-        return asyncio.run(main())
-    finally:
-        engine.shutdown()
+    return run_in_process(lambda: _app(engine), body, engine.shutdown)
 
 
 def _err(r, status=400, contains=""):

@@ -5,11 +5,9 @@ pooler config; ``normalize`` / ``softmax`` / ``activation`` are deprecated alias
 are transformers' own forward passes on the same checkpoints."""
 from __future__ import annotations
 
-import asyncio
 import base64
 import logging
 
-import httpx
 import numpy as np
 import pytest
 import torch
@@ -18,6 +16,7 @@ import torch.nn.functional as F
 from pagedllm import LLM, PoolerConfig, PoolingParams
 from pagedllm.config import EngineArgs
 from pagedllm.engine.async_llm import AsyncLLM
+from server_helpers import run_in_process
 
 KW = dict(dtype="float32", kv_cache_memory=16 * 1024**2, num_threads=1, max_model_len=64)
 TEXTS = ["red apples", "a much longer sentence about green pears and oranges"]
@@ -133,15 +132,7 @@ def _serve(engine, body, **args):
     from pagedllm.entrypoints.openai.api_server import build_app
 
     ns = argparse.Namespace(served_model_name=["tiny"], disable_log_requests=True, disable_log_stats=True, **args)
-
-    async def main():
-        transport = httpx.ASGITransport(app=build_app(engine, ns))
-        async with httpx.AsyncClient(transport=transport, base_url="http://test", timeout=60) as client:
-            return await body(client)
-    try:
-        return asyncio.run(main())
-    finally:
-        engine.shutdown()
+    return run_in_process(lambda: build_app(engine, ns), body, engine.shutdown)
 
 
 def _vec(d):

@@ -131,3 +131,18 @@ def test_unregistered_name_is_refused(tiny_ckpt):
 
     with pytest.raises(ValueError, match="is not supported"):
         LLM(tiny_ckpt[0], quantization="test-not-registered", kv_cache_memory=16 * 1024**2)
+
+
+def test_registered_method_is_a_cli_choice(registered):
+    """``--quantization`` choices are read from the registry: a method registered after the CLI
+    modules were imported is accepted by ``pagedllm serve`` / ``complete --offline`` / ``bench``."""
+    from pagedllm.config import QUANTIZATION_CHOICES
+    from pagedllm.entrypoints.cli import build_parser
+    from pagedllm.entrypoints.openai.cli_args import make_arg_parser
+
+    assert registered in QUANTIZATION_CHOICES and "none" in QUANTIZATION_CHOICES
+    assert {"int8", "int4", "w8a8", "gguf", "gptq", "awq", "compressed-tensors", "fp8"} <= set(QUANTIZATION_CHOICES)
+    assert make_arg_parser().parse_args(["m", "--quantization", registered]).quantization == registered
+    assert build_parser().parse_args(["complete", "--offline", "--quantization", registered]).quantization == registered
+    with pytest.raises(SystemExit):
+        make_arg_parser().parse_args(["m", "--quantization", "test-not-registered"])

@@ -37,10 +37,7 @@ def _rel(y: torch.Tensor, ref: torch.Tensor) -> float:
 
 def _no_cpp(monkeypatch) -> None:
     """Run everything on the torch reference paths."""
-    import pagedllm.models.layers as layers
-
     monkeypatch.setattr(w8a8, "_ops", lambda: None)
-    monkeypatch.setattr(layers, "get_ops", lambda: None)
     monkeypatch.setattr(cpu_ops, "get_ops", lambda: None)
 
 

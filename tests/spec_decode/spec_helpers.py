@@ -20,6 +20,27 @@ def tiny_tokenizer():
     return PreTrainedTokenizerFast(tokenizer_object=tk, unk_token="<unk>", bos_token="<s>", eos_token="</s>")
 
 
+def init_tiny_weights(model: torch.nn.Module) -> None:
+    """Redraw ``model``'s matrices in place: embeddings N(0, 1), an untied ``lm_head`` N(0, 0.25),
+    layer matrices N(0, 0.1); vectors (norms, biases) keep their init.
+
+    Small layer weights make a random model fall into cycles and half-repeats, so drafts are
+    often, but far from always, accepted; the continuations still vary.
+    """
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            if p.dim() > 1:
+                p.normal_(0, 1.0 if "embed" in n else (0.25 if "lm_head" in n else 0.1))
+
+
+def save_tiny(model: torch.nn.Module, d: str) -> str:
+    """``init_tiny_weights(model)``, then save it with ``tiny_tokenizer()`` to ``d``; returns ``d``."""
+    init_tiny_weights(model)
+    model.save_pretrained(d)
+    tiny_tokenizer().save_pretrained(d)
+    return d
+
+
 def write_tiny_llama(d: str, seed: int = 0, layers: int = 2) -> str:
     from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -29,16 +50,7 @@ def write_tiny_llama(d: str, seed: int = 0, layers: int = 2) -> str:
     cfg = LlamaConfig(vocab_size=TINY_VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=layers,
                       num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=512,
                       tie_word_embeddings=False, bos_token_id=1, eos_token_id=2)
-    model = LlamaForCausalLM(cfg).float().eval()
-    with torch.no_grad():
-        for n, p in model.named_parameters():
-            if p.dim() > 1:
-                # NOTE: small layer weights: the model falls into cycles and half-repeats, so
-                # drafts are often, but far from always, accepted.
-                p.normal_(0, 1.0 if "embed" in n else (0.25 if "lm_head" in n else 0.1))
-    model.save_pretrained(d)
-    tiny_tokenizer().save_pretrained(d)
-    return d
+    return save_tiny(LlamaForCausalLM(cfg).float().eval(), d)
 
 
 def tiny_prompts(n: int = 8, seed: int = 0) -> list[dict]:
@@ -65,16 +77,8 @@ def write_tiny_gemma3(d: str, seed: int = 0) -> str:
                            sliding_window=8, query_pre_attn_scalar=16,
                            layer_types=["sliding_attention", "full_attention", "sliding_attention", "full_attention"],
                            bos_token_id=1, eos_token_id=2, pad_token_id=0, tie_word_embeddings=False)
-    model = Gemma3ForCausalLM(cfg).float().eval()
-    with torch.no_grad():
-        for n, p in model.named_parameters():
-            if p.dim() > 1:
-                # NOTE: an untied head and small layer weights: varied continuations with some
-                # repeats (a tied random Gemma repeats one token forever).
-                p.normal_(0, 1.0 if "embed" in n else (0.25 if "lm_head" in n else 0.1))
-    model.save_pretrained(d)
-    tiny_tokenizer().save_pretrained(d)
-    return d
+    # NOTE: an untied head (a tied random Gemma repeats one token forever).
+    return save_tiny(Gemma3ForCausalLM(cfg).float().eval(), d)
 
 
 def _save_head(d: str, W: dict, config: dict) -> str:
@@ -208,7 +212,8 @@ def target_features(model, seqs: list[list[int]], block_size: int = 16):
     return out
 
 
-def _rope(x, pos, theta):
+def rope(x, pos, theta):
+    """x [T, h, D] rotated HF-style (rotate_half) at positions pos [T] (rope_theta ``theta``)."""
     d = x.shape[-1]
     inv = 1.0 / theta ** (torch.arange(0, d, 2).float() / d)
     f = pos.float()[:, None] * inv[None]
@@ -238,7 +243,7 @@ def mtp_train_forward(W: dict, cfg: dict, kv_layers: list[int], emb_in, h, K, V,
         theta = (rp[lt] if lt in rp else rp)["rope_theta"]
         a = _grms(x, W[p + "input_layernorm.weight"])
         q = _grms((a @ W[p + "self_attn.q_proj.weight"].T).view(M, nh, hd), W[p + "self_attn.q_norm.weight"])
-        q = _rope(q, qpos, theta)
+        q = rope(q, qpos, theta)
         k = K[kvl].repeat_interleave(nh // nkv, 1)
         v = V[kvl].repeat_interleave(nh // nkv, 1)
         s = torch.einsum("mhd,nhd->mhn", q, k) * t["query_pre_attn_scalar"] ** -0.5

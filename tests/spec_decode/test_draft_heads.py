@@ -12,6 +12,7 @@ from pagedllm.attention.backend import ForwardContext, set_forward_context
 from pagedllm.attention.torch_paged import TorchPagedAttention, build_metadata
 from pagedllm.spec_decode.eagle import Eagle3Head, EagleHead, eagle3_aux_layer_ids
 from pagedllm.spec_decode.mtp import MTPHead, default_mtp_kv_layers
+from spec_helpers import rope
 
 torch.set_num_threads(1)
 H, NH, NKV, D, I, V = 32, 4, 2, 8, 48, 40
@@ -20,17 +21,6 @@ BS = 4
 
 def rand(*shape, s=0.3):
     return torch.randn(*shape) * s
-
-
-def rope(x, pos, theta):
-    """x [T, h, D] rotated HF-style (rotate_half) at positions pos [T]."""
-    d = x.shape[-1]
-    inv = 1.0 / theta ** (torch.arange(0, d, 2).float() / d)
-    f = pos.float()[:, None] * inv[None]
-    emb = torch.cat([f, f], -1)
-    cos, sin = emb.cos()[:, None], emb.sin()[:, None]
-    x1, x2 = x.chunk(2, -1)
-    return x * cos + torch.cat([-x2, x1], -1) * sin
 
 
 def rms(x, w, eps=1e-5, gemma=False):

@@ -133,7 +133,7 @@ def test_eagle_head_replicating_the_target_is_accepted(tmp_path):
     from safetensors.torch import save_file
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from spec_helpers import tiny_tokenizer
+    from spec_helpers import init_tiny_weights, tiny_tokenizer
 
     d, e = str(tmp_path / "t1"), str(tmp_path / "e1")
     torch.manual_seed(0)
@@ -141,10 +141,8 @@ def test_eagle_head_replicating_the_target_is_accepted(tmp_path):
                     num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=512,
                     tie_word_embeddings=False, bos_token_id=1, eos_token_id=2)
     m = LlamaForCausalLM(c).float().eval()
+    init_tiny_weights(m)
     with torch.no_grad():
-        for n, p in m.named_parameters():
-            if p.dim() > 1:
-                p.normal_(0, 1.0 if "embed" in n else (0.25 if "lm_head" in n else 0.1))
         emb = m.model.embed_tokens.weight
         emb.div_(emb.pow(2).mean(-1, keepdim=True).sqrt())
     m.save_pretrained(d)

@@ -155,7 +155,7 @@ def test_invalid_config_is_a_value_error(tiny_llama_dir):
         make(tiny_llama_dir, {"method": "ngram"})
     with pytest.raises(ValueError, match="method"):
         make(tiny_llama_dir, {"method": "medusa", "num_speculative_tokens": 2})
-    with pytest.raises(ValueError, match="unknown key"):
+    with pytest.raises(ValueError, match="unknown field .lookup."):
         make(tiny_llama_dir, {"method": "ngram", "num_speculative_tokens": 2, "lookup": 3})
     with pytest.raises(ValueError, match="prompt_lookup_min"):
         make(tiny_llama_dir, {"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 4,

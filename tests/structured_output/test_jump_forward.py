@@ -18,6 +18,7 @@ import pytest
 import torch
 
 from conftest import SMOLLM2_EOS, SMOLLM2_VOCAB, allowed_ids
+from tiny_models import save_tiny_llama
 
 PERSON = {"type": "object", "properties": {
     "name": {"type": "string", "maxLength": 12},
@@ -157,20 +158,7 @@ def SimpleNamespace_sp():
 @pytest.fixture(scope="module")
 def tiny_dir(tmp_path_factory, smollm2_tokenizer):
     """A tiny random LlamaForCausalLM with SmolLM2's tokenizer (vocab 49152)."""
-    import transformers as tf
-    tok = smollm2_tokenizer
-    d = str(tmp_path_factory.mktemp("jf_tiny"))
-    cfg = tf.LlamaConfig(vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=512,
-                         tie_word_embeddings=False, architectures=["LlamaForCausalLM"], eos_token_id=SMOLLM2_EOS)
-    torch.manual_seed(3)
-    m = tf.LlamaForCausalLM(cfg).float().eval()
-    with torch.no_grad():
-        for p in m.parameters():
-            p.normal_(0, 0.2)
-    m.save_pretrained(d)
-    tok.save_pretrained(d)
-    return d
+    return save_tiny_llama(str(tmp_path_factory.mktemp("jf_tiny")), smollm2_tokenizer, 3, eos_token_id=SMOLLM2_EOS)
 
 
 @pytest.fixture(scope="module")

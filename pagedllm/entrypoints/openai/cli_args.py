@@ -5,7 +5,7 @@ import argparse
 import json
 import logging
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 from pagedllm.config import QUANTIZATION_CHOICES
 from pagedllm.config import parse_bytes as config_parse_bytes
@@ -40,14 +40,22 @@ def _positive_int(value: str) -> int:
     return n
 
 
-def _json_list(value: str) -> list[Any]:
-    try:
-        v = json.loads(value)
-    except json.JSONDecodeError as e:
-        raise argparse.ArgumentTypeError(f"invalid JSON {value!r}: {e}") from None
-    if not isinstance(v, list):
-        raise argparse.ArgumentTypeError(f"expected a JSON list such as '[\"*\"]', got {value!r}")
-    return v
+def _json_arg(kind: type, expected: str) -> Callable[[str], Any]:
+    """An argparse ``type`` parsing a JSON ``kind`` (list / dict); a bad value is one line:
+    "invalid JSON 'x': ..." or "expected {expected}, got 'x'"."""
+    def parse(value: str) -> Any:
+        try:
+            v = json.loads(value)
+        except json.JSONDecodeError as e:
+            raise argparse.ArgumentTypeError(f"invalid JSON {value!r}: {e}") from None
+        if not isinstance(v, kind):
+            raise argparse.ArgumentTypeError(f"expected {expected}, got {value!r}")
+        return v
+    return parse
+
+
+_json_list = _json_arg(list, "a JSON list such as '[\"*\"]'")
+_json_dict = _json_arg(dict, "a JSON object")
 
 
 def _max_model_len(value: str) -> Optional[int]:
@@ -74,16 +82,6 @@ def _positive_float(value: str) -> float:
     return v
 
 
-def _json_dict(value: str) -> dict[str, Any]:
-    try:
-        d = json.loads(value)
-    except json.JSONDecodeError as e:
-        raise argparse.ArgumentTypeError(f"invalid JSON {value!r}: {e}") from None
-    if not isinstance(d, dict):
-        raise argparse.ArgumentTypeError(f"expected a JSON object, got {value!r}")
-    return d
-
-
 @dataclass
 class LoRAModulePath:
     """One ``--lora-modules`` entry: ``name=path`` or ``{"name", "path", "base_model_name"}``."""
@@ -91,6 +89,29 @@ class LoRAModulePath:
     name: str
     path: str
     base_model_name: Optional[str] = None
+
+
+def engine_flag(field: str, help: str, *aliases: str, **kwargs: Any) -> tuple[str, str, tuple[str, ...], dict]:
+    """One ``EngineArgs`` field's flag for ``add_engine_args``: ``--field-name`` (plus ``aliases``
+    such as ``-tp``), ``help`` (may say ``%(default)s``), other ``add_argument`` keywords."""
+    return field, help, aliases, kwargs
+
+
+def add_engine_args(group: Any, *flags: tuple[str, str, tuple[str, ...], dict]) -> None:
+    """Add flags generated from ``EngineArgs`` dataclass fields (vLLM's ``EngineArgs.add_cli_args``
+    shape): the flag's name is the field's with dashes, its destination the field, and its
+    default the field's default, so the default is stated once, in ``pagedllm.config``.
+
+    Raises:
+        KeyError: a field ``EngineArgs`` does not have (a programming error).
+    """
+    import dataclasses
+
+    from pagedllm.config import EngineArgs
+
+    defaults = {f.name: f.default for f in dataclasses.fields(EngineArgs)}
+    for field, help, aliases, kwargs in flags:
+        group.add_argument("--" + field.replace("_", "-"), *aliases, default=defaults[field], help=help, **kwargs)
 
 
 def parse_lora_module(value: str) -> LoRAModulePath:
@@ -233,7 +254,7 @@ def add_serve_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                         '"use_activation": false}\' (use_activation: the output activation of every '
                         'pooling task, i.e. the L2 normalisation of embeddings and the softmax of '
                         'classifiers; "normalize", "softmax" and "activation" are deprecated aliases).')
-    g.add_argument("--quantization", "-q", default=None, choices=list(QUANTIZATION_CHOICES),
+    g.add_argument("--quantization", "-q", default=None, choices=QUANTIZATION_CHOICES,
                    help="Default: a quantized checkpoint (GGUF blocks, GPTQ, AWQ, compressed-tensors, "
                         "FP8) runs in its own format. int8/int4/w8a8 re-quantize float weights after "
                         "loading (CPU): weight-only int8 per-channel or int4 group-wise (group 32), or "
@@ -274,24 +295,26 @@ def add_serve_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                         "transformers fallback (slower); pagedllm: native only; transformers: always the fallback.")
 
     g = parser.add_argument_group("Structured outputs")
-    g.add_argument("--structured-outputs-config", type=_json_dict, default=None,
-                   help='Structured-output settings as JSON (vLLM\'s flag), e.g. \'{"backend": "auto"}\': '
-                        'backend auto (xgrammar, llguidance for what it cannot compile) | xgrammar | '
-                        'guidance; disable_fallback, disable_any_whitespace, '
-                        'disable_additional_properties (booleans); max_whitespace_cnt (most '
-                        'whitespace characters in a row in JSON, default 16, null = unbounded); '
-                        'grammar_cache_size (compiled '
-                        'grammars kept, default 256); compile_threads (default 2); jump_forward '
-                        '(lossless jump-forward decoding of the text a grammar forces, default true) '
-                        'and jump_forward_max_tokens (its most draft tokens per step, default 16).')
+    add_engine_args(g, engine_flag(
+        "structured_outputs_config", 'Structured-output settings as JSON (vLLM\'s flag), e.g. \'{"backend": "auto"}\': '
+        'backend auto (xgrammar, llguidance for what it cannot compile) | xgrammar | '
+        'guidance; disable_fallback, disable_any_whitespace, '
+        'disable_additional_properties (booleans); max_whitespace_cnt (most '
+        'whitespace characters in a row in JSON, default 16, null = unbounded); '
+        'grammar_cache_size (compiled '
+        'grammars kept, default 256); compile_threads (default 2); jump_forward '
+        '(lossless jump-forward decoding of the text a grammar forces, default true) '
+        'and jump_forward_max_tokens (its most draft tokens per step, default 16).',
+        type=_json_dict))
 
     g = parser.add_argument_group("Speculative decoding")
-    g.add_argument("--speculative-config", type=_json_dict, default=None,
-                   help='Speculative decoding as JSON (vLLM\'s flag), e.g. \'{"method": "ngram", '
-                        '"num_speculative_tokens": 4, "prompt_lookup_max": 4}\': method ngram | suffix '
-                        '| draft_model (with "model", optionally "quantization": "int4" for a '
-                        'self-draft); disable_by_batch_size (no drafts in steps with at least that '
-                        'many requests; default: measured automatic threshold, 0 = never).')
+    add_engine_args(g, engine_flag(
+        "speculative_config", 'Speculative decoding as JSON (vLLM\'s flag), e.g. \'{"method": "ngram", '
+        '"num_speculative_tokens": 4, "prompt_lookup_max": 4}\': method ngram | suffix '
+        '| draft_model (with "model", optionally "quantization": "int4" for a '
+        'self-draft); disable_by_batch_size (no drafts in steps with at least that '
+        'many requests; default: measured automatic threshold, 0 = never).',
+        type=_json_dict))
 
     g = parser.add_argument_group("LoRA adapters")
     g.add_argument("--enable-lora", action="store_true",
@@ -315,13 +338,12 @@ def add_serve_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                         "can reach the server can load files from its disk.")
 
     g = parser.add_argument_group("Scheduler and KV cache")
-    g.add_argument("--max-num-seqs", type=_positive_int, default=128,
-                   help="Max requests scheduled in one step (default: 128).")
-    g.add_argument("--max-num-batched-tokens", type=positive_human_int, default=2048,
-                   help="Max tokens processed in one step; longer prompts are prefilled in "
-                        "chunks (default: 2048).")
-    g.add_argument("--block-size", type=_positive_int, default=16,
-                   help="Tokens per KV cache block (default: 16).")
+    add_engine_args(
+        g,
+        engine_flag("max_num_seqs", "Max requests scheduled in one step (default: %(default)s).", type=_positive_int),
+        engine_flag("max_num_batched_tokens", "Max tokens processed in one step; longer prompts are prefilled in "
+                    "chunks (default: %(default)s).", type=positive_human_int),
+        engine_flag("block_size", "Tokens per KV cache block (default: %(default)s).", type=_positive_int))
     g.add_argument("--kv-cache-memory", type=parse_bytes, default=None,
                    help="KV cache budget in bytes; accepts suffixes like 2GiB, 512MiB, 1.5G. "
                         "Default on CPU: half of the free memory (MemAvailable) after the weights "
@@ -332,27 +354,29 @@ def add_serve_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                    help="Free KV blocks holding cached prefixes kept resident (default 64MiB; 0 = "
                         "none): past this, least recently used prefixes are reused before fresh "
                         "blocks are committed, and an idle server gives the rest back to the OS.")
-    g.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "bfloat16", "fp8", "fp8_e4m3", "fp8_e5m2"],
-                   help="KV cache storage: auto (the model dtype; bfloat16 on CPUs without native "
-                        "bf16, where --dtype auto runs the model in float32), bfloat16, or 8-bit floats "
-                        "(fp8 = fp8_e4m3, or fp8_e5m2): half the bytes per token of bf16 (CPU only).")
-    g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
-                   default=True,
-                   help="Reuse the KV cache of shared prompt prefixes (default: on).")
-    g.add_argument("--prefix-caching-hash-algo", default="sha256", choices=["sha256", "xxhash"],
-                   help="Hash of prefix-cache blocks (default: sha256).")
+    add_engine_args(
+        g,
+        engine_flag("kv_cache_dtype", "KV cache storage: auto (the model dtype; bfloat16 on CPUs without native "
+                    "bf16, where --dtype auto runs the model in float32), bfloat16, or 8-bit floats "
+                    "(fp8 = fp8_e4m3, or fp8_e5m2): half the bytes per token of bf16 (CPU only).",
+                    choices=["auto", "bfloat16", "fp8", "fp8_e4m3", "fp8_e5m2"]),
+        engine_flag("enable_prefix_caching", "Reuse the KV cache of shared prompt prefixes (default: on).",
+                    action=argparse.BooleanOptionalAction),
+        engine_flag("prefix_caching_hash_algo", "Hash of prefix-cache blocks (default: %(default)s).",
+                    choices=["sha256", "xxhash"]))
 
-    g.add_argument("--scheduling-policy", default="fcfs", choices=["fcfs", "priority"],
-                   help="fcfs: requests run in arrival order; priority: by each request's `priority` "
-                        "(lower first, ties by arrival), and preemption takes the lowest-priority running "
-                        "request (vLLM's flag). With fcfs a nonzero `priority` is refused (400).")
-    g.add_argument("--kv-events-config", type=_json_dict, default=None,
-                   help='Publish the prefix cache\'s KV block events over ZeroMQ (vLLM\'s flag and '
-                        'KVEventsConfig JSON), e.g. \'{"enable_kv_cache_events": true, "endpoint": '
-                        '"tcp://*:5557", "topic": "kv-events"}\': publisher zmq | null, endpoint, '
-                        'replay_endpoint, buffer_steps (batches kept for replay), hwm, max_queue_size '
-                        '(batches queued; beyond it a batch is dropped and counted on /metrics), topic. '
-                        'Needs pyzmq and msgspec.')
+    add_engine_args(g, engine_flag(
+        "scheduling_policy", "fcfs: requests run in arrival order; priority: by each request's `priority` "
+        "(lower first, ties by arrival), and preemption takes the lowest-priority running "
+        "request (vLLM's flag). With fcfs a nonzero `priority` is refused (400).", choices=["fcfs", "priority"]))
+    add_engine_args(g, engine_flag(
+        "kv_events_config", 'Publish the prefix cache\'s KV block events over ZeroMQ (vLLM\'s flag and '
+        'KVEventsConfig JSON), e.g. \'{"enable_kv_cache_events": true, "endpoint": '
+        '"tcp://*:5557", "topic": "kv-events"}\': publisher zmq | null, endpoint, '
+        'replay_endpoint, buffer_steps (batches kept for replay), hwm, max_queue_size '
+        '(batches queued; beyond it a batch is dropped and counted on /metrics), topic. '
+        'Needs pyzmq and msgspec.',
+        type=_json_dict))
 
     g = parser.add_argument_group("KV cache tiers")
     g.add_argument("--kv-transfer-config", type=_json_dict, default=None,
@@ -379,17 +403,17 @@ def add_serve_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                         "header becomes the span's parent. Needs opentelemetry-sdk and the OTLP exporter.")
 
     g = parser.add_argument_group("Parallelism")
-    g.add_argument("--tensor-parallel-size", "-tp", type=_positive_int, default=1,
-                   help="Ranks each layer is split across (attention heads, MLP, vocabulary; default: 1).")
-    g.add_argument("--pipeline-parallel-size", "-pp", type=_positive_int, default=1,
-                   help="Pipeline stages the layers are split across (default: 1).")
-    g.add_argument("--data-parallel-size", "-dp", type=_positive_int, default=1,
-                   help="Independent engine replicas behind this server; requests go to the least "
-                        "loaded one (default: 1).")
-    g.add_argument("--distributed-executor-backend", default=None, choices=["uni", "mp", "ray"],
-                   help="How ranks run: 'uni' (in this process; one rank only), 'mp' (a process per "
-                        "rank) or 'ray' (a Ray actor per rank; multi-node). Default: uni for one "
-                        "rank, else mp.")
+    add_engine_args(
+        g,
+        engine_flag("tensor_parallel_size", "Ranks each layer is split across (attention heads, MLP, vocabulary; "
+                    "default: %(default)s).", "-tp", type=_positive_int),
+        engine_flag("pipeline_parallel_size", "Pipeline stages the layers are split across (default: %(default)s).",
+                    "-pp", type=_positive_int),
+        engine_flag("data_parallel_size", "Independent engine replicas behind this server; requests go to the "
+                    "least loaded one (default: %(default)s).", "-dp", type=_positive_int),
+        engine_flag("distributed_executor_backend", "How ranks run: 'uni' (in this process; one rank only), 'mp' "
+                    "(a process per rank) or 'ray' (a Ray actor per rank; multi-node). Default: uni for one "
+                    "rank, else mp.", choices=["uni", "mp", "ray"]))
 
     g = parser.add_argument_group("Device")
     g.add_argument("--attention-backend", default=None, choices=["torch", "triton", "flashinfer"],

@@ -120,6 +120,13 @@ class OutputParser:
         return out
 
     # ---- streaming ---------------------------------------------------------------------
+    def feed_output(self, output: Any) -> OutputDelta:
+        """The delta for one engine output step (a ``CompletionOutput`` delta: its ``text``,
+        final when it has a ``finish_reason``); the plain text when the parser is not active."""
+        if not self.active:
+            return OutputDelta(content=output.text)
+        return self.feed(output.text, output.finish_reason is not None)
+
     def feed(self, delta_text: str, final: bool = False) -> OutputDelta:
         """The delta for ``delta_text`` (the output's next piece); ``final`` on the last one
         flushes everything that was held back."""

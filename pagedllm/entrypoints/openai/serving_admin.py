@@ -16,6 +16,7 @@ from fastapi.responses import JSONResponse, Response
 
 from pagedllm.entrypoints.openai.errors import OpenAIError, error_response
 from pagedllm.entrypoints.openai.protocol_anthropic import anthropic_error_body
+from pagedllm.metrics.prometheus import record_scheduler_snapshot
 
 logger = logging.getLogger("pagedllm.entrypoints.openai.api_server")
 
@@ -86,11 +87,7 @@ def build_admin_router(engine: Any, prom: Any) -> APIRouter:
         # Refresh the gauges from the scheduler now (the engine may be idle, not stepping).
         try:
             s = engine.get_scheduler_stats()
-            prom.set_scheduler_gauges(s.get("num_running", 0), s.get("num_waiting", 0),
-                                      s.get("kv_cache_usage", 0.0))
-            prom.gauge_so_entries.set(s.get("structured_output_cache_entries", 0))
-            if "lora_running_adapters" in s:
-                prom.record_lora(s)
+            record_scheduler_snapshot(prom, s)
             if "encoder_cache" in s:
                 prom.record_encoder_cache(s["encoder_cache"])
             if "kv_connector" in s and hasattr(prom, "record_kv_connector"):

@@ -2,13 +2,12 @@
 from __future__ import annotations
 
 import logging
-import time
-from typing import Any, AsyncIterator, Optional
+from typing import Any, AsyncIterator, Iterator, Optional
 
 from fastapi import APIRouter, Request
 from fastapi.responses import Response
 
-from pagedllm.entrypoints.openai.errors import OpenAIError, error_body, value_error_to_openai
+from pagedllm.entrypoints.openai.errors import OpenAIError, value_error_to_openai
 from pagedllm.entrypoints.openai.protocol import (ChatCompletionLogProb, ChatCompletionLogProbs,
                                                   ChatCompletionLogProbsContent,
                                                   ChatCompletionRequest, ChatCompletionResponse,
@@ -17,9 +16,7 @@ from pagedllm.entrypoints.openai.protocol import (ChatCompletionLogProb, ChatCom
                                                   ChatCompletionStreamResponse, ChatMessage,
                                                   ChatMessageParam, DeltaMessage,
                                                   PromptTokenUsageInfo, UsageInfo)
-from pagedllm.entrypoints.openai.serving_engine import (SSE_DONE, OpenAIServing, ResponseBuilder, base_request_id,
-                                                        decoded_token, lp_value, record_request_id,
-                                                        require_generate_runner, sse)
+from pagedllm.entrypoints.openai.serving_engine import (SSE_DONE, OpenAIServing, ResponseBuilder, decoded_token, lp_value, require_generate_runner, sse, stream_error_body, abort_unfinished, final_outputs)
 from pagedllm.entrypoints.openai.output_parser import OutputParser
 from pagedllm.entrypoints.openai.tool_calling import (AUTO_TOOL_CHOICE_FLAGS_MESSAGE, ToolChoice,
                                                       constrain_to_json, forced_tool_schema,
@@ -123,6 +120,27 @@ class OpenAIServingChat(OpenAIServing):
         include_reasoning = getattr(request, "include_reasoning", True) is not False
         return ChatToolSetup(self, tools, choice, parallel, include_reasoning)
 
+    def render_request(self, request: ChatCompletionRequest, param: str = "messages") -> tuple[ChatToolSetup, Any]:
+        """The request's tool set-up and its prompt: ``request.messages`` through the chat
+        template with the request's template options and the tools the set-up keeps (the
+        Anthropic messages and Responses endpoints render their translated chat request here).
+
+        Raises:
+            OpenAIError: 400 for bad tools, or for a template error (param ``param``).
+        """
+        setup = self.setup_tools(request)
+        try:
+            prompt_text = render_chat(
+                self, request.messages, add_generation_prompt=request.add_generation_prompt,
+                continue_final_message=request.continue_final_message,
+                chat_template=request.chat_template,
+                chat_template_kwargs=request.chat_template_kwargs,
+                tools=setup.tools or None,
+                documents=request.documents)
+        except ValueError as e:
+            raise value_error_to_openai(e, param) from e
+        return setup, prompt_text
+
     def constrain_for_tools(self, sp: Any, setup: ChatToolSetup) -> None:
         """A forced tool choice constrains the output to its JSON schema."""
         schema = forced_tool_schema(setup.choice, setup.tools, setup.parallel)
@@ -162,22 +180,8 @@ class OpenAIServingChat(OpenAIServing):
 
     async def create_chat_completion(self, request: ChatCompletionRequest,
                                      raw_request: Optional[Request] = None) -> Response:
-        self.check_model(request.model)
-        request_id = f"chatcmpl-{base_request_id(raw_request, request.request_id)}"
-        record_request_id(raw_request, request_id)
-        created = int(time.time())
-        model_name = self.response_model_name(request.model)
-        setup = self.setup_tools(request)
-        try:
-            prompt_text = render_chat(
-                self, request.messages, add_generation_prompt=request.add_generation_prompt,
-                continue_final_message=request.continue_final_message,
-                chat_template=request.chat_template,
-                chat_template_kwargs=request.chat_template_kwargs,
-                tools=setup.tools or None,
-                documents=request.documents)
-        except ValueError as e:
-            raise value_error_to_openai(e, "messages") from e
+        request_id, created, model_name = self.begin_request(request, raw_request, "chatcmpl")
+        setup, prompt_text = self.render_request(request)
         # NOTE: the engine's field names as this endpoint calls them.
         rename = {"prompt": "messages", "logprobs": "top_logprobs",
                   "max_tokens": ("max_completion_tokens" if request.max_completion_tokens is not None
@@ -206,17 +210,7 @@ class OpenAIServingChat(OpenAIServing):
                         created: int, model_name: str, prompt_ids: list[int],
                         setup: Optional[ChatToolSetup] = None) -> ChatCompletionResponse:
         role = self.get_role(request)
-        final: dict[int, Any] = {}
-        num_cached = 0
-        prompt_logprobs = None
-        for ro in outs:
-            if ro.prompt_token_ids:
-                prompt_ids = list(ro.prompt_token_ids)
-            if ro.prompt_logprobs is not None:
-                prompt_logprobs = ro.prompt_logprobs
-            num_cached = int(getattr(ro, "num_cached_tokens", 0) or 0)
-            for co in ro.outputs:
-                final[co.index] = co
+        prompt_ids, prompt_logprobs, final, num_cached = final_outputs(outs, prompt_ids)
         echo = self._echo_text(request, role)
         as_tid = bool(request.return_tokens_as_token_ids)
         choices = []
@@ -259,10 +253,10 @@ class OpenAIServingChat(OpenAIServing):
             prompt_logprobs=pl,
             prompt_token_ids=list(prompt_ids) if request.return_token_ids else None)
 
-    async def _stream(self, request: ChatCompletionRequest, merged, rids: list[str],
-                      request_id: str, created: int, model_name: str,
-                      prompt_ids: list[int], setup: Optional[ChatToolSetup] = None
-                      ) -> AsyncIterator[str]:
+    def _stream(self, request: ChatCompletionRequest, merged, rids: list[str],
+                request_id: str, created: int, model_name: str,
+                prompt_ids: list[int], setup: Optional[ChatToolSetup] = None
+                ) -> AsyncIterator[str]:
         n = request.n or 1
         parsers = [setup.new_parser() if setup is not None else None for _ in range(n)]
         previous_num_tokens = [0] * n
@@ -274,7 +268,6 @@ class OpenAIServingChat(OpenAIServing):
         num_cached = 0
         role = self.get_role(request)
         as_tid = bool(request.return_tokens_as_token_ids)
-        completed = False
 
         def chunk_json(choice: ChatCompletionResponseStreamChoice, completion_tokens: int) -> str:
             chunk = ChatCompletionStreamResponse(id=request_id, created=created, model=model_name,
@@ -286,7 +279,7 @@ class OpenAIServingChat(OpenAIServing):
                 return chunk.model_dump_json()
             return chunk.model_dump_json(exclude={"usage"})
 
-        try:
+        def start() -> Iterator[str]:
             # First chunk(s): the role, for each choice.
             for i in range(n):
                 yield sse(chunk_json(ChatCompletionResponseStreamChoice(
@@ -298,65 +291,64 @@ class OpenAIServingChat(OpenAIServing):
                     yield sse(chunk_json(ChatCompletionResponseStreamChoice(
                         index=i, delta=DeltaMessage(content=echo), logprobs=None,
                         finish_reason=None), 0))
-            async for _, res in merged:
-                if res.prompt_token_ids:
-                    num_prompt_tokens = len(res.prompt_token_ids)
-                num_cached = int(getattr(res, "num_cached_tokens", 0) or 0)
-                for output in res.outputs:
-                    i = output.index
-                    if i >= n or finish_sent[i]:
-                        continue
-                    delta_text = output.text
-                    if (not delta_text and not output.token_ids and not previous_num_tokens[i]
-                            and output.finish_reason is None):
-                        continue
-                    logprobs = None
-                    if request.logprobs and request.top_logprobs is not None:
-                        logprobs = self.create_logprobs(list(output.token_ids), output.logprobs,
-                                                        request.top_logprobs, as_tid)
-                    previous_num_tokens[i] += len(output.token_ids)
-                    if output.finish_reason is not None:
-                        finish_sent[i] = True
-                    delta = DeltaMessage(content=delta_text)
-                    finish_reason = output.finish_reason
-                    parser = parsers[i]
-                    if parser is not None and parser.active:
-                        pd = parser.feed(delta_text, final=output.finish_reason is not None)
-                        if not pd and output.finish_reason is None and logprobs is None:
-                            continue  # held back (a possible marker): nothing to send yet
-                        if finish_reason is not None:
-                            finish_reason = parser.finish_reason(finish_reason)
-                        # One chunk per tool-call fragment (a call's name, then its arguments,
-                        # as OpenAI streams them); text, logprobs and finish_reason ride on the
-                        # first / last of them.
-                        frags = [[c.to_dict()] for c in pd.tool_calls] or [[]]
-                        for k, frag in enumerate(frags):
-                            last = k == len(frags) - 1
-                            delta = DeltaMessage(
-                                content=(pd.content or None) if k == 0 else None,
-                                reasoning_content=(pd.reasoning or None) if k == 0 else None,
-                                reasoning=(pd.reasoning or None) if k == 0 else None,
-                                tool_calls=frag)
-                            if last:
-                                break
-                            yield sse(chunk_json(ChatCompletionResponseStreamChoice(
-                                index=i, delta=delta, logprobs=None, finish_reason=None),
-                                previous_num_tokens[i]))
-                    choice = ChatCompletionResponseStreamChoice(
-                        index=i, delta=delta, logprobs=logprobs,
-                        finish_reason=finish_reason,
-                        stop_reason=output.stop_reason if output.finish_reason else None,
-                        token_ids=list(output.token_ids) if request.return_token_ids else None)
-                    yield sse(chunk_json(choice, previous_num_tokens[i]))
-            if merged._stopping:
-                # Server shutdown cut the stream: finish every open choice with "abort" (vLLM).
-                for i in range(n):
-                    if not finish_sent[i]:
-                        finish_sent[i] = True
-                        choice = ChatCompletionResponseStreamChoice(
-                            index=i, delta=DeltaMessage(content=""), logprobs=None, finish_reason="abort")
-                        yield sse(chunk_json(choice, previous_num_tokens[i]))
-            completed = True
+
+        def on_result(_: int, res: Any) -> Iterator[str]:
+            nonlocal num_prompt_tokens, num_cached
+            if res.prompt_token_ids:
+                num_prompt_tokens = len(res.prompt_token_ids)
+            num_cached = int(getattr(res, "num_cached_tokens", 0) or 0)
+            for output in res.outputs:
+                i = output.index
+                if i >= n or finish_sent[i]:
+                    continue
+                delta_text = output.text
+                if (not delta_text and not output.token_ids and not previous_num_tokens[i]
+                        and output.finish_reason is None):
+                    continue
+                logprobs = None
+                if request.logprobs and request.top_logprobs is not None:
+                    logprobs = self.create_logprobs(list(output.token_ids), output.logprobs,
+                                                    request.top_logprobs, as_tid)
+                previous_num_tokens[i] += len(output.token_ids)
+                if output.finish_reason is not None:
+                    finish_sent[i] = True
+                delta = DeltaMessage(content=delta_text)
+                finish_reason = output.finish_reason
+                parser = parsers[i]
+                if parser is not None and parser.active:
+                    pd = parser.feed(delta_text, final=output.finish_reason is not None)
+                    if not pd and output.finish_reason is None and logprobs is None:
+                        continue  # held back (a possible marker): nothing to send yet
+                    if finish_reason is not None:
+                        finish_reason = parser.finish_reason(finish_reason)
+                    # One chunk per tool-call fragment (a call's name, then its arguments,
+                    # as OpenAI streams them); text, logprobs and finish_reason ride on the
+                    # first / last of them.
+                    frags = [[c.to_dict()] for c in pd.tool_calls] or [[]]
+                    for k, frag in enumerate(frags):
+                        last = k == len(frags) - 1
+                        delta = DeltaMessage(
+                            content=(pd.content or None) if k == 0 else None,
+                            reasoning_content=(pd.reasoning or None) if k == 0 else None,
+                            reasoning=(pd.reasoning or None) if k == 0 else None,
+                            tool_calls=frag)
+                        if last:
+                            break
+                        yield sse(chunk_json(ChatCompletionResponseStreamChoice(
+                            index=i, delta=delta, logprobs=None, finish_reason=None),
+                            previous_num_tokens[i]))
+                choice = ChatCompletionResponseStreamChoice(
+                    index=i, delta=delta, logprobs=logprobs,
+                    finish_reason=finish_reason,
+                    stop_reason=output.stop_reason if output.finish_reason else None,
+                    token_ids=list(output.token_ids) if request.return_token_ids else None)
+                yield sse(chunk_json(choice, previous_num_tokens[i]))
+
+        def on_end(stopping: bool) -> Iterator[str]:
+            if stopping:
+                yield from abort_unfinished(finish_sent, lambda i: sse(chunk_json(ChatCompletionResponseStreamChoice(
+                    index=i, delta=DeltaMessage(content=""), logprobs=None, finish_reason="abort"),
+                    previous_num_tokens[i])))
             if include_usage:
                 ct = sum(previous_num_tokens)
                 final = ChatCompletionStreamResponse(
@@ -366,16 +358,14 @@ class OpenAIServingChat(OpenAIServing):
                                     prompt_tokens_details=PromptTokenUsageInfo(
                                         cached_tokens=num_cached)))
                 yield sse(final.model_dump_json())
-        except ValueError as e:
-            completed = True
-            yield sse(value_error_to_openai(e).to_dict())
-        except Exception as e:
-            logger.exception("error in chat stream %s", request_id)
-            completed = True
-            yield sse(error_body(f"Internal server error: {e}", 500))
-        finally:
-            await self.finish(merged, rids, completed)
-        yield SSE_DONE
+
+        def on_error(e: Exception) -> Iterator[str]:
+            if not isinstance(e, ValueError):
+                logger.error("error in chat stream %s", request_id, exc_info=e)
+            yield sse(stream_error_body(e))
+
+        return self.stream_results(merged, rids, start=start, on_result=on_result, on_end=on_end,
+                                   on_error=on_error, done=SSE_DONE)
 
 
 def build_chat_router(serving: OpenAIServingChat) -> APIRouter:

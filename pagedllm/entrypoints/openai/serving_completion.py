@@ -3,23 +3,20 @@ from __future__ import annotations
 
 import json
 import logging
-import time
-from typing import Any, AsyncIterator, Optional
+from typing import Any, AsyncIterator, Iterator, Optional
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 
 from pagedllm.engine.input_processor import ProcessedPrompt
-from pagedllm.entrypoints.openai.errors import OpenAIError, error_body, value_error_to_openai
+from pagedllm.entrypoints.openai.errors import OpenAIError
 from pagedllm.entrypoints.openai.protocol import (CompletionLogProbs, CompletionRequest,
                                                   CompletionResponse, CompletionResponseChoice,
                                                   CompletionResponseStreamChoice,
                                                   CompletionStreamResponse, InfillRequest,
                                                   PromptTokenUsageInfo, UsageInfo)
 from pagedllm.entrypoints.openai.serving_engine import (SSE_DONE, OpenAIServing, ResponseBuilder, SSEResponse,
-                                                        base_request_id,
-                                                        decoded_token, lp_value, record_request_id,
-                                                        require_generate_runner, sse)
+                                                        decoded_token, lp_value, require_generate_runner, sse, stream_error_body, abort_unfinished, final_outputs)
 
 logger = logging.getLogger("pagedllm.entrypoints.openai")
 
@@ -172,11 +169,7 @@ class OpenAIServingCompletion(OpenAIServing):
 
     async def create_completion(self, request: CompletionRequest,
                                 raw_request: Optional[Request] = None) -> Response:
-        self.check_model(request.model)
-        request_id = f"cmpl-{base_request_id(raw_request, request.request_id)}"
-        record_request_id(raw_request, request_id)
-        created = int(time.time())
-        model_name = self.response_model_name(request.model)
+        request_id, created, model_name = self.begin_request(request, raw_request, "cmpl")
         prompts = self._normalize_prompts(request)
 
         engine_requests, rids, prompt_texts = [], [], []
@@ -281,28 +274,14 @@ class OpenAIServingCompletion(OpenAIServing):
             outs = results.get(p_idx, [])
             prompt_ids = prompts[p_idx][1]
             prompt_text = prompt_texts[p_idx]
-            # Latest state per sample; text/token_ids/logprobs accumulated across outputs (works
-            # for FINAL_ONLY, CUMULATIVE-final and DELTA streams alike).
-            final: dict[int, dict[str, Any]] = {}
-            prompt_logprobs = None
-            for ro in outs:
-                if ro.prompt_token_ids:
-                    prompt_ids = list(ro.prompt_token_ids)
-                if ro.prompt_logprobs is not None:
-                    prompt_logprobs = ro.prompt_logprobs
-                for co in ro.outputs:
-                    st = final.setdefault(co.index, {"text": "", "token_ids": [], "logprobs": None,
-                                                     "finish_reason": None, "stop_reason": None})
-                    st["text"] = co.text
-                    st["token_ids"] = list(co.token_ids)
-                    st["logprobs"] = co.logprobs
-                    st["finish_reason"] = co.finish_reason
-                    st["stop_reason"] = co.stop_reason
-            if outs:
-                num_cached += int(getattr(outs[-1], "num_cached_tokens", 0) or 0)
+            # The latest state per sample (the server collects FINAL_ONLY / CUMULATIVE outputs).
+            prompt_ids, prompt_logprobs, final, cached = final_outputs(outs, prompt_ids)
+            num_cached += cached
             num_prompt_tokens += len(prompt_ids)
             for idx in sorted(final):
-                st = final[idx]
+                co = final[idx]
+                st = {"text": co.text, "token_ids": list(co.token_ids), "logprobs": co.logprobs,
+                      "finish_reason": co.finish_reason, "stop_reason": co.stop_reason}
                 token_ids = st["token_ids"]
                 out_logprobs = st["logprobs"]
                 text = st["text"]
@@ -337,9 +316,9 @@ class OpenAIServingCompletion(OpenAIServing):
                                   choices=choices, usage=usage)
 
     # ---- streaming ---------------------------------------------------------------------
-    async def _stream(self, request: CompletionRequest, merged, rids: list[str], request_id: str,
-                      created: int, model_name: str, prompts: list,
-                      prompt_texts: list[str]) -> AsyncIterator[str]:
+    def _stream(self, request: CompletionRequest, merged, rids: list[str], request_id: str,
+                created: int, model_name: str, prompts: list,
+                prompt_texts: list[str]) -> AsyncIterator[str]:
         num_choices = request.n or 1
         num_prompts = len(prompts)
         total = num_choices * num_prompts
@@ -355,80 +334,76 @@ class OpenAIServingCompletion(OpenAIServing):
         include_continuous = so is not None and so.wants_continuous_usage
         echo_only = request.echo and request.max_tokens == 0
         as_tid = bool(request.return_tokens_as_token_ids)
-        completed = False
-        try:
-            async for p_idx, res in merged:
-                if res.prompt_token_ids:
-                    num_prompt_tokens[p_idx] = len(res.prompt_token_ids)
-                num_cached[p_idx] = int(getattr(res, "num_cached_tokens", 0) or 0)
-                prompt_ids = prompts[p_idx][1]
-                prompt_logprobs = res.prompt_logprobs
-                for output in res.outputs:
-                    i = output.index + p_idx * num_choices
-                    if finished[i]:
-                        continue
-                    out_logprobs = output.logprobs
-                    if request.echo and not has_echoed[i]:
-                        if echo_only:
-                            delta_text = prompt_texts[p_idx]
-                            delta_token_ids = list(prompt_ids)
-                            out_logprobs = prompt_logprobs
-                        else:
-                            delta_text = prompt_texts[p_idx] + output.text
-                            delta_token_ids = list(prompt_ids) + list(output.token_ids)
-                            if request.logprobs is not None and prompt_logprobs is not None:
-                                out_logprobs = list(prompt_logprobs) + list(output.logprobs or [])
-                            elif out_logprobs is not None:
-                                out_logprobs = [None] * len(prompt_ids) + list(out_logprobs)
-                        has_echoed[i] = True
-                    elif echo_only:
-                        delta_text, delta_token_ids, out_logprobs = "", [], None
+
+        def on_result(p_idx: int, res: Any) -> Iterator[str]:
+            if res.prompt_token_ids:
+                num_prompt_tokens[p_idx] = len(res.prompt_token_ids)
+            num_cached[p_idx] = int(getattr(res, "num_cached_tokens", 0) or 0)
+            prompt_ids = prompts[p_idx][1]
+            prompt_logprobs = res.prompt_logprobs
+            for output in res.outputs:
+                i = output.index + p_idx * num_choices
+                if finished[i]:
+                    continue
+                out_logprobs = output.logprobs
+                if request.echo and not has_echoed[i]:
+                    if echo_only:
+                        delta_text = prompt_texts[p_idx]
+                        delta_token_ids = list(prompt_ids)
+                        out_logprobs = prompt_logprobs
                     else:
-                        delta_text = output.text
-                        delta_token_ids = list(output.token_ids)
-                        if (not delta_text and not delta_token_ids and not previous_num_tokens[i]
-                                and output.finish_reason is None):
-                            continue  # nothing to say yet (e.g. chunked prefill)
-                    logprobs = None
-                    if request.logprobs is not None:
-                        logprobs = self.create_logprobs(delta_token_ids, out_logprobs,
-                                                        request.logprobs, previous_text_lens[i],
-                                                        as_tid)
-                    previous_text_lens[i] += len(delta_text)
-                    if not echo_only:
-                        previous_num_tokens[i] += len(output.token_ids)
-                    if output.finish_reason is not None:
-                        finished[i] = True
-                    if echo_only and output.finish_reason is None and not delta_text:
-                        continue
-                    choice = CompletionResponseStreamChoice(
-                        index=i, text=delta_text, logprobs=logprobs,
-                        finish_reason=output.finish_reason, stop_reason=output.stop_reason,
-                        token_ids=list(output.token_ids) if request.return_token_ids else None,
-                        prompt_token_ids=(list(prompt_ids) if request.return_token_ids
-                                          and not sent_first[i] else None),
-                    )
-                    sent_first[i] = True
-                    chunk = CompletionStreamResponse(id=request_id, created=created,
-                                                     model=model_name, choices=[choice])
-                    exclude = {"usage"}
-                    if include_continuous:
-                        pt = num_prompt_tokens[p_idx]
-                        chunk.usage = UsageInfo(prompt_tokens=pt,
-                                                completion_tokens=previous_num_tokens[i],
-                                                total_tokens=pt + previous_num_tokens[i])
-                        exclude = set()
-                    yield sse(chunk.model_dump_json(exclude=exclude, exclude_none=False))
-            if merged._stopping:
-                # Server shutdown cut the stream: tell the client, choice by choice (vLLM's "abort").
-                for i in range(total):
-                    if not finished[i]:
-                        finished[i] = True
-                        chunk = CompletionStreamResponse(
-                            id=request_id, created=created, model=model_name,
-                            choices=[CompletionResponseStreamChoice(index=i, text="", finish_reason="abort")])
-                        yield sse(chunk.model_dump_json(exclude={"usage"}, exclude_none=False))
-            completed = True
+                        delta_text = prompt_texts[p_idx] + output.text
+                        delta_token_ids = list(prompt_ids) + list(output.token_ids)
+                        if request.logprobs is not None and prompt_logprobs is not None:
+                            out_logprobs = list(prompt_logprobs) + list(output.logprobs or [])
+                        elif out_logprobs is not None:
+                            out_logprobs = [None] * len(prompt_ids) + list(out_logprobs)
+                    has_echoed[i] = True
+                elif echo_only:
+                    delta_text, delta_token_ids, out_logprobs = "", [], None
+                else:
+                    delta_text = output.text
+                    delta_token_ids = list(output.token_ids)
+                    if (not delta_text and not delta_token_ids and not previous_num_tokens[i]
+                            and output.finish_reason is None):
+                        continue  # nothing to say yet (e.g. chunked prefill)
+                logprobs = None
+                if request.logprobs is not None:
+                    logprobs = self.create_logprobs(delta_token_ids, out_logprobs,
+                                                    request.logprobs, previous_text_lens[i],
+                                                    as_tid)
+                previous_text_lens[i] += len(delta_text)
+                if not echo_only:
+                    previous_num_tokens[i] += len(output.token_ids)
+                if output.finish_reason is not None:
+                    finished[i] = True
+                if echo_only and output.finish_reason is None and not delta_text:
+                    continue
+                choice = CompletionResponseStreamChoice(
+                    index=i, text=delta_text, logprobs=logprobs,
+                    finish_reason=output.finish_reason, stop_reason=output.stop_reason,
+                    token_ids=list(output.token_ids) if request.return_token_ids else None,
+                    prompt_token_ids=(list(prompt_ids) if request.return_token_ids
+                                      and not sent_first[i] else None),
+                )
+                sent_first[i] = True
+                chunk = CompletionStreamResponse(id=request_id, created=created,
+                                                 model=model_name, choices=[choice])
+                exclude = {"usage"}
+                if include_continuous:
+                    pt = num_prompt_tokens[p_idx]
+                    chunk.usage = UsageInfo(prompt_tokens=pt,
+                                            completion_tokens=previous_num_tokens[i],
+                                            total_tokens=pt + previous_num_tokens[i])
+                    exclude = set()
+                yield sse(chunk.model_dump_json(exclude=exclude, exclude_none=False))
+
+        def on_end(stopping: bool) -> Iterator[str]:
+            if stopping:
+                yield from abort_unfinished(finished, lambda i: sse(CompletionStreamResponse(
+                    id=request_id, created=created, model=model_name,
+                    choices=[CompletionResponseStreamChoice(index=i, text="", finish_reason="abort")]
+                ).model_dump_json(exclude={"usage"}, exclude_none=False)))
             if include_usage:
                 pt = sum(num_prompt_tokens)
                 ct = sum(previous_num_tokens)
@@ -438,17 +413,14 @@ class OpenAIServingCompletion(OpenAIServing):
                 final = CompletionStreamResponse(id=request_id, created=created, model=model_name,
                                                  choices=[], usage=usage)
                 yield sse(final.model_dump_json())
-        except ValueError as e:
-            completed = True
-            err = value_error_to_openai(e)
-            yield sse(err.to_dict())
-        except Exception as e:  # engine died mid-stream
-            logger.exception("error in completion stream %s", request_id)
-            completed = True
-            yield sse(error_body(f"Internal server error: {e}", 500))
-        finally:
-            await self.finish(merged, rids, completed)
-        yield SSE_DONE
+
+        def on_error(e: Exception) -> Iterator[str]:
+            if not isinstance(e, ValueError):  # engine died mid-stream
+                logger.error("error in completion stream %s", request_id, exc_info=e)
+            yield sse(stream_error_body(e))
+
+        return self.stream_results(merged, rids, on_result=on_result, on_end=on_end, on_error=on_error,
+                                   done=SSE_DONE)
 
 
 def _infill_body(text: str, tokens: list[int], finish: Optional[str], stop_reason: Any, model: str,

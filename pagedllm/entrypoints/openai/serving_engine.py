@@ -6,7 +6,8 @@ import asyncio
 import dataclasses
 import json
 import logging
-from typing import Any, AsyncIterator, Callable, Optional, Sequence
+import time
+from typing import Any, AsyncIterator, Callable, Iterable, Iterator, Optional, Sequence
 
 import anyio
 from fastapi import Request
@@ -17,7 +18,7 @@ from starlette.types import Receive, Scope, Send
 from pagedllm.engine.core_request import EngineCoreRequest
 from pagedllm.engine.input_processor import InputProcessor, ProcessedPrompt
 from pagedllm.engine.protocol import EngineClient
-from pagedllm.entrypoints.openai.errors import OpenAIError, value_error_to_openai
+from pagedllm.entrypoints.openai.errors import OpenAIError, error_body, value_error_to_openai
 from pagedllm.entrypoints.openai.protocol import clamp_logprob, random_uuid
 
 logger = logging.getLogger("pagedllm.entrypoints.openai")
@@ -81,6 +82,42 @@ def sse(data: Any) -> str:
 
 
 SSE_DONE = "data: [DONE]\n\n"
+
+
+def abort_unfinished(finished: list[bool], chunk: Callable[[int], str]) -> Iterator[str]:
+    """Server shutdown cut a stream: ``chunk(i)`` (an event with finish_reason "abort", as vLLM
+    ends them) for every choice ``i`` not finished yet, which is then marked finished."""
+    for i, done in enumerate(finished):
+        if not done:
+            finished[i] = True
+            yield chunk(i)
+
+
+def final_outputs(outs: Sequence[Any], prompt_ids: list[int]) -> tuple[list[int], Any, dict[int, Any], int]:
+    """A non-streamed prompt's results (its ``RequestOutput`` s, in order) as (the prompt token ids:
+    the engine's when it reports them, else ``prompt_ids``; the prompt logprobs or None; sample
+    index -> that sample's last ``CompletionOutput`` (the whole answer: the server collects
+    cumulative / final-only outputs); cached prompt tokens, from the last output)."""
+    final: dict[int, Any] = {}
+    prompt_logprobs = None
+    num_cached = 0
+    for ro in outs:
+        if ro.prompt_token_ids:
+            prompt_ids = list(ro.prompt_token_ids)
+        if ro.prompt_logprobs is not None:
+            prompt_logprobs = ro.prompt_logprobs
+        num_cached = int(getattr(ro, "num_cached_tokens", 0) or 0)
+        for co in ro.outputs:
+            final[co.index] = co
+    return prompt_ids, prompt_logprobs, final, num_cached
+
+
+def stream_error_body(e: Exception) -> dict[str, Any]:
+    """The OpenAI error body an SSE stream ends with when ``e`` cut it: the 400 body of a
+    ``ValueError`` (``value_error_to_openai``), else a 500 "Internal server error: ..." one."""
+    if isinstance(e, ValueError):
+        return value_error_to_openai(e).to_dict()
+    return error_body(f"Internal server error: {e}", 500)
 
 
 class SSEResponse(StreamingResponse):
@@ -280,6 +317,15 @@ class OpenAIServing:
         if model and (model in self.served_model_names or self.lora_request(model) is not None):
             return model
         return self.served_model_names[0]
+
+    def begin_request(self, request: Any, raw_request: Optional[Request], prefix: str) -> tuple[str, int, str]:
+        """Check ``request.model`` (404 when not served) and name the request: returns
+        (request id ``{prefix}-{X-Request-Id or body request_id or a random id}``, recorded for the
+        response header; ``created``, Unix seconds; the model name the response reports)."""
+        self.check_model(request.model)
+        request_id = f"{prefix}-{base_request_id(raw_request, request.request_id)}"
+        record_request_id(raw_request, request_id)
+        return request_id, int(time.time()), self.response_model_name(request.model)
 
     def lora_request(self, model: Optional[str]) -> Any:
         """The LoRA adapter a request's ``model`` names (a ``LoRARequest``), or None (a base
@@ -582,6 +628,48 @@ class OpenAIServing:
                 await self.abort_requests(request_ids)
             self.inflight.difference_update(request_ids)
             self.inflight_streams.discard(merged)
+
+    async def stream_results(self, merged: MergedGenerators, request_ids: Sequence[str], *,
+                             on_result: Callable[[int, Any], Iterable[str]],
+                             on_end: Callable[[bool], Iterable[str]],
+                             on_error: Callable[[Exception], Iterable[str]],
+                             start: Callable[[], Iterable[str]] = lambda: (),
+                             done: Optional[str] = None) -> AsyncIterator[str]:
+        """The streaming loop every generate endpoint shares (chat, completions, responses,
+        Anthropic messages); the callbacks turn engine outputs into the endpoint's own events
+        (already-framed strings: ``sse(...)`` chunks or ``event:`` lines).
+
+        ``start()``: the events before the first output (a role chunk, ``message_start``).
+        ``on_result(prompt_index, RequestOutput)``: the events for one merged output.
+        ``on_end(stopping)``: the closing events once every generator is exhausted; ``stopping``
+        is True when server shutdown cut the stream (``MergedGenerators.stop``).
+        ``on_error(exc)``: the error events for an exception raised by any of the above or by
+        the engine (the callback logs it as it sees fit); the stream then ends normally.
+        ``done``: one last event after the cleanup (``SSE_DONE`` for the OpenAI endpoints);
+        not sent when the client went away.
+
+        Cleanup (``finish``) always runs: the generators are closed and, unless the stream got
+        to its end (or to an error event), the engine requests ``request_ids`` are aborted (a
+        client disconnect closes this generator at a ``yield``).
+        """
+        completed = False
+        try:
+            for event in start():
+                yield event
+            async for index, result in merged:
+                for event in on_result(index, result):
+                    yield event
+            for event in on_end(merged._stopping):
+                yield event
+            completed = True
+        except Exception as e:
+            completed = True
+            for event in on_error(e):
+                yield event
+        finally:
+            await self.finish(merged, request_ids, completed)
+        if done is not None:
+            yield done
 
     async def collect(self, merged: MergedGenerators, raw_request: Optional[Request],
                       request_ids: Sequence[str]) -> dict[int, list[Any]]:

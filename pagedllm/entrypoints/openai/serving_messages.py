@@ -14,21 +14,19 @@ from __future__ import annotations
 
 import json
 import logging
-from typing import Any, AsyncIterator, Optional
+from typing import Any, AsyncIterator, Iterator, Optional
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 from pydantic import ValidationError
 
-from pagedllm.entrypoints.openai.errors import (OpenAIError, format_validation_errors,
-                                                value_error_to_openai)
+from pagedllm.entrypoints.openai.errors import (OpenAIError, format_validation_errors)
 from pagedllm.entrypoints.openai.output_parser import OutputDelta
 from pagedllm.entrypoints.openai.protocol import ChatCompletionRequest
 from pagedllm.entrypoints.openai.protocol_anthropic import (AnthropicMessagesRequest,
                                                             anthropic_error_body)
 from pagedllm.entrypoints.openai.protocol_responses import new_id
-from pagedllm.entrypoints.openai.serving_chat import (ChatToolSetup, OpenAIServingChat,
-                                                      render_chat)
+from pagedllm.entrypoints.openai.serving_chat import (ChatToolSetup, OpenAIServingChat)
 from pagedllm.entrypoints.openai.serving_engine import ResponseBuilder
 
 logger = logging.getLogger("pagedllm.entrypoints.openai")
@@ -210,14 +208,7 @@ class AnthropicServingMessages:
         except ValidationError as e:
             raise _err("; ".join(str(x.get("msg", "")).removeprefix("Value error, ")
                                  for x in e.errors())) from None
-        setup = chat.setup_tools(chat_req)
-        try:
-            prompt_text = render_chat(chat, chat_req.messages, add_generation_prompt=True,
-                                      continue_final_message=False, chat_template=None,
-                                      chat_template_kwargs=chat_req.chat_template_kwargs,
-                                      tools=setup.tools or None)
-        except ValueError as e:
-            raise value_error_to_openai(e, "messages") from e
+        setup, prompt_text = chat.render_request(chat_req)
         if getattr(prompt_text, "images", None):
             return chat_req, setup, prompt_text, None  # the image processor tokenizes it (_run)
         return chat_req, setup, prompt_text, chat.encode(prompt_text, False)
@@ -292,14 +283,12 @@ class _MessageRun:
         stop, seq = self._stop(co, called)
         return self._message(content, stop, seq, len(co.token_ids), cached)
 
-    async def stream(self, merged: Any) -> AsyncIterator[str]:
-        chat = self.chat
+    def stream(self, merged: Any) -> AsyncIterator[str]:
         parser = self.setup.new_parser()
         blocks: list[str] = []  # the type of each block opened so far
         open_idx: Optional[int] = None
         call_blocks: dict[int, int] = {}
         num_tokens, cached, last = 0, 0, None
-        completed = False
 
         def ev(etype: str, **fields: Any) -> str:
             data = json.dumps({"type": etype, **fields}, ensure_ascii=False,
@@ -349,22 +338,21 @@ class _MessageRun:
                                   delta={"type": "input_json_delta", "partial_json": frag}))
             return evs
 
-        try:
+        def start() -> Iterator[str]:
             yield ev("message_start", message=self._message([], None, None, 0, 0))
             yield ev("ping")
-            async for _, res in merged:
-                cached = int(getattr(res, "num_cached_tokens", 0) or 0)
-                for co in res.outputs:
-                    num_tokens += len(co.token_ids)
-                    final = co.finish_reason is not None
-                    if final:
-                        last = co
-                    d = parser.feed(co.text, final) if parser.active else OutputDelta(
-                        content=co.text)
-                    for e in on_delta(d):
-                        yield e
-            for e in close():
-                yield e
+
+        def on_result(_: int, res: Any) -> Iterator[str]:
+            nonlocal num_tokens, cached, last
+            cached = int(getattr(res, "num_cached_tokens", 0) or 0)
+            for co in res.outputs:
+                num_tokens += len(co.token_ids)
+                if co.finish_reason is not None:
+                    last = co
+                yield from on_delta(parser.feed_output(co))
+
+        def on_end(_: bool) -> Iterator[str]:
+            yield from close()
             if last is None:  # cut short (server shutdown)
                 stop, seq = "end_turn", None
             else:
@@ -373,14 +361,14 @@ class _MessageRun:
                      usage={"output_tokens": num_tokens, "input_tokens": self.input_tokens,
                             "cache_read_input_tokens": cached})
             yield ev("message_stop")
-            completed = True
-        except Exception as e:
-            logger.exception("error in messages stream %s", self.msg_id)
-            completed = True
+
+        def on_error(e: Exception) -> Iterator[str]:
+            logger.error("error in messages stream %s", self.msg_id, exc_info=e)
             msg = e.message if isinstance(e, OpenAIError) else f"{type(e).__name__}: {e}"
             yield ev("error", error={"type": "api_error", "message": msg})
-        finally:
-            await chat.finish(merged, [self.msg_id], completed)
+
+        return self.chat.stream_results(merged, [self.msg_id], start=start, on_result=on_result,
+                                        on_end=on_end, on_error=on_error)
 
 
 def build_messages_router(serving: AnthropicServingMessages) -> APIRouter:

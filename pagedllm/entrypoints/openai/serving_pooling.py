@@ -36,7 +36,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import time
-from typing import Any, Literal, Optional, Union
+from typing import Any, Callable, Literal, Optional, Union
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
@@ -285,69 +285,52 @@ def build_pooling_router(engine: EngineClient, served_model_names: Optional[list
         except ValueError as e:
             return _wrap(e).to_response()
 
+    async def pool_list(request: Any, raw_request: Request, prefix: str, what: str, task: str,
+                        item: Callable[[Any], dict], **params: Any) -> JSONResponse:
+        """One pooling run of ``request.input`` for ``task``, answered as an OpenAI list:
+        ``{"index": i, **item(output)}`` a prompt, and the prompt tokens as usage."""
+        rid = _request_id(raw_request, prefix)
+        model = h.check(request.model, what)
+        prompts = to_prompts(request.input)
+        use_act = _use_activation(request)
+        mk = lambda: PoolingParams(use_activation=use_act,  # noqa: E731
+                                   truncate_prompt_tokens=request.truncate_prompt_tokens, **params)
+        mk()  # parameter errors before any work
+        outs = await h.run(prompts, mk, task, rid, request.add_special_tokens, model=request.model)
+        data = [{"index": i, **item(o)} for i, o in enumerate(outs)]
+        n = sum(len(o.prompt_token_ids) for o in outs)
+        return JSONResponse({"id": rid, "object": "list", "created": int(time.time()),
+                             "model": model, "data": data, "usage": _usage(n)})
+
+    def vector(request: Any) -> Callable[[Any], Any]:
+        """An output's vector as the request's ``encoding_format`` asks (base64 or a list)."""
+        if request.encoding_format == "base64":
+            return lambda o: encode_base64(o.outputs.data)
+        return lambda o: o.outputs.data.tolist()
+
+    def classification(o: Any) -> dict:
+        probs = o.outputs.data.float().reshape(-1).tolist()
+        best = max(range(len(probs)), key=probs.__getitem__)
+        return {"label": h.pooler.label(best), "probs": probs, "num_classes": len(probs)}
+
     @router.post("/v1/embeddings")
     async def create_embedding(request: EmbeddingRequest, raw_request: Request):
-        async def go():
-            rid = _request_id(raw_request, "embd")
-            model = h.check(request.model, "embeddings")
-            prompts = to_prompts(request.input)
-            use_act = _use_activation(request)
-            mk = lambda: PoolingParams(dimensions=request.dimensions, use_activation=use_act,  # noqa: E731
-                                       truncate_prompt_tokens=request.truncate_prompt_tokens)
-            mk()  # parameter errors before any work
-            outs = await h.run(prompts, mk, "embed", rid, request.add_special_tokens, model=request.model)
-            data = []
-            for i, o in enumerate(outs):
-                emb = encode_base64(o.outputs.data) if request.encoding_format == "base64" else o.outputs.data.tolist()
-                data.append({"index": i, "object": "embedding", "embedding": emb})
-            n = sum(len(o.prompt_token_ids) for o in outs)
-            return JSONResponse({"id": rid, "object": "list", "created": int(time.time()),
-                                 "model": model, "data": data, "usage": _usage(n)})
-        return await guarded(go)
+        vec = vector(request)
+        return await guarded(lambda: pool_list(
+            request, raw_request, "embd", "embeddings", "embed",
+            lambda o: {"object": "embedding", "embedding": vec(o)}, dimensions=request.dimensions))
 
     @router.post("/pooling")
     async def create_pooling(request: PoolingRequest, raw_request: Request):
-        async def go():
-            rid = _request_id(raw_request, "pool")
-            model = h.check(request.model, "pooling")
-            prompts = to_prompts(request.input)
-            task = request.task or "encode"
-            use_act = _use_activation(request)
-            mk = lambda: PoolingParams(  # noqa: E731
-                dimensions=request.dimensions, use_activation=use_act,
-                truncate_prompt_tokens=request.truncate_prompt_tokens)
-            mk()
-            outs = await h.run(prompts, mk, task, rid, request.add_special_tokens, model=request.model)
-            data = []
-            for i, o in enumerate(outs):
-                val = encode_base64(o.outputs.data) if request.encoding_format == "base64" else o.outputs.data.tolist()
-                data.append({"index": i, "object": "pooling", "data": val})
-            n = sum(len(o.prompt_token_ids) for o in outs)
-            return JSONResponse({"id": rid, "object": "list", "created": int(time.time()),
-                                 "model": model, "data": data, "usage": _usage(n)})
-        return await guarded(go)
+        vec = vector(request)
+        return await guarded(lambda: pool_list(
+            request, raw_request, "pool", "pooling", request.task or "encode",
+            lambda o: {"object": "pooling", "data": vec(o)}, dimensions=request.dimensions))
 
     @router.post("/classify")
     async def create_classify(request: ClassificationRequest, raw_request: Request):
-        async def go():
-            rid = _request_id(raw_request, "classify")
-            model = h.check(request.model, "classification")
-            prompts = to_prompts(request.input)
-            use_act = _use_activation(request)
-            mk = lambda: PoolingParams(use_activation=use_act,  # noqa: E731
-                                       truncate_prompt_tokens=request.truncate_prompt_tokens)
-            mk()
-            outs = await h.run(prompts, mk, "classify", rid, request.add_special_tokens, model=request.model)
-            data = []
-            for i, o in enumerate(outs):
-                probs = o.outputs.data.float().reshape(-1).tolist()
-                best = max(range(len(probs)), key=probs.__getitem__)
-                data.append({"index": i, "label": h.pooler.label(best), "probs": probs,
-                             "num_classes": len(probs)})
-            n = sum(len(o.prompt_token_ids) for o in outs)
-            return JSONResponse({"id": rid, "object": "list",
-                                 "created": int(time.time()), "model": model, "data": data, "usage": _usage(n)})
-        return await guarded(go)
+        return await guarded(lambda: pool_list(request, raw_request, "classify", "classification", "classify",
+                                               classification))
 
     async def score(request: ScoreRequest, raw_request: Request):
         async def go():

@@ -18,21 +18,19 @@ import asyncio
 import json
 import logging
 import time
-from typing import Any, AsyncIterator, Optional
+from typing import Any, AsyncIterator, Iterator, Optional
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 from pydantic import ValidationError
 
 from pagedllm.entrypoints.openai.errors import OpenAIError, value_error_to_openai
-from pagedllm.entrypoints.openai.output_parser import OutputDelta
 from pagedllm.entrypoints.openai.protocol import ChatCompletionRequest
 from pagedllm.entrypoints.openai.protocol_responses import (
     ResponsesRequest, function_call_item, message_item, new_id, output_text_part, reasoning_item,
     response_dict, usage_dict)
 from pagedllm.entrypoints.openai.response_store import ResponseStore, StoredResponse
-from pagedllm.entrypoints.openai.serving_chat import (ChatToolSetup, OpenAIServingChat,
-                                                      render_chat)
+from pagedllm.entrypoints.openai.serving_chat import (ChatToolSetup, OpenAIServingChat)
 from pagedllm.entrypoints.openai.serving_engine import (ResponseBuilder, require_generate_runner)
 from pagedllm.entrypoints.openai.tool_calling import check_json_schema, constrain_to_json
 
@@ -239,14 +237,7 @@ class OpenAIServingResponses:
         if not messages:
             raise OpenAIError("`input` must not be empty.", 400, "input")
         chat_req = self._chat_request(request, messages)
-        setup = chat.setup_tools(chat_req)
-        try:
-            prompt_text = render_chat(chat, chat_req.messages, add_generation_prompt=True,
-                                      continue_final_message=False, chat_template=None,
-                                      chat_template_kwargs=chat_req.chat_template_kwargs,
-                                      tools=setup.tools or None)
-        except ValueError as e:
-            raise value_error_to_openai(e, "input") from e
+        setup, prompt_text = chat.render_request(chat_req, "input")
         # NOTE: the engine's field names as this endpoint calls them.
         rename = {"prompt": "input", "max_tokens": "max_output_tokens", "logprobs": "top_logprobs"}
         pp = chat.process_prompt(prompt_text, add_special_tokens=False, rename=rename)
@@ -390,8 +381,7 @@ class _Run:
         return JSONResponse(queued)
 
     # ---- streaming ---------------------------------------------------------------------
-    async def stream(self, merged: Any) -> AsyncIterator[str]:
-        chat = self.serving.chat
+    def stream(self, merged: Any) -> AsyncIterator[str]:
         seq = 0
         parser = self.setup.new_parser()
         output: list[dict[str, Any]] = []
@@ -399,7 +389,6 @@ class _Run:
         call_items: dict[int, dict[str, Any]] = {}
         reasoning_text = ""
         num_tokens, cached, finish = 0, 0, None
-        completed = False
 
         def ev(etype: str, **fields: Any) -> str:
             nonlocal seq
@@ -479,29 +468,27 @@ class _Run:
                                   output_index=output.index(item), delta=frag))
             return evs
 
-        try:
-            start = self.response("in_progress", [])
-            yield ev("response.created", response=start)
-            yield ev("response.in_progress", response=start)
-            async for _, res in merged:
-                cached = int(getattr(res, "num_cached_tokens", 0) or 0)
-                for co in res.outputs:
-                    num_tokens += len(co.token_ids)
-                    final = co.finish_reason is not None
-                    if final:
-                        finish = co.finish_reason
-                    d = (parser.feed(co.text, final) if parser.active
-                         else OutputDelta(content=co.text))
-                    for e in on_delta(d):
-                        yield e
+        def start() -> Iterator[str]:
+            resp = self.response("in_progress", [])
+            yield ev("response.created", response=resp)
+            yield ev("response.in_progress", response=resp)
+
+        def on_result(_: int, res: Any) -> Iterator[str]:
+            nonlocal num_tokens, cached, finish
+            cached = int(getattr(res, "num_cached_tokens", 0) or 0)
+            for co in res.outputs:
+                num_tokens += len(co.token_ids)
+                if co.finish_reason is not None:
+                    finish = co.finish_reason
+                yield from on_delta(parser.feed_output(co))
+
+        def on_end(stopping: bool) -> Iterator[str]:
             if not output:  # an empty answer is still one (empty) message
-                for e in open_(message_item(new_id("msg"), "")):
-                    yield e
+                yield from open_(message_item(new_id("msg"), ""))
                 open_item["content"] = [output_text_part("")]
-            for e in close():
-                yield e
+            yield from close()
             usage = self._usage(num_tokens, cached, reasoning_text or None)
-            if merged._stopping or finish is None:
+            if stopping or finish is None:
                 resp = self.response("incomplete", output, usage, "cancelled")
                 yield ev("response.incomplete", response=resp)
             elif finish == "length":
@@ -510,16 +497,16 @@ class _Run:
             else:
                 resp = self.response("completed", output, usage)
                 yield ev("response.completed", response=resp)
-            completed = True
             self.save(resp)
-        except Exception as e:
-            logger.exception("error in responses stream %s", self.response_id)
-            completed = True
+
+        def on_error(e: Exception) -> Iterator[str]:
+            logger.error("error in responses stream %s", self.response_id, exc_info=e)
             msg = e.message if isinstance(e, OpenAIError) else f"{type(e).__name__}: {e}"
             yield ev("response.failed", response=self.response(
                 "failed", output, error={"code": "server_error", "message": msg}))
-        finally:
-            await chat.finish(merged, [self.response_id], completed)
+
+        return self.serving.chat.stream_results(merged, [self.response_id], start=start,
+                                                on_result=on_result, on_end=on_end, on_error=on_error)
 
 
 def build_responses_router(serving: OpenAIServingResponses) -> APIRouter:

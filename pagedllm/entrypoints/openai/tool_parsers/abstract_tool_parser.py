@@ -132,6 +132,41 @@ class ToolParse:
     calls: list[PartialToolCall] = field(default_factory=list)
 
 
+def scan_tagged_calls(text: str, final: bool, start_token: str, end_token: str,
+                      parse_call: Callable[[str, int, bool], PartialToolCall]) -> ToolParse:
+    """Split ``text`` into content and the calls written as ``start_token BODY end_token``
+    (Hermes' ``<tool_call>``, Qwen3-Coder's XML calls).
+
+    ``parse_call(body, start, closed)`` makes one call: ``start`` is the offset of its start
+    token (a stable key for ``ToolParser.partial``); ``closed`` is False for the last call when
+    its end token has not come yet. While ``final`` is False, a trailing prefix of a marker (of
+    ``start_token`` after the content, of ``end_token`` in an open call) is held back.
+    """
+    content: list[str] = []
+    calls = []
+    pos = 0
+    while True:
+        s = text.find(start_token, pos)
+        if s < 0:
+            rest = text[pos:]
+            if not final:
+                rest = rest[: len(rest) - held_marker_prefix(rest, (start_token,))]
+            content.append(rest)
+            break
+        content.append(text[pos:s])
+        body_start = s + len(start_token)
+        e = text.find(end_token, body_start)
+        if e < 0:
+            body = text[body_start:]
+            if not final:
+                body = body[: len(body) - held_marker_prefix(body, (end_token,))]
+            calls.append(parse_call(body, s, False))
+            break
+        calls.append(parse_call(text[body_start:e], s, True))
+        pos = e + len(end_token)
+    return ToolParse("".join(content), calls)
+
+
 def call_from_object(obj: Any, args_keys: Sequence[str] = ("arguments", "parameters")
                      ) -> PartialToolCall:
     """A complete call from a decoded ``{"name": str, "arguments": {...}}`` object.

@@ -18,8 +18,7 @@ from __future__ import annotations
 import json
 
 from pagedllm.entrypoints.openai.tool_parsers.abstract_tool_parser import (
-    ToolParse, ToolParser, ToolParserManager, call_from_object, held_marker_prefix,
-    partial_call_from_json)
+    ToolParse, ToolParser, ToolParserManager, call_from_object, partial_call_from_json, scan_tagged_calls)
 
 
 @ToolParserManager.register_module("hermes")
@@ -29,28 +28,9 @@ class Hermes2ProToolParser(ToolParser):
     markers = (start_token, end_token)
 
     def parse(self, text: str, final: bool) -> ToolParse:
-        content: list[str] = []
-        calls = []
-        pos = 0
-        while True:
-            s = text.find(self.start_token, pos)
-            if s < 0:
-                rest = text[pos:]
-                if not final:
-                    rest = rest[: len(rest) - held_marker_prefix(rest, (self.start_token,))]
-                content.append(rest)
-                break
-            content.append(text[pos:s])
-            body_start = s + len(self.start_token)
-            e = text.find(self.end_token, body_start)
-            if e < 0:
-                body = text[body_start:]
-                if final:
-                    calls.append(call_from_object(json.loads(body)))
-                else:
-                    body = body[: len(body) - held_marker_prefix(body, (self.end_token,))]
-                    calls.append(self.partial(s, body, partial_call_from_json))
-                break
-            calls.append(call_from_object(json.loads(text[body_start:e])))
-            pos = e + len(self.end_token)
-        return ToolParse("".join(content), calls)
+        def call(body: str, start: int, closed: bool):
+            if closed or final:
+                return call_from_object(json.loads(body))
+            return self.partial(start, body, partial_call_from_json)
+
+        return scan_tagged_calls(text, final, self.start_token, self.end_token, call)

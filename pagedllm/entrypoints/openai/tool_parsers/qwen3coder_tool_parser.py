@@ -28,7 +28,7 @@ import json
 from typing import Any, Optional
 
 from pagedllm.entrypoints.openai.tool_parsers.abstract_tool_parser import (
-    PartialToolCall, ToolParse, ToolParser, ToolParserManager, held_marker_prefix)
+    PartialToolCall, ToolParse, ToolParser, ToolParserManager, held_marker_prefix, scan_tagged_calls)
 
 _FN = "<function="
 _FN_END = "</function>"
@@ -145,26 +145,5 @@ class Qwen3CoderToolParser(ToolParser):
         return PartialToolCall(name=name, arguments=args, complete=complete)
 
     def parse(self, text: str, final: bool) -> ToolParse:
-        content: list[str] = []
-        calls = []
-        pos = 0
-        while True:
-            s = text.find(self.start_token, pos)
-            if s < 0:
-                rest = text[pos:]
-                if not final:
-                    rest = rest[: len(rest) - held_marker_prefix(rest, (self.start_token,))]
-                content.append(rest)
-                break
-            content.append(text[pos:s])
-            body_start = s + len(self.start_token)
-            e = text.find(self.end_token, body_start)
-            if e < 0:
-                body = text[body_start:]
-                if not final:
-                    body = body[: len(body) - held_marker_prefix(body, (self.end_token,))]
-                calls.append(self._parse_call(body, complete=final))
-                break
-            calls.append(self._parse_call(text[body_start:e], complete=True))
-            pos = e + len(self.end_token)
-        return ToolParse("".join(content), calls)
+        return scan_tagged_calls(text, final, self.start_token, self.end_token,
+                                 lambda body, _, closed: self._parse_call(body, complete=closed or final))
