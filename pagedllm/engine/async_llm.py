@@ -279,6 +279,11 @@ class AsyncLLM:
         now = time.monotonic()
         if self._idle_since is None:
             self._idle_since, self._idle_released = now, False
+            if self._idle_release_s > 0:  # the batch just emptied: drop the burst's workspace (issue 30)
+                try:
+                    eng.core.executor.collective_rpc("trim_workspace")
+                except Exception:  # NOTE: a worker without it (or a dead rank): the idle release still runs
+                    logger.debug("trim_workspace failed", exc_info=True)
             return
         if self._idle_released or self._idle_release_s <= 0 or now - self._idle_since < self._idle_release_s:
             return

@@ -618,6 +618,21 @@ class Worker:
         self._trim_workspace(so)
         return out if self.is_output_rank else None
 
+    def trim_workspace(self) -> int:
+        """Give the last steps' freed workspace back now (CPU; a server calls this when its batch
+        empties): the caching allocator's free blocks down to ``WORKSPACE_KEEP_BYTES`` (32 MiB,
+        largest first) and glibc's free heap. Cheaper than ``release_idle_memory`` (KV pages and
+        the kept blocks stay). Returns resident bytes released (RSS before minus after)."""
+        if self.device.type != "cpu":
+            return 0
+        from pagedllm.metrics.memory import WorkspaceTrimmer, resident_memory_bytes
+
+        before = resident_memory_bytes()
+        trimmer = getattr(self, "workspace_trimmer", None) or WorkspaceTrimmer()
+        trimmer.trim()
+        trimmer.dirty = False
+        return max(0, before - resident_memory_bytes())
+
     def _trim_workspace(self, so: SchedulerOutput) -> None:
         """CPU: after the first decode-sized step that follows a prefill chunk, give the chunk's
         freed workspace back (``pagedllm.metrics.memory.WorkspaceTrimmer``: allocator cache down to
