@@ -37,6 +37,8 @@ import httpx
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))
 from server_helpers import free_port  # noqa: E402
 
+from pagedllm.metrics.memory import smaps_breakdown  # noqa: E402
+
 MiB = 1 << 20
 
 
@@ -79,6 +81,7 @@ def snapshot(pid: int, base: str) -> dict:
     out = {"rss_mib": round(st["VmRSS"] / MiB, 1), "rss_anon_mib": round(st.get("RssAnon", 0) / MiB, 1),
            "peak_rss_mib": round(st["VmHWM"] / MiB, 1)}
     out.update(smaps_rollup(pid))
+    out["smaps_mib"] = {k: round(v / MiB, 1) for k, v in smaps_breakdown(pid).items()}
     for name in ("kv_cache_bytes", "kv_cache_committed_bytes", "weight_bytes", "cpu_allocator_cached_bytes",
                  "weight_file_bytes", "weight_mapped_bytes"):
         v = metric(text, name)

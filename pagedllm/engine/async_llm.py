@@ -134,7 +134,9 @@ class AsyncLLM:
         self.pooler = self.engine.pooler
         self.default_sampling_params = dict(self.engine.default_sampling_params)
         self.kv_capacity_tokens = self.engine.core.kv_capacity_tokens
-        if self.engine.core.structured_output_manager is not None:
+        # NOTE: opt-in (issue 30): the tokenizer tables cost 173 MiB resident for Gemma 3's 262k vocab.
+        if (self.engine.core.structured_output_manager is not None
+                and os.environ.get("PAGEDLLM_STRUCTURED_OUTPUTS_PREWARM", "0") == "1"):
             self.engine.core.structured_output_manager.prewarm()
         self.stat_loggers: list[Any] = []
         self._last_stats: dict = self.engine.core.get_scheduler_stats()
@@ -277,6 +279,11 @@ class AsyncLLM:
         now = time.monotonic()
         if self._idle_since is None:
             self._idle_since, self._idle_released = now, False
+            if self._idle_release_s > 0:  # the batch just emptied: drop the burst's workspace (issue 30)
+                try:
+                    eng.core.executor.collective_rpc("trim_workspace")
+                except Exception:  # NOTE: a worker without it (or a dead rank): the idle release still runs
+                    logger.debug("trim_workspace failed", exc_info=True)
             return
         if self._idle_released or self._idle_release_s <= 0 or now - self._idle_since < self._idle_release_s:
             return

@@ -605,6 +605,7 @@ class Worker:
         conn = getattr(self, "kv_connector", None)
         if conn is None or so.kv_connector_metadata is None:
             out = self.runner.execute(so)
+            self._trim_workspace(so)
             return out if self.is_output_rank else None
         conn.bind_connector_metadata(so.kv_connector_metadata)
         conn.start_load_kv(None)
@@ -614,7 +615,35 @@ class Worker:
             out.kv_connector_output = conn.get_connector_output()
         finally:
             conn.clear_connector_metadata()
+        self._trim_workspace(so)
         return out if self.is_output_rank else None
+
+    def trim_workspace(self) -> int:
+        """Give the last steps' freed workspace back now (CPU; a server calls this when its batch
+        empties): the caching allocator's free blocks down to ``WORKSPACE_KEEP_BYTES`` (32 MiB,
+        largest first) and glibc's free heap. Cheaper than ``release_idle_memory`` (KV pages and
+        the kept blocks stay). Returns resident bytes released (RSS before minus after)."""
+        if self.device.type != "cpu":
+            return 0
+        from pagedllm.metrics.memory import WorkspaceTrimmer, resident_memory_bytes
+
+        before = resident_memory_bytes()
+        trimmer = getattr(self, "workspace_trimmer", None) or WorkspaceTrimmer()
+        trimmer.trim()
+        trimmer.dirty = False
+        return max(0, before - resident_memory_bytes())
+
+    def _trim_workspace(self, so: SchedulerOutput) -> None:
+        """CPU: after the first decode-sized step that follows a prefill chunk, give the chunk's
+        freed workspace back (``pagedllm.metrics.memory.WorkspaceTrimmer``: allocator cache down to
+        32 MiB, glibc heap trimmed), so a long prompt does not leave it resident."""
+        if self.device.type != "cpu":
+            return
+        trimmer = getattr(self, "workspace_trimmer", None)
+        if trimmer is None:
+            from pagedllm.metrics.memory import WorkspaceTrimmer
+            trimmer = self.workspace_trimmer = WorkspaceTrimmer()
+        trimmer.step(so.total_num_scheduled_tokens, len(so.scheduled))
 
     def check_health(self) -> None:
         """Nothing to check in-process (a dead rank is the executor's to detect)."""

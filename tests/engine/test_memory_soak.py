@@ -222,6 +222,10 @@ def test_idle_server_engine_returns_its_free_blocks(monkeypatch, caplog):
         assert eng.get_memory_stats()["kv_cache_committed_bytes"] == 8 * MiB // block * block
         assert any("reserved (0.0 MiB committed now" in r.getMessage() for r in caplog.records)
         after = cpu_allocator_stats()
+        # The prefill chunk's workspace went back at the first decode step, and what was left
+        # when the batch emptied (Worker.trim_workspace), before the idle release.
+        trimmer = eng.engine.core.executor.driver_worker.workspace_trimmer
+        assert trimmer.trims >= 2 and not trimmer.dirty, trimmer.trims
         if after:  # the caching allocator is installed (C++ kernels built)
             assert mid > 0, "the burst's activations should have left free blocks in the cache"
             assert after["cached_bytes"] == 0

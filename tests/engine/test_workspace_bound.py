@@ -39,3 +39,14 @@ def test_long_prompt_does_not_grow_the_workspace(smollm2_path):
     heads = cfg.num_attention_heads + cfg.num_key_value_heads
     context_part = longer * (2 * heads * head_dim * 4 + PREFILL_Q_BLOCK * 5)
     assert cached[6 * chunk] <= cached[2 * chunk] + context_part + 4 * MiB, cached
+    # Once decode-only steps follow, the chunk's workspace is given back (issue 30.4,
+    # ``WorkspaceTrimmer``): trimmed once, to at most WORKSPACE_KEEP_BYTES plus what the later
+    # decode steps freed.
+    from pagedllm.metrics.memory import WORKSPACE_KEEP_BYTES
+
+    trimmer = llm.llm_engine.core.executor.driver_worker.workspace_trimmer
+    trims = trimmer.trims
+    ids = [(i * 7919) % 40000 + 100 for i in range(6 * chunk)]
+    llm.generate([{"prompt_token_ids": ids}], SamplingParams(temperature=0, max_tokens=3), use_tqdm=False)
+    assert trimmer.trims == trims + 1 and not trimmer.dirty
+    assert cpu_allocator_stats()["cached_bytes"] <= WORKSPACE_KEEP_BYTES + 4 * MiB
