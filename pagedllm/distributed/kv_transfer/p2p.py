@@ -281,6 +281,9 @@ class P2pConnector(OffloadingConnector):
         ValueError: a bad extra-config value, or a producer that cannot listen on kv_ip:kv_port.
     """
 
+    #: ``get_kv_connector_stats`` may be called from any thread (/metrics reads it live).
+    stats_thread_safe = True
+
     def __init__(self, config: Any, role: KVConnectorRole, layout: KVCacheLayout) -> None:
         from pagedllm.distributed.kv_transfer.base import KVConnectorBase_V1
 
@@ -476,9 +479,10 @@ class P2pConnector(OffloadingConnector):
         assert len(blocks) == n and f.start + n <= len(f.blocks), (n, len(blocks), f.start, len(f.blocks))
         for i, b in enumerate(blocks):
             self._loads.append((b.block_id, f.blocks[f.start + i]))
-        self.recv.loads += n
-        self.recv.load_bytes += n * self.block_bytes
-        self.hit_tokens += num_external_tokens
+        with self._lock:
+            self.recv.loads += n
+            self.recv.load_bytes += n * self.block_bytes
+            self.hit_tokens += num_external_tokens
 
     def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, Optional[dict]]:
         rid = request.request_id
