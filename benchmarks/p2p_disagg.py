@@ -152,17 +152,12 @@ def main() -> None:
                 time.sleep(0.2)
         _tokens(base, [5, 6, 7])
         want_same_threads = _tokens(prod.base, check)  # one instance at the decoder's thread count
-        check2 = [random.Random(4).randrange(1000, 40000) for _ in range(a.prefill_len)]
-        want2 = _tokens(cons.base, check2)
         out["modes"]["disagg"] = {"solo": _phase(base, a, random.Random(2), 0),
                                   "loaded": _phase(base, a, random.Random(3), a.prefills)}
         got = _tokens(base, check)
         # NOTE: the same thread count gives the same GEMM reduction order; a 2-thread instance may not
         out["same_tokens_as_one_instance_same_threads"] = got == want_same_threads
         out["same_tokens_as_one_instance_2x_threads"] = got == want
-        # and a prompt the decoder already computed itself, now prefilled remotely
-        cons_before = _tokens(base, check2)
-        out["same_tokens_as_decoder_alone"] = cons_before == want2
         out["decoder_hit_tokens"] = cons.metric("pagedllm:kv_tier_hit_tokens_total")
         out["decoder_loaded_bytes"] = cons.metric("pagedllm:kv_tier_load_bytes_total")
         out["transfer_failures"] = sum(
