@@ -118,6 +118,8 @@ class Scheduler:
         self.long_prefill_token_threshold = long_prefill_token_threshold
         self.max_loras = max_loras
         self.connector = connector
+        # Waiting requests skipped in the last schedule() because their KV is still arriving.
+        self.num_waiting_for_remote_kvs = 0
         self.debug = bool(envs.get("PAGEDLLM_DEBUG")) if debug is None else debug
         self.requests: dict[str, Request] = {}
         self.waiting: deque[Request] = deque()
@@ -338,6 +340,7 @@ class Scheduler:
 
         # 2. Waiting requests in queue order: FCFS, or (priority, arrival) (not in a step that had
         # to preempt: no thrashing).
+        self.num_waiting_for_remote_kvs = 0
         if not preempted:
             skipped: list[Request] = []  # grammars still compiling: they keep their place
             # LoRA: adapters of the running set (at most max_loras distinct ones).
@@ -363,7 +366,12 @@ class Scheduler:
                 hit_blocks, num_hit = mgr.get_computed_blocks(req)
                 num_ext = 0
                 if self.connector is not None and not mgr.skip_lookup(req):
-                    num_ext = self.connector.get_num_new_matched_tokens(req, num_hit)[0] or 0
+                    ext = self.connector.get_num_new_matched_tokens(req, num_hit)[0]
+                    if ext is None:  # KV still arriving (P2pConnector): it keeps its place
+                        self.num_waiting_for_remote_kvs += 1
+                        skipped.append(self.waiting.popleft())
+                        continue
+                    num_ext = ext
                 req.num_computed_tokens = 0
                 num_new = min(self._cap(req.num_tokens - num_hit - num_ext), budget)
                 if req.mm_features:

@@ -464,9 +464,9 @@ class EngineCore:
             return self._step_with_batch_queue()
         so = self._schedule()
         runner_out = self.executor.execute_model(so)
-        if so.is_empty and self.scheduler.num_waiting_for_fsm():
-            # NOTE: only grammars still compiling: yield the CPU to the compile threads instead
-            # of spinning through empty steps.
+        if so.is_empty and (self.scheduler.num_waiting_for_fsm() or self.scheduler.num_waiting_for_remote_kvs):
+            # NOTE: only grammars still compiling (or KV transfers arriving): yield the CPU to the
+            # compile (fetch) threads instead of spinning through empty steps.
             time.sleep(0.002)
         # NOTE: an empty step too: it returns the outputs of requests finished inside
         # schedule() (a grammar that failed to compile).

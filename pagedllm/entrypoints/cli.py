@@ -103,7 +103,7 @@ def build_parser() -> argparse.ArgumentParser:
         prog="pagedllm", description="pagedllm: paged-KV-cache LLM serving with vLLM's API")
     parser.add_argument("--version", action="store_true", help="Print the version and exit.")
     subparsers: dict[str, argparse.ArgumentParser] = {}
-    sub = parser.add_subparsers(dest="cmd", metavar="{serve,chat,complete,run,run-batch,bench,simulate,router}")
+    sub = parser.add_subparsers(dest="cmd", metavar="{serve,chat,complete,run,run-batch,bench,simulate,router,disagg-proxy}")
     _add_subcommand(sub, subparsers, "serve", "serve a model behind an OpenAI-compatible HTTP API",
                     "Serve a model behind an OpenAI-compatible HTTP API (vLLM's `vllm serve` "
                     "flags). --help=listgroup lists the flag groups, --help=<group> shows "
@@ -133,6 +133,11 @@ def build_parser() -> argparse.ArgumentParser:
                     "`pagedllm serve` replicas: forwards requests and streams unchanged, "
                     "routes by the prefix the replicas' KV events say they hold "
                     "(--policy prefix), or by load, round-robin or session.", add_router_args)
+    from pagedllm.entrypoints.disagg_proxy import add_disagg_proxy_args
+    _add_subcommand(sub, subparsers, "disagg-proxy", "route each request to a prefill instance, then a decode instance",
+                    "Disaggregated prefill/decode (docs/kv_connector.md): each request is "
+                    "prefilled by a P2pConnector kv_producer (max_tokens 1), then decoded by a "
+                    "kv_consumer that loads the prompt's KV from it.", add_disagg_proxy_args)
     parser.subcommand_parsers = subparsers  # type: ignore[attr-defined]
     return parser
 
@@ -209,6 +214,13 @@ def main(argv: Optional[list[str]] = None) -> int:
         except ValueError as e:
             return fail("pagedllm router", str(e))
         return run_router(args, ra)
+    if args.cmd == "disagg-proxy":
+        from pagedllm.entrypoints.disagg_proxy import build_disagg_proxy, run_disagg_proxy
+        try:
+            build_disagg_proxy(args)
+        except ValueError as e:
+            return fail("pagedllm disagg-proxy", str(e))
+        return run_disagg_proxy(args)
     if args.cmd == "run-batch":
         from pagedllm.entrypoints.openai.run_batch import run_batch_main
         return run_batch_main(args)

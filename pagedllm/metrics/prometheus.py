@@ -48,7 +48,10 @@ P:kv_tier_evicted_blocks_total, P:kv_tier_errors_total (unreadable/corrupt/forei
 writes), P:kv_tier_dropped_blocks_total (not stored: over the bound or the write queue),
 P:kv_tier_hit_tokens_total (prompt tokens loaded instead of computed),
 P:kv_tier_load_seconds_total (time spent finding and reading blocks); gauges P:kv_tier_blocks,
-P:kv_tier_bytes (held now) and P:kv_tier_capacity_bytes (the bound).
+P:kv_tier_bytes (held now) and P:kv_tier_capacity_bytes (the bound). P2pConnector (disaggregated
+prefill/decode) reports tiers "p2p_send" (a producer's staging buffer) and "p2p_recv" (a
+consumer), and P:kv_transfer_requests_total{event} (staged, sent, released, expired, evicted,
+received, failed, release_sent).
 With the ``vllm`` prefix, also vLLM's deprecated names that its example Grafana dashboard
 (examples/online_serving/prometheus_grafana/grafana.json) still reads: vllm:gpu_cache_usage_perc
 (= kv_cache_usage_perc) and vllm:time_per_output_token_seconds (= inter_token_latency_seconds).
@@ -546,3 +549,10 @@ class _KVTierCollector:
                                 labels=["model_name"])
         c.add_metric([m], st.get("load_seconds", 0.0))
         yield c
+        if "transfers" in st:  # P2pConnector: per-request KV transfers by event
+            c = CounterMetricFamily(p + "kv_transfer_requests", "P2P KV transfers by event (staged, sent, released, "
+                                    "expired, evicted on a producer; received, failed, release_sent on a consumer).",
+                                    labels=["model_name", "event"])
+            for ev, n in st["transfers"].items():
+                c.add_metric([m, ev], n)
+            yield c

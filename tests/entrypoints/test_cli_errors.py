@@ -92,8 +92,8 @@ def test_serve_parses_suffixed_lengths():
     (("bench", "throughput", "--zzz"),
      "pagedllm bench throughput: error: unrecognized arguments: --zzz (see 'pagedllm bench throughput --help')"),
     (("frob",),
-     "pagedllm: error: argument {serve,chat,complete,run,run-batch,bench,simulate,router}: invalid choice: 'frob' "
-     "(choose from serve, chat, complete, run, run-batch, bench, simulate, router) (see 'pagedllm --help')"),
+     "pagedllm: error: argument {serve,chat,complete,run,run-batch,bench,simulate,router,disagg-proxy}: invalid choice: 'frob' "
+     "(choose from serve, chat, complete, run, run-batch, bench, simulate, router, disagg-proxy) (see 'pagedllm --help')"),
     (("run-batch", "-i", "in.jsonl"),
      "pagedllm run-batch: error: the following arguments are required: -o/--output-file "
      "(see 'pagedllm run-batch --help')"),
@@ -255,7 +255,7 @@ def test_bench_serve_without_server():
 def test_kv_tier_flag_errors():
     _one_line_error(("serve", "--kv-transfer-config", '{"kv_connector": "Nope"}'),
                     "pagedllm serve: error: kv_transfer_config.kv_connector: unknown connector 'Nope'; "
-                    "registered: ['OffloadingConnector']")
+                    "registered: ['OffloadingConnector', 'P2pConnector']")
     _one_line_error(("serve", "--kv-offloading-size", "0"),
                     "pagedllm serve: error: argument --kv-offloading-size: expected a positive number, got '0' "
                     "(see 'pagedllm serve --help')")

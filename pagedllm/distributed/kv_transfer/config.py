@@ -27,12 +27,19 @@ class KVTransferConfig:
             rename; default False: the checksum catches a torn file instead).
         kv_connector_module_path: a module to import that registers ``kv_connector`` (a connector
             kept out of tree); None = built-in connectors only.
+        kv_ip / kv_port: where a ``P2pConnector`` producer listens for its consumers (vLLM's
+            fields and defaults: "127.0.0.1", 14579).
+        engine_id: a name for this instance in ``kv_transfer_params`` (``remote_engine_id``);
+            None = ``kv_ip:kv_port``.
     """
 
     kv_connector: Optional[str] = None
     kv_role: Optional[str] = None
     kv_connector_extra_config: dict[str, Any] = field(default_factory=dict)
     kv_connector_module_path: Optional[str] = None
+    kv_ip: str = "127.0.0.1"
+    kv_port: int = 14579
+    engine_id: Optional[str] = None
 
     @classmethod
     def from_any(cls, value: Any) -> Optional["KVTransferConfig"]:
@@ -52,11 +59,12 @@ class KVTransferConfig:
                     raise ValueError(f"kv_transfer_config: invalid JSON: {e}") from None
             if not isinstance(value, dict):
                 raise ValueError(f"kv_transfer_config: expected a JSON object, got {type(value).__name__}")
-            known = {"kv_connector", "kv_role", "kv_connector_extra_config", "kv_connector_module_path"}
-            # NOTE: vLLM's other fields (kv_buffer_device, kv_rank, kv_parallel_size, engine_id, ...)
-            # only matter to connectors that move KV between instances; accepted and ignored.
-            ignored = {"kv_buffer_device", "kv_buffer_size", "kv_rank", "kv_parallel_size", "kv_ip",
-                       "kv_port", "engine_id", "kv_load_failure_policy"}
+            known = {"kv_connector", "kv_role", "kv_connector_extra_config", "kv_connector_module_path",
+                     "kv_ip", "kv_port", "engine_id"}
+            # NOTE: vLLM's other fields (kv_buffer_device, kv_rank, kv_parallel_size, ...) only matter
+            # to its GPU connectors; accepted and ignored.
+            ignored = {"kv_buffer_device", "kv_buffer_size", "kv_rank", "kv_parallel_size",
+                       "kv_load_failure_policy"}
             unknown = sorted(set(value) - known - ignored)
             if unknown:
                 raise ValueError(f"kv_transfer_config: unknown field(s) {unknown}; expected {sorted(known)}")
@@ -66,6 +74,17 @@ class KVTransferConfig:
             cfg = cls(kv_connector=value.get("kv_connector"), kv_role=value.get("kv_role"),
                       kv_connector_extra_config=dict(extra),
                       kv_connector_module_path=value.get("kv_connector_module_path"))
+            if value.get("kv_ip") is not None:
+                if not isinstance(value["kv_ip"], str) or not value["kv_ip"]:
+                    raise ValueError(f"kv_transfer_config.kv_ip: expected a host name, got {value['kv_ip']!r}")
+                cfg.kv_ip = value["kv_ip"]
+            if value.get("kv_port") is not None:
+                port = value["kv_port"]
+                if isinstance(port, bool) or not isinstance(port, int) or not 0 < port < 65536:
+                    raise ValueError(f"kv_transfer_config.kv_port: expected a port 1-65535, got {port!r}")
+                cfg.kv_port = port
+            if value.get("engine_id") is not None:
+                cfg.engine_id = str(value["engine_id"])
         if cfg is None:
             return None
         if not cfg.kv_connector or not isinstance(cfg.kv_connector, str):

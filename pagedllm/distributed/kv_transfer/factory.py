@@ -58,3 +58,5 @@ class KVConnectorFactory:
 
 KVConnectorFactory.register_connector(
     "OffloadingConnector", "pagedllm.distributed.kv_transfer.offloading", "OffloadingConnector")
+KVConnectorFactory.register_connector(
+    "P2pConnector", "pagedllm.distributed.kv_transfer.p2p", "P2pConnector")

@@ -208,6 +208,9 @@ class _SamplingFields(OpenAIBaseModel):
     return_tokens_as_token_ids: Optional[bool] = None
     cache_salt: Optional[str] = None
     request_id: Optional[str] = None
+    # vLLM: disaggregated prefill/decode (P2pConnector; docs/kv_connector.md): to a prefiller
+    # {"do_remote_decode": true}, to a decoder the prefill response's kv_transfer_params.
+    kv_transfer_params: Optional[dict[str, Any]] = None
     echo: bool = False
     # vLLM: scheduling priority (lower runs first); nonzero needs --scheduling-policy priority.
     priority: int = 0
@@ -285,6 +288,8 @@ class _SamplingFields(OpenAIBaseModel):
             kwargs["allowed_token_ids"] = list(self.allowed_token_ids)
         if self.bad_words:
             kwargs["bad_words"] = list(self.bad_words)
+        if self.kv_transfer_params is not None:  # vLLM carries it the same way
+            kwargs["extra_args"] = {"kv_transfer_params": dict(self.kv_transfer_params)}
         from pagedllm.entrypoints.openai.structured_outputs import structured_outputs_from_request
         so = structured_outputs_from_request(self)
         if so is not None:
@@ -427,6 +432,7 @@ class CompletionResponse(OpenAIBaseModel):
     choices: list[CompletionResponseChoice]
     system_fingerprint: Optional[str] = None
     usage: UsageInfo
+    kv_transfer_params: Optional[dict[str, Any]] = None  # vLLM: a prefill's hand-off to the decoder
 
 
 class CompletionResponseStreamChoice(OpenAIBaseModel):
@@ -585,6 +591,7 @@ class ChatCompletionResponse(OpenAIBaseModel):
     choices: list[ChatCompletionResponseChoice]
     system_fingerprint: Optional[str] = None
     usage: UsageInfo
+    kv_transfer_params: Optional[dict[str, Any]] = None  # vLLM: a prefill's hand-off to the decoder
     prompt_logprobs: Optional[list[Optional[dict[int, Any]]]] = None
     prompt_token_ids: Optional[list[int]] = None
 

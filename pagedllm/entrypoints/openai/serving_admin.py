@@ -90,8 +90,12 @@ def build_admin_router(engine: Any, prom: Any) -> APIRouter:
             record_scheduler_snapshot(prom, s)
             if "encoder_cache" in s:
                 prom.record_encoder_cache(s["encoder_cache"])
-            if "kv_connector" in s and hasattr(prom, "record_kv_connector"):
-                prom.record_kv_connector(s["kv_connector"])
+            kvs = s.get("kv_connector")
+            conn = getattr(getattr(getattr(engine, "engine", None), "core", None), "kv_connector", None)
+            if getattr(conn, "stats_thread_safe", False):
+                kvs = conn.get_kv_connector_stats()  # NOTE: live: P2P transfers end while the engine idles
+            if kvs is not None and hasattr(prom, "record_kv_connector"):
+                prom.record_kv_connector(kvs)
         except Exception:
             logger.debug("get_scheduler_stats failed", exc_info=True)
         try:

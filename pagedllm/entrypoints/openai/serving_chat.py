@@ -251,7 +251,8 @@ class OpenAIServingChat(OpenAIServing):
         return ChatCompletionResponse(
             id=request_id, created=created, model=model_name, choices=choices, usage=usage,
             prompt_logprobs=pl,
-            prompt_token_ids=list(prompt_ids) if request.return_token_ids else None)
+            prompt_token_ids=list(prompt_ids) if request.return_token_ids else None,
+            kv_transfer_params=self.kv_transfer_response(request, request_id))
 
     def _stream(self, request: ChatCompletionRequest, merged, rids: list[str],
                 request_id: str, created: int, model_name: str,

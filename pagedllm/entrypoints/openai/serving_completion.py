@@ -313,7 +313,8 @@ class OpenAIServingCompletion(OpenAIServing):
                           total_tokens=num_prompt_tokens + num_generated,
                           prompt_tokens_details=PromptTokenUsageInfo(cached_tokens=num_cached))
         return CompletionResponse(id=request_id, created=created, model=model_name,
-                                  choices=choices, usage=usage)
+                                  choices=choices, usage=usage,
+                                  kv_transfer_params=self.kv_transfer_response(request, f"{request_id}-0"))
 
     # ---- streaming ---------------------------------------------------------------------
     def _stream(self, request: CompletionRequest, merged, rids: list[str], request_id: str,

@@ -387,6 +387,17 @@ class OpenAIServing:
             req.trace_headers = extract_trace_headers(raw_request.headers)
         return req
 
+    def kv_transfer_response(self, request: Any, engine_request_id: str) -> Optional[dict]:
+        """The response's ``kv_transfer_params`` (vLLM's disaggregated prefill): what a decoder
+        needs to fetch this prefill's KV from this server's ``P2pConnector``, or None."""
+        params = getattr(request, "kv_transfer_params", None)
+        if not params:
+            return None
+        from pagedllm.distributed.kv_transfer.p2p import prefill_response_params
+
+        args = getattr(self.engine, "args", None)
+        return prefill_response_params(getattr(args, "kv_transfer_config", None), params, engine_request_id)
+
     def sampling_params(self, request: Any, prompt_len: int) -> Any:
         """``request.to_sampling_params`` for a prompt of ``prompt_len`` tokens (what is left of
         the context for output, the context length, the model's default sampling params).
