@@ -386,6 +386,12 @@ def add_serve_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g.add_argument("--data-parallel-size", "-dp", type=_positive_int, default=1,
                    help="Independent engine replicas behind this server; requests go to the least "
                         "loaded one (default: 1).")
+    g.add_argument("--data-parallel-router", default="prefix",
+                   choices=["prefix", "least-load", "round-robin", "sticky", "off"],
+                   help="With --data-parallel-size > 1: run each replica as its own process behind the "
+                        "router on this port, routing by this policy (prefix: the replica holding the "
+                        "longest prefix of the prompt, from its KV cache events; docs/scaling.md); 'off': "
+                        "the replicas in this process, least loaded first (default: prefix).")
     g.add_argument("--distributed-executor-backend", default=None, choices=["uni", "mp", "ray"],
                    help="How ranks run: 'uni' (in this process; one rank only), 'mp' (a process per "
                         "rank) or 'ray' (a Ray actor per rank; multi-node). Default: uni for one "
