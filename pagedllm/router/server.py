@@ -671,8 +671,21 @@ def run_router(args: Any, ra: Optional[RouterApp] = None) -> int:
     ra = ra or build_router(args)
     logger.warning("pagedllm router: %d replica(s), policy %s, on http://%s:%d", len(ra.replicas), ra.policy,
                    args.host, args.port)
-    uvicorn.run(ra.app, host=args.host, port=args.port, log_level=args.uvicorn_log_level,
-                timeout_graceful_shutdown=30)
+    from pagedllm.entrypoints.openai.preflight import bind_listen_socket
+
+    try:
+        # NOTE: a socket whose proto is IPPROTO_TCP, so that asyncio sets TCP_NODELAY on every
+        # accepted connection (uvicorn's own has proto 0: a response's head and body, two writes,
+        # then wait ~40 ms for the client's delayed ACK).
+        sock = bind_listen_socket(args.host, args.port)
+    except ValueError as e:
+        from pagedllm.entrypoints.cli_utils import fail
+        return fail("pagedllm router", str(e))
+    config = uvicorn.Config(ra.app, log_level=args.uvicorn_log_level, timeout_graceful_shutdown=30)
+    try:
+        uvicorn.Server(config).run(sockets=[sock])
+    finally:
+        sock.close()
     return 0
 
 
