@@ -171,38 +171,42 @@ def main() -> None:
         res["hit_rate_ratio"] = res["prefix"]["hit_rate"] / max(res["least-load"]["hit_rate"], 1e-9)
         res["mean_ttft_ratio"] = res["prefix"]["mean_ttft_s"] / res["least-load"]["mean_ttft_s"]
         # Overhead: direct vs a router over replica A alone, interleaved pairs.
-        router = RouterProc(["--replica", ra, "--kv-events-endpoint", f"tcp://127.0.0.1:{kv[0]}", "--policy",
+        if a.overhead_requests <= 0:
+            router = None
+        else:
+            router = RouterProc(["--replica", ra, "--kv-events-endpoint", f"tcp://127.0.0.1:{kv[0]}", "--policy",
                              "prefix"])
-        try:
-            c = httpx.Client(timeout=60)
-            body = {"model": MODEL, "messages": [{"role": "system", "content": system},
-                                                 {"role": "user", "content": "Say hi."}],
-                    "max_tokens": 1, "temperature": 0}
-            for _ in range(5):  # warm both paths (connections, the prefix cache)
-                c.get(ra + "/v1/models"), c.get(router.base + "/v1/models")
-                c.post(ra + "/v1/chat/completions", json=body), c.post(router.base + "/v1/chat/completions", json=body)
-            for name, call in (("models", lambda b: c.get(b + "/v1/models")),
-                               ("chat_1_token", lambda b: c.post(b + "/v1/chat/completions", json=body))):
-                diffs, direct, via = [], [], []
-                for i in range(a.overhead_requests):
-                    order = (ra, router.base) if i % 2 == 0 else (router.base, ra)
-                    t = {}
-                    for b in order:
-                        t0 = time.perf_counter()
-                        assert call(b).status_code == 200
-                        t[b] = time.perf_counter() - t0
-                    direct.append(t[ra])
-                    via.append(t[router.base])
-                    diffs.append(t[router.base] - t[ra])
-                res[f"overhead_{name}"] = {"p50_added_ms": 1e3 * statistics.median(diffs),
-                                           "p50_direct_ms": 1e3 * statistics.median(direct),
-                                           "p50_via_router_ms": 1e3 * statistics.median(via)}
-                print(name, json.dumps(res[f"overhead_{name}"]), flush=True)
-            n = metric(router.base, "pagedllm_router_routing_seconds_count")
-            s = metric(router.base, "pagedllm_router_routing_seconds_sum")
-            res["routing_seconds_mean_ms"] = 1e3 * s / max(n, 1)
-        finally:
-            router.close()
+        if router is not None:
+            try:
+                c = httpx.Client(timeout=60)
+                body = {"model": MODEL, "messages": [{"role": "system", "content": system},
+                                                     {"role": "user", "content": "Say hi."}],
+                        "max_tokens": 1, "temperature": 0}
+                for _ in range(5):  # warm both paths (connections, the prefix cache)
+                    c.get(ra + "/v1/models"), c.get(router.base + "/v1/models")
+                    c.post(ra + "/v1/chat/completions", json=body), c.post(router.base + "/v1/chat/completions", json=body)
+                for name, call in (("models", lambda b: c.get(b + "/v1/models")),
+                                   ("chat_1_token", lambda b: c.post(b + "/v1/chat/completions", json=body))):
+                    diffs, direct, via = [], [], []
+                    for i in range(a.overhead_requests):
+                        order = (ra, router.base) if i % 2 == 0 else (router.base, ra)
+                        t = {}
+                        for b in order:
+                            t0 = time.perf_counter()
+                            assert call(b).status_code == 200
+                            t[b] = time.perf_counter() - t0
+                        direct.append(t[ra])
+                        via.append(t[router.base])
+                        diffs.append(t[router.base] - t[ra])
+                    res[f"overhead_{name}"] = {"p50_added_ms": 1e3 * statistics.median(diffs),
+                                               "p50_direct_ms": 1e3 * statistics.median(direct),
+                                               "p50_via_router_ms": 1e3 * statistics.median(via)}
+                    print(name, json.dumps(res[f"overhead_{name}"]), flush=True)
+                n = metric(router.base, "pagedllm_router_routing_seconds_count")
+                s = metric(router.base, "pagedllm_router_routing_seconds_sum")
+                res["routing_seconds_mean_ms"] = 1e3 * s / max(n, 1)
+            finally:
+                router.close()
     res["loadavg_after"] = os.getloadavg()
     print(json.dumps({k: v for k, v in res.items() if k not in ("prefix", "least-load")}, indent=1))
     if a.out:

@@ -141,6 +141,8 @@ class RouterApp:
         self._stop = threading.Event()
         self._sub_thread: Optional[threading.Thread] = None
         self._client: Any = None
+        from pagedllm.router.upstream import UpstreamPool
+        self._pools = [UpstreamPool(r.url) for r in self.replicas]
         self._init_metrics()
         self.app = self._build_app()
 
@@ -369,20 +371,29 @@ class RouterApp:
         return f"data: {json.dumps({'error': err})}\n\ndata: [DONE]\n\n".encode()
 
     async def forward(self, request: Request) -> Any:
-        """Forward one request (see the module docstring for retries and errors)."""
-        import httpx
+        """Forward one request (see the module docstring for retries and errors).
+
+        The body is parsed as JSON once, and only where routing needs it (``prefix``, ``sticky``);
+        the upstream request goes out in one write and the response is relayed as it arrives
+        (``pagedllm.router.upstream``)."""
         from starlette.responses import JSONResponse, Response, StreamingResponse
 
+        from pagedllm.router.upstream import ConnectFailed, UpstreamError
+
         t0 = time.perf_counter()
-        path = request.url.path
+        scope = request.scope
+        path = scope["path"]
+        method = scope["method"]
         raw = await request.body()
         body: Any = None
-        if raw and request.method == "POST":
+        if raw and method == "POST" and self.policy in ("prefix", "sticky"):
             try:
                 body = json.loads(raw)
             except ValueError:
                 body = None  # the replica answers the 400
-        headers = [(k, v) for k, v in request.headers.items() if k.lower() not in _DROP_REQ]
+        headers = [(k, v) for k, v in scope["headers"] if k.decode("latin-1") not in _DROP_REQ]
+        qs = scope.get("query_string") or b""
+        target = path + ("?" + qs.decode("latin-1") if qs else "")
         tried: set[int] = set()
         while True:
             rep = self._choose(path, body, request.headers, tried)
@@ -391,59 +402,61 @@ class RouterApp:
                                                "type": "ServiceUnavailableError", "param": None,
                                                "code": 503}}, status_code=503)
             tried.add(rep.index)
-            up = self._client.build_request(request.method, rep.url + path, params=request.url.query or None,
-                                            headers=headers, content=raw)
             rep.in_flight += 1
             self.m_overhead.observe(time.perf_counter() - t0)
             try:
-                resp = await self._client.send(up, stream=True)
-            except (httpx.ConnectError, httpx.ConnectTimeout) as e:  # never started: try another
+                resp = await self._pools[rep.index].request(method, target, headers, raw)
+            except ConnectFailed as e:  # never started: try another
                 rep.in_flight -= 1
-                self.mark_down(rep, f"{type(e).__name__}: {e}")
+                self.mark_down(rep, f"ConnectError: {e}")
                 self.m_retries.labels(rep.url).inc()
                 continue
-            except httpx.HTTPError as e:
+            except UpstreamError as e:
                 rep.in_flight -= 1
-                self.mark_down(rep, f"{type(e).__name__}: {e}")
+                self.mark_down(rep, str(e))
                 self.m_requests.labels(rep.url, "error").inc()
-                return JSONResponse({"error": {"message": f"replica {rep.url} failed: {type(e).__name__}",
+                return JSONResponse({"error": {"message": f"replica {rep.url} failed: {e}",
                                                "type": "InternalServerError", "param": None, "code": 502}},
                                     status_code=502, headers={"x-pagedllm-replica": rep.url})
             break
-        out_headers = {k: v for k, v in resp.headers.items() if k.lower() not in _DROP_RESP}
-        out_headers["x-pagedllm-replica"] = rep.url
-        ctype = resp.headers.get("content-type", "")
+        out_headers = [(k, v) for k, v in resp.headers if k.decode("latin-1") not in _DROP_RESP]
+        out_headers.append((b"x-pagedllm-replica", rep.url.encode()))
+        ctype = resp.content_type.decode("latin-1")
         if "event-stream" not in ctype and "ndjson" not in ctype:
             try:
-                data = await resp.aread()
-            except httpx.HTTPError as e:
-                self.mark_down(rep, f"{type(e).__name__}: {e}")
+                data = await resp.read()
+            except UpstreamError as e:
+                self.mark_down(rep, str(e))
                 self.m_requests.labels(rep.url, "error").inc()
-                return JSONResponse({"error": {"message": f"replica {rep.url} failed: {type(e).__name__}",
+                return JSONResponse({"error": {"message": f"replica {rep.url} failed: {e}",
                                                "type": "InternalServerError", "param": None, "code": 502}},
                                     status_code=502, headers={"x-pagedllm-replica": rep.url})
             finally:
                 rep.in_flight -= 1
                 await resp.aclose()
-            self.m_requests.labels(rep.url, str(resp.status_code)).inc()
-            return Response(data, status_code=resp.status_code, headers=out_headers)
+            self.m_requests.labels(rep.url, str(resp.status)).inc()
+            out = Response(data, status_code=resp.status)
+            out.raw_headers = [h for h in out.raw_headers if h[0] == b"content-length"] + out_headers
+            return out
 
         async def relay():
-            code = str(resp.status_code)
+            code = str(resp.status)
             try:
-                async for chunk in resp.aiter_raw():
+                async for chunk in resp.iter_body():
                     yield chunk
-            except httpx.HTTPError as e:
+            except UpstreamError as e:
                 code = "error"
                 self.m_stream_errors.labels(rep.url).inc()
-                self.mark_down(rep, f"{type(e).__name__}: {e}")
-                yield self._error_chunk(ctype, path, f"replica {rep.url} failed mid-stream: {type(e).__name__}")
+                self.mark_down(rep, str(e))
+                yield self._error_chunk(ctype, path, f"replica {rep.url} failed mid-stream: {e}")
             finally:
                 rep.in_flight -= 1
                 self.m_requests.labels(rep.url, code).inc()
                 await resp.aclose()
 
-        return StreamingResponse(relay(), status_code=resp.status_code, headers=out_headers)
+        out = StreamingResponse(relay(), status_code=resp.status)
+        out.raw_headers = out_headers
+        return out
 
     # --------------------------------------------------------------------------------------- app
     def _build_app(self) -> Any:
@@ -473,6 +486,8 @@ class RouterApp:
             finally:
                 task.cancel()
                 self._stop.set()
+                for pool in self._pools:
+                    pool.close()
                 await self._client.aclose()
 
         app = FastAPI(title="pagedllm router", lifespan=lifespan, docs_url=None, redoc_url=None,
@@ -656,8 +671,21 @@ def run_router(args: Any, ra: Optional[RouterApp] = None) -> int:
     ra = ra or build_router(args)
     logger.warning("pagedllm router: %d replica(s), policy %s, on http://%s:%d", len(ra.replicas), ra.policy,
                    args.host, args.port)
-    uvicorn.run(ra.app, host=args.host, port=args.port, log_level=args.uvicorn_log_level,
-                timeout_graceful_shutdown=30)
+    from pagedllm.entrypoints.openai.preflight import bind_listen_socket
+
+    try:
+        # NOTE: a socket whose proto is IPPROTO_TCP, so that asyncio sets TCP_NODELAY on every
+        # accepted connection (uvicorn's own has proto 0: a response's head and body, two writes,
+        # then wait ~40 ms for the client's delayed ACK).
+        sock = bind_listen_socket(args.host, args.port)
+    except ValueError as e:
+        from pagedllm.entrypoints.cli_utils import fail
+        return fail("pagedllm router", str(e))
+    config = uvicorn.Config(ra.app, log_level=args.uvicorn_log_level, timeout_graceful_shutdown=30)
+    try:
+        uvicorn.Server(config).run(sockets=[sock])
+    finally:
+        sock.close()
     return 0
 
 

@@ -241,6 +241,9 @@ def run_server(args: argparse.Namespace, sock: Optional[socket.socket] = None) -
             sock = prepare_serve(args)
         except ValueError as e:
             return fail("pagedllm serve", str(e))
+    from pagedllm.router.dp_serve import run_dp_serve, uses_router
+    if uses_router(args):  # --data-parallel-size N: N replica processes behind the router
+        return run_dp_serve(args, sock)
     import uvicorn
 
     from pagedllm.engine.async_llm import AsyncLLM
@@ -257,7 +260,7 @@ def run_server(args: argparse.Namespace, sock: Optional[socket.socket] = None) -
         engine_args = engine_args_from_namespace(args)
         if engine_args.enable_sleep_mode and engine_args.data_parallel_size > 1:
             raise ValueError("--enable-sleep-mode: not supported with --data-parallel-size > 1 yet")
-        if engine_args.data_parallel_size > 1:
+        if engine_args.data_parallel_size > 1 and getattr(args, "dp_replica_rank", None) is None:
             from pagedllm.engine.dp_async_llm import DPAsyncLLM
             engine = DPAsyncLLM.from_engine_args(engine_args)
         else:

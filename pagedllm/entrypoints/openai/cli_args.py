@@ -409,11 +409,17 @@ def add_serve_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                     "default: %(default)s).", "-tp", type=_positive_int),
         engine_flag("pipeline_parallel_size", "Pipeline stages the layers are split across (default: %(default)s).",
                     "-pp", type=_positive_int),
-        engine_flag("data_parallel_size", "Independent engine replicas behind this server; requests go to the "
-                    "least loaded one (default: %(default)s).", "-dp", type=_positive_int),
+        engine_flag("data_parallel_size", "Independent engine replicas behind this server (each its own process "
+                    "behind the router on this port; see --data-parallel-router; default: %(default)s).", "-dp", type=_positive_int),
         engine_flag("distributed_executor_backend", "How ranks run: 'uni' (in this process; one rank only), 'mp' "
                     "(a process per rank) or 'ray' (a Ray actor per rank; multi-node). Default: uni for one "
                     "rank, else mp.", choices=["uni", "mp", "ray"]))
+    g.add_argument("--data-parallel-router", default="prefix",
+                   choices=["prefix", "least-load", "round-robin", "sticky", "off"],
+                   help="With --data-parallel-size > 1: run each replica as its own process behind the "
+                        "router on this port, routing by this policy (prefix: the replica holding the "
+                        "longest prefix of the prompt, from its KV cache events; docs/scaling.md); 'off': "
+                        "the replicas in this process, least loaded first (default: prefix).")
 
     g = parser.add_argument_group("Device")
     g.add_argument("--attention-backend", default=None, choices=["torch", "triton", "flashinfer"],

@@ -135,7 +135,8 @@ def bind_listen_socket(host: str, port: int) -> socket.socket:
     except socket.gaierror as e:
         raise ValueError(f"--host {host!r}: cannot resolve it ({e.strerror})") from None
     family, _, _, _, addr = infos[0]
-    sock = socket.socket(family, socket.SOCK_STREAM)
+    # NOTE: proto IPPROTO_TCP: asyncio sets TCP_NODELAY only on accepted sockets whose proto says TCP.
+    sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
     try:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         if family == socket.AF_INET6:
