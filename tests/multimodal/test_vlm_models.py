@@ -1,0 +1,100 @@
+"""Tiny random LLaVA and Idefics3 (SmolVLM) checkpoints (tests/multimodal/vlm_helpers.py) vs transformers
+on the same weights, processor and images: image embeddings, greedy tokens and logprobs through
+``LLM`` (prefill chunks that split an image run: both models attend causally), two images in one
+prompt, Idefics3's tiles as separate encoder-cache entries, and the image-aware prefix cache."""
+
+import sys
+
+import pytest
+import torch
+
+sys.path.insert(0, __file__.rsplit("/", 1)[0])
+from mm_helpers import hf_greedy_mm, image  # noqa: E402
+from vlm_helpers import make_idefics3_checkpoint, make_llava_checkpoint  # noqa: E402
+
+from pagedllm import LLM, SamplingParams  # noqa: E402
+
+N = 6
+TEXT = "w5 w7 <image> w9 w20 w31"
+MAKERS = {"llava": make_llava_checkpoint, "idefics3": make_idefics3_checkpoint}
+_CACHE: dict = {}
+
+
+@pytest.fixture(scope="module", params=sorted(MAKERS))
+def case(request, tmp_path_factory):
+    """(name, hf model, processor, LLM) per architecture, built once per module."""
+    name = request.param
+    if name not in _CACHE:
+        _CACHE.clear()  # one LLM alive at a time
+        d = str(tmp_path_factory.mktemp(name))
+        hf, proc = MAKERS[name](d)
+        # block_size 4 and a 8-token budget: image runs (16 LLaVA tokens, 4 per Idefics3 tile) are split
+        llm = LLM(d, dtype="float32", max_model_len=128, block_size=4, max_num_batched_tokens=8,
+                  limit_mm_per_prompt={"image": 2}, encoder_cache_size=64)
+        _CACHE[name] = (name, hf, proc, llm)
+    return _CACHE[name]
+
+
+def greedy(n=N):
+    return SamplingParams(max_tokens=n, temperature=0, ignore_eos=True, logprobs=0)
+
+
+def _run(llm, prompt):
+    o = llm.generate(prompt, greedy(), use_tqdm=False)[0]
+    lps = [next(iter(d.values())).logprob for d in o.outputs[0].logprobs]
+    return o, list(o.outputs[0].token_ids), lps
+
+
+def _model(llm):
+    return llm.llm_engine.core.executor.driver_worker.runner.model
+
+
+def test_image_embeddings_match(case):
+    name, hf, proc, llm = case
+    out = proc(text=TEXT, images=[image(4)], return_tensors="pt")
+    px = out["pixel_values"]
+    with torch.no_grad():
+        ref = hf.model.get_image_features(px).pooler_output
+    ref = torch.cat([r.reshape(-1, r.shape[-1]) for r in ref])
+    ours = _model(llm).embed_images(px[0] if px.dim() == 5 else px)
+    torch.testing.assert_close(ours.reshape(-1, ours.shape[-1]), ref, atol=1e-5, rtol=1e-4)
+
+
+def test_generate_matches_transformers(case):
+    name, hf, proc, llm = case
+    img = image(1)
+    ids, ref, ref_lp = hf_greedy_mm(hf, proc, TEXT, [img], N)
+    o, toks, lps = _run(llm, {"prompt": TEXT, "multi_modal_data": {"image": img}})
+    assert o.prompt_token_ids == ids
+    assert toks == ref
+    assert lps == pytest.approx(ref_lp, abs=1e-4)
+
+
+def test_two_images_and_prefix_cache(case):
+    name, hf, proc, llm = case
+    text = "w5 <image> w9 <image> w33"
+    imgs = [image(2), image(3, size=(20, 50))]
+    ids, ref, ref_lp = hf_greedy_mm(hf, proc, text, imgs, N)
+    eng = llm.llm_engine.core
+    o, toks, lps = _run(llm, {"prompt": text, "multi_modal_data": {"image": imgs}})
+    assert o.prompt_token_ids == ids and toks == ref
+    assert lps == pytest.approx(ref_lp, abs=1e-4)
+    # the same images again: prefix-cache hit, the same tokens
+    o2, toks2, _ = _run(llm, {"prompt": text, "multi_modal_data": {"image": imgs}})
+    assert toks2 == ref and (o2.num_cached_tokens or 0) >= 4
+    # other images in the same places: no stale hit on the image blocks, transformers' answer
+    other = [image(5), image(6, size=(20, 50))]
+    _, ref3, _ = hf_greedy_mm(hf, proc, text, other, N)
+    assert _run(llm, {"prompt": text, "multi_modal_data": {"image": other}})[1] == ref3
+    assert eng is llm.llm_engine.core
+
+
+def test_chat_with_image_part(case):
+    name, hf, proc, llm = case
+    img = image(8)
+    msgs = [{"role": "user", "content": [{"type": "text", "text": "w40 w41"}, {"type": "image_pil", "image_pil": img}]}]
+    text = proc.apply_chat_template([{"role": "user", "content": [{"type": "text", "text": "w40 w41"},
+                                                                 {"type": "image"}]}], add_generation_prompt=True)
+    _, ref, _ = hf_greedy_mm(hf, proc, text, [img], N)
+    o = llm.chat(msgs, greedy(), use_tqdm=False)[0]
+    assert list(o.outputs[0].token_ids) == ref
