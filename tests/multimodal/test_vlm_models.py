@@ -98,3 +98,25 @@ def test_chat_with_image_part(case):
     _, ref, _ = hf_greedy_mm(hf, proc, text, [img], N)
     o = llm.chat(msgs, greedy(), use_tqdm=False)[0]
     assert list(o.outputs[0].token_ids) == ref
+
+
+def test_bench_image_runs(tmp_path):
+    """``pagedllm bench image`` on the tiny LLaVA: with both caches on the repeated image's blocks hit the
+    prefix cache (the encoder runs once per distinct image); with the encoder cache only, lookups hit."""
+    import argparse
+
+    from pagedllm.multimodal.bench import add_image_parser, run_image
+
+    _CACHE.clear()
+    d = str(tmp_path / "llava")
+    make_llava_checkpoint(d)
+    sub = argparse.ArgumentParser().add_subparsers(dest="bench_cmd")
+    add_image_parser(sub)
+    args = sub.choices["image"].parse_args([d, "--dtype", "float32", "--num-prompts", "4", "--num-images", "2",
+                                            "--image-size", "28", "--question-len", "4", "--output-len", "2",
+                                            "--max-model-len", "64"])
+    r = run_image(args)
+    assert r["cache_on_sequential_cached_tokens"] >= 2 * 16  # requests 3 and 4 reuse images 1 and 2
+    assert r["cache_off_sequential_cached_tokens"] == 0
+    assert r["cache_on_encoder_cache_queries"] == 3  # warm-up + 2 distinct images, then prefix hits
+    assert r["encoder_cache_only_encoder_cache_hits"] > 0 and r["cache_off_encoder_cache_hits"] == 0
