@@ -120,3 +120,19 @@ def test_bench_image_runs(tmp_path):
     assert r["cache_off_sequential_cached_tokens"] == 0
     assert r["cache_on_encoder_cache_queries"] == 3  # warm-up + 2 distinct images, then prefix hits
     assert r["encoder_cache_only_encoder_cache_hits"] > 0 and r["cache_off_encoder_cache_hits"] == 0
+
+
+@pytest.mark.parametrize("name", sorted(MAKERS))
+def test_load_from_transformers_state_dict(name, tmp_path):
+    """transformers' in-memory names (``model.vision_tower.vision_model.*``, ``model.text_model.*``, ...)
+    load as well as the saved files' names; image embeddings and logits match."""
+    from pagedllm.models.registry import get_model_class
+
+    hf, proc = MAKERS[name](str(tmp_path / name))
+    ours = get_model_class([type(hf).__name__])(hf.config, torch.float32)
+    ours.load_weights(hf.state_dict().items())
+    px = proc(text=TEXT, images=[image(9)], return_tensors="pt")["pixel_values"]
+    with torch.no_grad():
+        ref = torch.cat([r.reshape(-1, r.shape[-1]) for r in hf.model.get_image_features(px).pooler_output])
+    got = ours.embed_images(px[0] if px.dim() == 5 else px)
+    torch.testing.assert_close(got.reshape(-1, got.shape[-1]), ref, atol=1e-5, rtol=1e-4)
