@@ -136,3 +136,21 @@ def test_load_from_transformers_state_dict(name, tmp_path):
         ref = torch.cat([r.reshape(-1, r.shape[-1]) for r in hf.model.get_image_features(px).pooler_output])
     got = ours.embed_images(px[0] if px.dim() == 5 else px)
     torch.testing.assert_close(got.reshape(-1, got.shape[-1]), ref, atol=1e-5, rtol=1e-4)
+
+
+def test_llava_config_with_top_level_vocab_size(tmp_path):
+    """llava-hf's config.json keeps a top-level ``vocab_size`` beside ``text_config``: still an image-text
+    model (the loader takes the text config from ``text_config``), with transformers' greedy tokens."""
+    import json
+
+    _CACHE.clear()
+    d = str(tmp_path / "llava")
+    hf, proc = make_llava_checkpoint(d)
+    cfg = json.load(open(d + "/config.json"))
+    cfg["vocab_size"] = cfg["text_config"]["vocab_size"]
+    json.dump(cfg, open(d + "/config.json", "w"))
+    llm = LLM(d, dtype="float32", max_model_len=64, block_size=4)
+    img = image(11)
+    ids, ref, _ = hf_greedy_mm(hf, proc, TEXT, [img], N)
+    o, toks, _ = _run(llm, {"prompt": TEXT, "multi_modal_data": {"image": img}})
+    assert o.prompt_token_ids == ids and toks == ref
