@@ -664,6 +664,9 @@ def run(args: argparse.Namespace) -> int:
         res = run_embed(args)
     elif args.bench_cmd == "prefix-caching":
         res = run_prefix_caching(args)
+    elif args.bench_cmd == "image":  # pagedllm/multimodal/bench.py
+        from pagedllm.multimodal.bench import run_image
+        res = run_image(args)
     elif args.bench_cmd == "hardware":
         res = measure_hardware(args.num_threads)
     else:

@@ -34,11 +34,13 @@ def _add_bench_parsers(sub: argparse._SubParsersAction, subparsers: dict) -> Non
     p = _add_subcommand(sub, subparsers, "bench",
                         "benchmarks: throughput, latency, prefix-caching, embed, hardware, serve",
                         "Benchmarks (vLLM's `vllm bench` names).")
-    bsub = p.add_subparsers(dest="bench_cmd", required=True, metavar="{throughput,latency,prefix-caching,"
+    bsub = p.add_subparsers(dest="bench_cmd", required=True, metavar="{throughput,latency,prefix-caching,image,"
                                                                        "embed,hardware,serve}")
     for add in (bench.add_throughput_parser, bench.add_latency_parser, bench.add_prefix_parser,
                 bench.add_embed_parser, bench.add_hardware_parser):
         add(bsub)
+    from pagedllm.multimodal.bench import add_image_parser
+    add_image_parser(bsub)
     sp = bsub.add_parser("serve", help="load-test a running server (request rate / max concurrency)",
                          description="Load-test a running server (vLLM's `vllm bench serve`).")
     from pagedllm.entrypoints.bench_serve import add_bench_serve_args

@@ -143,7 +143,9 @@ def text_model_config(config):
     `vocab_size`, `max_position_embeddings`, ... from the result."""
     get_text = getattr(config, "get_text_config", None)
     text = get_text() if get_text is not None else config
-    if text is config or "vocab_size" in config.__dict__:
+    # NOTE (vlm2): a stray top-level "vocab_size" (llava-hf's config.json keeps one beside text_config)
+    # does not make the top level a text config; its layers must be there too
+    if text is config or ("vocab_size" in config.__dict__ and "num_hidden_layers" in config.__dict__):
         return config
     text.architectures = list(getattr(config, "architectures", None) or [])
     # NOTE: a plain dict (the text config is part of the full one: no reference cycle); the

@@ -6,6 +6,8 @@ from pagedllm.models.gemma3 import Gemma3ForCausalLM
 from pagedllm.models.gemma3_mm import Gemma3ForConditionalGeneration
 from pagedllm.models.gemma4 import Gemma4ForCausalLM, Gemma4ForConditionalGeneration
 from pagedllm.models.granite import GraniteForCausalLM
+from pagedllm.models.idefics3 import Idefics3ForConditionalGeneration
+from pagedllm.models.llava import LlavaForConditionalGeneration
 from pagedllm.models.llama import LlamaForCausalLM
 from pagedllm.models.mistral import MistralForCausalLM
 from pagedllm.models.mixtral import MixtralForCausalLM
@@ -34,6 +36,8 @@ MODEL_REGISTRY: dict[str, type] = {
     "Qwen2MoeForCausalLM": Qwen2MoeForCausalLM,
     "Qwen3MoeForCausalLM": Qwen3MoeForCausalLM,
     "OlmoeForCausalLM": OlmoeForCausalLM,
+    "LlavaForConditionalGeneration": LlavaForConditionalGeneration,
+    "Idefics3ForConditionalGeneration": Idefics3ForConditionalGeneration,
 }
 
 

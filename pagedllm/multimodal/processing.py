@@ -90,6 +90,12 @@ class ImageProcessor:
                 i = j
             else:
                 i += 1
+        pixels = out.get("pixel_values") if images else None
+        tiled = pixels is not None and pixels.dim() == 5  # [1, tiles, 3, H, W] (Idefics3): one run per tile
+        if tiled and len(runs) == pixels.shape[1] and len(runs) >= len(images):
+            return ids, [MultiModalFeature("image", _tile_hash(pixels[0, k], kw), off, n,
+                                           pixels[0, k:k + 1].contiguous(), self.bidirectional)
+                         for k, (off, n) in enumerate(runs)]
         if len(runs) != len(images):
             raise InputValidationError(
                 f"{field}: the prompt has {len(runs)} image placeholder run(s) for {len(images)} image(s); mark each "
@@ -98,12 +104,23 @@ class ImageProcessor:
             raise InputValidationError(
                 f"{field}: an image takes {max(n for _, n in runs)} tokens, more than one prefill chunk holds "
                 f"({self.max_run}, max_num_batched_tokens); this model's image tokens cannot be split", field)
-        pixels = out.get("pixel_values") if images else None
         feats = []
         for k, (img, (off, n)) in enumerate(zip(images, runs)):
             feats.append(MultiModalFeature("image", image_hash(img, kw), off, n, pixels[k:k + 1].contiguous(),
                                            self.bidirectional))
         return ids, feats
+
+
+def _tile_hash(tile: Any, kwargs: dict) -> str:
+    """Hex sha256 of one processed tile (float pixels ``[3, H, W]``) and the processor kwargs: a
+    model that splits images into tiles keys its encoder cache and prefix cache by tile content."""
+    import hashlib
+
+    h = hashlib.sha256(f"tile:{tuple(tile.shape)}:{tile.dtype}:".encode())
+    h.update(tile.contiguous().numpy().tobytes())
+    if kwargs:
+        h.update(repr(sorted(kwargs.items())).encode())
+    return h.hexdigest()
 
 
 def build_image_processor(args: Any, core: Any) -> Optional[ImageProcessor]:

@@ -320,18 +320,22 @@ def describe_model(model: str, max_model_len: int) -> ModelDescription:
 
 # ------------------------------------------------------------------------- messages
 def ollama_image_parts(images: list[Any], field: str) -> list[dict[str, Any]]:
-    """Ollama ``images`` (base64 strings, no ``data:`` prefix) as Chat Completions ``image_url``
-    parts (data URLs; decoded, and refused for a text-only model, when the chat is rendered).
+    """Ollama ``images`` (base64 strings, no ``data:`` prefix) as decoded ``image_pil`` chat parts
+    (refused for a text-only model when the chat is rendered).
 
     Raises:
-        OpenAIError: 400 naming ``field`` for an entry that is not a string.
+        OpenAIError: 400 naming ``field[k]`` for an entry that is not a string.
+        InputValidationError: (param ``field[k]``) not base64, or not a decodable image.
     """
+    from pagedllm.multimodal.media import MediaConnector, decode_base64_image
+
     parts = []
     for k, b64 in enumerate(images):
         if not isinstance(b64, str) or not b64:
             raise OpenAIError(f"{field}[{k}]: must be a base64-encoded image string", 400, f"{field}[{k}]")
-        url = b64 if b64.startswith("data:") else "data:image/*;base64," + b64
-        parts.append({"type": "image_url", "image_url": {"url": url}})
+        img = (MediaConnector().load_image_url(b64, f"{field}[{k}]") if b64.startswith("data:")
+               else decode_base64_image(b64, f"{field}[{k}]"))
+        parts.append({"type": "image_pil", "image_pil": img})
     return parts
 
 
