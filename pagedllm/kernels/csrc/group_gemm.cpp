@@ -435,4 +435,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::call_guard<py::gil_scoped_release>(), py::arg("qweight"), py::arg("scales"), py::arg("mins"),
         py::arg("kind"), py::arg("group"), py::arg("K"), py::arg("row0"), py::arg("row1"), py::arg("dtype"));
   m.def("group_gemm_avx2", &group_gemm_avx2, "whether the AVX2/FMA/F16C path was built");
+  // NOTE: for the fused decode step (fused_decode.cpp, another module): the same function, called there
+  m.def("group_gemm_fn", []() { return reinterpret_cast<int64_t>(&group_gemm); }, "group_gemm's address");
 }

@@ -429,6 +429,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("intdot_isa_supported", &intdot_isa_supported, "whether this CPU runs ISA path isa");
   m.def("intdot_best_isa", &intdot_best_isa, "the ISA path intdot_gemm takes by default");
   m.def("intdot_isa_name", &intdot_isa_name, "name of an ISA path");
+  // NOTE: for the fused decode step (fused_decode.cpp, another module): the same function, called there
+  m.def("intdot_gemm_fn", []() { return reinterpret_cast<int64_t>(&intdot_gemm); }, "intdot_gemm's address");
   m.def("intdot_rows_min_m", []() { return kRowsMinM; }, "rows from which the rows kernel runs by default");
 }
 
