@@ -309,10 +309,11 @@ def test_fused_decode_not_built(monkeypatch, tiny_llama):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("quantization", ["w8a8", "none"])
+@pytest.mark.parametrize("quantization", ["w8a8", "none", "gguf"])
 def test_smollm2_fused_decode_same_tokens_and_logprobs(smollm2_path, monkeypatch, quantization):
-    """End to end through ``LLM`` (W8A8, and the file dequantized to bf16 with oneDNN-packed
-    weights): greedy tokens and logprobs are equal with the fused path on and off."""
+    """End to end through ``LLM`` (W8A8, the file dequantized to bf16 with oneDNN-packed weights,
+    and the default: its Q4_1 blocks kept): greedy tokens and logprobs are equal with the fused
+    path on and off."""
     from pagedllm import LLM, SamplingParams
 
     prompts = ["The capital of France is", "Write a haiku about autumn leaves.", "1, 2, 3, 4,"]
@@ -324,7 +325,8 @@ def test_smollm2_fused_decode_same_tokens_and_logprobs(smollm2_path, monkeypatch
         plan = llm.llm_engine.core.runner.decode_accelerator
         assert (plan is not None) == (flag == "1")
         if plan is not None:
-            assert plan.kind == ("w8a8" if quantization == "w8a8" else "dense") and plan.packed == (quantization == "none")
+            kind = {"w8a8": "w8a8", "none": "dense", "gguf": "group"}[quantization]
+            assert plan.kind == kind and plan.packed == (quantization == "none")
         outs = llm.generate(prompts, sp, use_tqdm=False)
         got.append([(o.outputs[0].token_ids, [sorted((k, v.logprob) for k, v in d.items()) for d in o.outputs[0].logprobs])
                     for o in outs])
