@@ -2,15 +2,20 @@
 
 At decode batch sizes a step's kernels are short (SmolLM2 W8A8 at batch 1: ~7 ms of kernels in a
 ~10 ms step), and the Python around them (module calls, argument checks, ~10 kernel calls per
-layer) costs 2-3 ms per step. ``llama_decode_w8a8`` and ``llama_decode_dense``
+layer) costs 2-3 ms per step. ``llama_decode_w8a8``, ``llama_decode_dense`` and ``llama_decode_group``
 (``kernels/csrc/fused_decode.cpp``) run the decoder layers and the final norm of such a step from
 one C++ loop, calling the same kernels and operators in the same order on the same operands as
 the module path, so the output is bit-identical (``tests/kernels/test_fused_decode.py``); the GIL
 stays released for the whole forward.
 
-Two kinds of models qualify: W8A8 (every projection a ``Linear`` whose ``W8A8LinearMethod`` holds
-packed weights, the norms feeding them quantizing, ``int8_gemm_packed``) and float ones (every projection a plain ``Linear`` with no quantization method: bf16
-with oneDNN-packed weights as ``kernels.onednn.prepack_cpu_linears`` leaves them, or float32). Also required:
+Three kinds of models qualify: W8A8 (every projection a ``Linear`` whose ``W8A8LinearMethod`` holds
+packed weights, the norms feeding them quantizing, ``int8_gemm_packed``), float ones (every projection a plain ``Linear`` with no quantization method: bf16
+with oneDNN-packed weights as ``kernels.onednn.prepack_cpu_linears`` leaves them, or float32) and
+group-quantized ones ("group": every projection held in ``group_quant``'s layout by a
+``GroupQuantLinearMethod`` -- GGUF blocks, the default for a GGUF file, GPTQ / AWQ / ... -- with
+K a multiple of 32; each runs the kernel ``group_quant.group_linear`` picks for it, ``group_gemm``
+or with ``PAGEDLLM_GGUF_INTDOT=1`` ``intdot_gemm``, called by address in the other modules).
+Also required:
 CPU, float32 or bfloat16 activations, SiLU MLP, Llama-style norms (no q/k norm, no soft cap), a
 decode-only step (one query token per request; W8A8: at most ``PACKED_GEMM_MAX_M`` requests), and
 a KV cache the C++ attention reads, and no LoRA adapter row in the step (projections wrapped for
@@ -39,6 +44,8 @@ logger = logging.getLogger("pagedllm")
 FUSED_W8A8_TENSORS_PER_LAYER = 17
 #: Tensors per decoder layer passed to ``llama_decode_dense`` (its ``DenseTensor`` enum).
 FUSED_DENSE_TENSORS_PER_LAYER = 10
+#: Tensors per decoder layer passed to ``llama_decode_group`` (its ``GroupTensor`` enum).
+FUSED_GROUP_TENSORS_PER_LAYER = 18
 
 
 def fused_decode_enabled() -> bool:
@@ -96,6 +103,27 @@ def _dense_tensors(lin, dtype: torch.dtype) -> Optional[tuple[list[torch.Tensor]
     return [w, torch.empty(0) if lin.bias is None else lin.bias], packed
 
 
+def _group_tensors(lin) -> Optional[tuple[list[torch.Tensor], list[int]]]:
+    """A group-quantized ``Linear``'s operands as ``group_quant.group_linear`` passes them to its
+    kernels (``[qweight, scales, mins or empty, bias or empty]``) and its modes ``[kind, group,
+    intdot allowed]``, or None for a layer whose calls do not always take the C++ kernels (K not a
+    multiple of 32, group not a multiple of 16, a fixed output dtype, a method with its own apply)."""
+    from pagedllm.models.layers import Linear
+    from pagedllm.quantization import group_quant as gq
+
+    lin = _unwrap(lin)
+    qm = getattr(lin, "quant_method", None)
+    if (not isinstance(lin, Linear) or type(lin).forward is not Linear.forward
+            or not isinstance(qm, gq.GroupQuantLinearMethod) or type(qm).apply is not gq.GroupQuantLinearMethod.apply
+            or qm.out_dtype is not None or getattr(lin, "qweight", None) is None
+            or lin.qweight.device.type != "cpu" or lin.in_features % 32 or lin.gq_group % 16):
+        return None
+    intdot = bool(qm.intdot and gq.INTDOT and lin.gq_kind in (gq.KIND_INT4, gq.KIND_INT8) and lin.gq_group % 32 == 0)
+    empty = torch.empty(0)
+    return ([lin.qweight, lin.scales, empty if lin.mins is None else lin.mins, empty if lin.bias is None else lin.bias],
+            [int(lin.gq_kind), int(lin.gq_group), int(intdot)])
+
+
 class FusedDecode:
     """The per-layer operands of ``llama_decode_w8a8`` / ``llama_decode_dense`` for one model,
     gathered once.
@@ -104,14 +132,16 @@ class FusedDecode:
     ``run(x, positions)`` returns the final hidden states or None when this step does not fit.
 
     Attributes:
-        kind: "w8a8" or "dense"; dtype: the activation dtype a dense model takes (None for
-            W8A8: float32 or bfloat16); packed: dense weights are oneDNN-packed.
+        kind: "w8a8", "dense" or "group"; dtype: the activation dtype a dense model takes (None for
+            W8A8 and group: float32 or bfloat16); packed: dense weights are oneDNN-packed;
+            modes: per layer and projection (kind, group, intdot allowed) of a "group" model.
     """
 
     def __init__(self, kind: str, layer_tensors: list[torch.Tensor], windows: list[int], final_norm: torch.Tensor,
                  rotary, num_heads: int, num_kv_heads: int, head_dim: int, scale: float, eps: float, ops,
-                 dtype: Optional[torch.dtype] = None, packed: bool = False) -> None:
-        self.kind, self.dtype, self.packed = kind, dtype, packed
+                 dtype: Optional[torch.dtype] = None, packed: bool = False,
+                 modes: Optional[list[int]] = None) -> None:
+        self.kind, self.dtype, self.packed, self.modes = kind, dtype, packed, modes or []
         self.layer_tensors, self.windows, self.final_norm = layer_tensors, windows, final_norm
         self.rotary, self.num_heads, self.num_kv_heads, self.head_dim = rotary, num_heads, num_kv_heads, head_dim
         self.scale, self.eps, self.ops = scale, eps, ops
@@ -147,6 +177,8 @@ class FusedDecode:
         w0 = _float_weight(qkv0)
         if _linear_tensors(qkv0, True) is not None:
             kind, dtype = "w8a8", None
+        elif _group_tensors(qkv0) is not None:
+            kind, dtype = "group", None
         elif (w0 is not None and qkv0.weight.device.type == "cpu"
               and w0.dtype in (torch.float32, torch.bfloat16)):
             kind, dtype = "dense", w0.dtype
@@ -155,8 +187,11 @@ class FusedDecode:
         ops = get_ops()
         if ops is None or not hasattr(ops, f"llama_decode_{kind}") or not fused_decode_enabled():
             return None
+        if kind == "group" and _group_gemm_fns()[0] == 0:
+            return None
         tensors: list[torch.Tensor] = []
         windows: list[int] = []
+        modes: list[int] = []
         packs: set[bool] = set()
         first = layers[0].self_attn
         rotary, eps = first.rotary[0], norm.eps
@@ -181,6 +216,14 @@ class FusedDecode:
                          _linear_tensors(mlp.gate_up_proj, False), _linear_tensors(mlp.down_proj, True)]
                 if any(p is None for p in parts):
                     return None
+            elif kind == "group":
+                groups = [_group_tensors(lin) for lin in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj,
+                                                         mlp.down_proj)]
+                if any(g is None for g in groups):
+                    return None
+                parts = [g[0] for g in groups]
+                for g in groups:
+                    modes += g[1]
             else:
                 dense = [_dense_tensors(lin, dtype) for lin in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj,
                                                                mlp.down_proj)]
@@ -193,10 +236,11 @@ class FusedDecode:
             windows.append(int(attn.attn.sliding_window or 0))
         if len(packs) > 1:  # some linears packed, some not: the module path decides per layer
             return None
-        per_layer = FUSED_W8A8_TENSORS_PER_LAYER if kind == "w8a8" else FUSED_DENSE_TENSORS_PER_LAYER
+        per_layer = {"w8a8": FUSED_W8A8_TENSORS_PER_LAYER, "dense": FUSED_DENSE_TENSORS_PER_LAYER,
+                     "group": FUSED_GROUP_TENSORS_PER_LAYER}[kind]
         assert len(tensors) == per_layer * len(layers)
         return cls(kind, tensors, windows, norm._effective_weight(), rotary, *shape[:3], float(shape[3]),
-                   float(eps), ops, dtype=dtype, packed=bool(packs and packs.pop()))
+                   float(eps), ops, dtype=dtype, packed=bool(packs and packs.pop()), modes=modes)
 
     def _cache_readable(self, x: torch.Tensor, kv_cache: torch.Tensor) -> bool:
         """Whether the C++ store and decode attention take this cache for ``x``'s dtype (as the
@@ -252,7 +296,29 @@ class FusedDecode:
                 self.windows, self.num_heads, self.num_kv_heads, self.head_dim, self.scale, self.eps)
         if self.kind == "w8a8":
             return self.ops.llama_decode_w8a8(*args)
+        if self.kind == "group":
+            from pagedllm.quantization import group_quant as gq
+
+            group_fn, intdot_fn, isa = _group_gemm_fns()
+            return self.ops.llama_decode_group(*args, self.modes, group_fn, intdot_fn, gq.LARGE_M, isa,
+                                               gq.INTDOT_MAX_M)
         return self.ops.llama_decode_dense(*args, self.packed)
+
+
+def _group_gemm_fns() -> tuple[int, int, int]:
+    """``(group_gemm address, intdot_gemm address or 0, intdot ISA path)`` for ``llama_decode_group``:
+    the entry points of the modules ``group_quant.group_linear`` calls (``get_quant_ops``,
+    ``get_intdot_ops``; 0 when not built; intdot 0 also when ``PAGEDLLM_GGUF_INTDOT`` is off)."""
+    from pagedllm.kernels.cpu_ops import get_intdot_ops, get_quant_ops
+    from pagedllm.quantization import group_quant as gq
+
+    qops = get_quant_ops()
+    if qops is None or not hasattr(qops, "group_gemm_fn"):
+        return 0, 0, 0
+    iops = get_intdot_ops() if gq.INTDOT else None
+    if iops is None or not hasattr(iops, "intdot_gemm_fn"):
+        return int(qops.group_gemm_fn()), 0, 0
+    return int(qops.group_gemm_fn()), int(iops.intdot_gemm_fn()), int(gq.intdot_isa(iops))
 
 
 def _llama_layer_forward():

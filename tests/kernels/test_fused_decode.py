@@ -1,9 +1,10 @@
-"""The fused decode paths (``llama_decode_w8a8``, ``llama_decode_dense``) against the module path
-they replace.
+"""The fused decode paths (``llama_decode_w8a8``, ``llama_decode_dense``, ``llama_decode_group``)
+against the module path they replace.
 
 They call the same kernels in the same order, so hidden states and the KV cache they write must be
 bit-identical to the module path's: W8A8 and float weights (float32, bfloat16, bfloat16 packed for
-oneDNN), a bf16 or fp8 cache, biases and sliding windows; steps they do not run (prefill, mixed,
+oneDNN), group-quantized weights (GGUF blocks: Q4_1 through ``group_gemm`` and the integer-dot
+kernel, K-quants / Q8_0 / merged shards of mixed types), a bf16 or fp8 cache, biases and sliding windows; steps they do not run (prefill, mixed,
 too many rows, an unreadable cache) must fall back.
 """
 from __future__ import annotations
@@ -82,6 +83,10 @@ def _forward(model, ids, positions, caches, meta, fused: bool):
             def llama_decode_dense(self, *a, **k):
                 ran.append(1)
                 return real.llama_decode_dense(*a, **k)
+
+            def llama_decode_group(self, *a, **k):
+                ran.append(1)
+                return real.llama_decode_group(*a, **k)
 
         plan.ops = Spy()
     ctx = ForwardContext(attn_metadata=meta, kv_caches=caches, impl=TorchPagedAttention())
@@ -166,6 +171,79 @@ def test_fused_decode_bias_and_sliding_window(mode):
     _decode_both(model, lens, caches, blocks, steps=4)
 
 
+# byte offsets of the f16 fields (d, dmin) inside each GGUF block type (ggml-common.h)
+_GGUF_F16_FIELDS = {"Q8_0": [0], "Q4_1": [0, 2], "Q4_K": [0, 2], "Q6_K": [208], "Q5_0": [0]}
+
+
+def _gguf_quantize(model, types: dict) -> None:
+    """Give each projection GGUF blocks of ``types[name]`` ("qkv", "o", "gate_up", "down"; a list
+    for one type per shard, merged as a GGUF file's q/k/v are), random with small f16 scales,
+    loaded as ``GGUFLinearMethod`` leaves a GGUF file's linears (``group_quant.install``)."""
+    import numpy as np
+    from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
+
+    from pagedllm.quantization import group_quant as gq
+    from pagedllm.quantization.gguf import GGUFLinearMethod, GGUFRawTensor, gguf_to_group
+
+    rng = np.random.default_rng(3)
+
+    def blocks(name, rows, k):
+        qt = GGMLQuantizationType[name]
+        block, size = GGML_QUANT_SIZES[qt]
+        b = rng.integers(0, 256, size=(rows * k // block, size), dtype=np.uint8)
+        for off in _GGUF_F16_FIELDS[name]:
+            b[:, off:off + 2] = (rng.standard_normal(b.shape[0]) * 0.004).astype(np.float16).view(np.uint8).reshape(-1, 2)
+        return gguf_to_group(GGUFRawTensor(b.reshape(rows, -1), qt, (rows, k), name))
+
+    for layer in model.model.layers:
+        attn, mlp = layer.self_attn, layer.mlp
+        for key, lin in (("qkv", attn.qkv_proj), ("o", attn.o_proj), ("gate_up", mlp.gate_up_proj),
+                         ("down", mlp.down_proj)):
+            names = types[key] if isinstance(types[key], list) else [types[key]]
+            rows = [lin.out_features // len(names)] * len(names)
+            if len(names) == 3:  # q, k, v
+                kv = attn.num_kv_heads * attn.head_dim
+                rows = [lin.out_features - 2 * kv, kv, kv]
+            gq.install(lin, gq.merge([blocks(n, r, lin.in_features) for n, r in zip(names, rows)]))
+            lin.quant_method = GGUFLinearMethod()
+
+
+@pytest.mark.parametrize("intdot", [False, True])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fused_decode_gguf_q4_1_bit_identical(dtype, intdot, monkeypatch):
+    """SmolLM2's file type: every projection Q4_1 (group_gemm; with PAGEDLLM_GGUF_INTDOT=1 the
+    integer-dot kernel), biases on q/k/v and o, a sliding window: hidden states and KV cache
+    bit-identical to the module path, also past group_gemm's register-path row limit."""
+    from pagedllm.quantization import group_quant as gq
+
+    if intdot and cpu_ops.get_intdot_ops() is None:
+        pytest.skip("integer-dot kernel not built here")
+    monkeypatch.setattr(gq, "INTDOT", intdot)
+    model = _model(dtype, bias=True, window=6, mode="dense")
+    _gguf_quantize(model, {"qkv": "Q4_1", "o": "Q4_1", "gate_up": "Q4_1", "down": "Q4_1"})
+    plan = _plan(model)
+    assert plan is not None and plan.kind == "group" and plan.modes[:3] == [gq.KIND_INT4, 32, int(intdot)]
+    lens = [5, 13, 2, 9]
+    caches, blocks = _prefill(model, lens, None, dtype)
+    h = _decode_both(model, lens, caches, blocks)
+    assert torch.isfinite(h.float()).all() and h.float().abs().sum() > 0
+    monkeypatch.setattr(gq, "LARGE_M", 2)  # 4 rows: group_gemm's dequantized-tile path
+    _decode_both(model, lens, caches, blocks, steps=1)
+
+
+def test_fused_decode_gguf_k_quants_and_mixed_shards():
+    """Gemma-style K-quant files: q/k Q5_0 beside v Q8_0 merged into one int8 layout, Q4_K
+    (group 32 of 256-blocks), Q6_K (group 16), Q8_0; bf16 activations."""
+    model = _model(torch.bfloat16, hidden=256, mode="dense")
+    _gguf_quantize(model, {"qkv": ["Q5_0", "Q5_0", "Q8_0"], "o": "Q4_K", "gate_up": "Q6_K", "down": "Q8_0"})
+    plan = _plan(model)
+    assert plan is not None and plan.kind == "group"
+    assert [plan.modes[i] for i in (1, 4, 7, 10)] == [32, 32, 16, 32]
+    lens = [7, 3]
+    caches, blocks = _prefill(model, lens, None, torch.bfloat16)
+    _decode_both(model, lens, caches, blocks)
+
+
 def test_fused_decode_falls_back():
     model = _model(torch.bfloat16)
     lens = [6, 10]
@@ -231,10 +309,11 @@ def test_fused_decode_not_built(monkeypatch, tiny_llama):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("quantization", ["w8a8", "none"])
+@pytest.mark.parametrize("quantization", ["w8a8", "none", "gguf"])
 def test_smollm2_fused_decode_same_tokens_and_logprobs(smollm2_path, monkeypatch, quantization):
-    """End to end through ``LLM`` (W8A8, and the file dequantized to bf16 with oneDNN-packed
-    weights): greedy tokens and logprobs are equal with the fused path on and off."""
+    """End to end through ``LLM`` (W8A8, the file dequantized to bf16 with oneDNN-packed weights,
+    and the default: its Q4_1 blocks kept): greedy tokens and logprobs are equal with the fused
+    path on and off."""
     from pagedllm import LLM, SamplingParams
 
     prompts = ["The capital of France is", "Write a haiku about autumn leaves.", "1, 2, 3, 4,"]
@@ -246,7 +325,8 @@ def test_smollm2_fused_decode_same_tokens_and_logprobs(smollm2_path, monkeypatch
         plan = llm.llm_engine.core.runner.decode_accelerator
         assert (plan is not None) == (flag == "1")
         if plan is not None:
-            assert plan.kind == ("w8a8" if quantization == "w8a8" else "dense") and plan.packed == (quantization == "none")
+            kind = {"w8a8": "w8a8", "none": "dense", "gguf": "group"}[quantization]
+            assert plan.kind == kind and plan.packed == (quantization == "none")
         outs = llm.generate(prompts, sp, use_tqdm=False)
         got.append([(o.outputs[0].token_ids, [sorted((k, v.logprob) for k, v in d.items()) for d in o.outputs[0].logprobs])
                     for o in outs])

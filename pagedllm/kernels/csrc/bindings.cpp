@@ -39,6 +39,13 @@ at::Tensor llama_decode_dense(at::Tensor x, at::Tensor positions, std::vector<at
                               at::Tensor seq_lens, at::Tensor cos, at::Tensor sin, at::Tensor final_norm,
                               std::vector<int64_t> windows, int64_t num_heads, int64_t num_kv_heads,
                               int64_t head_dim, double scale, double eps, bool packed);
+at::Tensor llama_decode_group(at::Tensor x, at::Tensor positions, std::vector<at::Tensor> layers,
+                              std::vector<at::Tensor> kv_caches, at::Tensor slot_mapping, at::Tensor block_tables,
+                              at::Tensor seq_lens, at::Tensor cos, at::Tensor sin, at::Tensor final_norm,
+                              std::vector<int64_t> windows, int64_t num_heads, int64_t num_kv_heads,
+                              int64_t head_dim, double scale, double eps, std::vector<int64_t> modes,
+                              int64_t group_fn, int64_t intdot_fn, int64_t large_m, int64_t isa,
+                              int64_t intdot_max_m);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode_attention", &paged_decode_attention, "paged decode attention (CPU)", py::call_guard<py::gil_scoped_release>());
@@ -82,4 +89,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("kv_caches"), py::arg("slot_mapping"), py::arg("block_tables"), py::arg("seq_lens"), py::arg("cos"),
         py::arg("sin"), py::arg("final_norm"), py::arg("windows"), py::arg("num_heads"), py::arg("num_kv_heads"),
         py::arg("head_dim"), py::arg("scale"), py::arg("eps"), py::arg("packed"));
+  m.def("llama_decode_group", &llama_decode_group,
+        "the decoder layers + final norm of a decode-only group-quantized (GGUF, ...) Llama step in one call",
+        py::call_guard<py::gil_scoped_release>(), py::arg("x"), py::arg("positions"), py::arg("layers"),
+        py::arg("kv_caches"), py::arg("slot_mapping"), py::arg("block_tables"), py::arg("seq_lens"), py::arg("cos"),
+        py::arg("sin"), py::arg("final_norm"), py::arg("windows"), py::arg("num_heads"), py::arg("num_kv_heads"),
+        py::arg("head_dim"), py::arg("scale"), py::arg("eps"), py::arg("modes"), py::arg("group_fn"),
+        py::arg("intdot_fn"), py::arg("large_m"), py::arg("isa"), py::arg("intdot_max_m"));
 }

@@ -1,6 +1,7 @@
 // The decoder layers of a decode-only step of a Llama-shaped model, in one call: W8A8 weights
-// (llama_decode_w8a8) or float weights (llama_decode_dense: bf16 with oneDNN-packed weights, or
-// float32).
+// (llama_decode_w8a8), float weights (llama_decode_dense: bf16 with oneDNN-packed weights, or
+// float32) or group-quantized weights (llama_decode_group: GGUF blocks, GPTQ/AWQ/... through
+// group_gemm.cpp, or GGUF's opt-in integer-dot kernel intdot_gemm.cpp).
 //
 // The Python model runs each layer as ~10 kernel calls (norm+quantize, qkv GEMM, rope, K/V store,
 // decode attention, quantize, o GEMM, norm+quantize, gate/up GEMM, SiLU*up+quantize, down GEMM);
@@ -85,6 +86,39 @@ enum DenseTensor {
   dInNorm, dQkvW, dQkvBias, dOW, dOBias, dPostNorm, dGuW, dGuBias, dDownW, dDownBias, dPerLayer
 };
 
+// The GEMMs of group-quantized projections live in their own extension modules (group_gemm.cpp,
+// intdot_gemm.cpp: built with their own flags, so not linked here); their modules hand out the
+// address of their entry point (group_gemm_fn() / intdot_gemm_fn()), called here with the same
+// arguments the Python module path passes (group_quant.group_linear), so the result is the same.
+using GroupGemmFn = at::Tensor (*)(at::Tensor, at::Tensor, at::Tensor, c10::optional<at::Tensor>,
+                                   c10::optional<at::Tensor>, int64_t, int64_t, int64_t, at::ScalarType);
+using IntdotGemmFn = at::Tensor (*)(at::Tensor, at::Tensor, at::Tensor, c10::optional<at::Tensor>,
+                                    c10::optional<at::Tensor>, int64_t, int64_t, at::ScalarType, int64_t, int64_t);
+
+// Per layer for llama_decode_group (FUSED_GROUP_TENSORS_PER_LAYER in pagedllm/worker/fused_decode.py):
+// each projection as qweight, scales, mins (or empty), bias (or empty).
+enum GroupTensor {
+  gInNorm, gQkv, gO = gQkv + 4, gPostNorm = gO + 4, gGu, gDown = gGu + 4, gPerLayer = gDown + 4
+};
+// Per projection (qkv, o, gate_up, down) in `modes`: kind, group, whether the integer-dot kernel may run it.
+constexpr int64_t kModesPerLinear = 3, kModesPerLayer = 4 * kModesPerLinear;
+
+struct GroupGemms {
+  GroupGemmFn group;
+  IntdotGemmFn intdot;  // nullptr: not built / off
+  int64_t large_m, isa, intdot_max_m;
+
+  // group_quant.group_linear for x [T, K]: intdot_gemm when the layer allows it and T is within
+  // the integer-dot row limit, else group_gemm; output in x's dtype.
+  at::Tensor operator()(const at::Tensor& x, const at::Tensor* p, const int64_t* mode) const {
+    const at::Tensor xc = x.contiguous();
+    if (mode[2] && intdot != nullptr && xc.size(0) <= intdot_max_m) {
+      return intdot(xc, p[0], p[1], opt(p[2]), opt(p[3]), mode[0], mode[1], xc.scalar_type(), isa, 0);
+    }
+    return group(xc, p[0], p[1], opt(p[2]), opt(p[3]), mode[0], mode[1], large_m, xc.scalar_type());
+  }
+};
+
 }  // namespace
 
 // x: [T, H] float32/bf16 token embeddings (becomes the residual stream; updated in place).
@@ -157,5 +191,48 @@ at::Tensor llama_decode_dense(at::Tensor x, at::Tensor positions, std::vector<at
     h = linear(at::silu(gu.narrow(1, 0, I)) * gu.narrow(1, I, I), w[dDownW], w[dDownBias], packed);
   }
   TORCH_CHECK(h.defined(), "llama_decode_dense: no layers");
+  return rms_norm(h, residual, final_norm, eps);
+}
+
+// The same loop for group-quantized projections (module path: RMSNorm -> Linear whose
+// GroupQuantLinearMethod runs group_linear): layers: gPerLayer tensors per layer (per projection
+// qweight, scales, mins or empty, bias or empty; the group layout of group_quant.install); modes:
+// kModesPerLayer ints per layer (kind, group, intdot allowed, per projection); group_fn /
+// intdot_fn: addresses of group_gemm / intdot_gemm (intdot_fn 0: never); large_m: group_gemm's
+// register-path row limit (group_quant.LARGE_M); isa: the integer-dot ISA path; intdot_max_m:
+// its row limit (group_quant.INTDOT_MAX_M). The other arguments as for llama_decode_w8a8.
+// Returns the final norm's output [T, H] in x's dtype.
+at::Tensor llama_decode_group(at::Tensor x, at::Tensor positions, std::vector<at::Tensor> layers,
+                              std::vector<at::Tensor> kv_caches, at::Tensor slot_mapping, at::Tensor block_tables,
+                              at::Tensor seq_lens, at::Tensor cos, at::Tensor sin, at::Tensor final_norm,
+                              std::vector<int64_t> windows, int64_t num_heads, int64_t num_kv_heads,
+                              int64_t head_dim, double scale, double eps, std::vector<int64_t> modes,
+                              int64_t group_fn, int64_t intdot_fn, int64_t large_m, int64_t isa,
+                              int64_t intdot_max_m) {
+  const int64_t L = static_cast<int64_t>(kv_caches.size());
+  TORCH_CHECK(static_cast<int64_t>(layers.size()) == L * gPerLayer, "llama_decode_group: expected ", gPerLayer,
+              " tensors per layer for ", L, " layers, got ", layers.size());
+  TORCH_CHECK(static_cast<int64_t>(modes.size()) == L * kModesPerLayer, "llama_decode_group: expected ",
+              kModesPerLayer, " modes per layer");
+  TORCH_CHECK(static_cast<int64_t>(windows.size()) == L, "llama_decode_group: one window per layer");
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous(), "llama_decode_group: x must be a contiguous [T, H] tensor");
+  TORCH_CHECK(group_fn != 0, "llama_decode_group: group_gemm's address is required");
+  const GroupGemms gemm{reinterpret_cast<GroupGemmFn>(group_fn), reinterpret_cast<IntdotGemmFn>(intdot_fn), large_m,
+                        isa, intdot_max_m};
+  at::Tensor residual = x, h;
+  for (int64_t l = 0; l < L; ++l) {
+    const at::Tensor* w = layers.data() + l * gPerLayer;
+    const int64_t* md = modes.data() + l * kModesPerLayer;
+    at::Tensor n1 = l == 0 ? rms_norm(x, c10::nullopt, w[gInNorm], eps) : rms_norm(h, residual, w[gInNorm], eps);
+    at::Tensor qkv = gemm(n1, w + gQkv, md);
+    at::Tensor attn = attention_block(qkv, positions, kv_caches[l], slot_mapping, block_tables, seq_lens, cos, sin,
+                                      windows[l], num_heads, num_kv_heads, head_dim, scale);
+    h = gemm(attn, w + gO, md + kModesPerLinear);
+    at::Tensor n2 = rms_norm(h, residual, w[gPostNorm], eps);
+    at::Tensor gu = gemm(n2, w + gGu, md + 2 * kModesPerLinear);
+    const int64_t I = gu.size(1) / 2;
+    h = gemm(at::silu(gu.narrow(1, 0, I)) * gu.narrow(1, I, I), w + gDown, md + 3 * kModesPerLinear);
+  }
+  TORCH_CHECK(h.defined(), "llama_decode_group: no layers");
   return rms_norm(h, residual, final_norm, eps);
 }

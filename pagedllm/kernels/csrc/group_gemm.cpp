@@ -373,11 +373,34 @@ at::Tensor group_gemm(at::Tensor x, at::Tensor qweight, at::Tensor scales, c10::
     return y;
   }
 
-  // Decode-sized M: float32 copy of x, then each weight row once against all rows.
-  at::Tensor xf = x.scalar_type() == at::kFloat ? x.contiguous() : x.to(at::kFloat).contiguous();
-  at::Tensor yf = at::empty({M, N}, x.options().dtype(at::kFloat));
-  const float* xp = xf.data_ptr<float>();
-  float* yp = yf.data_ptr<float>();
+  // Decode-sized M: float32 rows of x, then each weight row once against all rows. NOTE: bf16 x is
+  // widened here and bf16 outputs rounded in the loop (round-to-nearest-even, the same bits as
+  // ATen's .to()), not by ATen copies: at decode sizes those cost more than the conversion itself
+  // (two ops per projection and step, ~240 per SmolLM2 token).
+  at::Tensor xc = x.contiguous();
+  std::vector<float> xbuf;
+  const float* xp;
+  if (xc.scalar_type() == at::kFloat) {
+    xp = xc.data_ptr<float>();
+  } else {
+    xbuf.resize(M * K);
+    const uint16_t* src = reinterpret_cast<const uint16_t*>(xc.data_ptr<at::BFloat16>());
+    for (int64_t i = 0; i < M * K; ++i) {  // bfloat16 -> float32 is exact: the high half of the bits
+      const uint32_t u = static_cast<uint32_t>(src[i]) << 16;
+      std::memcpy(&xbuf[i], &u, 4);
+    }
+    xp = xbuf.data();
+  }
+  at::Tensor y = at::empty({M, N}, x.options().dtype(out_dtype));
+  float* yp = out_dtype == at::kFloat ? y.data_ptr<float>() : nullptr;
+  at::BFloat16* yb = out_dtype == at::kFloat ? nullptr : y.data_ptr<at::BFloat16>();
+  auto store = [&](int64_t i, float v) {
+    if (yp) {
+      yp[i] = v;
+    } else {
+      yb[i] = static_cast<at::BFloat16>(v);
+    }
+  };
   const float* bp = b.defined() ? b.data_ptr<float>() : nullptr;
   const int64_t rb = row_bytes(kind, K);
   // NOTE: grain ~64 KB of weight bytes per task: smaller tasks cost more to wake than they save.
@@ -399,24 +422,24 @@ at::Tensor group_gemm(at::Tensor x, at::Tensor qweight, at::Tensor scales, c10::
         for (; m + 4 <= M; m += 4) {
           for (int r = 0; r < 4; ++r) xs[r] = xp + (m + r) * K;
           dot4_avx2(wbuf.data(), K, xs, out);
-          for (int r = 0; r < 4; ++r) yp[(m + r) * N + n] = out[r] + bn;
+          for (int r = 0; r < 4; ++r) store((m + r) * N + n, out[r] + bn);
         }
       }
 #endif
       for (; m + 4 <= M; m += 4) {
         for (int r = 0; r < 4; ++r) xs[r] = xp + (m + r) * K;
         row_dot<4>(row, sc, mn, kind, gidx, K, xs, out);
-        for (int r = 0; r < 4; ++r) yp[(m + r) * N + n] = out[r] + bn;
+        for (int r = 0; r < 4; ++r) store((m + r) * N + n, out[r] + bn);
       }
       const int64_t rest = M - m;
       for (int r = 0; r < rest; ++r) xs[r] = xp + (m + r) * K;
       if (rest == 3) row_dot<3>(row, sc, mn, kind, gidx, K, xs, out);
       if (rest == 2) row_dot<2>(row, sc, mn, kind, gidx, K, xs, out);
       if (rest == 1) row_dot<1>(row, sc, mn, kind, gidx, K, xs, out);
-      for (int r = 0; r < rest; ++r) yp[(m + r) * N + n] = out[r] + bn;
+      for (int r = 0; r < rest; ++r) store((m + r) * N + n, out[r] + bn);
     }
   });
-  return out_dtype == at::kFloat ? yf : yf.to(out_dtype);
+  return y;
 }
 
 bool group_gemm_avx2() {
@@ -435,4 +458,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::call_guard<py::gil_scoped_release>(), py::arg("qweight"), py::arg("scales"), py::arg("mins"),
         py::arg("kind"), py::arg("group"), py::arg("K"), py::arg("row0"), py::arg("row1"), py::arg("dtype"));
   m.def("group_gemm_avx2", &group_gemm_avx2, "whether the AVX2/FMA/F16C path was built");
+  // NOTE: for the fused decode step (fused_decode.cpp, another module): the same function, called there
+  m.def("group_gemm_fn", []() { return reinterpret_cast<int64_t>(&group_gemm); }, "group_gemm's address");
 }

@@ -262,7 +262,17 @@ at::Tensor as_float_rows(const at::Tensor& x) {
   TORCH_CHECK(x.dim() == 2 && (x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16),
               "x must be a 2-D float32 or bfloat16 tensor");
   TORCH_CHECK(x.size(1) % QK == 0, "K must be a multiple of 32");
-  return x.scalar_type() == at::kFloat ? x.contiguous() : x.to(at::kFloat).contiguous();
+  if (x.scalar_type() == at::kFloat) return x.contiguous();
+  // NOTE: widened here, not by an ATen copy (at decode sizes the op costs more than the work)
+  const at::Tensor xc = x.contiguous();
+  at::Tensor xf = at::empty(xc.sizes(), xc.options().dtype(at::kFloat));
+  const uint16_t* src = reinterpret_cast<const uint16_t*>(xc.data_ptr<at::BFloat16>());
+  float* dst = xf.data_ptr<float>();
+  for (int64_t i = 0; i < xc.numel(); ++i) {  // bfloat16 -> float32 is exact: the high half of the bits
+    const uint32_t u = static_cast<uint32_t>(src[i]) << 16;
+    std::memcpy(dst + i, &u, 4);
+  }
+  return xf;
 }
 
 // The rows kernel's activation operands straight from x [M, K] (float32 or bfloat16, contiguous):
@@ -403,7 +413,13 @@ at::Tensor intdot_gemm(at::Tensor x, at::Tensor qweight, at::Tensor scales, c10:
 #endif
     range_portable(c, n0, n1);
   });
-  return out_dtype == at::kFloat ? y : y.to(out_dtype);
+  if (out_dtype == at::kFloat) return y;
+  // bf16 output rounded here (round-to-nearest-even, the bits of ATen's .to()), not by an ATen copy
+  at::Tensor yb = at::empty({M, N}, x.options().dtype(out_dtype));
+  const float* ys = y.data_ptr<float>();
+  at::BFloat16* yd = yb.data_ptr<at::BFloat16>();
+  for (int64_t i = 0; i < M * N; ++i) yd[i] = static_cast<at::BFloat16>(ys[i]);
+  return yb;
 }
 
 bool intdot_isa_supported(int64_t isa) { return isa >= 0 && isa <= kVnni && isa_supported(isa); }
@@ -429,6 +445,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("intdot_isa_supported", &intdot_isa_supported, "whether this CPU runs ISA path isa");
   m.def("intdot_best_isa", &intdot_best_isa, "the ISA path intdot_gemm takes by default");
   m.def("intdot_isa_name", &intdot_isa_name, "name of an ISA path");
+  // NOTE: for the fused decode step (fused_decode.cpp, another module): the same function, called there
+  m.def("intdot_gemm_fn", []() { return reinterpret_cast<int64_t>(&intdot_gemm); }, "intdot_gemm's address");
   m.def("intdot_rows_min_m", []() { return kRowsMinM; }, "rows from which the rows kernel runs by default");
 }
 
