@@ -113,13 +113,41 @@ def gemma3_path() -> str:
     return get_gemma3_gguf_path()
 
 
-def _hf_from_gguf(path: str):
+def _hf_from_gguf(path: str, shared_dir=None):
+    """(transformers model fp32 in eval mode, tokenizer) read from the GGUF at ``path``.
+
+    Under pytest-xdist (``shared_dir``: the run's directory all workers share) the first worker to
+    need a reference builds it from the GGUF and pickles it there; the others load that pickle
+    (~2 s instead of 15-40 s of transformers' GGUF parsing, which is mostly its Python reading of
+    the vocabulary): the same tensors, config and tokenizer, built once per test session."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
-    d, f = os.path.dirname(path), os.path.basename(path)
-    model = AutoModelForCausalLM.from_pretrained(d, gguf_file=f, dtype=torch.float32)
-    model.eval()
-    tok = AutoTokenizer.from_pretrained(d, gguf_file=f)
-    return model, tok
+
+    def build():
+        d, f = os.path.dirname(path), os.path.basename(path)
+        model = AutoModelForCausalLM.from_pretrained(d, gguf_file=f, dtype=torch.float32)
+        model.eval()
+        return model, AutoTokenizer.from_pretrained(d, gguf_file=f)
+
+    if shared_dir is None:
+        return build()
+    from filelock import FileLock
+
+    cached = os.path.join(str(shared_dir), "hf-ref-" + os.path.basename(path) + ".pt")
+    with FileLock(cached + ".lock"):
+        if os.path.exists(cached):
+            return torch.load(cached, weights_only=False)
+        ref = build()
+        torch.save(ref, cached + ".tmp")
+        os.replace(cached + ".tmp", cached)
+        return ref
+
+
+@pytest.fixture(scope="session")
+def _xdist_shared_dir(tmp_path_factory):
+    """The directory every pytest-xdist worker of this run shares, or None when not under xdist."""
+    if not os.environ.get("PYTEST_XDIST_WORKER"):
+        return None
+    return tmp_path_factory.getbasetemp().parent
 
 
 @pytest.fixture(scope="session")
@@ -133,15 +161,15 @@ def smollm2_hf_tokenizer(smollm2_path):
 
 
 @pytest.fixture(scope="session")
-def hf_smollm2(smollm2_path):
-    """(transformers LlamaForCausalLM fp32, tokenizer) from the SmolLM2 GGUF (~15 s)."""
-    return _hf_from_gguf(smollm2_path)
+def hf_smollm2(smollm2_path, _xdist_shared_dir):
+    """(transformers LlamaForCausalLM fp32, tokenizer) from the SmolLM2 GGUF (~15 s; built once per run)."""
+    return _hf_from_gguf(smollm2_path, _xdist_shared_dir)
 
 
 @pytest.fixture(scope="session")
-def hf_gemma3(gemma3_path):
-    """(transformers Gemma3ForCausalLM fp32, tokenizer) from the Gemma 3 GGUF (~40 s)."""
-    return _hf_from_gguf(gemma3_path)
+def hf_gemma3(gemma3_path, _xdist_shared_dir):
+    """(transformers Gemma3ForCausalLM fp32, tokenizer) from the Gemma 3 GGUF (~40 s; built once per run)."""
+    return _hf_from_gguf(gemma3_path, _xdist_shared_dir)
 
 
 @pytest.fixture(scope="session")
