@@ -40,10 +40,11 @@ fi
 # unpacking). Their output is kept until pip is done; step 3 then waits for them (and retries one
 # that failed, e.g. for a package pip had not installed yet).
 BUILDS=("from pagedllm.kernels.cpu_ops import get_ops; get_ops()"
-        "from pagedllm.kernels.cpu_ops import get_quant_ops; get_quant_ops()"
-        "from pagedllm.kernels.cpu_ops import get_intdot_ops; get_intdot_ops()")
-# --test: the batch-invariant kernels too, so parallel test workers never build them at once
-[ "${1:-}" = "--test" ] && BUILDS+=("from pagedllm.kernels.batch_invariant import get_bi_ops; get_bi_ops()")
+        "from pagedllm.kernels.cpu_ops import get_quant_ops; get_quant_ops()")
+# --test: the opt-in integer-dot GEMM (PAGEDLLM_GGUF_INTDOT=1; it builds on first use otherwise)
+# and the batch-invariant kernels too, so parallel test workers never build them at once
+[ "${1:-}" = "--test" ] && BUILDS+=("from pagedllm.kernels.cpu_ops import get_intdot_ops; get_intdot_ops()"
+                                   "from pagedllm.kernels.batch_invariant import get_bi_ops; get_bi_ops()")
 EARLY_PIDS=(); EARLY_LOGS=()
 start_early_builds() {
   echo "install.sh: compiling the C++ CPU kernels beside pip (${#BUILDS[@]} extensions; cached ones only load)" >&2
