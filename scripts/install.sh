@@ -96,6 +96,12 @@ fi
 #    the engine still runs, on the slower pure-torch path (it says so).
 #    The extensions build side by side (one process each: the compiler is single-threaded per
 #    source file, and each build stages its .so under its own name before an atomic rename).
+# The embedded default model's tokenizer, converted from its GGUF once (~10 s, cached in
+# ~/.cache/pagedllm/tokenizers), beside the kernel builds instead of in the first `pagedllm serve`.
+python -W ignore -c 'from pagedllm.loader import get_smollm2_gguf_path
+from pagedllm.loader.tokenizer import load_gguf_tokenizer
+load_gguf_tokenizer(get_smollm2_gguf_path())' >/dev/null 2>&1 &
+TOK_PID=$!
 # Builds started beside pip: wait for them; print the progress lines of those that succeeded (a
 # failed one is retried below, which prints its own line).
 for i in "${!EARLY_PIDS[@]}"; do
@@ -117,6 +123,7 @@ for i in "${!PIDS[@]}"; do
   cat "${LOGS[$i]}" >&2; rm -f "${LOGS[$i]}"
 done
 kill "$NOTICE" 2>/dev/null || true
+wait "$TOK_PID" 2>/dev/null || true   # a failure here only means serve converts it itself
 
 # --- Issue 31 (web chat browser test): Chromium and chromedriver from apt, where this runs as
 # root with apt-get; anywhere else nothing happens and that one test skips, saying why.
