@@ -20,6 +20,7 @@ from __future__ import annotations
 
 from typing import Any, Optional, Sequence
 
+_DecodeStream: Any
 try:  # tokenizers >= 0.21
     from tokenizers.decoders import DecodeStream as _DecodeStream
 except ImportError:  # pragma: no cover - older tokenizers: the Python path only

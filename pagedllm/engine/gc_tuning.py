@@ -11,9 +11,10 @@ start-up heap static after its engine core starts):
 * ``gc.freeze()`` after start-up (``PAGEDLLM_GC_FREEZE``, default on): after one full
   collection, everything alive then (weights' modules, tokenizer, configs) moves to the
   permanent generation, which no later collection walks. The engine that froze the heap
-  unfreezes it when it shuts down (``LLMEngine.shutdown``), so a process that creates engine
-  after engine (tests) holds at most one engine's start-up heap out of the collector, and not
-  past that engine's shutdown.
+  unfreezes it when it shuts down (``LLMEngine.shutdown``) or is freed (a ``weakref.finalize``:
+  an engine dropped without a shutdown is freed by reference counting), so a process that
+  creates engine after engine (tests) holds at most one live engine's start-up heap out of the
+  collector.
 * a larger generation-0 threshold (``PAGEDLLM_GC_THRESHOLD``, default 10,000 allocations; 0
   leaves Python's): young collections, and with them full ones, run ~14x less often. Applied
   only while the thresholds are Python's defaults (a process that set its own keeps them), and
@@ -23,6 +24,7 @@ from __future__ import annotations
 
 import gc
 import logging
+import weakref
 from typing import Optional
 
 from pagedllm import envs
@@ -54,6 +56,7 @@ def freeze_startup_heap(owner: object) -> bool:
     gc.collect()
     gc.freeze()
     _owner = id(owner)
+    weakref.finalize(owner, _release_id, _owner)
     th = int(envs.get("PAGEDLLM_GC_THRESHOLD") or 0)
     if th > 0 and gc.get_threshold() == _PY_DEFAULT_THRESHOLD:
         _saved_threshold = gc.get_threshold()
@@ -70,8 +73,12 @@ def release_startup_heap(owner: object) -> bool:
     Returns:
         True when something was undone.
     """
+    return _release_id(id(owner))
+
+
+def _release_id(owner_id: int) -> bool:
     global _owner, _saved_threshold
-    if _owner is None or _owner != id(owner):
+    if _owner is None or _owner != owner_id:
         return False
     gc.unfreeze()
     if _saved_threshold is not None and gc.get_threshold()[0] == int(envs.get("PAGEDLLM_GC_THRESHOLD") or 0):

@@ -14,6 +14,7 @@ def fresh(monkeypatch):
     saved_gc = gc.get_threshold()
     monkeypatch.setattr(gct, "_owner", None)
     monkeypatch.setattr(gct, "_saved_threshold", None)
+    gc.unfreeze()
     gc.set_threshold(*gct._PY_DEFAULT_THRESHOLD)
     yield
     if gct._owner is not None:
@@ -63,3 +64,11 @@ def test_off_and_user_thresholds(fresh, monkeypatch):
     assert gct.freeze_startup_heap(o)
     assert gc.get_threshold() == gct._PY_DEFAULT_THRESHOLD
     assert gct.release_startup_heap(o)
+
+
+def test_dropped_owner_releases(fresh):
+    o = Owner()
+    assert gct.freeze_startup_heap(o)
+    del o  # freed by reference counting: the finalizer unfreezes
+    assert gct._owner is None and gc.get_freeze_count() == 0
+    assert gc.get_threshold() == gct._PY_DEFAULT_THRESHOLD
