@@ -77,6 +77,13 @@ ENV_VARS: dict[str, EnvVar] = {v.name: v for v in (
        "Attention backend: torch, triton or flashinfer (default: triton on CUDA when installed, else torch).",
        choices=("torch", "triton", "flashinfer")),
     # Memory
+    _v("PAGEDLLM_GC_FREEZE", "bool", True,
+       "0 keeps the start-up heap in the garbage collector's view; by default the first engine of a process "
+       "freezes it (gc.freeze) after start-up and raises the generation-0 threshold (PAGEDLLM_GC_THRESHOLD) "
+       "until it shuts down."),
+    _v("PAGEDLLM_GC_THRESHOLD", "int", 10000,
+       "Generation-0 threshold of the garbage collector while an engine serves (PAGEDLLM_GC_FREEZE on, Python's "
+       "default thresholds not changed by the process); 0 keeps Python's 700."),
     _v("PAGEDLLM_KV_LAZY", "bool", True,
        "0 allocates and touches the whole CPU KV cache at start-up instead of committing pages on use."),
     _v("PAGEDLLM_IDLE_RELEASE_S", "float", 10.0,

@@ -8,10 +8,23 @@ the new text, emitted only when it does not end with U+FFFD (a UTF-8 character s
 across byte-level BPE tokens is held back until its last byte arrives). Because the
 window always starts on a character boundary reached earlier, the concatenation of the
 deltas equals ``tokenizer.decode(all_ids)`` for byte-level tokenizers.
+
+Fast tokenizers take a fast path for the common step (one new token): the ``tokenizers``
+library's ``DecodeStream`` runs the same algorithm in Rust (one call a token instead of two
+decodes and the slicing here; vLLM's ``FastIncrementalDetokenizer`` uses it too). The offsets are
+mirrored here, so a multi-token step, ``flush`` and a stream error (``DecodeStream`` refuses a
+text that does not extend its prefix) take the Python path over the same state, and the stream is
+rebuilt once the offsets again allow it: the deltas are the same either way.
 """
 from __future__ import annotations
 
 from typing import Any, Optional, Sequence
+
+_DecodeStream: Any
+try:  # tokenizers >= 0.21
+    from tokenizers.decoders import DecodeStream as _DecodeStream
+except ImportError:  # pragma: no cover - older tokenizers: the Python path only
+    _DecodeStream = None
 
 # Prompt tokens kept as left context so the first output tokens decode as they would
 # inside the full sequence (vLLM: INITIAL_INCREMENTAL_DETOKENIZATION_OFFSET).
@@ -47,6 +60,21 @@ class IncrementalDetokenizer:
         self.read_offset = len(ctx)
         self.output_text = ""
         self._token_text_cache: dict[int, str] = {}
+        # The Rust incremental decoder over ``_ids[prefix_offset:]`` with its read offset at the end
+        # (built lazily; None while the offsets do not allow it or without a fast tokenizer).
+        self._stream: Any = None
+        self._stream_ok = self._backend is not None and _DecodeStream is not None
+
+    def _new_stream(self) -> Any:
+        """A ``DecodeStream`` in the state of the offsets (window ``_ids[prefix_offset:]``, read
+        offset at its end), or None when ``read_offset`` is not at the end of the ids."""
+        if self.read_offset != len(self._ids):
+            return None
+        try:
+            return _DecodeStream(ids=self._ids[self.prefix_offset:], skip_special_tokens=self.skip_special_tokens)
+        except Exception:  # pragma: no cover - a tokenizers without the ids argument
+            self._stream_ok = False
+            return None
 
     # ------------------------------------------------------------------ decoding
     def _decode(self, ids: list[int]) -> str:
@@ -104,8 +132,28 @@ class IncrementalDetokenizer:
         if not new_token_ids:
             return ""
         if type(new_token_ids) is list and len(new_token_ids) == 1 and type(new_token_ids[0]) is int:
-            self._ids.append(new_token_ids[0])  # (the common case: one int per step)
+            tok = new_token_ids[0]  # (the common case: one int per step)
+            if self._stream_ok:
+                st = self._stream
+                if st is None:
+                    st = self._stream = self._new_stream()
+                if st is not None:
+                    ids = self._ids
+                    ids.append(tok)
+                    try:
+                        delta = st.step(self._backend, tok)
+                    except Exception:  # e.g. the text does not extend the prefix: the Python path
+                        self._stream = None
+                        return self._step(force=False)
+                    if delta is None:  # held back (a split character): offsets unchanged, as the stream's
+                        return ""
+                    self.prefix_offset = self.read_offset
+                    self.read_offset = len(ids)
+                    self.output_text += delta
+                    return delta
+            self._ids.append(tok)
         else:
+            self._stream = None
             self._ids.extend(map(int, new_token_ids))
         return self._step(force=False)
 
@@ -116,6 +164,7 @@ class IncrementalDetokenizer:
         dropped rather than emitted as U+FFFD, as vLLM's detokenizer does, so no client ever
         sees a replacement character for a split character.
         """
+        self._stream = None
         delta = self._step(force=True)
         stripped = delta.rstrip(_REPLACEMENT)
         if len(stripped) != len(delta):

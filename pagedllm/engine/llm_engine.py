@@ -66,6 +66,9 @@ class LLMEngine:
         self.collect_stats = False
         # parent request id -> child core request ids
         self._children: dict[str, list[str]] = {}
+        # NOTE: last, once the start-up heap is complete (pagedllm.engine.gc_tuning).
+        from pagedllm.engine.gc_tuning import freeze_startup_heap
+        freeze_startup_heap(self)
 
     def _generation_defaults(self) -> dict:
         """Default sampling values from the model's generation config (vLLM ``--generation-config``)."""
@@ -294,7 +297,10 @@ class LLMEngine:
         return self.core.list_loras()
 
     def shutdown(self) -> None:
-        """Stop the executor's worker processes / actors and flush the tracer (idempotent)."""
+        """Stop the executor's worker processes / actors and flush the tracer (idempotent); the
+        engine that froze the process's start-up heap unfreezes it (``engine.gc_tuning``)."""
+        from pagedllm.engine.gc_tuning import release_startup_heap
+        release_startup_heap(self)
         self.core.shutdown()
         if self.tracer is not None:
             from pagedllm.tracing import shutdown_tracer

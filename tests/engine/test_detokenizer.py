@@ -149,3 +149,37 @@ def test_find_stop_string_and_holdback():
     assert stop_holdback("the end", ["xyz"]) == 0
     assert stop_holdback("aaa", ["aab", "b"]) == 2
     assert stop_holdback("", ["ab"]) == 0
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_decode_stream_fast_path_equals_python_path(tok, seed):
+    """The DecodeStream fast path gives the same delta at every step as the Python prefix/read-
+    offset path: random byte-level text, random prompt context, steps of 1 token mixed with
+    multi-token steps (drafts), special tokens, then flush."""
+    import pagedllm.engine.detokenizer as detok_mod
+
+    if detok_mod._DecodeStream is None:
+        pytest.skip("tokenizers without DecodeStream")
+    rng = random.Random(seed)
+    text = "".join(rng.choice(TEXTS) for _ in range(6))
+    ids = tok.encode(text) + [rng.randrange(tok.vocab_size) for _ in range(40)]
+    ids.insert(rng.randrange(len(ids)), tok.eos_token_id)
+    prompt = tok.encode(rng.choice(TEXTS))
+    chunks, n = [], 0
+    while n < len(ids):
+        c = min(len(ids) - n, 1 if rng.random() < 0.8 else rng.randint(2, 4))
+        chunks.append(c)
+        n += c
+    for skip in (True, False):
+        fast, det = _stream(tok, ids, chunks, prompt, skip)
+        assert det._stream_ok, "the fast path was not taken"
+        slow_det = IncrementalDetokenizer(tok, prompt, skip_special_tokens=skip)
+        slow_det._stream_ok = False
+        slow, i = [], 0
+        for c in chunks:
+            slow.append(slow_det.add_tokens(ids[i:i + c]))
+            i += c
+        slow.append(slow_det.flush())
+        assert fast == slow
+        assert det.output_text == slow_det.output_text
+        assert (det.prefix_offset, det.read_offset) == (slow_det.prefix_offset, slow_det.read_offset)
