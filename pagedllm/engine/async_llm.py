@@ -342,6 +342,11 @@ class AsyncLLM:
         """LoRA adapters can be served (``EngineArgs.enable_lora``)."""
         return bool(self.args.enable_lora)
 
+    @property
+    def kv_transfer_config(self) -> Optional[Any]:
+        """``EngineArgs.kv_transfer_config`` (None without a KV connector)."""
+        return getattr(self.args, "kv_transfer_config", None)
+
     def _check_lora(self, lora_request: Any) -> None:
         if lora_request is not None and not self.args.enable_lora:
             raise ValueError("lora_request: LoRA is not enabled; start the server with --enable-lora")
@@ -524,8 +529,14 @@ class AsyncLLM:
         return bool(self.engine.core.sleeping_tags)
 
     def get_scheduler_stats(self) -> dict:
+        """The last step's scheduler snapshot; its ``kv_connector`` entry is read live from a
+        connector whose counters are thread safe (P2P transfers end while the engine idles)."""
         with self._stats_lock:
-            return dict(self._last_stats)
+            stats = dict(self._last_stats)
+        conn = getattr(self.engine.core, "kv_connector", None)
+        if conn is not None and getattr(conn, "stats_thread_safe", False):
+            stats["kv_connector"] = conn.get_kv_connector_stats()
+        return stats
 
     def get_memory_stats(self) -> dict:
         """Process memory in bytes (``EngineCore.get_memory_stats``); safe from any thread."""

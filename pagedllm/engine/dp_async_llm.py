@@ -86,6 +86,7 @@ class DPAsyncLLM:
         self.default_sampling_params = dict(first.default_sampling_params)
         self.kv_capacity_tokens = sum(r.kv_capacity_tokens for r in self.replicas)
         self.enable_lora = first.enable_lora
+        self.kv_transfer_config = first.kv_transfer_config
         self.engine = first.engine  # NOTE: front-end helpers (tokenizer, chat template) are identical
         self._inflight = [0] * n
         self._where: dict[str, int] = {}

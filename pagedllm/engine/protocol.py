@@ -33,6 +33,8 @@ class EngineClient(Protocol):
             every engine step (the server appends its loggers).
         enable_lora: LoRA adapters can be served (``EngineArgs.enable_lora``): ``add_lora`` /
             ``remove_lora`` / ``list_loras`` work and requests may carry a ``lora_request``.
+        kv_transfer_config: the engine's ``--kv-transfer-config`` (``KVTransferConfig``) or None;
+            a P2P producer's responses carry the ``kv_transfer_params`` it implies.
     """
 
     tokenizer: Any
@@ -46,6 +48,7 @@ class EngineClient(Protocol):
     kv_capacity_tokens: int
     stat_loggers: list
     enable_lora: bool
+    kv_transfer_config: Optional[Any]
 
     def generate(self, prompt: Any, sampling_params: Any, request_id: str,
                  add_special_tokens: bool = True, lora_request: Any = None) -> AsyncIterator[RequestOutput]:

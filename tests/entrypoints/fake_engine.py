@@ -56,6 +56,7 @@ class FakeAsyncLLM:
         self.kv_capacity_tokens = 4096
         self.stat_loggers: list[Any] = []
         self.enable_lora = enable_lora
+        self.kv_transfer_config = None
         self.loras: dict[int, Any] = {}  # lora_int_id -> LoRARequest (add_lora; nothing is read)
         self.step_delay = step_delay
         self.cycle = self.tokenizer.encode(FAKE_TEXT, add_special_tokens=False)

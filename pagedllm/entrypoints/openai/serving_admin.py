@@ -90,10 +90,7 @@ def build_admin_router(engine: Any, prom: Any) -> APIRouter:
             record_scheduler_snapshot(prom, s)
             if "encoder_cache" in s:
                 prom.record_encoder_cache(s["encoder_cache"])
-            kvs = s.get("kv_connector")
-            conn = getattr(getattr(getattr(engine, "engine", None), "core", None), "kv_connector", None)
-            if getattr(conn, "stats_thread_safe", False):
-                kvs = conn.get_kv_connector_stats()  # NOTE: live: P2P transfers end while the engine idles
+            kvs = s.get("kv_connector")  # live for P2P (AsyncLLM.get_scheduler_stats)
             if kvs is not None and hasattr(prom, "record_kv_connector"):
                 prom.record_kv_connector(kvs)
         except Exception:

@@ -395,8 +395,7 @@ class OpenAIServing:
             return None
         from pagedllm.distributed.kv_transfer.p2p import prefill_response_params
 
-        args = getattr(self.engine, "args", None)
-        return prefill_response_params(getattr(args, "kv_transfer_config", None), params, engine_request_id)
+        return prefill_response_params(self.engine.kv_transfer_config, params, engine_request_id)
 
     def sampling_params(self, request: Any, prompt_len: int) -> Any:
         """``request.to_sampling_params`` for a prompt of ``prompt_len`` tokens (what is left of
