@@ -78,6 +78,35 @@ def _isa_lines() -> list[str]:
     return lines
 
 
+# The slowest test files (serial seconds on 2 cores, measured 2026-12-01), run first: pytest-xdist's
+# --dist loadfile hands files to the workers in collection order, so putting the long ones first
+# keeps one of them from starting last and running alone at the end (longest-first scheduling).
+SLOW_FILES_FIRST = [
+    "tests/spec_decode/test_spec_real.py", "tests/engine/test_generate_real.py", "tests/engine/test_memory_soak.py",
+    "tests/distributed/test_tensor_parallel.py", "tests/loader/test_loader.py", "tests/distributed/test_real_parallel.py",
+    "tests/distributed/test_ray_two_nodes.py", "tests/quantization/test_gguf_blocks.py", "tests/pooling/test_pooling_real.py",
+    "tests/structured_output/test_structured_real.py", "tests/quantization/test_checkpoint_formats.py",
+    "tests/engine/test_prefix_caching_real.py", "tests/entrypoints/test_tools_server_real.py",
+    "tests/examples/test_examples.py", "tests/distributed/test_server_parallel.py", "tests/engine/test_lazy_kv.py",
+    "tests/entrypoints/test_dp_serve.py", "tests/pooling/test_gemma_recipe_served.py", "tests/engine/test_sampling_real.py",
+    "tests/lora/test_lora_real.py", "tests/distributed/test_tensor_parallel_archs.py", "tests/entrypoints/test_router.py",
+    "tests/entrypoints/test_p2p_disagg_server.py", "tests/entrypoints/test_structured_server_real.py",
+    "tests/multimodal/test_vlm_server.py",
+]
+
+
+def pytest_collection_modifyitems(session, config, items):
+    """Order the collected tests so the files of ``SLOW_FILES_FIRST`` come first (in that order);
+    every file's tests stay together and in their own order."""
+    rank = {f: i for i, f in enumerate(SLOW_FILES_FIRST)}
+
+    def key(item):
+        rel = os.path.relpath(str(item.path), str(config.rootpath)).replace(os.sep, "/")
+        return rank.get(rel, len(rank))
+
+    items[:] = sorted(items, key=key)  # stable: the other files keep pytest's order
+
+
 def pytest_report_header(config):
     """Name the CPU and the ISA paths the suite exercises at the top of the run."""
     try:
