@@ -63,7 +63,7 @@ if [ "$OLD_HASH" = "$HASH" ] && { [ "$OLD_MODE" = test ] || [ "$OLD_MODE" = "$MO
   echo "install.sh: .venv is up to date ($OLD_MODE install; pip skipped)" >&2
 else
   T0=$SECONDS
-  echo "install.sh: installing the $MODE set into .venv (pip; about 2 minutes the first time)" >&2
+  echo "install.sh: installing the $MODE set into .venv (pip; about a minute the first time, longer with --test)" >&2
   rm -f "$STAMP"
   pip install -q --upgrade pip >/dev/null 2>&1 || true
   # --no-compile: no .pyc for the ~30k files of torch, transformers & co. at install time (CPU the
