@@ -24,6 +24,7 @@ from torch import nn
 from pagedllm.models.base import default_dtype
 from pagedllm.models.gemma3 import Gemma3ForCausalLM, Gemma3TextModel
 from pagedllm.models.layers import RMSNorm
+from pagedllm.models.vlm import copy_vision_tensors
 
 VISION_PREFIXES = ("model.vision_tower.", "vision_tower.")
 PROJECTOR_PREFIXES = ("model.multi_modal_projector.", "multi_modal_projector.")
@@ -171,21 +172,4 @@ class Gemma3ForConditionalGeneration(Gemma3ForCausalLM):
         loaded = super().load_weights(text_only())
         targets = {f"vision_tower.{k}": v for k, v in self.vision_tower.state_dict().items()}
         targets.update({f"multi_modal_projector.{k}": v for k, v in self.multi_modal_projector.state_dict().items()})
-        unexpected = []
-        for name, t in vision.items():
-            key = name
-            dst = targets.pop(key, None)
-            if dst is None:
-                unexpected.append(name)
-                continue
-            if tuple(t.shape) != tuple(dst.shape):
-                raise ValueError(f"{name}: checkpoint shape {tuple(t.shape)} != parameter shape {tuple(dst.shape)}")
-            with torch.no_grad():
-                dst.copy_(t.to(dst.dtype))
-            loaded.add(key)
-        if unexpected:
-            raise ValueError(f"unexpected checkpoint tensors: {sorted(unexpected)}")
-        missing = sorted(k for k in targets if not k.startswith("vision_tower.head."))
-        if missing:
-            raise ValueError(f"parameters missing from the checkpoint: {missing}")
-        return loaded
+        return loaded | copy_vision_tensors(vision, targets, optional=lambda k: k.startswith("vision_tower.head."))

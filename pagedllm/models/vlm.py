@@ -8,12 +8,51 @@ at a time, outside the paged KV cache; the model runner calls ``embed_images`` p
 """
 from __future__ import annotations
 
-from typing import Any, Iterable, Optional
+from typing import Any, Callable, Iterable, Optional
 
 import torch
 from torch import nn
 
 from pagedllm.models.llama import LlamaForCausalLM, LlamaModel
+
+
+def copy_vision_tensors(tensors: dict[str, torch.Tensor], targets: dict[str, torch.Tensor],
+                        match: Callable[[str, dict], Optional[str]] = lambda n, t: n if n in t else None,
+                        optional: Callable[[str], bool] = lambda k: False) -> set[str]:
+    """Copy checkpoint ``tensors`` (our names) into the parameters and buffers ``targets`` (a
+    vision tower's / projector's state-dict entries, prefixed by module name), casting each to the
+    target's dtype; the vision side of a VLM's ``load_weights``.
+
+    Args:
+        match: the ``targets`` key a checkpoint name loads into, or None (default: the same name).
+        optional: target keys a checkpoint may lack (e.g. ``position_ids`` buffers, an unused head).
+
+    Returns:
+        The target keys loaded.
+
+    Raises:
+        ValueError: a shape mismatch, a tensor no target takes, or a required target left unloaded.
+    """
+    targets = dict(targets)
+    loaded: set[str] = set()
+    unexpected = []
+    for name, t in tensors.items():
+        key = match(name, targets)
+        if key is None:
+            unexpected.append(name)
+            continue
+        dst = targets.pop(key)
+        if tuple(t.shape) != tuple(dst.shape):
+            raise ValueError(f"{name}: checkpoint shape {tuple(t.shape)} != parameter shape {tuple(dst.shape)}")
+        with torch.no_grad():
+            dst.copy_(t.to(dst.dtype))
+        loaded.add(key)
+    if unexpected:
+        raise ValueError(f"unexpected checkpoint tensors: {sorted(unexpected)}")
+    missing = sorted(k for k in targets if not optional(k))
+    if missing:
+        raise ValueError(f"parameters missing from the checkpoint: {missing}")
+    return loaded
 
 
 def split_mm_config(config) -> tuple[Any, Any]:
@@ -145,24 +184,7 @@ class LlamaVisionLanguageModel(LlamaForCausalLM):
 
         loaded = super().load_weights(text_only())
         targets = {f"{m}.{k}": v for m in self.vision_modules for k, v in getattr(self, m).state_dict().items()}
-        unexpected = []
-        for name, t in vision.items():
-            key = self._match(name, targets)
-            if key is None:
-                unexpected.append(name)
-                continue
-            dst = targets.pop(key)
-            if tuple(t.shape) != tuple(dst.shape):
-                raise ValueError(f"{name}: checkpoint shape {tuple(t.shape)} != parameter shape {tuple(dst.shape)}")
-            with torch.no_grad():
-                dst.copy_(t.to(dst.dtype))
-            loaded.add(key)
-        if unexpected:
-            raise ValueError(f"unexpected checkpoint tensors: {sorted(unexpected)}")
-        missing = sorted(k for k in targets if not k.endswith("position_ids"))
-        if missing:
-            raise ValueError(f"parameters missing from the checkpoint: {missing}")
-        return loaded
+        return loaded | copy_vision_tensors(vision, targets, self._match, lambda k: k.endswith("position_ids"))
 
     @staticmethod
     def _match(name: str, targets: dict) -> Optional[str]:
