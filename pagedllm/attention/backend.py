@@ -53,7 +53,12 @@ class AttentionMetadata:
 
 
 class AttentionImpl:
-    """One backend's attention computation (implemented by ``torch_paged`` on CPU)."""
+    """One backend's attention computation (``torch_paged`` on CPU, ``triton_paged`` on CUDA).
+
+    ``forward`` is the contract the layers call; a backend implements its two steps,
+    ``write_kv`` (store the step's new K/V in the paged cache) and ``attend`` (attention of every
+    query token over its cached context).
+    """
 
     def forward(
         self,
@@ -61,7 +66,7 @@ class AttentionImpl:
         k: torch.Tensor,
         v: torch.Tensor,
         kv_cache: torch.Tensor,
-        meta: AttentionMetadata,
+        meta: Optional[AttentionMetadata],
         scale: float,
         sliding_window: Optional[int],
         logits_soft_cap: Optional[float],
@@ -71,7 +76,8 @@ class AttentionImpl:
         Args:
             q: ``[T, num_heads, head_dim]``; k, v: ``[T, num_kv_heads, head_dim]`` (compute dtype).
             kv_cache: ``[num_blocks, 2, block_size, num_kv_heads, head_dim]``.
-            meta: the step's metadata.
+            meta: the step's metadata; None for a dummy/profiling run: the batch is then treated
+                as one causal sequence (the torch prefill path) and nothing is written.
             scale: softmax scale (usually head_dim ** -0.5).
             sliding_window: a query at position p sees keys at positions > p - window; None = all.
             logits_soft_cap: if set, scores become ``cap * tanh(scores / cap)``.
@@ -79,6 +85,22 @@ class AttentionImpl:
         Returns:
             ``[T, num_heads, head_dim]``.
         """
+        if meta is None:
+            # NOTE: imported here: torch_paged imports this module.
+            from pagedllm.attention.torch_paged import causal_attention
+            return causal_attention(q, k, v, scale, sliding_window, logits_soft_cap)
+        # NOTE: all writes come first, so a request may read blocks another request of the
+        # same step wrote (e.g. a prefix-cache block shared within one step).
+        self.write_kv(kv_cache, k, v, meta)
+        return self.attend(q, k, v, kv_cache, meta, scale, sliding_window, logits_soft_cap)
+
+    def write_kv(self, kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata) -> None:
+        """Store ``k``/``v`` ``[T, Hkv, D]`` at ``meta.slot_mapping`` (-1 = padding, skipped)."""
+        raise NotImplementedError
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata,
+               scale: float, sliding_window: Optional[int], logits_soft_cap: Optional[float]) -> torch.Tensor:
+        """The attention of ``forward`` once ``write_kv`` stored the step's K/V (same arguments)."""
         raise NotImplementedError
 
 

@@ -17,6 +17,7 @@ from typing import Optional
 import torch
 
 from pagedllm.attention.backend import AttentionImpl, AttentionMetadata
+from pagedllm.attention.torch_paged import write_kv
 
 
 class BatchInvariantAttention(AttentionImpl):
@@ -38,29 +39,15 @@ class BatchInvariantAttention(AttentionImpl):
         self._bi = get_bi_ops()
         self._ops = get_ops()
 
-    def forward(
-        self,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        kv_cache: torch.Tensor,
-        meta: Optional[AttentionMetadata],
-        scale: float,
-        sliding_window: Optional[int],
-        logits_soft_cap: Optional[float],
-    ) -> torch.Tensor:
-        """Write K/V of all tokens, then attend all of them in one kernel call.
+    def write_kv(self, kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata) -> None:
+        write_kv(kv_cache, k, v, meta.slot_mapping, self._ops)
 
-        With ``meta=None`` (a dummy/profiling run, nothing cached) the torch backend's path runs.
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata,
+               scale: float, sliding_window: Optional[int], logits_soft_cap: Optional[float]) -> torch.Tensor:
+        """All query tokens of the step in one kernel call.
 
         Raises:
             RuntimeError: a cache dtype other than q's, or a non-CPU tensor.
         """
-        from pagedllm.attention.torch_paged import TorchPagedAttention, write_kv
-
-        if meta is None:
-            return TorchPagedAttention(use_cpu_kernel=False).forward(
-                q, k, v, kv_cache, None, scale, sliding_window, logits_soft_cap)
-        write_kv(kv_cache, k, v, meta.slot_mapping, self._ops)
         return self._bi.attention(q, kv_cache, meta.block_tables, meta.query_start_loc, meta.seq_lens,
                                   float(scale), int(sliding_window or 0), float(logits_soft_cap or 0.0))

@@ -191,27 +191,12 @@ class TorchPagedAttention(AttentionImpl):
             from pagedllm.kernels.cpu_ops import get_ops
             self._ops = get_ops()
 
-    def forward(
-        self,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        kv_cache: torch.Tensor,
-        meta: Optional[AttentionMetadata],
-        scale: float,
-        sliding_window: Optional[int],
-        logits_soft_cap: Optional[float],
-    ) -> torch.Tensor:
-        """Write K/V of all tokens, then attend decodes (batched) and prefill chunks (each).
-
-        With ``meta=None`` (a dummy/profiling run) the batch is treated as one causal
-        sequence and nothing is written to the cache.
-        """
-        if meta is None:
-            return self._prefill(q, k.transpose(0, 1), v.transpose(0, 1), 0, scale, sliding_window, logits_soft_cap)
-        # NOTE: all writes come first, so a request may read blocks another request of the
-        # same step wrote (e.g. a prefix-cache block shared within one step).
+    def write_kv(self, kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata) -> None:
         write_kv(kv_cache, k, v, meta.slot_mapping, self._ops)
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata,
+               scale: float, sliding_window: Optional[int], logits_soft_cap: Optional[float]) -> torch.Tensor:
+        """Attend decodes (batched) and prefill chunks (each)."""
         nd = meta.num_decodes
         use_kernel = kernel_reads_cache(self._ops, q, kv_cache)
         if nd == meta.num_reqs and use_kernel:  # a decode-only step: the kernel's output is the result
@@ -323,3 +308,11 @@ class TorchPagedAttention(AttentionImpl):
                 enable_gqa=kt.shape[1] != qt.shape[1],
             )
         return out.squeeze(0).transpose(0, 1)
+
+
+def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
+                     sliding_window: Optional[int], logits_soft_cap: Optional[float]) -> torch.Tensor:
+    """The whole batch as one causal sequence, nothing cached: q ``[T, Hq, D]``, k/v ``[T, Hkv, D]``
+    -> ``[T, Hq, D]`` (every backend's dummy/profiling run, ``AttentionImpl.forward(meta=None)``)."""
+    return TorchPagedAttention._prefill(q, k.transpose(0, 1), v.transpose(0, 1), 0, scale, sliding_window,
+                                        logits_soft_cap)

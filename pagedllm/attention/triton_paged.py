@@ -273,23 +273,11 @@ class TritonPagedAttention(AttentionImpl):
 
     name = "triton"
 
-    def forward(
-        self,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        kv_cache: torch.Tensor,
-        meta: Optional[AttentionMetadata],
-        scale: float,
-        sliding_window: Optional[int],
-        logits_soft_cap: Optional[float],
-    ) -> torch.Tensor:
-        if meta is None:
-            # Dummy / profiling run: one causal sequence, nothing written (as the torch backend).
-            from pagedllm.attention.torch_paged import TorchPagedAttention
-            return TorchPagedAttention._prefill(q, k.transpose(0, 1), v.transpose(0, 1), 0, scale,
-                                                sliding_window, logits_soft_cap)
-        qsl, seq_lens, block_tables, slots = device_tensors(meta, q.device)
-        reshape_and_cache(k, v, kv_cache, slots)
+    def write_kv(self, kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata) -> None:
+        reshape_and_cache(k, v, kv_cache, device_tensors(meta, k.device)[3])
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata,
+               scale: float, sliding_window: Optional[int], logits_soft_cap: Optional[float]) -> torch.Tensor:
+        qsl, seq_lens, block_tables, _ = device_tensors(meta, q.device)
         return paged_attention(q, kv_cache, qsl, seq_lens, block_tables, meta.num_reqs, scale,
                                sliding_window, logits_soft_cap)
