@@ -2,9 +2,10 @@
 (pure Python, no torch)."""
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, field
 from typing import Any, Optional
+
+from pagedllm.config import parse_json_arg
 
 KV_ROLES = ("kv_producer", "kv_consumer", "kv_both")
 OFFLOADING_BACKENDS = ("native",)
@@ -52,13 +53,7 @@ class KVTransferConfig:
         if value is None or isinstance(value, cls):
             cfg = value
         else:
-            if isinstance(value, str):
-                try:
-                    value = json.loads(value)
-                except json.JSONDecodeError as e:
-                    raise ValueError(f"kv_transfer_config: invalid JSON: {e}") from None
-            if not isinstance(value, dict):
-                raise ValueError(f"kv_transfer_config: expected a JSON object, got {type(value).__name__}")
+            value = parse_json_arg(value, "kv_transfer_config")
             known = {"kv_connector", "kv_role", "kv_connector_extra_config", "kv_connector_module_path",
                      "kv_ip", "kv_port", "engine_id"}
             # NOTE: vLLM's other fields (kv_buffer_device, kv_rank, kv_parallel_size, ...) only matter
