@@ -16,7 +16,9 @@ code may use :meth:`ReasoningParser.is_reasoning_end`.
 from __future__ import annotations
 
 import logging
-from typing import Any, Callable, Optional, Sequence, Union
+from typing import Any, Optional, Sequence
+
+from pagedllm.class_registry import ClassRegistry
 
 logger = logging.getLogger("pagedllm.reasoning")
 
@@ -173,33 +175,10 @@ class ReasoningStreamer:
         return dr, dc
 
 
-class ReasoningParserManager:
-    """Name -> ReasoningParser class (vLLM's ``ReasoningParserManager``)."""
-
-    reasoning_parsers: dict[str, type] = {}
+class ReasoningParserManager(ClassRegistry, base=ReasoningParser, kind="reasoning parser"):
+    """Name -> ReasoningParser class (vLLM's ``ReasoningParserManager``; ``ClassRegistry`` methods)."""
 
     @classmethod
     def get_reasoning_parser(cls, name: str) -> type:
         """Raises: KeyError naming the registered parsers."""
-        if name in cls.reasoning_parsers:
-            return cls.reasoning_parsers[name]
-        raise KeyError(f"reasoning parser {name!r} is not registered; available: "
-                       f"{', '.join(sorted(cls.reasoning_parsers))}")
-
-    @classmethod
-    def list_registered(cls) -> list[str]:
-        return sorted(cls.reasoning_parsers)
-
-    @classmethod
-    def register_module(cls, name: Union[str, Sequence[str], None] = None, force: bool = True,
-                        module: Optional[type] = None) -> Union[type, Callable[[type], type]]:
-        def reg(m: type) -> type:
-            if not (isinstance(m, type) and issubclass(m, ReasoningParser)):
-                raise TypeError(f"reasoning parser must subclass ReasoningParser, got {m!r}")
-            names = [m.__name__] if name is None else [name] if isinstance(name, str) else name
-            for n in names:
-                if not force and n in cls.reasoning_parsers:
-                    raise KeyError(f"reasoning parser {n!r} is already registered")
-                cls.reasoning_parsers[n] = m
-            return m
-        return reg(module) if module is not None else reg
+        return cls.get(name)

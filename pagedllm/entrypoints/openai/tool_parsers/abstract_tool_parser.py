@@ -28,11 +28,12 @@ import os
 import re
 import sys
 from dataclasses import dataclass, field
-from typing import Any, Callable, Optional, Sequence, Union
+from typing import Any, Callable, Optional, Sequence
 
 from partial_json_parser import Allow
 from partial_json_parser import loads as _partial_loads
 
+from pagedllm.class_registry import ClassRegistry
 from pagedllm.entrypoints.openai.protocol_tools import (DeltaFunctionCall, DeltaToolCall,
                                                         ExtractedToolCallInformation, FunctionCall,
                                                         ToolCall, random_tool_call_id)
@@ -420,10 +421,8 @@ class ToolCallStreamer:
 # ------------------------------------------------------------------------------------------
 
 
-class ToolParserManager:
-    """Name -> ToolParser class (vLLM's ``ToolParserManager``)."""
-
-    tool_parsers: dict[str, type] = {}
+class ToolParserManager(ClassRegistry, base=ToolParser, kind="tool call parser", type_kind="tool parser"):
+    """Name -> ToolParser class (vLLM's ``ToolParserManager``; ``ClassRegistry`` methods)."""
 
     @classmethod
     def get_tool_parser(cls, name: str) -> type:
@@ -432,41 +431,7 @@ class ToolParserManager:
         Raises:
             KeyError: no such parser (the message lists the registered names).
         """
-        if name in cls.tool_parsers:
-            return cls.tool_parsers[name]
-        raise KeyError(f"tool call parser {name!r} is not registered; available: "
-                       f"{', '.join(sorted(cls.tool_parsers))}")
-
-    @classmethod
-    def list_registered(cls) -> list[str]:
-        return sorted(cls.tool_parsers)
-
-    @classmethod
-    def _register(cls, module: type, names: Union[str, Sequence[str], None],
-                  force: bool) -> None:
-        if not (isinstance(module, type) and issubclass(module, ToolParser)):
-            raise TypeError(f"tool parser must subclass ToolParser, got {module!r}")
-        if names is None:
-            names = [module.__name__]
-        elif isinstance(names, str):
-            names = [names]
-        for n in names:
-            if not force and n in cls.tool_parsers:
-                raise KeyError(f"tool call parser {n!r} is already registered")
-            cls.tool_parsers[n] = module
-
-    @classmethod
-    def register_module(cls, name: Union[str, Sequence[str], None] = None, force: bool = True,
-                        module: Optional[type] = None) -> Union[type, Callable[[type], type]]:
-        """Register ``module`` under ``name`` (one or several names), or decorate a class."""
-        if module is not None:
-            cls._register(module, name, force)
-            return module
-
-        def deco(m: type) -> type:
-            cls._register(m, name, force)
-            return m
-        return deco
+        return cls.get(name)
 
     @classmethod
     def import_tool_parser(cls, plugin_path: str) -> None:
