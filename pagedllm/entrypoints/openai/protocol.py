@@ -233,6 +233,46 @@ class _SamplingFields(OpenAIBaseModel):
             raise ValueError("`truncate_prompt_tokens` must be -1 or a non-negative integer.")
         return self
 
+    def to_sampling_params(self, default_max_tokens: int, max_model_len: int,
+                           default_sampling_params: Optional[dict] = None,
+                           output_kind: Any = None) -> Any:
+        """vLLM's ``CompletionRequest`` / ``ChatCompletionRequest.to_sampling_params``.
+
+        Args:
+            default_max_tokens: ``max_model_len - prompt_len``, used when max_tokens is null
+                (capped by the generation config's ``max_tokens``).
+            max_model_len: checks ``truncate_prompt_tokens``.
+            default_sampling_params: the model's generation-config defaults.
+            output_kind: a ``RequestOutputKind``; None = DELTA when streaming, else FINAL_ONLY.
+
+        Raises:
+            ValueError: a bad ``logit_bias`` key or ``truncate_prompt_tokens``.
+        """
+        max_tokens, logprobs, echo_logprobs = self._logprob_fields()
+        defaults = default_sampling_params or {}
+        if max_tokens is None:
+            max_tokens = min(default_max_tokens, defaults.get("max_tokens", default_max_tokens))
+        prompt_logprobs = self.prompt_logprobs
+        if prompt_logprobs is None and self.echo:
+            prompt_logprobs = echo_logprobs
+        self.resolve_truncation(max_model_len)
+        return self._build_sampling_params(
+            max_tokens=self._engine_max_tokens(max_tokens),
+            logprobs=logprobs,
+            prompt_logprobs=prompt_logprobs,
+            default_sampling_params=default_sampling_params,
+            output_kind=output_kind,
+        )
+
+    def _logprob_fields(self) -> tuple[Optional[int], Optional[int], Optional[int]]:
+        """The endpoint's ``(max_tokens as requested (None = unset), logprobs (top-k count or
+        None), the prompt logprobs an echo asks for)``."""
+        raise NotImplementedError
+
+    def _engine_max_tokens(self, max_tokens: int) -> int:
+        """The engine's max_tokens for the resolved ``max_tokens`` (the same, by default)."""
+        return max_tokens
+
     def _build_sampling_params(self, *, max_tokens: int, logprobs: Optional[int],
                                prompt_logprobs: Optional[int],
                                default_sampling_params: Optional[dict],
@@ -309,6 +349,32 @@ class _SamplingFields(OpenAIBaseModel):
         return t
 
 
+class _ResponseFields(OpenAIBaseModel):
+    """The fields of a completions or chat response, in vLLM's order: each subclass sets the
+    ``id`` prefix, ``object`` and the ``choices`` type (a redeclared field keeps its place)."""
+
+    id: str
+    object: str
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+    choices: list[Any]
+    system_fingerprint: Optional[str] = None
+    usage: UsageInfo
+    kv_transfer_params: Optional[dict[str, Any]] = None  # vLLM: a prefill's hand-off to the decoder
+
+
+class _StreamResponseFields(OpenAIBaseModel):
+    """A streamed chunk's fields (``_ResponseFields`` less the final-only ones; ``usage`` only
+    in the usage chunk or with continuous usage stats)."""
+
+    id: str
+    object: str
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+    choices: list[Any]
+    usage: Optional[UsageInfo] = None
+
+
 # --------------------------------------------------------------------------------------------
 # /v1/completions
 # --------------------------------------------------------------------------------------------
@@ -333,29 +399,13 @@ class CompletionRequest(_SamplingFields):
             raise ValueError("At least one of `prompt` or `prompt_embeds` must be set.")
         return self
 
-    def to_sampling_params(self, default_max_tokens: int, max_model_len: int,
-                           default_sampling_params: Optional[dict] = None,
-                           output_kind: Any = None) -> Any:
-        """vLLM's CompletionRequest.to_sampling_params.
+    def _logprob_fields(self) -> tuple[Optional[int], Optional[int], Optional[int]]:
+        return self.max_tokens, self.logprobs, self.logprobs
 
-        default_max_tokens: ``max_model_len - prompt_len`` (used when max_tokens is null).
-        """
-        max_tokens = self.max_tokens
-        defaults = default_sampling_params or {}
-        if max_tokens is None:
-            max_tokens = min(default_max_tokens, defaults.get("max_tokens", default_max_tokens))
-        prompt_logprobs = self.prompt_logprobs
-        if prompt_logprobs is None and self.echo:
-            prompt_logprobs = self.logprobs
-        echo_without_generation = self.echo and max_tokens == 0
-        self.resolve_truncation(max_model_len)
-        return self._build_sampling_params(
-            max_tokens=1 if echo_without_generation else max_tokens,
-            logprobs=self.logprobs,
-            prompt_logprobs=prompt_logprobs,
-            default_sampling_params=default_sampling_params,
-            output_kind=output_kind,
-        )
+    def _engine_max_tokens(self, max_tokens: int) -> int:
+        # NOTE: echo with max_tokens=0 still runs one step (the prompt's logprobs); the server
+        # drops the generated token.
+        return 1 if self.echo and max_tokens == 0 else max_tokens
 
 
 class InfillExtraChunk(OpenAIBaseModel):
@@ -424,15 +474,10 @@ class CompletionResponseChoice(OpenAIBaseModel):
     prompt_token_ids: Optional[list[int]] = None
 
 
-class CompletionResponse(OpenAIBaseModel):
+class CompletionResponse(_ResponseFields):
     id: str = Field(default_factory=lambda: f"cmpl-{random_uuid()}")
     object: Literal["text_completion"] = "text_completion"
-    created: int = Field(default_factory=lambda: int(time.time()))
-    model: str
     choices: list[CompletionResponseChoice]
-    system_fingerprint: Optional[str] = None
-    usage: UsageInfo
-    kv_transfer_params: Optional[dict[str, Any]] = None  # vLLM: a prefill's hand-off to the decoder
 
 
 class CompletionResponseStreamChoice(OpenAIBaseModel):
@@ -445,13 +490,10 @@ class CompletionResponseStreamChoice(OpenAIBaseModel):
     prompt_token_ids: Optional[list[int]] = None
 
 
-class CompletionStreamResponse(OpenAIBaseModel):
+class CompletionStreamResponse(_StreamResponseFields):
     id: str = Field(default_factory=lambda: f"cmpl-{random_uuid()}")
     object: str = "text_completion"
-    created: int = Field(default_factory=lambda: int(time.time()))
-    model: str
     choices: list[CompletionResponseStreamChoice]
-    usage: Optional[UsageInfo] = None
 
 
 # --------------------------------------------------------------------------------------------
@@ -528,28 +570,9 @@ class ChatCompletionRequest(_SamplingFields):
             raise ValueError("`messages` must contain at least one message.")
         return self
 
-    def to_sampling_params(self, default_max_tokens: int, max_model_len: int,
-                           default_sampling_params: Optional[dict] = None,
-                           output_kind: Any = None) -> Any:
-        """vLLM's ChatCompletionRequest.to_sampling_params."""
-        if self.max_completion_tokens is not None:
-            max_tokens = self.max_completion_tokens
-        else:
-            max_tokens = self.max_tokens
-        defaults = default_sampling_params or {}
-        if max_tokens is None:
-            max_tokens = min(default_max_tokens, defaults.get("max_tokens", default_max_tokens))
-        prompt_logprobs = self.prompt_logprobs
-        if prompt_logprobs is None and self.echo:
-            prompt_logprobs = self.top_logprobs
-        self.resolve_truncation(max_model_len)
-        return self._build_sampling_params(
-            max_tokens=max_tokens,
-            logprobs=(self.top_logprobs or 0) if self.logprobs else None,
-            prompt_logprobs=prompt_logprobs,
-            default_sampling_params=default_sampling_params,
-            output_kind=output_kind,
-        )
+    def _logprob_fields(self) -> tuple[Optional[int], Optional[int], Optional[int]]:
+        max_tokens = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+        return max_tokens, (self.top_logprobs or 0) if self.logprobs else None, self.top_logprobs
 
 
 class ChatMessage(OpenAIBaseModel):
@@ -583,15 +606,10 @@ class ChatCompletionResponseChoice(OpenAIBaseModel):
     token_ids: Optional[list[int]] = None
 
 
-class ChatCompletionResponse(OpenAIBaseModel):
+class ChatCompletionResponse(_ResponseFields):
     id: str = Field(default_factory=lambda: f"chatcmpl-{random_uuid()}")
     object: Literal["chat.completion"] = "chat.completion"
-    created: int = Field(default_factory=lambda: int(time.time()))
-    model: str
     choices: list[ChatCompletionResponseChoice]
-    system_fingerprint: Optional[str] = None
-    usage: UsageInfo
-    kv_transfer_params: Optional[dict[str, Any]] = None  # vLLM: a prefill's hand-off to the decoder
     prompt_logprobs: Optional[list[Optional[dict[int, Any]]]] = None
     prompt_token_ids: Optional[list[int]] = None
 
@@ -613,13 +631,10 @@ class ChatCompletionResponseStreamChoice(OpenAIBaseModel):
     token_ids: Optional[list[int]] = None
 
 
-class ChatCompletionStreamResponse(OpenAIBaseModel):
+class ChatCompletionStreamResponse(_StreamResponseFields):
     id: str = Field(default_factory=lambda: f"chatcmpl-{random_uuid()}")
     object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
-    created: int = Field(default_factory=lambda: int(time.time()))
-    model: str
     choices: list[ChatCompletionResponseStreamChoice]
-    usage: Optional[UsageInfo] = None
 
 
 # --------------------------------------------------------------------------------------------
