@@ -28,6 +28,7 @@ from pagedllm.entrypoints.openai.protocol_anthropic import (AnthropicMessagesReq
 from pagedllm.entrypoints.openai.protocol_responses import new_id
 from pagedllm.entrypoints.openai.serving_chat import (ChatToolSetup, OpenAIServingChat)
 from pagedllm.entrypoints.openai.serving_engine import ResponseBuilder
+from pagedllm.entrypoints.openai.stream_tally import OutputTally
 
 logger = logging.getLogger("pagedllm.entrypoints.openai")
 
@@ -288,7 +289,7 @@ class _MessageRun:
         blocks: list[str] = []  # the type of each block opened so far
         open_idx: Optional[int] = None
         call_blocks: dict[int, int] = {}
-        num_tokens, cached, last = 0, 0, None
+        tally = OutputTally(parser)
 
         def ev(etype: str, **fields: Any) -> str:
             data = json.dumps({"type": etype, **fields}, ensure_ascii=False,
@@ -343,23 +344,18 @@ class _MessageRun:
             yield ev("ping")
 
         def on_result(_: int, res: Any) -> Iterator[str]:
-            nonlocal num_tokens, cached, last
-            cached = int(getattr(res, "num_cached_tokens", 0) or 0)
-            for co in res.outputs:
-                num_tokens += len(co.token_ids)
-                if co.finish_reason is not None:
-                    last = co
-                yield from on_delta(parser.feed_output(co))
+            for d in tally.feed(res):
+                yield from on_delta(d)
 
         def on_end(_: bool) -> Iterator[str]:
             yield from close()
-            if last is None:  # cut short (server shutdown)
+            if tally.last is None:  # cut short (server shutdown)
                 stop, seq = "end_turn", None
             else:
-                stop, seq = self._stop(last, parser.tools_called)
+                stop, seq = self._stop(tally.last, parser.tools_called)
             yield ev("message_delta", delta={"stop_reason": stop, "stop_sequence": seq},
-                     usage={"output_tokens": num_tokens, "input_tokens": self.input_tokens,
-                            "cache_read_input_tokens": cached})
+                     usage={"output_tokens": tally.num_tokens, "input_tokens": self.input_tokens,
+                            "cache_read_input_tokens": tally.cached})
             yield ev("message_stop")
 
         def on_error(e: Exception) -> Iterator[str]:

@@ -32,6 +32,7 @@ from pagedllm.entrypoints.openai.protocol_responses import (
 from pagedllm.entrypoints.openai.response_store import ResponseStore, StoredResponse
 from pagedllm.entrypoints.openai.serving_chat import (ChatToolSetup, OpenAIServingChat)
 from pagedllm.entrypoints.openai.serving_engine import (ResponseBuilder, require_generate_runner)
+from pagedllm.entrypoints.openai.stream_tally import OutputTally
 from pagedllm.entrypoints.openai.tool_calling import check_json_schema, constrain_to_json
 
 logger = logging.getLogger("pagedllm.entrypoints.openai")
@@ -388,7 +389,7 @@ class _Run:
         open_item: Optional[dict[str, Any]] = None  # the item receiving deltas
         call_items: dict[int, dict[str, Any]] = {}
         reasoning_text = ""
-        num_tokens, cached, finish = 0, 0, None
+        tally = OutputTally(parser)
 
         def ev(etype: str, **fields: Any) -> str:
             nonlocal seq
@@ -415,7 +416,7 @@ class _Run:
             else:
                 evs.append(ev("response.function_call_arguments.done", item_id=item["id"],
                               output_index=idx, arguments=item["arguments"], name=item["name"]))
-            item["status"] = "incomplete" if finish == "length" and item["type"] == "message" \
+            item["status"] = "incomplete" if tally.finish_reason == "length" and item["type"] == "message" \
                 else "completed"
             evs.append(ev("response.output_item.done", output_index=idx, item=item))
             return evs
@@ -474,20 +475,16 @@ class _Run:
             yield ev("response.in_progress", response=resp)
 
         def on_result(_: int, res: Any) -> Iterator[str]:
-            nonlocal num_tokens, cached, finish
-            cached = int(getattr(res, "num_cached_tokens", 0) or 0)
-            for co in res.outputs:
-                num_tokens += len(co.token_ids)
-                if co.finish_reason is not None:
-                    finish = co.finish_reason
-                yield from on_delta(parser.feed_output(co))
+            for d in tally.feed(res):
+                yield from on_delta(d)
 
         def on_end(stopping: bool) -> Iterator[str]:
             if not output:  # an empty answer is still one (empty) message
                 yield from open_(message_item(new_id("msg"), ""))
                 open_item["content"] = [output_text_part("")]
             yield from close()
-            usage = self._usage(num_tokens, cached, reasoning_text or None)
+            usage = self._usage(tally.num_tokens, tally.cached, reasoning_text or None)
+            finish = tally.finish_reason
             if stopping or finish is None:
                 resp = self.response("incomplete", output, usage, "cancelled")
                 yield ev("response.incomplete", response=resp)
