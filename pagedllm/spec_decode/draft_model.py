@@ -29,7 +29,7 @@ import numpy as np
 import torch
 
 from pagedllm.attention.backend import AttentionMetadata, ForwardContext, set_forward_context
-from pagedllm.spec_decode.proposer import Proposal, ProposeBatch, Proposer
+from pagedllm.spec_decode.proposer import PagedModelProposer, Proposal, ProposeBatch
 
 
 def paged_metadata(starts: list[int], lens: list[int], block_ids: list[list[int]],
@@ -64,7 +64,7 @@ def paged_metadata(starts: list[int], lens: list[int], block_ids: list[list[int]
     return meta, pos
 
 
-class DraftModelProposer(Proposer):
+class DraftModelProposer(PagedModelProposer):
     """Greedy drafts from a draft model sharing the target's block tables (see module doc).
 
     Args:
@@ -81,16 +81,9 @@ class DraftModelProposer(Proposer):
 
     def __init__(self, num_speculative_tokens: int, model: Any, num_blocks: int, block_size: int,
                  kv_cache_dtype: torch.dtype, device: torch.device, attn_impl: Any) -> None:
-        self.k = num_speculative_tokens
-        self.num_lookahead_tokens = num_speculative_tokens
+        super().__init__(num_speculative_tokens, model.get_kv_cache_spec(), num_blocks, block_size, kv_cache_dtype,
+                         device, attn_impl)
         self.model = model
-        self.block_size = block_size
-        self.device = device
-        self.attn_impl = attn_impl
-        num_layers, num_kv_heads, head_dim = model.get_kv_cache_spec()
-        from pagedllm.worker.kv_memory import new_kv_cache
-        self.kv_caches = [new_kv_cache((num_blocks, 2, block_size, num_kv_heads, head_dim), kv_cache_dtype, device)
-                          for _ in range(num_layers)]
         # req_id -> positions below which the draft cache holds the request's committed tokens.
         self._valid: dict[str, int] = {}
         self.decode_accelerator: Any = None  # the draft's fused CPU decode step (set by the worker)

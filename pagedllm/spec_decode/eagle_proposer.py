@@ -20,7 +20,7 @@ import torch
 
 from pagedllm.spec_decode.draft_model import paged_metadata
 from pagedllm.attention.backend import ForwardContext, set_forward_context
-from pagedllm.spec_decode.proposer import Proposal, ProposeBatch, Proposer
+from pagedllm.spec_decode.proposer import PagedModelProposer, Proposal, ProposeBatch
 
 
 def load_eagle_head(path: str, target: Any, dtype: torch.dtype) -> Any:
@@ -59,7 +59,7 @@ def load_eagle_head(path: str, target: Any, dtype: torch.dtype) -> Any:
     return head.eval()
 
 
-class EagleProposer(Proposer):
+class EagleProposer(PagedModelProposer):
     """See the module docstring.
 
     Args:
@@ -72,14 +72,11 @@ class EagleProposer(Proposer):
 
     def __init__(self, num_speculative_tokens: int, head: Any, target: Any, num_blocks: int, block_size: int,
                  kv_cache_dtype: torch.dtype, device: torch.device, attn_impl: Any) -> None:
-        self.k = num_speculative_tokens
-        self.num_lookahead_tokens = num_speculative_tokens
-        self.head, self.target = head, target
-        self.block_size, self.device, self.attn_impl = block_size, device, attn_impl
         _, num_kv_heads, head_dim = head.get_kv_cache_spec()
-        from pagedllm.worker.kv_memory import new_kv_cache
-        self.kv_caches = [new_kv_cache((num_blocks, 2, block_size, num_kv_heads, head_dim),
-                                       kv_cache_dtype, device)]
+        # NOTE: the head is one layer, whatever its spec's layer count.
+        super().__init__(num_speculative_tokens, (1, num_kv_heads, head_dim), num_blocks, block_size,
+                         kv_cache_dtype, device, attn_impl)
+        self.head, self.target = head, target
 
     def _run(self, ids, starts, lens, block_ids, hidden):
         """The head over the given tokens: ``(rows for the LM head, rows to feed back)``."""

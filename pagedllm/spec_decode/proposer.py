@@ -68,6 +68,30 @@ class Proposer:
         return {}
 
 
+class PagedModelProposer(Proposer):
+    """A proposer running a model of its own (a draft model, an EAGLE head) over paged KV caches
+    with the target's block geometry, drafting ``k`` tokens a step (so ``k`` lookahead slots).
+
+    Args:
+        num_speculative_tokens: ``k``.
+        kv_spec: the drafting model's ``(num_layers, num_kv_heads, head_dim)``: one cache a layer.
+        num_blocks / block_size: the target's KV cache geometry.
+        kv_cache_dtype: the caches' dtype.
+        device: torch device.
+        attn_impl: the attention backend.
+    """
+
+    def __init__(self, num_speculative_tokens: int, kv_spec: tuple[int, int, int], num_blocks: int,
+                 block_size: int, kv_cache_dtype: torch.dtype, device: torch.device, attn_impl: Any) -> None:
+        from pagedllm.worker.kv_memory import new_kv_cache
+
+        self.k = self.num_lookahead_tokens = num_speculative_tokens
+        self.block_size, self.device, self.attn_impl = block_size, device, attn_impl
+        num_layers, num_kv_heads, head_dim = kv_spec
+        self.kv_caches = [new_kv_cache((num_blocks, 2, block_size, num_kv_heads, head_dim), kv_cache_dtype, device)
+                          for _ in range(num_layers)]
+
+
 class TokenProposer(Proposer):
     """Adapter for proposers that only read token ids (n-gram, suffix): one call per request."""
 
