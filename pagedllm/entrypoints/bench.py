@@ -155,21 +155,54 @@ def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--output-json", default=None, help="also write results to this file")
 
 
+# ``pagedllm bench NAME`` over the engine flags (``_common``): (one-line help, description, its
+# integer flags as (flag, default, help), added first).
+_BENCH_COMMANDS: dict[str, tuple[str, str, tuple[tuple[str, int, str], ...]]] = {
+    "throughput": ("offline throughput on a fixed workload",
+                   "Offline throughput (tokens/s) on a fixed, seeded workload.", ()),
+    "latency": ("single-request latency (TTFT, TPOT)",
+                "Single-request latency: time to first token and per output token.",
+                (("--input-len", 128, "prompt tokens"), ("--output-len", 128, "output tokens"),
+                 ("--num-iters", 3, "repetitions (the median is reported)"))),
+    "prefix-caching": ("shared system prompt workload: TTFT and total time, prefix caching on vs off",
+                       "A shared system prompt workload, run with prefix caching on and off.",
+                       (("--num-prompts", 32, "number of requests"),
+                        ("--system-len", 1000, "shared system prompt tokens"),
+                        ("--question-len", 50, "per-request question tokens"),
+                        ("--output-len", 64, "output tokens per request"))),
+    "embed": ("embedding throughput (pooling runner) vs transformers padded batches",
+              "Embedding throughput of the pooling runner.",
+              (("--num-prompts", 256, "number of inputs"), ("--input-len-min", 20, "shortest input in tokens"),
+               ("--input-len-max", 500, "longest input in tokens"))),
+}
+
+
+def _add_bench_parser(sub: argparse._SubParsersAction, name: str) -> argparse.ArgumentParser:
+    """``pagedllm bench NAME`` (``_BENCH_COMMANDS``): the engine flags, then its integer flags."""
+    help_, description, int_flags = _BENCH_COMMANDS[name]
+    p = sub.add_parser(name, help=help_, description=description)
+    _common(p)
+    for flag, default, text in int_flags:
+        p.add_argument(flag, type=int, default=default, help=text)
+    return p
+
+
+def _add_transformers_flags(p: argparse.ArgumentParser, help_: str) -> None:
+    """``--compare-transformers`` (described by ``help_``) and its ``--hf-batch-size``."""
+    p.add_argument("--compare-transformers", action="store_true", help=help_)
+    p.add_argument("--hf-batch-size", type=int, default=16, help="batch size of the transformers comparison")
+
+
 def add_throughput_parser(sub: argparse._SubParsersAction) -> None:
     """``pagedllm bench throughput``."""
-    p = sub.add_parser("throughput", help="offline throughput on a fixed workload",
-                       description="Offline throughput (tokens/s) on a fixed, seeded workload.")
-    _common(p)
+    p = _add_bench_parser(sub, "throughput")
     p.add_argument("--dataset", choices=["builtin", "sharegpt-like"], default="builtin",
                    help="builtin: fixed English prompts; sharegpt-like: lognormal prompt/output lengths")
     p.add_argument("--num-prompts", type=int, default=64, help="number of requests")
     p.add_argument("--input-len-min", type=int, default=50, help="shortest prompt in tokens (builtin)")
     p.add_argument("--input-len-max", type=int, default=300, help="longest prompt in tokens (builtin)")
     p.add_argument("--output-len", type=int, default=128, help="output tokens per request (builtin)")
-    p.add_argument("--compare-transformers", action="store_true",
-                   help="run the same requests through transformers generate (batched, left-padded)")
-    p.add_argument("--hf-batch-size", type=int, default=16,
-                   help="batch size of the transformers comparison")
+    _add_transformers_flags(p, "run the same requests through transformers generate (batched, left-padded)")
     p.add_argument("--null-model", action="store_true",
                    help="host time per decode step by phase: the real engine, scheduler, sampler, output "
                         "processor and the model's tokenizer over a model whose forward costs ~nothing "
@@ -182,39 +215,19 @@ def add_throughput_parser(sub: argparse._SubParsersAction) -> None:
 
 def add_latency_parser(sub: argparse._SubParsersAction) -> None:
     """``pagedllm bench latency``."""
-    p = sub.add_parser("latency", help="single-request latency (TTFT, TPOT)",
-                       description="Single-request latency: time to first token and per output token.")
-    _common(p)
-    p.add_argument("--input-len", type=int, default=128, help="prompt tokens")
-    p.add_argument("--output-len", type=int, default=128, help="output tokens")
-    p.add_argument("--num-iters", type=int, default=3, help="repetitions (the median is reported)")
+    _add_bench_parser(sub, "latency")
 
 
 def add_prefix_parser(sub: argparse._SubParsersAction) -> None:
     """``pagedllm bench prefix-caching``."""
-    p = sub.add_parser("prefix-caching",
-                       help="shared system prompt workload: TTFT and total time, prefix caching on vs off",
-                       description="A shared system prompt workload, run with prefix caching on and off.")
-    _common(p)
-    p.add_argument("--num-prompts", type=int, default=32, help="number of requests")
-    p.add_argument("--system-len", type=int, default=1000, help="shared system prompt tokens")
-    p.add_argument("--question-len", type=int, default=50, help="per-request question tokens")
-    p.add_argument("--output-len", type=int, default=64, help="output tokens per request")
+    _add_bench_parser(sub, "prefix-caching")
 
 
 def add_embed_parser(sub: argparse._SubParsersAction) -> None:
     """``pagedllm bench embed``."""
-    p = sub.add_parser("embed", help="embedding throughput (pooling runner) vs transformers padded batches",
-                       description="Embedding throughput of the pooling runner.")
-    _common(p)
-    p.add_argument("--num-prompts", type=int, default=256, help="number of inputs")
-    p.add_argument("--input-len-min", type=int, default=20, help="shortest input in tokens")
-    p.add_argument("--input-len-max", type=int, default=500, help="longest input in tokens")
+    p = _add_bench_parser(sub, "embed")
     p.add_argument("--pooling-type", default="LAST", help="pooling: LAST, MEAN, CLS, ...")
-    p.add_argument("--compare-transformers", action="store_true",
-                   help="also time transformers on padded batches")
-    p.add_argument("--hf-batch-size", type=int, default=16,
-                   help="batch size of the transformers comparison")
+    _add_transformers_flags(p, "also time transformers on padded batches")
 
 
 def add_hardware_parser(sub: argparse._SubParsersAction) -> None:
@@ -339,6 +352,12 @@ def build_null_model_llm(model: str, num_prompts: int, max_prompt_len: int, outp
     return llm
 
 
+# ``bench throughput --null-model``'s bounds: (argument, least value, why).
+_NULL_MODEL_MINIMUMS = (("num_prompts", 1, " with --null-model"),
+                        ("output_len", 2, " with --null-model (decode steps follow the first token)"),
+                        ("null_model_vocab_size", 0, ""))
+
+
 def run_null_model_throughput(args: argparse.Namespace) -> dict:
     """``bench throughput --null-model``: host milliseconds per decode step, by phase.
 
@@ -349,12 +368,9 @@ def run_null_model_throughput(args: argparse.Namespace) -> dict:
     from pagedllm import SamplingParams
     from pagedllm.entrypoints.host_time import HostTimeProfiler
 
-    if args.num_prompts < 1:
-        raise ValueError(f"--num-prompts: must be >= 1 with --null-model, got {args.num_prompts}")
-    if args.output_len < 2:
-        raise ValueError(f"--output-len: must be >= 2 with --null-model (decode steps follow the first token), got {args.output_len}")
-    if args.null_model_vocab_size < 0:
-        raise ValueError(f"--null-model-vocab-size: must be >= 0, got {args.null_model_vocab_size}")
+    for name, low, why in _NULL_MODEL_MINIMUMS:
+        if getattr(args, name) < low:
+            raise ValueError(f"--{name.replace('_', '-')}: must be >= {low}{why}, got {getattr(args, name)}")
     explicit = {"max_num_seqs": args.max_num_seqs, "max_num_batched_tokens": args.max_num_batched_tokens,
                 "num_threads": args.num_threads, "max_model_len": args.max_model_len}
     t0 = time.perf_counter()
