@@ -49,6 +49,11 @@ def add_client_args(p: argparse.ArgumentParser, *, chat: bool) -> None:
                    help="Sampling temperature (default: the server's / the model's generation config).")
 
 
+def add_chat_args(p: argparse.ArgumentParser) -> None:
+    """``pagedllm chat``'s flags (``add_client_args`` with ``chat=True``)."""
+    add_client_args(p, chat=True)
+
+
 def _error_text(body: bytes) -> str:
     try:
         err = json.loads(body.decode("utf-8", "replace"))

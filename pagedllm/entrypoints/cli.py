@@ -7,6 +7,7 @@ of the help (``--help=listgroup`` lists the groups).
 from __future__ import annotations
 
 import argparse
+import importlib
 import logging
 import sys
 from typing import Any, Callable, Optional
@@ -95,51 +96,70 @@ def _add_simulate_parsers(sub: argparse._SubParsersAction, subparsers: dict) -> 
         subparsers[f"simulate {name}"] = sp
 
 
+# ``pagedllm NAME``, in the help's order: (one-line help, description, the flag adders as
+# "module:function", imported when the parser is built), or a function adding a subcommand that
+# has subcommands or flags of its own.
+_SUBCOMMANDS: dict[str, Any] = {
+    "serve": ("serve a model behind an OpenAI-compatible HTTP API",
+              "Serve a model behind an OpenAI-compatible HTTP API (vLLM's `vllm serve` "
+              "flags). --help=listgroup lists the flag groups, --help=<group> shows "
+              "one, --help=<keyword> the flags whose name contains it.",
+              ("pagedllm.entrypoints.openai.cli_args:add_serve_args",)),
+    "chat": ("chat with a running server (interactive, or -q MESSAGE)",
+             "Chat with a running server's /v1/chat/completions, streaming the answers "
+             "(vLLM's `vllm chat`): -q MESSAGE for one turn, else one message per stdin "
+             "line until EOF or 'exit', keeping the conversation.",
+             ("pagedllm.entrypoints.chat_client:add_chat_args",)),
+    "complete": _add_complete_parser,
+    "run": ("start a local server for MODEL and chat with it (as `ollama run`)",
+            "Start `pagedllm serve MODEL` on a free local port (every flag that is "
+            "not listed here goes to serve), chat with it as `pagedllm chat` does, "
+            "and stop it when the chat ends.",
+            ("pagedllm.entrypoints.run_local:add_run_args",)),
+    "run-batch": ("run an OpenAI batch file (.jsonl) through the model, no server",
+                  "Run the requests of an OpenAI batch file (one {custom_id, method, url, body} "
+                  "a line; /v1/chat/completions, /v1/completions, /v1/embeddings, /v1/score) "
+                  "through the server's handlers in this process, writing one result a line "
+                  "(vLLM's `vllm run-batch`); an existing output file is resumed. The engine "
+                  "flags are `pagedllm serve`'s.",
+                  ("pagedllm.entrypoints.openai.run_batch:add_run_batch_args",
+                   "pagedllm.entrypoints.openai.cli_args:add_serve_args")),
+    "bench": _add_bench_parsers,
+    "simulate": _add_simulate_parsers,
+    "router": ("route requests over many running servers (prefix-cache aware)",
+               "One OpenAI / Anthropic / Ollama-compatible endpoint over running "
+               "`pagedllm serve` replicas: forwards requests and streams unchanged, "
+               "routes by the prefix the replicas' KV events say they hold "
+               "(--policy prefix), or by load, round-robin or session.",
+               ("pagedllm.router.server:add_router_args",)),
+    "disagg-proxy": ("route each request to a prefill instance, then a decode instance",
+                     "Disaggregated prefill/decode (docs/kv_connector.md): each request is "
+                     "prefilled by a P2pConnector kv_producer (max_tokens 1), then decoded by a "
+                     "kv_consumer that loads the prompt's KV from it.",
+                     ("pagedllm.entrypoints.disagg_proxy:add_disagg_proxy_args",)),
+}
+
+
+def _import_function(path: str) -> Callable[..., Any]:
+    """``"package.module:name"`` -> that module's ``name``."""
+    module, _, name = path.partition(":")
+    return getattr(importlib.import_module(module), name)
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The ``pagedllm`` parser; ``parser.subcommand_parsers`` maps "serve", "chat", "complete",
     "bench", "bench throughput", ... to their parsers."""
-    from pagedllm.entrypoints.chat_client import add_client_args
-    from pagedllm.entrypoints.openai.cli_args import add_serve_args
-
     parser = FlexibleArgumentParser(
         prog="pagedllm", description="pagedllm: paged-KV-cache LLM serving with vLLM's API")
     parser.add_argument("--version", action="store_true", help="Print the version and exit.")
     subparsers: dict[str, argparse.ArgumentParser] = {}
-    sub = parser.add_subparsers(dest="cmd", metavar="{serve,chat,complete,run,run-batch,bench,simulate,router,disagg-proxy}")
-    _add_subcommand(sub, subparsers, "serve", "serve a model behind an OpenAI-compatible HTTP API",
-                    "Serve a model behind an OpenAI-compatible HTTP API (vLLM's `vllm serve` "
-                    "flags). --help=listgroup lists the flag groups, --help=<group> shows "
-                    "one, --help=<keyword> the flags whose name contains it.", add_serve_args)
-    _add_subcommand(sub, subparsers, "chat", "chat with a running server (interactive, or -q MESSAGE)",
-                    "Chat with a running server's /v1/chat/completions, streaming the answers "
-                    "(vLLM's `vllm chat`): -q MESSAGE for one turn, else one message per stdin "
-                    "line until EOF or 'exit', keeping the conversation.", lambda p: add_client_args(p, chat=True))
-    _add_complete_parser(sub, subparsers)
-    from pagedllm.entrypoints.run_local import add_run_args
-    _add_subcommand(sub, subparsers, "run", "start a local server for MODEL and chat with it (as `ollama run`)",
-                    "Start `pagedllm serve MODEL` on a free local port (every flag that is "
-                    "not listed here goes to serve), chat with it as `pagedllm chat` does, "
-                    "and stop it when the chat ends.", add_run_args)
-    from pagedllm.entrypoints.openai.run_batch import add_run_batch_args
-    _add_subcommand(sub, subparsers, "run-batch", "run an OpenAI batch file (.jsonl) through the model, no server",
-                    "Run the requests of an OpenAI batch file (one {custom_id, method, url, body} "
-                    "a line; /v1/chat/completions, /v1/completions, /v1/embeddings, /v1/score) "
-                    "through the server's handlers in this process, writing one result a line "
-                    "(vLLM's `vllm run-batch`); an existing output file is resumed. The engine "
-                    "flags are `pagedllm serve`'s.", add_run_batch_args, add_serve_args)
-    _add_bench_parsers(sub, subparsers)
-    _add_simulate_parsers(sub, subparsers)
-    from pagedllm.router.server import add_router_args
-    _add_subcommand(sub, subparsers, "router", "route requests over many running servers (prefix-cache aware)",
-                    "One OpenAI / Anthropic / Ollama-compatible endpoint over running "
-                    "`pagedllm serve` replicas: forwards requests and streams unchanged, "
-                    "routes by the prefix the replicas' KV events say they hold "
-                    "(--policy prefix), or by load, round-robin or session.", add_router_args)
-    from pagedllm.entrypoints.disagg_proxy import add_disagg_proxy_args
-    _add_subcommand(sub, subparsers, "disagg-proxy", "route each request to a prefill instance, then a decode instance",
-                    "Disaggregated prefill/decode (docs/kv_connector.md): each request is "
-                    "prefilled by a P2pConnector kv_producer (max_tokens 1), then decoded by a "
-                    "kv_consumer that loads the prompt's KV from it.", add_disagg_proxy_args)
+    sub = parser.add_subparsers(dest="cmd", metavar="{" + ",".join(_SUBCOMMANDS) + "}")
+    for name, entry in _SUBCOMMANDS.items():
+        if callable(entry):
+            entry(sub, subparsers)
+        else:
+            help_, description, adders = entry
+            _add_subcommand(sub, subparsers, name, help_, description, *map(_import_function, adders))
     parser.subcommand_parsers = subparsers  # type: ignore[attr-defined]
     return parser
 
