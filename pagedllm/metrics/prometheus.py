@@ -103,6 +103,113 @@ def record_scheduler_snapshot(prom: Any, stats: dict) -> None:
         prom.record_lora(stats)
 
 
+# The metrics labelled by model_name only: (attribute or key, kind, name after the prefix, help[,
+# buckets; "tokens" = 1-2-5 buckets up to max_model_len]), registered in this order.
+_METRICS: tuple = (
+    ("gauge_running", Gauge, "num_requests_running", "Number of requests in model execution batches."),
+    ("gauge_waiting", Gauge, "num_requests_waiting", "Number of requests waiting to be processed."),
+    ("gauge_kv_usage", Gauge, "kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage."),
+    ("counter_preemptions", Counter, "num_preemptions", "Cumulative number of preemption from the engine."),
+    ("counter_prompt_tokens", Counter, "prompt_tokens", "Number of prefill tokens processed."),
+    ("counter_generation_tokens", Counter, "generation_tokens", "Number of generation tokens processed."),
+    ("counter_prefix_queries", Counter, "prefix_cache_queries",
+     "Prefix cache queries, in terms of number of queried tokens."),
+    ("counter_prefix_hits", Counter, "prefix_cache_hits", "Prefix cache hits, in terms of number of cached tokens."),
+    ("hist_ttft", Histogram, "time_to_first_token_seconds", "Histogram of time to first token in seconds.",
+     TTFT_BUCKETS),
+    ("hist_itl", Histogram, "inter_token_latency_seconds", "Histogram of inter-token latency in seconds.",
+     ITL_BUCKETS),
+    ("hist_e2e", Histogram, "e2e_request_latency_seconds", "Histogram of e2e request latency in seconds.",
+     REQUEST_LATENCY_BUCKETS),
+    ("hist_queue", Histogram, "request_queue_time_seconds", "Histogram of time spent in WAITING phase for request.",
+     REQUEST_LATENCY_BUCKETS),
+    ("hist_req_prompt", Histogram, "request_prompt_tokens", "Number of prefill tokens processed.", "tokens"),
+    ("hist_req_gen", Histogram, "request_generation_tokens", "Number of generation tokens processed.", "tokens"),
+    ("hist_max_gen", Histogram, "request_max_num_generation_tokens",
+     "Histogram of maximum number of requested generation tokens.", "tokens"),
+    ("hist_prefill", Histogram, "request_prefill_time_seconds",
+     "Histogram of time spent in PREFILL phase for request.", REQUEST_LATENCY_BUCKETS),
+    ("hist_decode", Histogram, "request_decode_time_seconds",
+     "Histogram of time spent in DECODE phase for request.", REQUEST_LATENCY_BUCKETS),
+    ("hist_inference", Histogram, "request_inference_time_seconds",
+     "Histogram of time spent in RUNNING phase for request.", REQUEST_LATENCY_BUCKETS),
+    ("counter_so_queries", Counter, "structured_output_cache_queries",
+     "Compiled-grammar cache lookups by structured-output requests."),
+    ("counter_so_hits", Counter, "structured_output_cache_hits",
+     "Structured-output requests whose grammar was already compiled (cache hits)."),
+    ("counter_so_failures", Counter, "structured_output_compile_failures",
+     "Structured-output constraints no grammar backend could compile."),
+    ("gauge_so_entries", Gauge, "structured_output_cache_entries", "Compiled grammars held in the cache."),
+    ("gauge_so_capacity", Gauge, "structured_output_cache_capacity", "Most compiled grammars the cache holds (LRU bound)."),
+    ("hist_grammar_compile", Histogram, "structured_output_compile_seconds",
+     "Histogram of structured-output grammar compile time in seconds.", GRAMMAR_COMPILE_BUCKETS),
+    # LoRA (engines with enable_lora): the adapters held in memory.
+    ("gauge_lora_cache", Gauge, "lora_cpu_cache_adapters",
+     "LoRA adapters loaded in CPU memory (at most lora_cpu_cache_capacity)."),
+    ("gauge_lora_capacity", Gauge, "lora_cpu_cache_capacity",
+     "Most LoRA adapters kept loaded in CPU memory (max_cpu_loras)."),
+    # Speculative decoding (vLLM's vllm:spec_decode_* names) and jump-forward decoding.
+    ("counter_spec_drafts", Counter, "spec_decode_num_drafts", "Number of spec decoding drafts."),
+    ("counter_spec_draft_tokens", Counter, "spec_decode_num_draft_tokens", "Number of draft tokens."),
+    ("counter_spec_accepted", Counter, "spec_decode_num_accepted_tokens", "Number of accepted tokens."),
+    ("gauge_spec_mean_len", Gauge, "spec_decode_mean_acceptance_length",
+     "Mean acceptance length since start: 1 + accepted draft tokens / drafts."),
+    ("gauge_suffix_cached", Gauge, "spec_decode_suffix_cached_requests",
+     "Finished outputs held in the suffix proposer's global tree."),
+    ("gauge_suffix_capacity", Gauge, "spec_decode_suffix_cache_capacity",
+     "Most finished outputs the suffix proposer keeps (suffix_decoding_max_cached_requests)."),
+    ("gauge_suffix_nodes", Gauge, "spec_decode_suffix_tree_nodes", "Nodes of the suffix proposer's global tree."),
+    ("counter_jf_drafts", Counter, "jump_forward_num_drafts",
+     "Number of jump-forward drafts (a grammar's forced tokens) verified."),
+    ("counter_jf_draft_tokens", Counter, "jump_forward_num_draft_tokens", "Number of jump-forward draft tokens."),
+    ("counter_jf_accepted", Counter, "jump_forward_num_accepted_tokens",
+     "Number of accepted jump-forward draft tokens."),
+)
+
+# Memory gauges (bytes unless said), keyed by their ``get_memory_stats()`` names (``record_memory``).
+_MEMORY_GAUGES: tuple = tuple((key, Gauge, key, doc) for key, doc in (
+    ("cpu_allocator_cached_bytes",
+     "Free blocks the caching CPU allocator keeps for reuse (bounded by its cache limit)."),
+    ("cpu_allocator_live_bytes", "Blocks of the caching CPU allocator held by tensors."),
+    ("cpu_allocator_cache_limit_bytes", "Cap on the caching CPU allocator's free blocks."),
+    ("weight_bytes", "Resident bytes of the model's weights (after quantization and packing)."),
+    ("weight_file_bytes", "Bytes of the checkpoint files the weights were read from."),
+    ("weight_mapped_bytes", "Bytes of the weights served from the mapped weight cache file "
+     "(file-backed, clean pages instead of anonymous copies)."),
+    ("kv_cache_bytes", "Bytes of the KV cache (reserved: the block budget)."),
+    ("kv_cache_committed_bytes",
+     "Bytes of the KV cache committed: blocks handed out since start-up or the last idle "
+     "release (on CPU pages become resident on first write; the whole cache on CUDA)."),
+    ("cpu_compute_threads", "Engine compute threads now (CPU; fewer while other processes keep "
+     "cores busy, PAGEDLLM_THREAD_POLICY)."),
+    ("sleep_level", "Sleep mode: 0 awake, else the level the engine sleeps at (1 or 2)."),
+    ("sleep_weights_backup_bytes", "Sleep mode level 1: bytes of the weights' copy in the "
+     "temporary file (at most the weights' bytes; 0 when awake or at level 2)."),
+))
+
+# KV cache events (--kv-events-config), keyed by ``KVEventPublisher.stats()`` names.
+_KV_EVENT_METRICS: tuple = (
+    ("kv_events_queue_batches", Gauge, "kv_events_queue_batches",
+     "KV cache event batches waiting for the publisher thread."),
+    ("kv_events_queue_capacity", Gauge, "kv_events_queue_capacity",
+     "Most KV cache event batches queued (kv_events_config.max_queue_size); a batch beyond it is dropped."),
+    ("kv_events_batches_published_total", Counter, "kv_events_batches_published", "KV cache event batches sent."),
+    ("kv_events_batches_dropped_total", Counter, "kv_events_batches_dropped",
+     "KV cache event batches dropped because the queue was full."),
+)
+
+# The encoder cache (image-text models), keyed by ``get_scheduler_stats()["encoder_cache"]`` names.
+_ENCODER_CACHE_METRICS: tuple = (
+    ("usage", Gauge, "encoder_cache_usage_tokens", "Image-embedding tokens held in the encoder cache."),
+    ("capacity", Gauge, "encoder_cache_capacity_tokens",
+     "Most image-embedding tokens the encoder cache holds (encoder_cache_size)."),
+    ("queries", Counter, "encoder_cache_queries",
+     "Encoder-cache lookups (one per image per chunk that computes its placeholders)."),
+    ("hits", Counter, "encoder_cache_hits", "Encoder-cache lookups that found the image's embeddings."),
+    ("evictions", Counter, "encoder_cache_evictions", "Encoder-cache entries evicted to stay within the bound."),
+)
+
+
 class PrometheusStatLogger:
     """Stat logger exporting the engine's metrics to a private Prometheus registry."""
 
@@ -129,81 +236,20 @@ class PrometheusStatLogger:
         p = prefix + ":"
         labels = ["model_name"]
         reg = self.registry
-        self.gauge_running = self._labelled(
-            Gauge, "num_requests_running", "Number of requests in model execution batches.")
-        self.gauge_waiting = self._labelled(
-            Gauge, "num_requests_waiting", "Number of requests waiting to be processed.")
+        # The model_name-labelled metrics as attributes (``_METRICS``), then the collectors and the
+        # families with more labels.
+        for attr, metric in self._labelled_all(_METRICS, _token_buckets(max(1, int(max_model_len or 1)))).items():
+            setattr(self, attr, metric)
         self.kv_tiers = _KVTierCollector(p, model_name)
         reg.register(self.kv_tiers)
-        self.gauge_kv_usage = self._labelled(
-            Gauge, "kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.")
         # Memory (bytes), refreshed on every scrape by ``record_memory``; the standard
         # process_resident_memory_bytes etc. come from prometheus_client's ProcessCollector.
         ProcessCollector(registry=reg)
-        self.gauge_memory = {
-            key: self._labelled(Gauge, key, doc)
-            for key, doc in (
-                ("cpu_allocator_cached_bytes",
-                 "Free blocks the caching CPU allocator keeps for reuse (bounded by its cache limit)."),
-                ("cpu_allocator_live_bytes", "Blocks of the caching CPU allocator held by tensors."),
-                ("cpu_allocator_cache_limit_bytes", "Cap on the caching CPU allocator's free blocks."),
-                ("weight_bytes", "Resident bytes of the model's weights (after quantization and packing)."),
-                ("weight_file_bytes", "Bytes of the checkpoint files the weights were read from."),
-                ("weight_mapped_bytes", "Bytes of the weights served from the mapped weight cache file "
-                 "(file-backed, clean pages instead of anonymous copies)."),
-                ("kv_cache_bytes", "Bytes of the KV cache (reserved: the block budget)."),
-                ("kv_cache_committed_bytes",
-                 "Bytes of the KV cache committed: blocks handed out since start-up or the last idle "
-                 "release (on CPU pages become resident on first write; the whole cache on CUDA)."),
-                ("cpu_compute_threads", "Engine compute threads now (CPU; fewer while other processes keep "
-                 "cores busy, PAGEDLLM_THREAD_POLICY)."),
-                ("sleep_level", "Sleep mode: 0 awake, else the level the engine sleeps at (1 or 2)."),
-                ("sleep_weights_backup_bytes", "Sleep mode level 1: bytes of the weights' copy in the "
-                 "temporary file (at most the weights' bytes; 0 when awake or at level 2)."),
-            )}
-        self.counter_preemptions = self._labelled(
-            Counter, "num_preemptions", "Cumulative number of preemption from the engine.")
-        self.counter_prompt_tokens = self._labelled(
-            Counter, "prompt_tokens", "Number of prefill tokens processed.")
-        self.counter_generation_tokens = self._labelled(
-            Counter, "generation_tokens", "Number of generation tokens processed.")
-        self.counter_prefix_queries = self._labelled(
-            Counter, "prefix_cache_queries", "Prefix cache queries, in terms of number of queried tokens.")
-        self.counter_prefix_hits = self._labelled(
-            Counter, "prefix_cache_hits", "Prefix cache hits, in terms of number of cached tokens.")
+        self.gauge_memory = self._labelled_all(_MEMORY_GAUGES)
         success = Counter(p + "request_success", "Count of successfully processed requests.",
                           labels + ["finished_reason"], registry=reg)
         self.counter_success = {r: success.labels(model_name, r) for r in FINISH_REASONS}
         self._success_family = success
-        self.hist_ttft = self._labelled(
-            Histogram, "time_to_first_token_seconds",
-            "Histogram of time to first token in seconds.", buckets=TTFT_BUCKETS)
-        self.hist_itl = self._labelled(
-            Histogram, "inter_token_latency_seconds",
-            "Histogram of inter-token latency in seconds.", buckets=ITL_BUCKETS)
-        self.hist_e2e = self._labelled(
-            Histogram, "e2e_request_latency_seconds",
-            "Histogram of e2e request latency in seconds.", buckets=REQUEST_LATENCY_BUCKETS)
-        self.hist_queue = self._labelled(
-            Histogram, "request_queue_time_seconds",
-            "Histogram of time spent in WAITING phase for request.", buckets=REQUEST_LATENCY_BUCKETS)
-        tok_buckets = _token_buckets(max(1, int(max_model_len or 1)))
-        self.hist_req_prompt = self._labelled(
-            Histogram, "request_prompt_tokens", "Number of prefill tokens processed.", buckets=tok_buckets)
-        self.hist_req_gen = self._labelled(
-            Histogram, "request_generation_tokens", "Number of generation tokens processed.", buckets=tok_buckets)
-        self.hist_max_gen = self._labelled(
-            Histogram, "request_max_num_generation_tokens",
-            "Histogram of maximum number of requested generation tokens.", buckets=tok_buckets)
-        self.hist_prefill = self._labelled(
-            Histogram, "request_prefill_time_seconds",
-            "Histogram of time spent in PREFILL phase for request.", buckets=REQUEST_LATENCY_BUCKETS)
-        self.hist_decode = self._labelled(
-            Histogram, "request_decode_time_seconds",
-            "Histogram of time spent in DECODE phase for request.", buckets=REQUEST_LATENCY_BUCKETS)
-        self.hist_inference = self._labelled(
-            Histogram, "request_inference_time_seconds",
-            "Histogram of time spent in RUNNING phase for request.", buckets=REQUEST_LATENCY_BUCKETS)
         # vLLM's deprecated names, still read by its example Grafana dashboard.
         self.gauge_gpu_cache = self.hist_tpot = None
         if prefix == "vllm":
@@ -214,31 +260,11 @@ class PrometheusStatLogger:
                 Histogram, "time_per_output_token_seconds",
                 "Histogram of time per output token in seconds (deprecated: "
                 "use vllm:inter_token_latency_seconds).", buckets=ITL_BUCKETS)
-        self.counter_so_queries = self._labelled(
-            Counter, "structured_output_cache_queries",
-            "Compiled-grammar cache lookups by structured-output requests.")
-        self.counter_so_hits = self._labelled(
-            Counter, "structured_output_cache_hits",
-            "Structured-output requests whose grammar was already compiled (cache hits).")
-        self.counter_so_failures = self._labelled(
-            Counter, "structured_output_compile_failures",
-            "Structured-output constraints no grammar backend could compile.")
-        self.gauge_so_entries = self._labelled(
-            Gauge, "structured_output_cache_entries", "Compiled grammars held in the cache.")
-        self.gauge_so_capacity = self._labelled(
-            Gauge, "structured_output_cache_capacity", "Most compiled grammars the cache holds (LRU bound).")
-        self.hist_grammar_compile = self._labelled(
-            Histogram, "structured_output_compile_seconds",
-            "Histogram of structured-output grammar compile time in seconds.", buckets=GRAMMAR_COMPILE_BUCKETS)
-        # LoRA (engines with enable_lora): vLLM's info gauge, plus the adapters held in memory.
+        # LoRA (engines with enable_lora): vLLM's info gauge (the adapters held: in _METRICS).
         self.gauge_lora_info = Gauge(p + "lora_requests_info", "Running stats on lora requests.",
                                      labels + ["max_lora", "waiting_lora_adapters", "running_lora_adapters"],
                                      registry=reg)
         self._lora_labels: Optional[tuple] = None
-        self.gauge_lora_cache = self._labelled(
-            Gauge, "lora_cpu_cache_adapters", "LoRA adapters loaded in CPU memory (at most lora_cpu_cache_capacity).")
-        self.gauge_lora_capacity = self._labelled(
-            Gauge, "lora_cpu_cache_capacity", "Most LoRA adapters kept loaded in CPU memory (max_cpu_loras).")
         self._init_spec_decode(p, labels, reg)
         # KV cache events (--kv-events-config); registered on first record_kv_events.
         self._kv_events: Optional[dict] = None
@@ -251,35 +277,22 @@ class PrometheusStatLogger:
         metric = kind(self.prefix + ":" + name, doc, ["model_name"], registry=self.registry, **kwargs)
         return metric.labels(self.model_name)
 
+    def _labelled_all(self, rows: tuple, token_buckets: Optional[list[float]] = None) -> dict[str, Any]:
+        """``{key: self._labelled(kind, name, help)}`` for ``(key, kind, name, help[, buckets])`` rows,
+        registered in order; buckets ``"tokens"`` are ``token_buckets``."""
+        out = {}
+        for key, kind, name, doc, *buckets in rows:
+            kw = {"buckets": token_buckets if buckets[0] == "tokens" else buckets[0]} if buckets else {}
+            out[key] = self._labelled(kind, name, doc, **kw)
+        return out
+
     def _init_spec_decode(self, p: str, labels: list[str], reg: CollectorRegistry) -> None:
-        """Speculative decoding counters (vLLM's ``vllm:spec_decode_*`` names) and gauges."""
-        self.counter_spec_drafts = self._labelled(
-            Counter, "spec_decode_num_drafts", "Number of spec decoding drafts.")
-        self.counter_spec_draft_tokens = self._labelled(
-            Counter, "spec_decode_num_draft_tokens", "Number of draft tokens.")
-        self.counter_spec_accepted = self._labelled(
-            Counter, "spec_decode_num_accepted_tokens", "Number of accepted tokens.")
+        """Speculative decoding's families with more labels (the counters and gauges with
+        model_name only, vLLM's ``vllm:spec_decode_*`` names, are in ``_METRICS``)."""
         self._spec_per_pos_family = Counter(
             p + "spec_decode_num_accepted_tokens_per_pos", "Accepted tokens per draft position.",
             labels + ["position"], registry=reg)
         self.counter_spec_per_pos: dict[int, Any] = {}
-        self.gauge_spec_mean_len = self._labelled(
-            Gauge, "spec_decode_mean_acceptance_length",
-            "Mean acceptance length since start: 1 + accepted draft tokens / drafts.")
-        self.gauge_suffix_cached = self._labelled(
-            Gauge, "spec_decode_suffix_cached_requests",
-            "Finished outputs held in the suffix proposer's global tree.")
-        self.gauge_suffix_capacity = self._labelled(
-            Gauge, "spec_decode_suffix_cache_capacity",
-            "Most finished outputs the suffix proposer keeps (suffix_decoding_max_cached_requests).")
-        self.gauge_suffix_nodes = self._labelled(
-            Gauge, "spec_decode_suffix_tree_nodes", "Nodes of the suffix proposer's global tree.")
-        self.counter_jf_drafts = self._labelled(
-            Counter, "jump_forward_num_drafts", "Number of jump-forward drafts (a grammar's forced tokens) verified.")
-        self.counter_jf_draft_tokens = self._labelled(
-            Counter, "jump_forward_num_draft_tokens", "Number of jump-forward draft tokens.")
-        self.counter_jf_accepted = self._labelled(
-            Counter, "jump_forward_num_accepted_tokens", "Number of accepted jump-forward draft tokens.")
         self._spec_totals = [0, 0, 0]  # drafts, accepted tokens, draft tokens
         # Per method (one per engine): the same totals as ratios, labelled by the method.
         self._spec_rate_family = Gauge(
@@ -395,18 +408,7 @@ class PrometheusStatLogger:
         by the difference since the last call). The metrics exist from the first call on."""
         with self._lock:
             if self._kv_events is None:
-                self._kv_events = {
-                    "kv_events_queue_batches": self._labelled(
-                        Gauge, "kv_events_queue_batches", "KV cache event batches waiting for the publisher thread."),
-                    "kv_events_queue_capacity": self._labelled(
-                        Gauge, "kv_events_queue_capacity", "Most KV cache event batches queued "
-                        "(kv_events_config.max_queue_size); a batch beyond it is dropped."),
-                    "kv_events_batches_published_total": self._labelled(
-                        Counter, "kv_events_batches_published", "KV cache event batches sent."),
-                    "kv_events_batches_dropped_total": self._labelled(
-                        Counter, "kv_events_batches_dropped", "KV cache event batches dropped because the "
-                        "queue was full."),
-                }
+                self._kv_events = self._labelled_all(_KV_EVENT_METRICS)
             for key, metric in self._kv_events.items():
                 if key not in stats:
                     continue
@@ -427,23 +429,7 @@ class PrometheusStatLogger:
         with self._lock:
             ec = getattr(self, "_encoder_cache", None)
             if ec is None:
-                ec = self._encoder_cache = {
-                    "usage": self._labelled(
-                        Gauge, "encoder_cache_usage_tokens", "Image-embedding tokens held in the encoder "
-                        "cache."),
-                    "capacity": self._labelled(
-                        Gauge, "encoder_cache_capacity_tokens", "Most image-embedding tokens the encoder "
-                        "cache holds (encoder_cache_size)."),
-                    "queries": self._labelled(
-                        Counter, "encoder_cache_queries", "Encoder-cache lookups (one per image per "
-                        "chunk that computes its placeholders)."),
-                    "hits": self._labelled(
-                        Counter, "encoder_cache_hits", "Encoder-cache lookups that found the image's "
-                        "embeddings."),
-                    "evictions": self._labelled(
-                        Counter, "encoder_cache_evictions", "Encoder-cache entries evicted to stay "
-                        "within the bound."),
-                }
+                ec = self._encoder_cache = self._labelled_all(_ENCODER_CACHE_METRICS)
                 self._encoder_cache_seen: dict = {}
             for key, metric in ec.items():
                 v = int(stats.get(key, 0))
