@@ -349,29 +349,29 @@ class _SamplingFields(OpenAIBaseModel):
         return t
 
 
-class _ResponseFields(OpenAIBaseModel):
-    """The fields of a completions or chat response, in vLLM's order: each subclass sets the
-    ``id`` prefix, ``object`` and the ``choices`` type (a redeclared field keeps its place)."""
+class _ResponseHead(OpenAIBaseModel):
+    """The leading fields of a completions or chat response and of their stream chunks, in vLLM's
+    order: each response class sets the ``id`` prefix, ``object`` and the ``choices`` type (a
+    redeclared field keeps its place)."""
 
     id: str
     object: str
     created: int = Field(default_factory=lambda: int(time.time()))
     model: str
     choices: list[Any]
+
+
+class _ResponseFields(_ResponseHead):
+    """A whole (non-streamed) response."""
+
     system_fingerprint: Optional[str] = None
     usage: UsageInfo
     kv_transfer_params: Optional[dict[str, Any]] = None  # vLLM: a prefill's hand-off to the decoder
 
 
-class _StreamResponseFields(OpenAIBaseModel):
-    """A streamed chunk's fields (``_ResponseFields`` less the final-only ones; ``usage`` only
-    in the usage chunk or with continuous usage stats)."""
+class _StreamResponseFields(_ResponseHead):
+    """A streamed chunk: ``usage`` only in the usage chunk or with continuous usage stats."""
 
-    id: str
-    object: str
-    created: int = Field(default_factory=lambda: int(time.time()))
-    model: str
-    choices: list[Any]
     usage: Optional[UsageInfo] = None
 
 
