@@ -174,10 +174,10 @@ class EngineCore:
                              "prefix-cache hash); drop --no-enable-prefix-caching")
         if args.runner != "generate":
             raise ValueError("kv_transfer_config: only for runner='generate'")
-        sc = args.speculative_config
-        method = sc.get("method") if isinstance(sc, dict) else getattr(sc, "method", None)
-        if method in ("draft_model", "eagle", "eagle3", "mtp"):
-            raise ValueError(f"kv_transfer_config: not with speculative_config.method {method!r} (the "
+        from pagedllm.spec_decode.config import SpeculativeConfig
+        sc = SpeculativeConfig.from_any(args.speculative_config)
+        if sc is not None and sc.uses_model:
+            raise ValueError(f"kv_transfer_config: not with speculative_config.method {sc.method!r} (the "
                              "draft model's KV cache is not offloaded)")
         return cfg
 

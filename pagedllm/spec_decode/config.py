@@ -8,11 +8,7 @@ from dataclasses import dataclass
 from typing import Any, Optional
 
 from pagedllm.config import dataclass_from_json
-
-METHODS = ("ngram", "suffix", "draft_model", "eagle", "eagle3", "mtp")
-# Methods whose proposer is a model (they need ``model``, except "mtp", whose head may live in
-# the target checkpoint).
-MODEL_METHODS = ("draft_model", "eagle", "eagle3", "mtp")
+from pagedllm.spec_decode.registry import DRAFT_NONE, get_proposer_kind, registered_proposers
 
 
 @dataclass
@@ -20,7 +16,8 @@ class SpeculativeConfig:
     """Speculative decoding settings.
 
     Attributes:
-        method: "ngram" | "suffix" | "draft_model" | "eagle" | "eagle3" | "mtp"; None infers it
+        method: "ngram" | "suffix" | "draft_model" | "eagle" | "eagle3" | "mtp" or any method
+            registered with ``spec_decode.registry.register_proposer``; None infers it
             from ``model`` (vLLM: "[ngram]"/"ngram" -> ngram, a name containing "eagle3" /
             "eagle" -> that, anything else -> draft_model).
         num_speculative_tokens: draft tokens per step (k >= 1). Required except for "suffix"
@@ -55,23 +52,20 @@ class SpeculativeConfig:
         if m is None:
             if self.model is None:
                 raise ValueError("speculative_config: give 'method' (one of "
-                                 f"{', '.join(METHODS)}) or a draft 'model'")
+                                 f"{', '.join(registered_proposers())}) or a draft 'model'")
             name = str(self.model).lower()
             m = ("ngram" if name in ("ngram", "[ngram]") else "eagle3" if "eagle3" in name
                  else "eagle" if "eagle" in name else "draft_model")
         if m == "[ngram]":
             m = "ngram"
-        if m not in METHODS:
-            raise ValueError(f"speculative_config.method: must be one of {', '.join(METHODS)}, got {m!r}")
+        kind = get_proposer_kind(m)  # ValueError naming the registered methods
         self.method = m
         if m == "ngram" and self.model in ("ngram", "[ngram]"):
             self.model = None
         k = self.num_speculative_tokens
         if k is None:
-            if m == "suffix":
-                k = self.suffix_decoding_max_tree_depth
-            elif m == "mtp":
-                k = 1
+            if kind.default_num_speculative_tokens is not None:
+                k = kind.default_num_speculative_tokens(self)
             else:
                 raise ValueError(f"speculative_config.num_speculative_tokens: required for method {m!r}")
         if not isinstance(k, int) or isinstance(k, bool) or k < 1:
@@ -91,7 +85,7 @@ class SpeculativeConfig:
             if lo > hi:
                 raise ValueError(f"speculative_config.prompt_lookup_min ({lo}) must be <= prompt_lookup_max ({hi})")
             self.prompt_lookup_min, self.prompt_lookup_max = lo, hi
-        if m in ("draft_model", "eagle", "eagle3") and not self.model:
+        if kind.requires_model and not self.model:
             raise ValueError(f"speculative_config.model: required for method {m!r}")
         d = self.disable_by_batch_size
         if d is not None and (not isinstance(d, int) or isinstance(d, bool) or d < 0):
@@ -107,13 +101,14 @@ class SpeculativeConfig:
 
     @property
     def uses_model(self) -> bool:
-        return self.method in MODEL_METHODS
+        """The proposer loads weights (a draft model or a head), so it runs on one rank."""
+        return get_proposer_kind(self.method).draft != DRAFT_NONE
 
     @property
     def num_lookahead_tokens(self) -> int:
         """KV slots past a decoding request's scheduled tokens that the proposer writes (a draft
         model's own drafts: ``k``); 0 for token-only proposers."""
-        return self.num_speculative_tokens if self.method in ("draft_model", "eagle", "eagle3") else 0
+        return self.num_speculative_tokens if get_proposer_kind(self.method).writes_lookahead_kv else 0
 
     @classmethod
     def from_any(cls, value: Any) -> Optional["SpeculativeConfig"]:

@@ -18,7 +18,8 @@ import torch
 from pagedllm.core.sched_output import ModelRunnerOutput, ScheduledRequest
 from pagedllm.sample.rejection_sampler import RejectionSampler, build_verification_metadata
 from pagedllm.spec_decode.config import SpeculativeConfig
-from pagedllm.spec_decode.proposer import Proposal, ProposeBatch, Proposer, TokenProposer
+from pagedllm.spec_decode.proposer import Proposal, ProposeBatch, Proposer
+from pagedllm.spec_decode.registry import ProposerContext, get_proposer_kind
 
 logger = logging.getLogger("pagedllm")
 
@@ -29,38 +30,14 @@ logger = logging.getLogger("pagedllm")
 AUTO_DISABLE_BATCH_SIZE = 8
 
 
-def build_proposer(cfg: SpeculativeConfig, **model_kwargs: Any) -> Proposer:
-    """The proposer for ``cfg.method`` (model-based ones get ``model_kwargs``).
+def build_proposer(cfg: SpeculativeConfig, ctx: Optional[ProposerContext] = None) -> Proposer:
+    """The proposer registered for ``cfg.method`` (``spec_decode.registry``), built from ``ctx``
+    (the loaded draft, the target, the KV geometry; token-only proposers need none).
 
     Raises:
-        ValueError: a method this build cannot run.
+        ValueError: an unregistered method.
     """
-    if cfg.method == "ngram":
-        from pagedllm.spec_decode.ngram import NgramProposer
-        return TokenProposer(NgramProposer(cfg.num_speculative_tokens, cfg.prompt_lookup_min,
-                                           cfg.prompt_lookup_max), uses_prompt_len=False)
-    if cfg.method == "suffix":
-        from pagedllm.spec_decode.suffix import SuffixProposer
-        return TokenProposer(SuffixProposer(
-            cfg.num_speculative_tokens, cfg.suffix_decoding_max_tree_depth,
-            cfg.suffix_decoding_max_cached_requests, cfg.suffix_decoding_max_spec_factor,
-            cfg.suffix_decoding_min_token_prob), uses_prompt_len=True)
-    if cfg.method == "draft_model":
-        from pagedllm.spec_decode.draft_model import DraftModelProposer
-        return DraftModelProposer(cfg.num_speculative_tokens, **model_kwargs)
-    if cfg.method == "eagle":
-        from pagedllm.spec_decode.eagle_proposer import EagleProposer
-        kw = dict(model_kwargs)
-        return EagleProposer(cfg.num_speculative_tokens, kw.pop("model"), kw.pop("target"), **kw)
-    if cfg.method == "eagle3":
-        from pagedllm.spec_decode.eagle_proposer import Eagle3Proposer
-        kw = dict(model_kwargs)
-        return Eagle3Proposer(cfg.num_speculative_tokens, kw.pop("model"), kw.pop("target"), **kw)
-    if cfg.method == "mtp":
-        from pagedllm.spec_decode.mtp_proposer import MTPProposer
-        return MTPProposer(cfg.num_speculative_tokens, model_kwargs["model"], model_kwargs["block_size"],
-                           model_kwargs["device"])
-    raise ValueError(f"speculative_config.method: {cfg.method!r} is not served")
+    return get_proposer_kind(cfg.method).build(cfg, ctx if ctx is not None else ProposerContext())
 
 
 class SpecDecoder:

@@ -218,25 +218,19 @@ class Worker:
         import dataclasses
 
         from pagedllm.spec_decode.config import SpeculativeConfig
+        from pagedllm.spec_decode.registry import DRAFT_HEAD, DRAFT_NONE, get_proposer_kind
 
         cfg = SpeculativeConfig.from_any(self.args.speculative_config)
-        if cfg.method not in ("draft_model", "eagle", "eagle3", "mtp"):
+        kind = get_proposer_kind(cfg.method)
+        if kind.draft == DRAFT_NONE:
             return 0
         if self.world_size > 1:
             raise ValueError(f"speculative_config: method {cfg.method!r} runs on one rank "
                              "(tensor_parallel_size = pipeline_parallel_size = 1)")
-        if cfg.method == "eagle":
-            from pagedllm.spec_decode.eagle_proposer import load_eagle_head
-            self.draft_model = load_eagle_head(cfg.model, self.model, self.dtype).to(self.device)
-            return sum(p.numel() * p.element_size() for p in self.draft_model.parameters())
-        if cfg.method in ("eagle3", "mtp"):
-            if cfg.method == "eagle3":
-                from pagedllm.spec_decode.eagle_proposer import load_eagle3_head as load
-            else:
-                from pagedllm.spec_decode.mtp_proposer import load_mtp_head as load
-            # NOTE: the head proposes from the target's hidden states (LoRA applied when the
+        if kind.draft == DRAFT_HEAD:
+            # NOTE: a head proposes from the target's hidden states (LoRA applied when the
             # request has an adapter); the target verifies every token.
-            self.draft_model = load(cfg.model, self.model, self.dtype).to(self.device)
+            self.draft_model = kind.load_head(cfg.model, self.model, self.dtype).to(self.device)
             return sum(p.numel() * p.element_size() for p in self.draft_model.parameters())
         # NOTE: the draft runs without LoRA adapters (a draft only proposes; the target, adapters
         # applied, verifies every token)
@@ -417,9 +411,11 @@ class Worker:
             # NOTE: full-size rope tables now: no per-step position check (a device sync) and a
             # fixed table address for the CUDA graphs.
             reserve_rope_tables(self.model, max_model_len, self.device)
-        # NOTE: EAGLE-3 reads hidden states captured by hooks, which a replayed graph does not run.
-        eagle3 = spec_decoder is not None and spec_decoder.config.method == "eagle3"
-        if self.device.type == "cuda" and not args.enforce_eager and self.world_size == 1 and not eagle3:
+        # NOTE: a proposer reading activations through forward hooks (EAGLE-3) rules out graphs,
+        # which do not run hooks on replay.
+        from pagedllm.spec_decode.registry import get_proposer_kind
+        no_graphs = spec_decoder is not None and not get_proposer_kind(spec_decoder.config.method).cuda_graphs
+        if self.device.type == "cuda" and not args.enforce_eager and self.world_size == 1 and not no_graphs:
             secs = self.runner.capture_cuda_graphs(args.max_num_seqs, max_model_len)
             logger.info("pagedllm: captured decode CUDA graphs in %.2f s", secs)
         self.release_idle_memory()  # what loading left behind: dequantized tensors, file buffers
@@ -478,18 +474,14 @@ class Worker:
         if self.args.speculative_config is None:
             return None
         from pagedllm.spec_decode.config import SpeculativeConfig
+        from pagedllm.spec_decode.registry import ProposerContext
         from pagedllm.worker.spec_decoder import SpecDecoder, build_proposer
 
         cfg = SpeculativeConfig.from_any(self.args.speculative_config)
-        kw = {}
-        if cfg.method in ("draft_model", "eagle", "eagle3"):
-            kw = dict(model=self.draft_model, num_blocks=num_blocks, block_size=self.args.block_size,
-                      kv_cache_dtype=self.kv_cache_dtype, device=self.device, attn_impl=attn_impl)
-            if cfg.method in ("eagle", "eagle3"):
-                kw["target"] = self.model
-        elif cfg.method == "mtp":
-            kw = dict(model=self.draft_model, block_size=self.args.block_size, device=self.device)
-        return SpecDecoder(cfg, build_proposer(cfg, **kw))
+        ctx = ProposerContext(draft_model=self.draft_model, target=self.model, num_blocks=num_blocks,
+                              block_size=self.args.block_size, kv_cache_dtype=self.kv_cache_dtype,
+                              device=self.device, attn_impl=attn_impl)
+        return SpecDecoder(cfg, build_proposer(cfg, ctx))
 
     def _build_decode_accelerators(self) -> None:
         """The fused CPU decode step (``worker.fused_decode``) of the runner's model and of a draft

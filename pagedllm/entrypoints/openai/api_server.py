@@ -15,9 +15,9 @@ import dataclasses
 import logging
 import socket
 import sys
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
-from fastapi import FastAPI
+from fastapi import APIRouter, FastAPI
 from fastapi.middleware.cors import CORSMiddleware
 
 from pagedllm.engine.protocol import EngineClient
@@ -156,6 +156,25 @@ class _Servings:
                     self.loggers_list.remove(x)
 
 
+#: Routers added by ``register_router``: ``(servings, args) -> APIRouter`` builders.
+_ROUTER_BUILDERS: list[Callable[[_Servings, Optional[argparse.Namespace]], APIRouter]] = []
+
+
+def register_router(builder: Callable[[_Servings, Optional[argparse.Namespace]], APIRouter]
+                    ) -> Callable[[_Servings, Optional[argparse.Namespace]], APIRouter]:
+    """Serve one more router in every app ``build_app`` makes afterwards (a decorator).
+
+    A new endpoint is one file plus this registration: ``builder(servings, args)`` gets the
+    app's serving objects (``servings.engine``, ``.served`` model names, ``.loras``, ``.chat``,
+    ``.completion``, ...) and the ``pagedllm serve`` namespace (or None), and returns an
+    ``APIRouter`` whose handlers typically subclass ``OpenAIServing`` and answer through its
+    ``prepare`` / ``run`` template (``tests/entrypoints/test_custom_endpoint.py`` shows one).
+    Returns ``builder``.
+    """
+    _ROUTER_BUILDERS.append(builder)
+    return builder
+
+
 def build_app(engine: EngineClient, args: Optional[argparse.Namespace] = None) -> FastAPI:
     """The FastAPI app serving ``engine``: one router per serving module.
 
@@ -189,7 +208,8 @@ def build_app(engine: EngineClient, args: Optional[argparse.Namespace] = None) -
                    # Ollama-compatible routes (/api/chat, /api/generate, /api/tags, ...; HEAD /)
                    # and the web chat page (GET /, /ui/...).
                    build_ollama_router(engine, s.chat, s.served), build_web_router(),
-                   build_admin_router(engine, s.prom), build_tokenization_router(s.tokenization)):
+                   build_admin_router(engine, s.prom), build_tokenization_router(s.tokenization),
+                   *(build(s, args) for build in _ROUTER_BUILDERS)):
         app.include_router(router)
     return app
 
