@@ -4,6 +4,7 @@ answered in upper case) built on the serving template (``OpenAIServing.begin_req
 collects through the real engine on a tiny random model, and its errors are the template's."""
 from __future__ import annotations
 
+import argparse
 import json
 from typing import Any, Optional
 
@@ -30,7 +31,9 @@ class ShoutServing(OpenAIServing):
 
     async def create(self, request: CompletionRequest, raw_request: Optional[Request]) -> Any:
         rid, _, model_name = self.begin_request(request, raw_request, "shout")
-        req = self.prepare(f"{rid}-0", self.process_prompt(request.prompt), request, model=request.model)
+        p = request.prompt
+        prompt = self.process_prompt({"prompt_token_ids": p} if isinstance(p, list) else p)
+        req = self.prepare(f"{rid}-0", prompt, request, model=request.model)
 
         def stream(merged):
             return self.stream_results(
@@ -61,9 +64,9 @@ def client(tmp_path_factory):
     path = str(tmp_path_factory.mktemp("tiny_llama"))
     make_checkpoint("llama", path)
     register_router(shout_router)
-    engine = AsyncLLM.from_engine_args(EngineArgs(model=path, served_model_name="tiny", **TINY_KW))
+    engine = AsyncLLM.from_engine_args(EngineArgs(model=path, **TINY_KW))
     try:
-        with TestClient(build_app(engine)) as c:
+        with TestClient(build_app(engine, argparse.Namespace(served_model_name=["tiny"]))) as c:
             yield c
     finally:
         api_server._ROUTER_BUILDERS.remove(shout_router)
