@@ -50,7 +50,7 @@ PROJECTORS = {"gemma3": (("gemma3",), "Gemma3ForConditionalGeneration")}
 # Gemma 3's image markers (its tokenizer's boi / eoi / image soft token)
 GEMMA3_TOKENS = {"boi_token": "<start_of_image>", "eoi_token": "<end_of_image>", "image_token": "<image_soft_token>"}
 
-_V = "model.vision_tower.vision_model."
+_V = "model.vision_tower."  # transformers 5 names (older checkpoints add ".vision_model")
 _SIGLIP_NAMES = {
     "v.patch_embd": _V + "embeddings.patch_embedding",
     "v.position_embd": _V + "embeddings.position_embedding",
@@ -66,7 +66,7 @@ _VBLK = re.compile(r"^v\.blk\.(\d+)\.([a-z_0-9]+)\.(weight|bias)$")
 
 def hf_vision_name(name: str) -> str | None:
     """The HF ``Gemma3ForConditionalGeneration`` checkpoint name of mmproj tensor ``name``, or None.
-    E.g. ``"v.blk.0.attn_q.weight"`` -> ``"model.vision_tower.vision_model.encoder.layers.0.self_attn.q_proj.weight"``."""
+    E.g. ``"v.blk.0.attn_q.weight"`` -> ``"model.vision_tower.encoder.layers.0.self_attn.q_proj.weight"``."""
     if name in _GEMMA3_PROJ:
         return _GEMMA3_PROJ[name]
     m = _VBLK.match(name)
@@ -131,9 +131,9 @@ class MMProj:
         tokens, not transformers' named special-token attributes)."""
         import transformers as tf
 
-        for attr, tok in GEMMA3_TOKENS.items():
-            if getattr(tokenizer, attr, None) is None:
-                setattr(tokenizer, attr, tok)
+        missing = {attr: tok for attr, tok in GEMMA3_TOKENS.items() if getattr(tokenizer, attr, None) is None}
+        if missing:  # NOTE: transformers 5's hook for a multimodal tokenizer's named tokens (and their *_id)
+            tokenizer._set_model_specific_special_tokens(special_tokens=missing)
         size = int(self.vision_config["image_size"])
         ip = tf.Gemma3ImageProcessor(size={"height": size, "width": size}, image_mean=list(self.image_mean),
                                      image_std=list(self.image_std))

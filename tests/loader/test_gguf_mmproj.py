@@ -18,7 +18,6 @@ import sys
 import gguf
 import numpy as np
 import pytest
-import torch
 import transformers as tf
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -131,9 +130,9 @@ def write_mmproj(hf, path, qtype=Q.F16, projection_dim=None):
             else:
                 w.add_tensor("mm.soft_emb_norm.weight", a + 1)
             continue
-        if "vision_tower." not in name:
+        if "vision_tower." not in name or ".head." in name:  # llama.cpp drops SigLIP's unused pooling head
             continue
-        rest = name.split("vision_model.", 1)[1]
+        rest = name.split("vision_tower.", 1)[1].removeprefix("vision_model.")
         base, _, kind = rest.rpartition(".")
         m = re.match(r"encoder\.layers\.(\d+)\.(.+)$", base)
         key = f"v.blk.{m.group(1)}.{_VISION_LAYER[m.group(2)]}.{kind}" if m else f"{_VISION[base]}.{kind}"
@@ -185,17 +184,22 @@ def _llm(model, **kw):
 
 def test_names_follow_llama_cpp():
     assert hf_vision_name("v.blk.3.attn_q.weight") == \
-        "model.vision_tower.vision_model.encoder.layers.3.self_attn.q_proj.weight"
-    assert hf_vision_name("v.patch_embd.bias") == "model.vision_tower.vision_model.embeddings.patch_embedding.bias"
+        "model.vision_tower.encoder.layers.3.self_attn.q_proj.weight"
+    assert hf_vision_name("v.patch_embd.bias") == "model.vision_tower.embeddings.patch_embedding.bias"
     assert hf_vision_name("mm.input_projection.weight") == "model.multi_modal_projector.mm_input_projection_weight"
     assert hf_vision_name("v.blk.0.unknown.weight") is None
 
 
-def test_gguf_mmproj_matches_transformers_and_safetensors(files):
+@pytest.fixture(scope="module")
+def gguf_llm(files):
+    return _llm(files["text"], mmproj=files["mmproj"], tokenizer=files["tok"])
+
+
+def test_gguf_mmproj_matches_transformers_and_safetensors(files, gguf_llm):
     hf, proc = files["hf"], files["proc"]
     img = image(1)
     ids, ref, ref_lp = hf_greedy_mm(hf, proc, TEXT, [img], N)
-    llm = _llm(files["text"], mmproj=files["mmproj"], tokenizer=files["tok"])
+    llm = gguf_llm
     assert llm.llm_engine.core.hf_config.architectures == ["Gemma3ForConditionalGeneration"]
     p_ids, toks, lps = _run(llm, {"prompt": TEXT, "multi_modal_data": {"image": img}})
     assert p_ids == ids and toks == ref
@@ -225,7 +229,7 @@ def test_quantized_text_blocks_kept_and_autodetect(files, caplog):
     img = image(2)
     _, ref, ref_lp = hf_greedy_mm(files["hf"], files["proc"], TEXT, [img], N)
     _, toks, lps = _run(llm, {"prompt": TEXT, "multi_modal_data": {"image": img}})
-    assert lps == pytest.approx(ref_lp, abs=0.1)  # Q8_0 rounding of every matrix
+    assert lps == pytest.approx(ref_lp, abs=0.1)  # Q8_0 rounding of every matrix (0.034 seen)
     assert toks[:2] == ref[:2]
     # "none" turns the detection off: text only, an image is an input error
     text_only = _llm(files["text_q8"], tokenizer=files["tok"], mmproj="none")
@@ -235,7 +239,7 @@ def test_quantized_text_blocks_kept_and_autodetect(files, caplog):
 
 def test_mismatched_and_text_only_mmproj_refused(files, tmp_path):
     bad = write_mmproj(files["hf"], str(tmp_path / "other.gguf"), projection_dim=128)
-    with pytest.raises(ValueError, match="hidden size 64"):
+    with pytest.raises(ValueError, match="hidden size is 64"):
         check_mmproj_arg(files["text"], bad)
     with pytest.raises(ValueError, match="not an mmproj file"):
         check_mmproj_arg(files["text"], files["text_q8"])
@@ -258,14 +262,16 @@ def test_cli_mismatched_mmproj_exits_2(files, tmp_path):
     import subprocess
 
     bad = write_mmproj(files["hf"], str(tmp_path / "other.gguf"), projection_dim=128)
+    from server_helpers import free_port
+
     r = subprocess.run([sys.executable, "-m", "pagedllm.entrypoints.cli", "serve", files["text"], "--mmproj", bad,
-                        "--port", "0"], capture_output=True, text=True, timeout=120)
+                        "--port", str(free_port())], capture_output=True, text=True, timeout=120)
     assert r.returncode == 2
     err = [ln for ln in r.stderr.strip().splitlines() if ln.strip()]
     assert len(err) == 1 and "--mmproj" in err[0] and "hidden size is 64" in err[0]
 
 
-def test_openai_client_image_through_server(files):
+def test_openai_client_image_through_server(files, gguf_llm):
     openai = pytest.importorskip("openai")
     from server_helpers import serve
 
@@ -279,8 +285,7 @@ def test_openai_client_image_through_server(files):
         r = c.chat.completions.create(model="tiny", messages=[{"role": "user", "content": content}],
                                       max_tokens=N, temperature=0)
         assert r.choices[0].message.content and r.usage.prompt_tokens > 4
-    llm = _llm(files["ckpt"])
-    ref = llm.chat([{"role": "user", "content": content}], SamplingParams(max_tokens=N, temperature=0),
-                   use_tqdm=False)[0]
+    # the offline GGUF engine gives the same greedy answer (and equals the safetensors one: the test above)
+    ref = gguf_llm.chat([{"role": "user", "content": content}], SamplingParams(max_tokens=N, temperature=0),
+                        use_tqdm=False)[0]
     assert r.choices[0].message.content == ref.outputs[0].text
-    assert torch.get_num_threads() >= 1
