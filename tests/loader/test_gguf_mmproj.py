@@ -289,3 +289,29 @@ def test_openai_client_image_through_server(files, gguf_llm):
     ref = gguf_llm.chat([{"role": "user", "content": content}], SamplingParams(max_tokens=N, temperature=0),
                         use_tqdm=False)[0]
     assert r.choices[0].message.content == ref.outputs[0].text
+
+
+def test_processor_from_mmproj_metadata_and_a_plain_vocabulary(files):
+    """A GGUF vocabulary has the image markers as tokens but not transformers' named boi / eoi / image
+    tokens: the processor names them, and expands the marker as the checkpoint's own processor does."""
+    from arch_cases import tiny_tokenizer
+
+    from pagedllm.loader import load_model
+
+    plain = tiny_tokenizer(VOCAB - 3)
+    plain.add_tokens(["<end_of_image>", "<start_of_image>", "<image_soft_token>"], special_tokens=True)
+    assert getattr(plain, "boi_token", None) is None
+    proj = open_mmproj(files["mmproj"])
+    assert (proj.projector_type, proj.tokens_per_image, proj.vision_config["image_size"]) == ("gemma3", 4, 28)
+    proc = proj.hf_processor(plain)
+    img = image(3)
+    ours, ref = proc(text=TEXT, images=[img], return_tensors="pt"), files["proc"](text=TEXT, images=[img],
+                                                                                   return_tensors="pt")
+    assert ours["input_ids"].tolist() == ref["input_ids"].tolist()
+    assert (ours["pixel_values"] - ref["pixel_values"]).abs().max().item() == 0.0
+    proj.file.close()
+    # a vocabulary without the markers (a text-only Gemma 3, e.g. 270M / 1B) is refused
+    tok = files["dir"] / "plain-tok"
+    tiny_tokenizer().save_pretrained(tok)
+    with pytest.raises(ValueError, match="no '<start_of_image>'"):
+        load_model(files["text"], tokenizer=str(tok), mmproj=files["mmproj"])
