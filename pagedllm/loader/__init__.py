@@ -150,6 +150,8 @@ def load_model(
             load_format = hub.load_format
     tok_src = _local_or_hub(tokenizer, tokenizer_revision, download_dir) if tokenizer and want_tokenizer else None
     cfg_src = _local_or_hub(hf_config_path, revision, download_dir) if hf_config_path else None
+    if mmproj and mmproj.strip().lower() != "none" and os.path.isdir(path):
+        raise ValueError(f"mmproj: needs a GGUF text model; {path!r} is an HF directory (its own vision tower loads)")
     if os.path.isdir(path):
         from .hf_loader import hf_weight_files, iter_pt_weights, iter_safetensors_weights, load_generation_config
 

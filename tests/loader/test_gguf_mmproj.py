@@ -315,3 +315,12 @@ def test_processor_from_mmproj_metadata_and_a_plain_vocabulary(files):
     tiny_tokenizer().save_pretrained(tok)
     with pytest.raises(ValueError, match="no '<start_of_image>'"):
         load_model(files["text"], tokenizer=str(tok), mmproj=files["mmproj"])
+
+
+def test_mmproj_needs_a_gguf_model(files):
+    from pagedllm.loader import load_model
+
+    with pytest.raises(ValueError, match="needs a GGUF text model"):
+        load_model(files["ckpt"], mmproj=files["mmproj"])
+    with pytest.raises(ValueError, match="needs a GGUF text model"):
+        check_mmproj_arg(files["ckpt"], files["mmproj"])
