@@ -218,6 +218,9 @@ class EngineArgs:
         load_format: "auto" (safetensors, else PyTorch .bin/.pt, else GGUF), "safetensors", "pt",
             "gguf" or "dummy" (random weights; for profiling).
         hf_config_path: HF config directory or Hub id used instead of the model's own config.
+        mmproj: llama.cpp's mmproj GGUF (vision tower + projector) for a GGUF text model (llama.cpp's
+            ``--mmproj``; ``loader.gguf_mmproj``); None = an ``mmproj*.gguf`` beside the model file when
+            it fits; "none" = text only.
         trust_remote_code: accepted for vLLM compatibility; a checkpoint's own Python code is never
             executed (a config that needs it is refused with an explanation).
         model_impl: "auto" (pagedllm's native model when the architecture has one, else the
@@ -326,6 +329,7 @@ class EngineArgs:
     download_dir: Optional[str] = None
     load_format: str = "auto"
     hf_config_path: Optional[str] = None
+    mmproj: Optional[str] = None
     trust_remote_code: bool = False
     model_impl: str = "auto"
     enable_expert_parallel: bool = False

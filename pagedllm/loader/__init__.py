@@ -52,6 +52,7 @@ class LoadedModel:
     load_format: the weights' format: "safetensors", "pt", "gguf" or "dummy" (no weights: the engine fills
         the parameters with small random values, vLLM's dummy format).
     repo_id: the Hugging Face Hub repo the model came from, or None.
+    mmproj: a GGUF model's vision side from an mmproj file (`loader.gguf_mmproj.MMProj`), or None.
     quant_config: the `pagedllm.quantization` config the weights load with (`loader.quant_config`), or None
         for float weights. With one, `weights()` yields what its methods take: GGUF blocks as
         `GGUFRawTensor`s (GGUFConfig), HF tensors in their checkpoint dtype (no float cast). Setting it to
@@ -67,6 +68,7 @@ class LoadedModel:
     load_format: str = "safetensors"
     repo_id: str | None = None
     quant_config: Any = None
+    mmproj: Any = None
 
 
 def _no_weights() -> Iterator[tuple[str, torch.Tensor]]:
@@ -96,6 +98,7 @@ def load_model(
     tokenizer_revision: str | None = None,
     hf_overrides: dict | None = None,
     hf_config_path: str | None = None,
+    mmproj: str | None = None,
 ) -> LoadedModel:
     """Resolve `model` (known name, .gguf path, HF directory or Hugging Face Hub id) and load its config and
     tokenizer; weights are read lazily when `LoadedModel.weights()` is iterated.
@@ -111,6 +114,8 @@ def load_model(
         applied to the checkpoint's full config (for a multimodal one, before its text config is taken).
     hf_config_path: an HF config directory or Hub id to use instead of the model's own config (e.g. for a GGUF
         file, whose metadata otherwise gives the config).
+    mmproj: for a GGUF file, llama.cpp's mmproj GGUF with the vision tower and projector (`loader.gguf_mmproj`;
+        None: an `mmproj*.gguf` beside the model is used when it fits, "none": text only).
     quantization: the `--quantization` value, see `loader.quant_config`: None = the checkpoint's own format (what
         the engine passes when the flag is unset: GGUF blocks kept quantized, GPTQ, ...); the default "none" gives
         float weights (GGUF dequantized by `weights()`; an HF quantized checkpoint's config with
@@ -145,6 +150,8 @@ def load_model(
             load_format = hub.load_format
     tok_src = _local_or_hub(tokenizer, tokenizer_revision, download_dir) if tokenizer and want_tokenizer else None
     cfg_src = _local_or_hub(hf_config_path, revision, download_dir) if hf_config_path else None
+    if mmproj and mmproj.strip().lower() != "none" and os.path.isdir(path):
+        raise ValueError(f"mmproj: needs a GGUF text model; {path!r} is an HF directory (its own vision tower loads)")
     if os.path.isdir(path):
         from .hf_loader import hf_weight_files, iter_pt_weights, iter_safetensors_weights, load_generation_config
 
@@ -191,4 +198,8 @@ def load_model(
 
     if not dummy:
         lm.weights = weights
+    if mmproj is not None or not dummy:
+        from .gguf_mmproj import resolve_mmproj
+
+        resolve_mmproj(lm, gf, mmproj, dtype)  # GGUF + mmproj: the image-text model (gguf_mmproj.py)
     return lm

@@ -119,7 +119,8 @@ class ModelBuild:
 def hub_kwargs(args: Any) -> dict:
     """``loader.load_model``'s Hub and format keywords from the engine arguments."""
     return dict(revision=args.revision, download_dir=args.download_dir, load_format=args.load_format,
-                tokenizer_revision=args.tokenizer_revision, hf_config_path=args.hf_config_path)
+                tokenizer_revision=args.tokenizer_revision, hf_config_path=args.hf_config_path,
+                mmproj=getattr(args, "mmproj", None))
 
 
 def checkpoint_files(loaded: Any) -> list[str]:
@@ -127,7 +128,7 @@ def checkpoint_files(loaded: Any) -> list[str]:
     if loaded is None or loaded.load_format == "dummy":
         return []
     if loaded.source == "gguf":
-        return [loaded.model_path]
+        return [loaded.model_path] + ([loaded.mmproj.path] if getattr(loaded, "mmproj", None) else [])
     from pagedllm.loader.hf_loader import safetensors_files
 
     try:

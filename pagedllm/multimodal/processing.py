@@ -157,11 +157,16 @@ def build_image_processor(args: Any, core: Any) -> Optional[ImageProcessor]:
                     "serving text only")
         return None
     path = getattr(core.loaded, "model_path", None)
-    if getattr(core.loaded, "source", None) == "gguf" or not path:
+    mmproj = getattr(core.loaded, "mmproj", None)  # GGUF + mmproj (pagedllm/loader/gguf_mmproj.py)
+    if (getattr(core.loaded, "source", None) == "gguf" and mmproj is None) or not path:
         return None
     try:
-        proc = ImageProcessor.from_pretrained(path, parent.get("image_token_id", parent.get("image_token_index")), bool(getattr(cls, "mm_bidirectional", False)),
-                                              limit, args.mm_processor_kwargs)
+        if mmproj is not None:
+            proc = ImageProcessor(mmproj.hf_processor(core.loaded.tokenizer), parent["image_token_id"],
+                                  bool(getattr(cls, "mm_bidirectional", False)), limit, args.mm_processor_kwargs)
+        else:
+            proc = ImageProcessor.from_pretrained(path, parent.get("image_token_id", parent.get("image_token_index")), bool(getattr(cls, "mm_bidirectional", False)),
+                                                  limit, args.mm_processor_kwargs)
     except ValueError as e:
         log.warning("pagedllm: %s; serving text only", e)
         return None

@@ -273,6 +273,9 @@ def add_serve_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                         "dummy = random weights (profiling).")
     g.add_argument("--hf-config-path", default=None,
                    help="HF config (directory or Hub id) to use instead of the model's own, e.g. for a GGUF file.")
+    g.add_argument("--mmproj", default=None,
+                   help="llama.cpp's mmproj GGUF (vision tower + projector) for a GGUF text model, e.g. Gemma 3 "
+                        "(default: an mmproj*.gguf beside the model file when it fits; 'none': text only).")
     g.add_argument("--trust-remote-code", action="store_true",
                    help="Accepted for vLLM compatibility; a checkpoint's own Python code is never executed.")
     g.add_argument("--enable-expert-parallel", action="store_true",

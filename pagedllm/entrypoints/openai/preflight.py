@@ -114,6 +114,9 @@ def check_model(args: argparse.Namespace) -> None:
         gguf = sorted(f for f in os.listdir(path) if f.lower().endswith(".gguf"))
         hint = f" (it holds {gguf[0]!r}: pass that file)" if gguf else ""
         raise ValueError(f"model {args.model!r}: the directory {path} has no config.json{hint}")
+    if getattr(args, "mmproj", None):
+        from pagedllm.loader.gguf_mmproj import check_mmproj_arg
+        check_mmproj_arg(path, args.mmproj)
     mml = getattr(args, "max_model_len", None)
     if mml is not None:
         ctx = _context_length(path, args)
