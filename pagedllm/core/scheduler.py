@@ -56,6 +56,10 @@ logger = logging.getLogger("pagedllm")
 SCHEDULING_POLICIES = ("fcfs", "priority")
 
 
+# ``ScheduledRequest.spec_token_ids`` of a request without drafts: one shared, never mutated empty list.
+_NO_SPEC: list[int] = []
+
+
 def _priority_key(req: Request) -> tuple[int, float]:
     """Order of the priority policy: lower ``priority`` first, then earlier arrival."""
     return (req.priority, req.arrival_time)
@@ -286,6 +290,10 @@ class Scheduler:
         # 1. Running requests, oldest first; preempt (the newest, or the lowest priority) when out
         # of blocks.
         running = self.running
+        req_to_blocks = mgr.req_to_blocks
+        num_cached_block = mgr.num_cached_block
+        block_size = mgr.block_size
+        caching = mgr.enable_caching
         i = 0
         while i < len(running) and budget > 0:
             req = running[i]
@@ -313,6 +321,17 @@ class Scheduler:
             lookahead = 0
             if self.num_lookahead_tokens and computed + num_new >= len(req.all_token_ids):
                 lookahead = max(0, min(self.num_lookahead_tokens, max_model_len - computed - num_new))
+            # KVCacheManager.allocate_slots' fast path, inlined (most decode steps): the held blocks
+            # have room and no block becomes full, so nothing is allocated or registered.
+            held = req_to_blocks.get(req.request_id)
+            if held is not None and computed + num_new + lookahead <= len(held) * block_size and (
+                    not caching or req.pooling_params is not None
+                    or min(computed + num_new + lookahead, len(req.all_token_ids)) // block_size
+                    <= num_cached_block[req.request_id]):
+                order.append((req, num_new, False))
+                budget -= num_new
+                i += 1
+                continue
             while True:
                 if mgr.allocate_slots(req, num_new + lookahead) is not None:
                     scheduled = True
@@ -416,7 +435,7 @@ class Scheduler:
         for req, n, is_new in order:
             start = req.num_computed_tokens
             tokens = req.all_token_ids
-            spec: list[int] = []
+            spec: list[int] = _NO_SPEC
             if req.spec_token_ids:
                 # Drafts that fit this step's count; the rest are dropped (re-proposed later).
                 num_spec = start + n - len(tokens)
