@@ -524,6 +524,8 @@ class Scheduler:
         all_prompt_lps = runner_output.prompt_logprobs
         spec_out = runner_output.spec_token_ids
         max_model_len = self.max_model_len
+        jump_forward = self.jump_forward_max_tokens
+        preempted_status = RequestStatus.PREEMPTED
         running_status = RequestStatus.RUNNING
         for sr in scheduler_output.scheduled:
             req_id = sr.req_id
@@ -585,19 +587,22 @@ class Scheduler:
             if lps is not None:
                 lps = lps[:len(appended)]
             status = req.status
-            finished = status > RequestStatus.PREEMPTED
+            finished = status > preempted_status
             any_finished |= finished
             if not finished and new_ids:
-                if sor is not None and self.jump_forward_max_tokens:
+                if sor is not None and jump_forward:
                     req.spec_token_ids = self._jump_forward_drafts(req, sor) if jf_on else []
                 elif spec_out:
                     req.spec_token_ids = spec_out.get(req_id) or []
                 elif req.spec_token_ids:
                     req.spec_token_ids = []
             ncached = req.num_cached_tokens
-            outputs.append(EngineCoreOutput(
-                req_id, appended, lps, prompt_lps, RequestStatus.finish_reason(status) if finished else None,
-                req.stop_reason, None, ncached if ncached > 0 else 0))
+            if finished or ncached > 0 or req.stop_reason is not None:
+                outputs.append(EngineCoreOutput(
+                    req_id, appended, lps, prompt_lps, RequestStatus.finish_reason(status) if finished else None,
+                    req.stop_reason, None, ncached if ncached > 0 else 0))
+            else:  # (the defaults: no finish, no stop reason, nothing cached)
+                outputs.append(EngineCoreOutput(req_id, appended, lps, prompt_lps))
         if any_finished:
             still = []
             for req in self.running:
