@@ -111,13 +111,14 @@ class IncrementalDetokenizer:
     def _clean_text(self, tok: int) -> str:
         """The clean text of ``tok`` ("" when it is not clean; see :func:`clean_token_texts`)."""
         table = self._clean
-        assert table is not None
+        backend = self._backend
+        assert table is not None and backend is not None
         text = table.get(tok)
         if text is None:
             text = ""
             if 0 <= tok:
                 try:
-                    text = self._backend.decode([tok], skip_special_tokens=False)
+                    text = backend.decode([tok], skip_special_tokens=False)
                 except Exception:  # out of the vocabulary: not clean
                     text = ""
                 if _REPLACEMENT in text:
