@@ -56,6 +56,10 @@ logger = logging.getLogger("pagedllm")
 SCHEDULING_POLICIES = ("fcfs", "priority")
 
 
+# ``ScheduledRequest.spec_token_ids`` of a request without drafts: one shared, never mutated empty list.
+_NO_SPEC: list[int] = []
+
+
 def _priority_key(req: Request) -> tuple[int, float]:
     """Order of the priority policy: lower ``priority`` first, then earlier arrival."""
     return (req.priority, req.arrival_time)
@@ -286,6 +290,10 @@ class Scheduler:
         # 1. Running requests, oldest first; preempt (the newest, or the lowest priority) when out
         # of blocks.
         running = self.running
+        req_to_blocks = mgr.req_to_blocks
+        num_cached_block = mgr.num_cached_block
+        block_size = mgr.block_size
+        caching = mgr.enable_caching
         i = 0
         while i < len(running) and budget > 0:
             req = running[i]
@@ -313,6 +321,17 @@ class Scheduler:
             lookahead = 0
             if self.num_lookahead_tokens and computed + num_new >= len(req.all_token_ids):
                 lookahead = max(0, min(self.num_lookahead_tokens, max_model_len - computed - num_new))
+            # KVCacheManager.allocate_slots' fast path, inlined (most decode steps): the held blocks
+            # have room and no block becomes full, so nothing is allocated or registered.
+            held = req_to_blocks.get(req.request_id)
+            if held is not None and computed + num_new + lookahead <= len(held) * block_size and (
+                    not caching or req.pooling_params is not None
+                    or min(computed + num_new + lookahead, len(req.all_token_ids)) // block_size
+                    <= num_cached_block[req.request_id]):
+                order.append((req, num_new, False))
+                budget -= num_new
+                i += 1
+                continue
             while True:
                 if mgr.allocate_slots(req, num_new + lookahead) is not None:
                     scheduled = True
@@ -416,7 +435,7 @@ class Scheduler:
         for req, n, is_new in order:
             start = req.num_computed_tokens
             tokens = req.all_token_ids
-            spec: list[int] = []
+            spec: list[int] = _NO_SPEC
             if req.spec_token_ids:
                 # Drafts that fit this step's count; the rest are dropped (re-proposed later).
                 num_spec = start + n - len(tokens)
@@ -428,22 +447,15 @@ class Scheduler:
             if req.structured_output_request is not None and start + n >= len(tokens):
                 grammar_rows[req.request_id] = num_grammar_rows  # first row; one per draft follows
                 num_grammar_rows += 1 + len(spec)
+            prompt_len = len(req.prompt_token_ids)
+            in_prompt = start < prompt_len
+            # NOTE: positional (the field order of ScheduledRequest): keyword arguments cost ~2x as
+            # much per request per step.
             scheduled_reqs.append(ScheduledRequest(
-                req_id=req.request_id,
-                token_ids=tokens,
-                start_pos=start,
-                num_tokens=n,
-                block_ids=block_ids[req.request_id].copy(),
-                is_last_chunk=start + n >= len(tokens),
-                sampling_params=req.sampling_params,
-                pooling_params=req.pooling_params,
-                prompt_len=len(req.prompt_token_ids),
-                is_new=is_new,
-                spec_token_ids=spec,
-                lora_request=req.lora_request,
-                prompt_embeds=req.prompt_embeds if start < len(req.prompt_token_ids) else None,
-                mm_features=req.mm_features if start < len(req.prompt_token_ids) else None,
-            ))
+                req.request_id, tokens, start, n, block_ids[req.request_id].copy(),
+                start + n >= len(tokens), req.sampling_params, req.pooling_params, prompt_len,
+                is_new, spec, req.lora_request,
+                req.prompt_embeds if in_prompt else None, req.mm_features if in_prompt else None))
             req.num_computed_tokens = start + n
             total += n
         out.total_num_scheduled_tokens = total
@@ -510,6 +522,10 @@ class Scheduler:
         sampled = runner_output.sampled_token_ids
         all_logprobs = runner_output.logprobs
         all_prompt_lps = runner_output.prompt_logprobs
+        spec_out = runner_output.spec_token_ids
+        max_model_len = self.max_model_len
+        jump_forward = self.jump_forward_max_tokens
+        preempted_status = RequestStatus.PREEMPTED
         running_status = RequestStatus.RUNNING
         for sr in scheduler_output.scheduled:
             req_id = sr.req_id
@@ -541,10 +557,17 @@ class Scheduler:
             if new_ids:
                 if len(new_ids) == 1:  # (the common case: one token, no copy of the list)
                     tok = new_ids[0]
-                    req.output_token_ids.append(tok)
-                    req.all_token_ids.append(tok)
+                    out_ids = req.output_token_ids
+                    out_ids.append(tok)
+                    all_ids = req.all_token_ids
+                    all_ids.append(tok)
                     appended = new_ids
-                    self._check_stop(req)
+                    # _check_stop, inlined for the token that stops nothing (same checks, same order)
+                    if (len(out_ids) >= req.min_tokens
+                            and (req.stop_token_ids is not None or (tok == req.eos_token_id and not req.ignore_eos))
+                            or (req.max_tokens is not None and len(out_ids) >= req.max_tokens)
+                            or len(all_ids) >= max_model_len):
+                        self._check_stop(req)
                 else:
                     appended = []
                     for tok in new_ids:
@@ -564,17 +587,22 @@ class Scheduler:
             if lps is not None:
                 lps = lps[:len(appended)]
             status = req.status
-            finished = status > RequestStatus.PREEMPTED
+            finished = status > preempted_status
             any_finished |= finished
             if not finished and new_ids:
-                if sor is not None and self.jump_forward_max_tokens:
+                if sor is not None and jump_forward:
                     req.spec_token_ids = self._jump_forward_drafts(req, sor) if jf_on else []
-                else:
-                    req.spec_token_ids = runner_output.spec_token_ids.get(req_id) or []
+                elif spec_out:
+                    req.spec_token_ids = spec_out.get(req_id) or []
+                elif req.spec_token_ids:
+                    req.spec_token_ids = []
             ncached = req.num_cached_tokens
-            outputs.append(EngineCoreOutput(
-                req_id, appended, lps, prompt_lps, RequestStatus.finish_reason(status) if finished else None,
-                req.stop_reason, None, ncached if ncached > 0 else 0))
+            if finished or ncached > 0 or req.stop_reason is not None:
+                outputs.append(EngineCoreOutput(
+                    req_id, appended, lps, prompt_lps, RequestStatus.finish_reason(status) if finished else None,
+                    req.stop_reason, None, ncached if ncached > 0 else 0))
+            else:  # (the defaults: no finish, no stop reason, nothing cached)
+                outputs.append(EngineCoreOutput(req_id, appended, lps, prompt_lps))
         if any_finished:
             still = []
             for req in self.running:

@@ -15,6 +15,14 @@ decodes and the slicing here; vLLM's ``FastIncrementalDetokenizer`` uses it too)
 mirrored here, so a multi-token step, ``flush`` and a stream error (``DecodeStream`` refuses a
 text that does not extend its prefix) take the Python path over the same state, and the stream is
 rebuilt once the offsets again allow it: the deltas are the same either way.
+
+Byte-level tokenizers (a ``ByteLevel`` decoder, as GPT-2, Llama 3, Qwen 2 and SmolLM2 use) take a
+faster path still, with no call into the tokenizer at all: the decoder concatenates the tokens'
+bytes and decodes them as UTF-8, so when the window is one token whose bytes are valid UTF-8 on
+their own (the last step emitted exactly that token) and the new token's bytes are too, the new
+text is the new token's own text (:func:`clean_token_texts`: a per-tokenizer table, one entry per
+token id seen, bounded by the vocabulary). The offsets move as the algorithm moves them, and the
+stream is rebuilt from them when a token that is not clean arrives.
 """
 from __future__ import annotations
 
@@ -30,6 +38,39 @@ except ImportError:  # pragma: no cover - older tokenizers: the Python path only
 # inside the full sequence (vLLM: INITIAL_INCREMENTAL_DETOKENIZATION_OFFSET).
 _INITIAL_CONTEXT = 5
 _REPLACEMENT = "\ufffd"
+
+
+def clean_token_texts(tokenizer: Any) -> Optional[dict[int, str]]:
+    """The shared table of *clean* token texts of a byte-level fast tokenizer, or None.
+
+    Only for a fast tokenizer whose decoder is ``ByteLevel`` (decoding is: concatenate the
+    tokens' bytes, decode as UTF-8). Maps token id -> its text when the token is not an added
+    token and its bytes are valid UTF-8 on their own (non-empty, no U+FFFD), else "". Filled
+    lazily by :meth:`IncrementalDetokenizer.add_tokens`; at most one entry per vocabulary id.
+    Stored on the tokenizer object (attribute ``_pagedllm_clean_texts``), so every request of a
+    tokenizer shares it.
+    """
+    table = getattr(tokenizer, "_pagedllm_clean_texts", None)
+    if table is not None:
+        return table or None
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    ok = False
+    added: set[int] = set()
+    if backend is not None:
+        try:
+            ok = type(backend.decoder).__name__ == "ByteLevel"
+            added = set(backend.get_added_tokens_decoder())
+        except Exception:  # pragma: no cover - an older tokenizers
+            ok = False
+    # NOTE: an empty dict marks "no fast path" (a dict either way, so the attribute is set once).
+    table = {i: "" for i in added} if ok else {}
+    if ok and not table:
+        table[-1] = ""  # (non-empty: "usable"; -1 is never a token id)
+    try:
+        tokenizer._pagedllm_clean_texts = table
+    except Exception:  # pragma: no cover - a tokenizer object without attributes
+        return None
+    return table or None
 
 
 class IncrementalDetokenizer:
@@ -64,6 +105,26 @@ class IncrementalDetokenizer:
         # (built lazily; None while the offsets do not allow it or without a fast tokenizer).
         self._stream: Any = None
         self._stream_ok = self._backend is not None and _DecodeStream is not None
+        # Byte-level tokenizers: token id -> text of a clean token ("" = not clean), shared.
+        self._clean: Optional[dict[int, str]] = clean_token_texts(tokenizer) if self._stream_ok else None
+
+    def _clean_text(self, tok: int) -> str:
+        """The clean text of ``tok`` ("" when it is not clean; see :func:`clean_token_texts`)."""
+        table = self._clean
+        backend = self._backend
+        assert table is not None and backend is not None
+        text = table.get(tok)
+        if text is None:
+            text = ""
+            if 0 <= tok:
+                try:
+                    text = backend.decode([tok], skip_special_tokens=False)
+                except Exception:  # out of the vocabulary: not clean
+                    text = ""
+                if _REPLACEMENT in text:
+                    text = ""
+            table[tok] = text
+        return text
 
     def _new_stream(self) -> Any:
         """A ``DecodeStream`` in the state of the offsets (window ``_ids[prefix_offset:]``, read
@@ -134,6 +195,24 @@ class IncrementalDetokenizer:
         if type(new_token_ids) is list and len(new_token_ids) == 1 and type(new_token_ids[0]) is int:
             tok = new_token_ids[0]  # (the common case: one int per step)
             if self._stream_ok:
+                ids = self._ids
+                n = len(ids)
+                clean = self._clean
+                if clean is not None and self.read_offset == n and self.prefix_offset == n - 1:
+                    # Window = one token; both clean: the delta is the new token's own text.
+                    prev = clean.get(ids[-1])
+                    text = clean.get(tok)
+                    if prev is None:
+                        prev = self._clean_text(ids[-1])
+                    if text is None:
+                        text = self._clean_text(tok)
+                    if prev and text:
+                        ids.append(tok)
+                        self.prefix_offset = n
+                        self.read_offset = n + 1
+                        self.output_text += text
+                        self._stream = None  # (behind the offsets now: rebuilt when needed)
+                        return text
                 st = self._stream
                 if st is None:
                     st = self._stream = self._new_stream()

@@ -385,7 +385,8 @@ class LLMEngine:
             return []
         now = time.time()
         it = self._iter_stats
-        for co in core_outputs:
+        # NOTE: no per-request loop when no stats are kept (offline, no tracer): nothing to observe.
+        for co in core_outputs if self._req_stats else ():
             entry = self._req_stats.get(co.req_id)
             if entry is None:
                 continue

@@ -184,6 +184,9 @@ class RequestState:
         # DELTA bookkeeping: how much was already sent.
         self.sent_text = 0
         self.sent_tokens = 0
+        # A request with no stop strings, logprobs or prompt logprobs: a step that brings one token
+        # and no news otherwise takes update()'s short path.
+        self._plain = not self.stop and not self.logprobs_requested and not self.prompt_logprobs_requested
 
     # ------------------------------------------------------------------ helpers
     def _token_text(self) -> Optional[Callable[[int], str]]:
@@ -209,6 +212,19 @@ class RequestState:
     def update(self, eco: Any) -> bool:
         """Apply one EngineCoreOutput. Returns True when a stop string matched while the
         core still runs the request (so the core must abort it)."""
+        new_ids = eco.new_token_ids
+        if (self._plain and eco.finish_reason is None and type(new_ids) is list and len(new_ids) == 1
+                and self.first_token_time is not None and not eco.new_prompt_logprobs
+                and type(new_ids[0]) is int
+                and (not eco.num_cached_tokens or eco.num_cached_tokens <= self.num_cached_tokens)):
+            # The common decode step (same result as the general path below): append, detokenize.
+            self.token_ids.append(new_ids[0])
+            det = self.detokenizer
+            if det is not None:
+                delta = det.add_tokens(new_ids)
+                if delta:
+                    self.text += delta
+            return False
         if eco.num_cached_tokens and eco.num_cached_tokens > self.num_cached_tokens:
             self.num_cached_tokens = int(eco.num_cached_tokens)
         if eco.new_prompt_logprobs:
@@ -461,6 +477,8 @@ class OutputProcessor:
             if state.update(eco):
                 reqs_to_abort.append(state.request_id)
             finished = state.finish_reason is not None
+            if not finished and state.parent is None and state.output_kind == FINAL_ONLY:
+                continue  # (nothing to send before the end)
             if finished:
                 del self.request_states[state.request_id]
 

@@ -255,7 +255,8 @@ class ModelRunner:
         out = ModelRunnerOutput()
         if not so.scheduled:
             return out
-        reqs = _decodes_first(so.scheduled)
+        # (A step of one token per request is decodes only: already in order.)
+        reqs = so.scheduled if so.total_num_scheduled_tokens == len(so.scheduled) else _decodes_first(so.scheduled)
         lora_mapping = None
         if self.lora_manager is not None:
             reqs, lora_mapping = self.lora_manager.prepare_step(reqs)  # one adapter's rows contiguous

@@ -183,3 +183,51 @@ def test_decode_stream_fast_path_equals_python_path(tok, seed):
         assert fast == slow
         assert det.output_text == slow_det.output_text
         assert (det.prefix_offset, det.read_offset) == (slow_det.prefix_offset, slow_det.read_offset)
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_clean_token_fast_path_equals_stream_and_python_paths(tok, seed):
+    """Byte-level tokenizers: the clean-token path (no tokenizer call when the window is one clean
+    token and the new one is clean) gives the same delta at every step, the same offsets and text as
+    the DecodeStream-only path and the Python path: split characters, special tokens, random ids,
+    multi-token steps, flush."""
+    import pagedllm.engine.detokenizer as detok_mod
+
+    table = detok_mod.clean_token_texts(tok)
+    if table is None or detok_mod._DecodeStream is None:
+        pytest.skip("not a byte-level fast tokenizer")
+    rng = random.Random(100 + seed)
+    text = "".join(rng.choice(TEXTS) for _ in range(8)) + " plain ascii words " * 5
+    ids = tok.encode(text) + [rng.randrange(tok.vocab_size) for _ in range(60)]
+    for _ in range(3):
+        ids.insert(rng.randrange(len(ids)), tok.eos_token_id)
+    prompt = tok.encode(rng.choice(TEXTS))
+    chunks, n = [], 0
+    while n < len(ids):
+        c = min(len(ids) - n, 1 if rng.random() < 0.9 else rng.randint(2, 3))
+        chunks.append(c)
+        n += c
+    for skip in (True, False):
+        dets = []
+        for mode in ("clean", "stream", "python"):
+            d = IncrementalDetokenizer(tok, prompt, skip_special_tokens=skip)
+            if mode != "clean":
+                d._clean = None
+            if mode == "python":
+                d._stream_ok = False
+            dets.append(d)
+        i = 0
+        taken = 0
+        for c in chunks:
+            outs = [d.add_tokens(ids[i:i + c]) for d in dets]
+            taken += c == 1 and dets[0]._stream is None  # (the stream path leaves a stream)
+            i += c
+            assert outs[0] == outs[1] == outs[2], (i, outs)
+            assert len({(d.prefix_offset, d.read_offset) for d in dets}) == 1
+        outs = [d.flush() for d in dets]
+        assert outs[0] == outs[1] == outs[2]
+        assert dets[0].output_text == dets[1].output_text == dets[2].output_text
+        assert taken > 10, "the clean path was not taken"
+    # Bounded: one entry per token id seen (plus the added tokens), never past the vocabulary.
+    assert len(table) <= len(tok) + 1
+    assert table[tok.eos_token_id] == ""  # an added token is never clean
