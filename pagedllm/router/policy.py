@@ -6,11 +6,16 @@
 * ``sticky``: the same session key (the ``X-Session-Id`` header, else the body's ``user``) goes to
   the same replica while it is eligible (rendezvous hashing, so a replica leaving moves only its
   own sessions); no key: least-load.
-* ``prefix``: the replica holding the longest prefix of the prompt (``PrefixIndex.match``), ties
-  by load, when (a) the load is balanced, i.e. NOT (max - min in flight > ``balance_abs_threshold``
-  and max > ``balance_rel_threshold`` * min), and (b) the best match covers more than
-  ``cache_threshold`` of the prompt's tokens; otherwise least-load (SGLang's ``sgl-router`` cache-
-  aware policy has the same two knobs and fallback).
+* ``prefix``: when the longest prefix of the prompt any eligible replica holds
+  (``PrefixIndex.match``) covers more than ``cache_threshold`` of the prompt's blocks and the load
+  is balanced, i.e. NOT (max - min in flight > ``balance_abs_threshold`` and max >
+  ``balance_rel_threshold`` * min), the replica with the lowest cost
+  ``(1 - matched_blocks / prompt_blocks) + load_weight * in_flight`` (the share of the prompt it
+  must compute, plus its load), ties by load; otherwise least-load (SGLang's ``sgl-router`` cache-
+  aware policy has the two thresholds and the fallback). The load term is what keeps a prefix every
+  conversation shares (a system prompt) from sending every new conversation to the one replica
+  that cached it first: once that replica has ``(its advantage) / load_weight`` more requests in
+  flight, the next goes elsewhere, and from then on both hold it.
 """
 from __future__ import annotations
 
@@ -26,8 +31,9 @@ class PolicyConfig:
     """Knobs of the prefix policy (see the module docstring)."""
 
     cache_threshold: float = 0.5
-    balance_abs_threshold: int = 2
+    balance_abs_threshold: int = 32
     balance_rel_threshold: float = 1.5
+    load_weight: float = 0.1
 
 
 @dataclass
@@ -98,7 +104,12 @@ class Router:
             if cands and not imbalanced:
                 depth = max(cands.values())
                 if depth / prompt_blocks > c.cache_threshold:
-                    best = [i for i in eligible if cands.get(i) == depth]
-                    return Decision(self._least_load(best, in_flight), "prefix", depth)
+                    cost = {i: (1.0 - cands.get(i, 0) / prompt_blocks) + c.load_weight * in_flight[i]
+                            for i in eligible}
+                    low = min(cost.values())
+                    best = [i for i in eligible if cost[i] <= low + 1e-9]
+                    pick = self._least_load(best, in_flight)
+                    got = cands.get(pick, 0)
+                    return Decision(pick, "prefix" if got == depth else "load", got)
         pick = self._least_load(eligible, in_flight)
         return Decision(pick, "load", (matches or {}).get(pick, 0))

@@ -136,6 +136,8 @@ class RouterApp:
         self.router = Router(policy, policy_config)
         self.index = PrefixIndex(max_index_blocks)
         self.tokenizer = tokenizer
+        from pagedllm.router.tokens import SegmentTokenizer
+        self.segments = SegmentTokenizer(tokenizer) if tokenizer is not None else None
         self.chat_template = chat_template
         self.health_check_interval = health_check_interval
         self._stop = threading.Event()
@@ -183,6 +185,13 @@ class RouterApp:
                                       registry=r)
         self.m_index_evicted = Gauge(p + "prefix_index_evicted_blocks_total", "Blocks dropped from the "
                                      "prefix index at its bound.", registry=r)
+        self.m_tok_entries = Gauge(p + "token_cache_entries", "Prompt text pieces whose token ids the router "
+                                   "keeps (prefix policy).", registry=r)
+        self.m_tok_capacity = Gauge(p + "token_cache_capacity_entries", "Most pieces kept; beyond it the least "
+                                    "recently used go.", registry=r)
+        self.m_tok_hits = Gauge(p + "token_cache_hits_total", "Prompt pieces found in the cache.", registry=r)
+        self.m_tok_misses = Gauge(p + "token_cache_misses_total", "Prompt pieces tokenized.", registry=r)
+        self.m_tok_evicted = Gauge(p + "token_cache_evicted_total", "Pieces dropped at the bound.", registry=r)
         self.m_overhead = Histogram(p + "routing_seconds", "Time from a request's arrival to its upstream "
                                     "send (body parse, tokenize, hash, choose).", registry=r,
                                     buckets=(1e-4, 2.5e-4, 5e-4, 1e-3, 2e-3, 5e-3, 1e-2, 2.5e-2, 0.1))
@@ -200,6 +209,13 @@ class RouterApp:
         self.m_index_blocks.set(st["blocks"])
         self.m_index_capacity.set(st["capacity"])
         self.m_index_evicted.set(st["evicted"] + st["ext_evicted"])
+        if self.segments is not None:
+            ts = self.segments.stats()
+            self.m_tok_entries.set(ts["entries"])
+            self.m_tok_capacity.set(ts["capacity"])
+            self.m_tok_hits.set(ts["hits"])
+            self.m_tok_misses.set(ts["misses"])
+            self.m_tok_evicted.set(ts["evicted"])
         return generate_latest(self.registry)
 
     # ------------------------------------------------------------------------------- KV events
@@ -316,7 +332,10 @@ class RouterApp:
                                    continue_final_message=body.get("continue_final_message", False),
                                    chat_template_kwargs=body.get("chat_template_kwargs"),
                                    tools=body.get("tools") or None)
-                return list(tok.encode(text, add_special_tokens=bool(body.get("add_special_tokens", False))))
+                add = bool(body.get("add_special_tokens", False))
+                if self.segments is not None:
+                    return self.segments.encode(text, add)
+                return list(tok.encode(text, add_special_tokens=add))
             if path in ("/v1/completions", "/v1/embeddings"):
                 p = body.get("prompt") if path == "/v1/completions" else body.get("input")
                 if isinstance(p, list) and p and isinstance(p[0], (str, list)):
@@ -609,11 +628,14 @@ def add_router_args(p: Any) -> None:
     p.add_argument("--cache-threshold", type=float, default=0.5,
                    help="Prefix policy: route by prefix only when the best match covers more than this "
                         "fraction of the prompt (default: 0.5).")
-    p.add_argument("--balance-abs-threshold", type=int, default=2,
+    p.add_argument("--balance-abs-threshold", type=int, default=32,
                    help="Prefix policy: the load is imbalanced (route by load) when max - min requests in "
-                        "flight exceeds this (default: 2) ...")
+                        "flight exceeds this (default: 32, sgl-router's) ...")
     p.add_argument("--balance-rel-threshold", type=float, default=1.5,
                    help="... and max exceeds this times min (default: 1.5).")
+    p.add_argument("--prefix-load-weight", type=float, default=0.1,
+                   help="Prefix policy: the replica with the lowest (1 - share of the prompt it holds) + "
+                        "this x its requests in flight gets the request (default: 0.1).")
     p.add_argument("--health-check-interval", type=float, default=2.0,
                    help="Seconds between GET /health of each replica (default: 2).")
     p.add_argument("--replica-wait", type=float, default=0.0,
@@ -647,6 +669,8 @@ def build_router(args: Any) -> RouterApp:
             raise ValueError(f"--kv-events-endpoint: {ep!r} is not a tcp:// or ipc:// endpoint")
     if args.max_index_blocks < 1:
         raise ValueError(f"--max-index-blocks: must be >= 1, got {args.max_index_blocks}")
+    if args.prefix_load_weight < 0:
+        raise ValueError(f"--prefix-load-weight: must be >= 0, got {args.prefix_load_weight}")
     if args.health_check_interval <= 0:
         raise ValueError(f"--health-check-interval: must be > 0, got {args.health_check_interval}")
     models = probe_replicas(urls, args.replica_wait)
@@ -660,7 +684,7 @@ def build_router(args: Any) -> RouterApp:
     return RouterApp(urls, policy, kv_endpoints=kv, tokenizer=tokenizer, chat_template=chat_template,
                      max_index_blocks=args.max_index_blocks, health_check_interval=args.health_check_interval,
                      policy_config=PolicyConfig(args.cache_threshold, args.balance_abs_threshold,
-                                                args.balance_rel_threshold))
+                                                args.balance_rel_threshold, args.prefix_load_weight))
 
 
 def run_router(args: Any, ra: Optional[RouterApp] = None) -> int:

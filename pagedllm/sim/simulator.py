@@ -26,6 +26,7 @@ finished), the notion the server's data-parallel front door uses:
 """
 from __future__ import annotations
 
+import gc
 import heapq
 import math
 import time
@@ -57,7 +58,10 @@ class ReplicaConfig:
     max_model_len: int = 8192
     enable_prefix_caching: bool = True
     long_prefill_token_threshold: int = 0
-    prefix_caching_hash_algo: str = "sha256"
+    #: the block hash of the simulated prefix caches: xxhash (vLLM's ``--prefix-caching-hash-algo``
+    #: value; a runtime dependency) is cheaper than the engine's default sha256 and, bar
+    #: collisions, makes the same decisions.
+    prefix_caching_hash_algo: str = "xxhash"
 
 
 class _SimSamplingParams:
@@ -292,12 +296,11 @@ def simulate(trace: Sequence[TraceRequest], num_replicas: int, policy: str, step
     replicas = [Replica(i, cfg, hash_seed, want_hashes) for i in range(num_replicas)]
     router = Router(policy, num_replicas, balance_abs_threshold)
     bs = cfg.block_size
-    cost = step_model.cost
     heap: list[tuple[float, int]] = []
+    heappush, heappop = heapq.heappush, heapq.heappop
     steps: Optional[list[tuple]] = [] if record_steps else None
-    arrival: dict[str, float] = {}
-    last_emit: dict[str, float] = {}
-    where: dict[str, int] = {}
+    # rid -> [arrival_s, last emission time or None, the trace's output tokens or None]
+    live: dict[str, list] = {}
     ttft_all: list[float] = []
     e2e_all: list[float] = []
     itl_all: dict[int, int] = {}
@@ -305,6 +308,13 @@ def simulate(trace: Sequence[TraceRequest], num_replicas: int, policy: str, step
     total_out = 0
     log = math.log
     ITL_K = _ITL_BINS_PER_E
+    usage = router.usage
+    # NOTE: the step-time formula inlined (``StepModel.cost``, same arithmetic) unless a subclass
+    # overrides it: it runs once per simulated step.
+    inline_cost = type(step_model).cost is StepModel.cost
+    cost = step_model.cost
+    ca, cb, cc = step_model.a, step_model.b_prefill_token, step_model.c_decode_row
+    cd, ce, cf = step_model.d_decode_context_ktoken, step_model.e_prefill_attention_kpair, step_model.f_prefill_step
 
     def start_step(rep: Replica, t: float) -> None:
         so = rep.sched.schedule()
@@ -323,12 +333,17 @@ def simulate(trace: Sequence[TraceRequest], num_replicas: int, policy: str, step
             else:
                 prefill += n
                 pairs += n * s + n * (n + 1) / 2
-        dt = cost(prefill, rows, ctx / 1000.0, pairs / 1000.0)
+        if inline_cost:
+            dt = ca + cb * prefill + cc * rows + cd * (ctx / 1000.0) + ce * (pairs / 1000.0)
+            if prefill:
+                dt += cf
+        else:
+            dt = cost(prefill, rows, ctx / 1000.0, pairs / 1000.0)
         u = rep.mgr.block_pool.get_usage()
         rep.usage_time += u * dt
         if u > rep.peak_usage:
             rep.peak_usage = u
-        router.usage[rep.index] = u
+        usage[rep.index] = u
         rep.busy_s += dt
         rep.num_steps += 1
         if steps is not None:
@@ -336,47 +351,52 @@ def simulate(trace: Sequence[TraceRequest], num_replicas: int, policy: str, step
             rep.added_since_step = []
         rep.current = so
         rep.busy = True
-        heapq.heappush(heap, (t + dt, rep.index))
+        heappush(heap, (t + dt, rep.index))
 
-    def end_step(rep: Replica, t: float) -> None:
-        nonlocal total_out
+    def end_step(rep: Replica, t: float) -> int:
+        """Apply the step that ends at ``t``; returns the tokens it emitted."""
         so = rep.current
         sched = rep.sched
-        reqs = sched.requests
         sampled: dict[str, list[int]] = {}
         for sr in so.scheduled:
             if sr.is_last_chunk:
-                req = reqs.get(sr.req_id)
-                if req is None:
+                rid = sr.req_id
+                st = live.get(rid)
+                if st is None:
                     continue
-                outs = req.sim_output  # type: ignore[attr-defined]
-                k = len(req.output_token_ids)
-                sampled[sr.req_id] = [outs[k] if outs is not None and k < len(outs) else FILLER_TOKEN]
+                outs = st[2]
+                k = len(sr.token_ids) - sr.prompt_len  # the output tokens so far
+                sampled[rid] = [outs[k] if outs is not None and k < len(outs) else FILLER_TOKEN]
         outputs = sched.update_from_output(so, ModelRunnerOutput(sampled_token_ids=sampled))
-        hist = rep.itl_hist
+        hist = rep.itl_hist if per_replica else itl_all
+        n_out = 0
+        last_d = -1.0
+        key = 0
         for o in outputs:
-            rid = o.req_id
+            st = live[o.req_id]
             if o.new_token_ids:
-                n = len(o.new_token_ids)
-                rep.num_output_tokens += n
-                total_out += n
-                prev = last_emit.get(rid)
+                n_out += len(o.new_token_ids)
+                prev = st[1]
                 if prev is None:
-                    v = t - arrival[rid]
-                    rep.ttft.append(v)
+                    v = t - st[0]
                     ttft_all.append(v)
+                    if per_replica:
+                        rep.ttft.append(v)
                 elif t > prev:
-                    key = int(log(t - prev) * ITL_K)
+                    d = t - prev
+                    if d != last_d:  # (a decode batch: every row has the same gap)
+                        last_d = d
+                        key = int(log(d) * ITL_K)
                     hist[key] = hist.get(key, 0) + 1
-                    itl_all[key] = itl_all.get(key, 0) + 1
-                last_emit[rid] = t
+                st[1] = t
             if o.finish_reason is not None:
-                v = t - arrival.pop(rid)
-                rep.e2e.append(v)
+                v = t - st[0]
                 e2e_all.append(v)
-                last_emit.pop(rid, None)
+                if per_replica:
+                    rep.e2e.append(v)
+                del live[o.req_id]
                 router.dec(rep.index)
-                del where[rid]
+        rep.num_output_tokens += n_out
         if want_hashes:
             ev = rep.mgr.block_pool.take_kv_events()
             if ev:
@@ -386,27 +406,27 @@ def simulate(trace: Sequence[TraceRequest], num_replicas: int, policy: str, step
             start_step(rep, t)
         else:
             rep.busy = False
-            router.usage[rep.index] = rep.mgr.block_pool.get_usage()
+            usage[rep.index] = rep.mgr.block_pool.get_usage()
+        return n_out
 
-    n_arr = len(trace)
-    ai = 0
     t_now = 0.0
-    INF = float("inf")
-    while True:
-        t_arr = trace[ai].arrival_s if ai < n_arr else INF
-        t_step = heap[0][0] if heap else INF
-        if t_arr == INF and t_step == INF:
-            break
-        if t_arr <= t_step:
-            tr = trace[ai]
-            ai += 1
+    max_model_len = cfg.max_model_len
+    gc_threshold = gc.get_threshold()
+    # NOTE: fewer young-generation collections: a run allocates a few objects per step and keeps
+    # few; the default (700) makes the collector a measurable share of a 1,000-replica run.
+    gc.set_threshold(max(gc_threshold[0], 20000), *gc_threshold[1:])
+    try:
+        for tr in trace:
+            t_arr = tr.arrival_s
+            while heap and heap[0][0] < t_arr:  # (a step ending with an arrival: the arrival first)
+                t_now, i = heappop(heap)
+                total_out += end_step(replicas[i], t_now)
             t_now = t_arr
-            if len(tr.prompt_token_ids) + tr.max_tokens > cfg.max_model_len:
+            if len(tr.prompt_token_ids) + tr.max_tokens > max_model_len:
                 num_rejected += 1
                 continue
             req = Request(tr.request_id, tr.prompt_token_ids, sampling_params=_SimSamplingParams(tr.max_tokens),
-                          arrival_time=tr.arrival_s)
-            req.sim_output = tr.output_token_ids  # type: ignore[attr-defined]
+                          arrival_time=t_arr)
             if want_hashes:
                 update_block_hashes(req, bs, hash_fn, root)
                 i = router.route(req.block_hashes[:(req.num_tokens - 1) // bs], tr.conversation_id)
@@ -417,14 +437,20 @@ def simulate(trace: Sequence[TraceRequest], num_replicas: int, policy: str, step
             rep.num_requests += 1
             if steps is not None:
                 rep.added_since_step.append(tr.request_id)
-            arrival[tr.request_id] = tr.arrival_s
-            where[tr.request_id] = i
+            live[tr.request_id] = [t_arr, None, tr.output_token_ids]
             router.inc(i)
             if not rep.busy:
                 start_step(rep, t_now)
-        else:
-            t_now, i = heapq.heappop(heap)
-            end_step(replicas[i], t_now)
+        while heap:
+            t_now, i = heappop(heap)
+            total_out += end_step(replicas[i], t_now)
+    finally:
+        gc.set_threshold(*gc_threshold)
+    n_arr = len(trace)
+    if per_replica:
+        for r in replicas:
+            for k, v in r.itl_hist.items():
+                itl_all[k] = itl_all.get(k, 0) + v
 
     makespan = t_now
     wall = time.perf_counter() - wall0

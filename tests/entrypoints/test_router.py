@@ -192,6 +192,10 @@ def test_prefix_routing_follows_the_replicas_kv_events(fleet):
     assert router.metric("pagedllm_router_matched_blocks_total") > 0
     assert router.metric("pagedllm_router_prefix_index_capacity_blocks") == 1_000_000
     assert router.metric("pagedllm_router_prefix_index_blocks") >= 16
+    # The earlier turns' text pieces came from the router's token cache.
+    assert router.metric("pagedllm_router_token_cache_hits_total") > 0
+    assert 0 < router.metric("pagedllm_router_token_cache_entries") <= \
+        router.metric("pagedllm_router_token_cache_capacity_entries")
     # The replica's own prefix cache agrees: the follow-ups hit it.
     m = httpx.get(a + "/metrics").text
     hits = sum(float(x.rsplit(" ", 1)[1]) for x in m.splitlines() if x.startswith("pagedllm:prefix_cache_hits"))
@@ -333,5 +337,35 @@ def test_policies_choose_as_documented():
     assert (d.replica, d.reason) == (1, "load")
     d = px.choose([1], [0, 0], matches={0: 8}, prompt_blocks=8)  # the holder is not eligible
     assert (d.replica, d.reason) == (1, "load")
+    # Cost = share of the prompt to compute + 0.1 x in flight: a shared prefix (half the prompt)
+    # held by replica 0 alone draws requests there until it has 5 more in flight, then they spread.
+    soft = Router("prefix", PolicyConfig(cache_threshold=0.3))
+    d = soft.choose([0, 1], [4, 0], matches={0: 4}, prompt_blocks=8)
+    assert (d.replica, d.reason, d.matched_blocks) == (0, "prefix", 4)
+    d = soft.choose([0, 1], [6, 0], matches={0: 4}, prompt_blocks=8)
+    assert (d.replica, d.reason, d.matched_blocks) == (1, "load", 0)
+    d = soft.choose([0, 1], [6, 0], matches={0: 7, 1: 1}, prompt_blocks=8)  # a conversation's history
+    assert (d.replica, d.reason) == (0, "prefix")
     with pytest.raises(ValueError, match="policy"):
         Router("fastest")
+
+
+def test_token_cache_equals_full_encode_and_keeps_its_bound():
+    from arch_cases import tiny_tokenizer
+
+    from pagedllm.router.tokens import SegmentTokenizer
+
+    tok = tiny_tokenizer()
+    st = SegmentTokenizer(tok, max_entries=3, verify=1000)
+    texts = ["<s> w5 w6 </s> w7", "<s> w5 w6 </s> w8 w9", "w3</s><s>w4 w4", ""] + \
+        [f"<s> w{10 + i} </s> w{40 + i} w3" for i in range(6)]
+    for text in texts + texts:
+        assert st.encode(text) == tok.encode(text, add_special_tokens=False), text
+        assert st.stats()["entries"] <= 3
+    assert st.enabled, st.disabled_reason
+    s = st.stats()
+    assert s["hits"] > 0 and s["misses"] > 0 and s["evicted"] > 0 and s["capacity"] == 3
+    # add_special_tokens=True is the tokenizer's post-processor's business: a full encode.
+    assert st.encode("w5 w6", True) == tok.encode("w5 w6", add_special_tokens=True)
+    with pytest.raises(ValueError, match="bounds"):
+        SegmentTokenizer(tok, max_entries=0)
