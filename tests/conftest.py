@@ -1,6 +1,7 @@
 """Shared fixtures. Real models and their transformers references load once per session."""
 from __future__ import annotations
 
+import contextlib
 import os
 
 os.environ.setdefault("PAGEDLLM_NUM_THREADS", "1")
@@ -142,6 +143,47 @@ def gemma3_path() -> str:
     return get_gemma3_gguf_path()
 
 
+@contextlib.contextmanager
+def _one_gguf_parse():
+    """While active, transformers reads each GGUF's metadata once instead of once per use.
+
+    ``from_pretrained(gguf_file=...)`` of a model and then of its tokenizer calls
+    ``transformers.modeling_gguf_pytorch_utils.load_gguf_checkpoint`` three times (config, tensors,
+    tokenizer), each building a new ``gguf.GGUFReader`` (its Python walk over the vocabulary
+    arrays: ~80% of the reference build, ~10 s per pass for Gemma 3's 262k tokens) and parsing every
+    field again. Here one reader per file is shared and the metadata-only result
+    (``return_tensors=False``) is parsed once and handed out as deep copies: the same transformers
+    code on the same bytes, so the reference model and tokenizer are unchanged."""
+    import copy
+
+    import gguf
+    import transformers.modeling_gguf_pytorch_utils as mgu
+
+    reader_cls, load = gguf.GGUFReader, mgu.load_gguf_checkpoint
+    readers: dict = {}
+    metadata: dict = {}
+
+    def reader(path, *a, **kw):
+        key = (os.path.realpath(path), a, tuple(sorted(kw.items())))
+        if key not in readers:
+            readers[key] = reader_cls(path, *a, **kw)
+        return readers[key]
+
+    def load_checkpoint(path, return_tensors=False, *a, **kw):
+        if return_tensors or a or kw:
+            return load(path, return_tensors, *a, **kw)
+        key = os.path.realpath(path)
+        if key not in metadata:
+            metadata[key] = load(path, False)
+        return copy.deepcopy(metadata[key])
+
+    gguf.GGUFReader, mgu.load_gguf_checkpoint = reader, load_checkpoint
+    try:
+        yield
+    finally:
+        gguf.GGUFReader, mgu.load_gguf_checkpoint = reader_cls, load
+
+
 def _hf_from_gguf(path: str, shared_dir=None):
     """(transformers model fp32 in eval mode, tokenizer) read from the GGUF at ``path``.
 
@@ -153,9 +195,10 @@ def _hf_from_gguf(path: str, shared_dir=None):
 
     def build():
         d, f = os.path.dirname(path), os.path.basename(path)
-        model = AutoModelForCausalLM.from_pretrained(d, gguf_file=f, dtype=torch.float32)
-        model.eval()
-        return model, AutoTokenizer.from_pretrained(d, gguf_file=f)
+        with _one_gguf_parse():
+            model = AutoModelForCausalLM.from_pretrained(d, gguf_file=f, dtype=torch.float32)
+            model.eval()
+            return model, AutoTokenizer.from_pretrained(d, gguf_file=f)
 
     if shared_dir is None:
         return build()
