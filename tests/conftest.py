@@ -234,13 +234,6 @@ def _hf_from_gguf(path: str, shared_dir=None):
 
 
 @pytest.fixture(scope="session")
-def gguf_parse_once():
-    """``with gguf_parse_once(): ...``: transformers reads each GGUF's metadata once inside the block
-    (``_one_gguf_parse``), e.g. around a tokenizer conversion from a GGUF."""
-    return _one_gguf_parse
-
-
-@pytest.fixture(scope="session")
 def _xdist_shared_dir(tmp_path_factory):
     """The directory every pytest-xdist worker of this run shares, or None when not under xdist."""
     if not os.environ.get("PYTEST_XDIST_WORKER"):
