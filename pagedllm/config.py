@@ -30,7 +30,17 @@ class _QuantizationChoices(Sequence[str]):
     on first use, so importing ``pagedllm.config`` stays light.
     """
 
+    #: what importing ``pagedllm.quantization`` registers (tests/quantization/test_custom_method.py checks
+    #: it against the registry): the choices while the registry is not imported yet, so a command that
+    #: only parses flags (``pagedllm chat``, a flag error) does not import torch (~2 s) for them; no
+    #: other method can be registered before the registry module is imported
+    BUILT_IN = ("awq", "compressed-tensors", "fp8", "gguf", "gptq", "int4", "int8", "w8a8")
+
     def _names(self) -> tuple[str, ...]:
+        import sys
+
+        if "pagedllm.quantization.base" not in sys.modules:
+            return (*self.BUILT_IN, "none")
         from pagedllm.quantization.base import registered_methods
 
         return (*registered_methods(), "none")

@@ -1,6 +1,7 @@
 """Shared fixtures. Real models and their transformers references load once per session."""
 from __future__ import annotations
 
+import contextlib
 import os
 
 os.environ.setdefault("PAGEDLLM_NUM_THREADS", "1")
@@ -78,21 +79,40 @@ def _isa_lines() -> list[str]:
     return lines
 
 
-# The slowest test files (serial seconds on 2 cores, measured 2026-12-01), run first: pytest-xdist's
-# --dist loadfile hands files to the workers in collection order, so putting the long ones first
-# keeps one of them from starting last and running alone at the end (longest-first scheduling).
+# The slowest test files, longest first (seconds per file summed from the junit times of the full run
+# under xdist, 2026-12-01 23:00, less what this list's commit saved): pytest-xdist's --dist loadfile hands
+# files to the workers in collection order (with --loadscope-reorder off, see pytest_configure), so the long
+# ones go first and none starts last to run alone at the end (longest-first scheduling); the files that
+# build the transformers references (generate_real, loader) start on different workers, apart.
 SLOW_FILES_FIRST = [
-    "tests/spec_decode/test_spec_real.py", "tests/engine/test_generate_real.py", "tests/engine/test_memory_soak.py",
-    "tests/distributed/test_tensor_parallel.py", "tests/loader/test_loader.py", "tests/distributed/test_real_parallel.py",
-    "tests/distributed/test_ray_two_nodes.py", "tests/quantization/test_gguf_blocks.py", "tests/pooling/test_pooling_real.py",
-    "tests/structured_output/test_structured_real.py", "tests/quantization/test_checkpoint_formats.py",
-    "tests/engine/test_prefix_caching_real.py", "tests/entrypoints/test_tools_server_real.py",
-    "tests/examples/test_examples.py", "tests/distributed/test_server_parallel.py", "tests/engine/test_lazy_kv.py",
-    "tests/entrypoints/test_dp_serve.py", "tests/pooling/test_gemma_recipe_served.py", "tests/engine/test_sampling_real.py",
-    "tests/lora/test_lora_real.py", "tests/distributed/test_tensor_parallel_archs.py", "tests/entrypoints/test_router.py",
-    "tests/entrypoints/test_p2p_disagg_server.py", "tests/entrypoints/test_structured_server_real.py",
-    "tests/multimodal/test_vlm_server.py",
+    "tests/engine/test_generate_real.py", "tests/distributed/test_tensor_parallel.py",
+    "tests/loader/test_loader.py", "tests/distributed/test_real_parallel.py", "tests/spec_decode/test_spec_real.py",
+    "tests/entrypoints/test_chat_cli_real.py", "tests/engine/test_memory_soak.py",
+    "tests/distributed/test_ray_two_nodes.py", "tests/structured_output/test_structured_real.py",
+    "tests/engine/test_lazy_kv.py", "tests/engine/test_prefix_caching_real.py", "tests/quantization/test_gguf_blocks.py",
+    "tests/pooling/test_pooling_real.py", "tests/entrypoints/test_structured_server_real.py",
+    "tests/pooling/test_gemma_recipe_served.py", "tests/entrypoints/test_p2p_disagg_server.py",
+    "tests/quantization/test_checkpoint_formats.py", "tests/distributed/test_server_parallel.py",
+    "tests/entrypoints/test_router.py", "tests/examples/test_examples.py", "tests/entrypoints/test_cli_errors.py",
+    "tests/lora/test_lora_real.py", "tests/entrypoints/test_run_local_real.py",
+    "tests/entrypoints/test_tools_server_real.py", "tests/engine/test_intdot_schedules_real.py",
+    "tests/engine/test_sampling_real.py", "tests/engine/test_workspace_bound.py",
+    "tests/distributed/test_tensor_parallel_archs.py", "tests/entrypoints/test_run_batch.py",
+    "tests/multimodal/test_mm_server.py", "tests/entrypoints/test_ollama_server_real.py",
+    "tests/entrypoints/test_dp_serve.py", "tests/spec_decode/test_mtp_eagle3_server.py",
+    "tests/spec_decode/test_mtp_eagle3_engine.py", "tests/kernels/test_cpu_allocator.py",
+    "tests/spec_decode/test_spec_server.py", "tests/models/test_real_parity.py",
+    "tests/entrypoints/test_web_chat_browser.py", "tests/entrypoints/test_server_real.py",
+    "tests/distributed/test_ray.py", "tests/entrypoints/test_hub_serve_real.py", "tests/multimodal/test_vlm_server.py",
 ]
+
+
+def pytest_configure(config):
+    """Keep the collection order under pytest-xdist's --dist loadfile: its default
+    ``--loadscope-reorder`` sorts the files by their number of tests (most first), which put the
+    long files with few tests (real servers, TP, Ray) last and undid ``SLOW_FILES_FIRST``."""
+    if getattr(config.option, "loadscopereorder", None):
+        config.option.loadscopereorder = False
 
 
 def pytest_collection_modifyitems(session, config, items):
@@ -142,6 +162,47 @@ def gemma3_path() -> str:
     return get_gemma3_gguf_path()
 
 
+@contextlib.contextmanager
+def _one_gguf_parse():
+    """While active, transformers reads each GGUF's metadata once instead of once per use.
+
+    ``from_pretrained(gguf_file=...)`` of a model and then of its tokenizer calls
+    ``transformers.modeling_gguf_pytorch_utils.load_gguf_checkpoint`` three times (config, tensors,
+    tokenizer), each building a new ``gguf.GGUFReader`` (its Python walk over the vocabulary
+    arrays: ~80% of the reference build, ~10 s per pass for Gemma 3's 262k tokens) and parsing every
+    field again. Here one reader per file is shared and the metadata-only result
+    (``return_tensors=False``) is parsed once and handed out as deep copies: the same transformers
+    code on the same bytes, so the reference model and tokenizer are unchanged."""
+    import copy
+
+    import gguf
+    import transformers.modeling_gguf_pytorch_utils as mgu
+
+    reader_cls, load = gguf.GGUFReader, mgu.load_gguf_checkpoint
+    readers: dict = {}
+    metadata: dict = {}
+
+    def reader(path, *a, **kw):
+        key = (os.path.realpath(path), a, tuple(sorted(kw.items())))
+        if key not in readers:
+            readers[key] = reader_cls(path, *a, **kw)
+        return readers[key]
+
+    def load_checkpoint(path, return_tensors=False, *a, **kw):
+        if return_tensors or a or kw:
+            return load(path, return_tensors, *a, **kw)
+        key = os.path.realpath(path)
+        if key not in metadata:
+            metadata[key] = load(path, False)
+        return copy.deepcopy(metadata[key])
+
+    gguf.GGUFReader, mgu.load_gguf_checkpoint = reader, load_checkpoint
+    try:
+        yield
+    finally:
+        gguf.GGUFReader, mgu.load_gguf_checkpoint = reader_cls, load
+
+
 def _hf_from_gguf(path: str, shared_dir=None):
     """(transformers model fp32 in eval mode, tokenizer) read from the GGUF at ``path``.
 
@@ -153,9 +214,10 @@ def _hf_from_gguf(path: str, shared_dir=None):
 
     def build():
         d, f = os.path.dirname(path), os.path.basename(path)
-        model = AutoModelForCausalLM.from_pretrained(d, gguf_file=f, dtype=torch.float32)
-        model.eval()
-        return model, AutoTokenizer.from_pretrained(d, gguf_file=f)
+        with _one_gguf_parse():
+            model = AutoModelForCausalLM.from_pretrained(d, gguf_file=f, dtype=torch.float32)
+            model.eval()
+            return model, AutoTokenizer.from_pretrained(d, gguf_file=f)
 
     if shared_dir is None:
         return build()

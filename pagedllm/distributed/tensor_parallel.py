@@ -77,6 +77,23 @@ def head_split(num_heads: int, num_kv_heads: int, size: int, rank: int) -> tuple
     return rank * per, per, rank // (size // num_kv_heads), 1
 
 
+def check_head_split(hf_config: Any, size: int) -> None:
+    """Raise what ``head_split`` would raise on some rank of ``size`` for the attention heads of
+    ``hf_config`` (its ``text_config`` when it has one): ``num_attention_heads`` and
+    ``num_key_value_heads`` (default: the query heads). A config without head counts passes.
+
+    Raises:
+        ValueError: ``tensor_parallel_size`` ranks cannot share the heads.
+    """
+    cfg = getattr(hf_config, "text_config", None) or hf_config
+    heads = getattr(cfg, "num_attention_heads", None)
+    if size <= 1 or not isinstance(heads, int):
+        return
+    kv = getattr(cfg, "num_key_value_heads", None) or heads
+    for rank in range(size):
+        head_split(heads, kv, size, rank)
+
+
 def _slicing_loader(rows: Optional[tuple[int, int]] = None, cols: Optional[tuple[int, int]] = None,
                     inner: Optional[Callable] = None, zero: bool = False) -> Callable:
     """A ``weight_loader(param, tensor[, shard_id])`` copying ``tensor[rows][:, cols]`` (rows

@@ -82,6 +82,21 @@ class Executor:
     def max_concurrent_batches(self) -> int:
         return self.args.pipeline_parallel_size
 
+    def _load_model_info_first(self) -> Any:
+        """``load_model_info(args)`` (config and tokenizer, no weights), read in the engine process
+        before any rank starts, and the checks every rank would fail the same way (a head split the
+        tensor-parallel ranks cannot share): the error comes without spawning them.
+
+        Raises:
+            ValueError: ``tensor_parallel_size`` cannot split the model's attention heads.
+        """
+        from pagedllm.distributed.tensor_parallel import check_head_split
+        from pagedllm.worker.worker import load_model_info
+
+        loaded = load_model_info(self.args)
+        check_head_split(loaded.hf_config, self.args.tensor_parallel_size)
+        return loaded
+
     def _init_executor(self) -> None:  # pragma: no cover - abstract
         raise NotImplementedError
 

@@ -163,10 +163,9 @@ class MultiprocExecutor(Executor):
     """``tensor_parallel_size x pipeline_parallel_size`` spawned worker processes."""
 
     def _init_executor(self) -> None:
-        from pagedllm.worker.worker import load_model_info
-
         args = self.args
         n = self.world_size
+        loaded = self._load_model_info_first()
         self.output_rank = (args.pipeline_parallel_size - 1) * args.tensor_parallel_size
         self._encoder = SchedulerOutputEncoder()
         self._pending: deque[StepFuture] = deque()
@@ -210,7 +209,7 @@ class MultiprocExecutor(Executor):
             self.collective_rpc("load_model", timeout=startup)
             infos = self.collective_rpc("model_info", kwargs={"with_loaded": False})
             import dataclasses
-            self.model_info = dataclasses.replace(infos[self.output_rank], loaded=load_model_info(args))
+            self.model_info = dataclasses.replace(infos[self.output_rank], loaded=loaded)
             self.rank_infos = infos
         except BaseException:
             self.shutdown()

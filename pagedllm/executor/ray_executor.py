@@ -79,9 +79,8 @@ class RayExecutor(Executor):
         from ray.util.placement_group import placement_group
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-        from pagedllm.worker.worker import load_model_info
-
         args, n = self.args, self.world_size
+        loaded = self._load_model_info_first()
         self.output_rank = (args.pipeline_parallel_size - 1) * args.tensor_parallel_size
         self._encoder = SchedulerOutputEncoder()
         self._timeout = float(envs.get("PAGEDLLM_EXECUTE_MODEL_TIMEOUT_S"))
@@ -126,7 +125,7 @@ class RayExecutor(Executor):
             self.collective_rpc("load_model")
             import dataclasses
             infos = self.collective_rpc("model_info", kwargs={"with_loaded": False})
-            self.model_info = dataclasses.replace(infos[self.output_rank], loaded=load_model_info(args))
+            self.model_info = dataclasses.replace(infos[self.output_rank], loaded=loaded)
             self.nodes = [ip_ for ip_, _ in nodes]
         except BaseException:
             self.shutdown()

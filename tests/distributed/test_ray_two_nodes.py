@@ -100,13 +100,23 @@ def _tokens(base):
     return out
 
 
+def _common(model_dir):
+    return [model_dir, "--served-model-name", "tiny", "--dtype", "float32", "--kv-cache-memory", "4MiB",
+            "--disable-log-stats"]
+
+
+@pytest.fixture(scope="module")
+def one_process_tokens(tiny_llama_dir):
+    """The tokens of the same server flags in one process (no Ray): the reference of both tests."""
+    with serve(_common(tiny_llama_dir)) as (base, _):
+        return _tokens(base)
+
+
 @pytest.mark.parametrize("flag", ["--tensor-parallel-size", "--pipeline-parallel-size"])
-def test_two_node_ray_equals_one_process(cluster, tiny_llama_dir, flag, monkeypatch):
+def test_two_node_ray_equals_one_process(cluster, tiny_llama_dir, one_process_tokens, flag, monkeypatch):
     address, env = cluster
-    common = [tiny_llama_dir, "--served-model-name", "tiny", "--dtype", "float32", "--kv-cache-memory", "4MiB",
-              "--disable-log-stats"]
-    with serve(common) as (base, _):
-        ref = _tokens(base)
+    common = _common(tiny_llama_dir)
+    ref = one_process_tokens
     monkeypatch.setenv("RAY_ADDRESS", address)
     monkeypatch.setenv("RAY_AUTH_MODE", "disabled")
     with serve(common + [flag, "2", "--distributed-executor-backend", "ray"], timeout=300) as (base, _):

@@ -285,3 +285,20 @@ def test_engine_arg_flags_take_engine_args_defaults():
     assert "Hash of prefix-cache blocks (default: sha256)." in text
     ns = p.parse_args(["m", "-tp", "2", "--max-num-batched-tokens", "4k", "--no-enable-prefix-caching"])  # k = 1000
     assert (ns.tensor_parallel_size, ns.max_num_batched_tokens, ns.enable_prefix_caching) == (2, 4000, False)
+
+
+def test_flag_parsing_does_not_import_torch():
+    """Building the parser and a flag error stay light (no torch): ``--quantization``'s choices are
+    the built-in names until the quantization registry is imported, and those are exactly what the
+    registry holds once it is."""
+    code = ("import sys\n"
+            "from pagedllm.config import QUANTIZATION_CHOICES\n"
+            "from pagedllm.entrypoints.cli import build_parser\n"
+            "p = build_parser().subcommand_parsers['serve']\n"
+            "before = list(QUANTIZATION_CHOICES)\n"
+            "assert p.parse_args(['m', '--quantization', 'int8']).quantization == 'int8'\n"
+            "assert 'torch' not in sys.modules, 'torch imported'\n"
+            "from pagedllm.quantization.base import registered_methods\n"
+            "assert before == [*registered_methods(), 'none'] == list(QUANTIZATION_CHOICES), before\n")
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert p.returncode == 0, p.stderr
