@@ -4,6 +4,7 @@ transformers (slow), HF directory round trip."""
 import copy
 import json
 import os
+import shutil
 
 import numpy as np
 import pytest
@@ -491,10 +492,16 @@ def test_tokenizer_cache_snapshot(which, request, tmp_path, monkeypatch):
 
     from pagedllm.loader import tokenizer as T
 
-    monkeypatch.setenv("PAGEDLLM_CACHE_DIR", str(tmp_path))
     path = request.getfixturevalue(f"{which}_path")
-    T.load_gguf_tokenizer(path)  # converts and saves the files
+    session_cache = T.gguf_tokenizer_cache_path(path)
+    monkeypatch.setenv("PAGEDLLM_CACHE_DIR", str(tmp_path))
     cached = T.gguf_tokenizer_cache_path(path)
+    if os.path.isfile(os.path.join(session_cache, "tokenizer.json")):
+        # NOTE: the conversion itself ran in this session already (any earlier load of the file);
+        # start from its saved files, without the snapshot, to test the reload steps below.
+        shutil.copytree(session_cache, cached, ignore=shutil.ignore_patterns("snapshot-*"))
+    else:
+        T.load_gguf_tokenizer(path)  # converts and saves the files
     snap = T._snapshot_path(cached)
     assert cached.startswith(str(tmp_path)) and not os.path.exists(snap)
     ref = AutoTokenizer.from_pretrained(cached, **T._load_bos_eos_flags(cached))
