@@ -9,7 +9,7 @@ encoder-cache key and a prefix-cache extra key) and the processed pixels.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Optional
 
 
 @dataclass
@@ -25,6 +25,9 @@ class MultiModalFeature:
         data: the processor's ``pixel_values`` for this image, float ``[1, 3, H, W]`` (CPU).
         bidirectional: the model's image tokens attend to each other both ways (Gemma 3): a
             prefill chunk never ends inside the run.
+        grid_thw: dynamic-resolution models (Qwen2.5-VL): the image's ``(t, h, w)`` patch grid
+            (the processor's ``image_grid_thw`` row); ``data`` is then its patches ``[t*h*w, dim]``.
+            None for fixed-size images.
     """
 
     modality: str
@@ -33,3 +36,4 @@ class MultiModalFeature:
     length: int
     data: Any
     bidirectional: bool = False
+    grid_thw: Optional[tuple[int, int, int]] = None
