@@ -28,6 +28,8 @@ class MultiModalFeature:
         grid_thw: dynamic-resolution models (Qwen2.5-VL): the image's ``(t, h, w)`` patch grid
             (the processor's ``image_grid_thw`` row); ``data`` is then its patches ``[t*h*w, dim]``.
             None for fixed-size images.
+        image_size: anyres-tiled models (LLaVA-NeXT): the image's original ``(height, width)``
+            (the processor's ``image_sizes`` row); ``data`` is then its tiles ``[n, 3, S, S]``.
     """
 
     modality: str
@@ -37,3 +39,4 @@ class MultiModalFeature:
     data: Any
     bidirectional: bool = False
     grid_thw: Optional[tuple[int, int, int]] = None
+    image_size: Optional[tuple[int, int]] = None

@@ -94,6 +94,12 @@ class ImageProcessor:
             else:
                 i += 1
         pixels = out.get("pixel_values") if images else None
+        sizes = out.get("image_sizes") if images else None
+        if sizes is not None and pixels is not None and pixels.dim() == 5 and len(runs) == len(images):
+            # anyres tiles (LLaVA-NeXT): one run per image, its tiles [1, n, 3, S, S] and (height, width)
+            return ids, [MultiModalFeature("image", image_hash(img, kw), off, n, pixels[k].contiguous(),
+                                           self.bidirectional, image_size=tuple(int(x) for x in sizes[k].tolist()))
+                         for k, (img, (off, n)) in enumerate(zip(images, runs))]
         tiled = pixels is not None and pixels.dim() == 5  # [1, tiles, 3, H, W] (Idefics3): one run per tile
         if tiled and len(runs) == pixels.shape[1] and len(runs) >= len(images):
             return ids, [MultiModalFeature("image", _tile_hash(pixels[0, k], kw), off, n,
