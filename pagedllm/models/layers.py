@@ -380,8 +380,8 @@ class SelfAttention(nn.Module):
         self.attn = Attention(num_heads, head_dim, scale, num_kv_heads, layer_idx, sliding_window, soft_cap)
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-        """positions int64 ``[T]``, x ``[T, hidden]`` (or a W8A8 ``QuantizedActivation``) -> ``[T, hidden]``."""
-        t, d = positions.shape[0], self.head_dim
+        """positions int64 ``[T]`` (``[3, T]``: M-RoPE), x ``[T, hidden]`` (or a W8A8 ``QuantizedActivation``) -> ``[T, hidden]``."""
+        t, d = positions.shape[-1], self.head_dim
         q, k, v = self.qkv_proj(x).split([self.num_heads * d, self.num_kv_heads * d, self.num_kv_heads * d], -1)
         if self.q_norm is not None and not self.qk_norm_per_head:
             q, k = self.q_norm(q.contiguous()), self.k_norm(k.contiguous())

@@ -18,6 +18,8 @@ from pagedllm.models.qwen2 import Qwen2ForCausalLM
 from pagedllm.models.qwen2_moe import Qwen2MoeForCausalLM
 from pagedllm.models.qwen3 import Qwen3ForCausalLM
 from pagedllm.models.qwen3_moe import Qwen3MoeForCausalLM
+from pagedllm.models.llava_next import LlavaNextForConditionalGeneration  # qwenvl
+from pagedllm.models.qwen2_5_vl import Qwen2_5_VLForConditionalGeneration  # qwenvl
 
 MODEL_REGISTRY: dict[str, type] = {
     "LlamaForCausalLM": LlamaForCausalLM,
@@ -38,6 +40,9 @@ MODEL_REGISTRY: dict[str, type] = {
     "OlmoeForCausalLM": OlmoeForCausalLM,
     "LlavaForConditionalGeneration": LlavaForConditionalGeneration,
     "Idefics3ForConditionalGeneration": Idefics3ForConditionalGeneration,
+    # qwenvl
+    "Qwen2_5_VLForConditionalGeneration": Qwen2_5_VLForConditionalGeneration,
+    "LlavaNextForConditionalGeneration": LlavaNextForConditionalGeneration,
 }
 
 

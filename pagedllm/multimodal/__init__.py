@@ -9,7 +9,7 @@ encoder-cache key and a prefix-cache extra key) and the processed pixels.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Optional
 
 
 @dataclass
@@ -25,6 +25,11 @@ class MultiModalFeature:
         data: the processor's ``pixel_values`` for this image, float ``[1, 3, H, W]`` (CPU).
         bidirectional: the model's image tokens attend to each other both ways (Gemma 3): a
             prefill chunk never ends inside the run.
+        grid_thw: dynamic-resolution models (Qwen2.5-VL): the image's ``(t, h, w)`` patch grid
+            (the processor's ``image_grid_thw`` row); ``data`` is then its patches ``[t*h*w, dim]``.
+            None for fixed-size images.
+        image_size: anyres-tiled models (LLaVA-NeXT): the image's original ``(height, width)``
+            (the processor's ``image_sizes`` row); ``data`` is then its tiles ``[n, 3, S, S]``.
     """
 
     modality: str
@@ -33,3 +38,5 @@ class MultiModalFeature:
     length: int
     data: Any
     bidirectional: bool = False
+    grid_thw: Optional[tuple[int, int, int]] = None
+    image_size: Optional[tuple[int, int]] = None

@@ -47,7 +47,10 @@ class ImageProcessor:
         from transformers import AutoProcessor
 
         try:
-            proc = AutoProcessor.from_pretrained(path)
+            try:
+                proc = AutoProcessor.from_pretrained(path)
+            except ImportError:  # a video processor that needs torchvision (Qwen2.5-VL): images only
+                proc = image_only_processor(path)
         except Exception as e:
             raise ValueError(f"cannot load the image processor of {path}: {e}") from e
         if not hasattr(proc, "image_processor"):
@@ -91,6 +94,12 @@ class ImageProcessor:
             else:
                 i += 1
         pixels = out.get("pixel_values") if images else None
+        sizes = out.get("image_sizes") if images else None
+        if sizes is not None and pixels is not None and pixels.dim() == 5 and len(runs) == len(images):
+            # anyres tiles (LLaVA-NeXT): one run per image, its tiles [1, n, 3, S, S] and (height, width)
+            return ids, [MultiModalFeature("image", image_hash(img, kw), off, n, pixels[k].contiguous(),
+                                           self.bidirectional, image_size=tuple(int(x) for x in sizes[k].tolist()))
+                         for k, (img, (off, n)) in enumerate(zip(images, runs))]
         tiled = pixels is not None and pixels.dim() == 5  # [1, tiles, 3, H, W] (Idefics3): one run per tile
         if tiled and len(runs) == pixels.shape[1] and len(runs) >= len(images):
             return ids, [MultiModalFeature("image", _tile_hash(pixels[0, k], kw), off, n,
@@ -104,11 +113,71 @@ class ImageProcessor:
             raise InputValidationError(
                 f"{field}: an image takes {max(n for _, n in runs)} tokens, more than one prefill chunk holds "
                 f"({self.max_run}, max_num_batched_tokens); this model's image tokens cannot be split", field)
+        grids = out.get("image_grid_thw") if images else None
+        if grids is not None:  # dynamic resolution (Qwen2.5-VL): pixel_values are all images' patches
+            return ids, _grid_features(images, runs, pixels, grids, kw, self.bidirectional)
         feats = []
         for k, (img, (off, n)) in enumerate(zip(images, runs)):
             feats.append(MultiModalFeature("image", image_hash(img, kw), off, n, pixels[k:k + 1].contiguous(),
                                            self.bidirectional))
         return ids, feats
+
+
+def image_only_processor(path: str) -> Any:
+    """The checkpoint's processor (``processor_class`` of ``processor_config.json`` or
+    ``preprocessor_config.json``) built from its image processor and tokenizer alone, without the
+    video processor that transformers' ``AutoProcessor`` insists on loading (Qwen2-VL's and
+    Qwen2.5-VL's need torchvision, which serving images does not).
+
+    Raises:
+        ValueError: no ``processor_class`` in the checkpoint, or one transformers does not have.
+        OSError: the image processor's or the tokenizer's files are missing.
+    """
+    import json
+    import os
+
+    import transformers
+    from transformers import AutoImageProcessor, AutoTokenizer
+
+    name = None
+    for fn in ("processor_config.json", "preprocessor_config.json"):
+        f = os.path.join(path, fn)
+        if name is None and os.path.isfile(f):
+            with open(f) as fh:
+                name = json.load(fh).get("processor_class")
+    cls = getattr(transformers, name, None) if name else None
+    if cls is None:
+        raise ValueError(f"{path}: no known processor_class ({name!r})")
+    return make_image_only_processor(cls, AutoImageProcessor.from_pretrained(path), AutoTokenizer.from_pretrained(path))
+
+
+def make_image_only_processor(cls: type, image_processor: Any, tokenizer: Any, chat_template: Optional[str] = None) -> Any:
+    """An instance of the transformers processor class ``cls`` whose video processor is None (the
+    class's other sub-processors too): it processes text and images as ``cls`` does."""
+
+    class ImageOnly(cls):  # type: ignore[misc, valid-type]
+        def check_argument_for_proper_class(self, argument_name, argument):
+            if argument is None and argument_name != "tokenizer":
+                return None
+            return super().check_argument_for_proper_class(argument_name, argument)
+
+    ImageOnly.__name__ = ImageOnly.__qualname__ = cls.__name__
+    kw = {a: None for a in cls.get_attributes()}
+    kw.update(image_processor=image_processor, tokenizer=tokenizer)
+    return ImageOnly(**kw, chat_template=chat_template or getattr(tokenizer, "chat_template", None))
+
+
+def _grid_features(images: list, runs: list[tuple[int, int]], pixels: Any, grids: Any, kwargs: dict,
+                   bidirectional: bool) -> list[MultiModalFeature]:
+    """One feature per image of a dynamic-resolution processor: ``pixels`` float ``[sum t*h*w, dim]``
+    (every image's patches, in order) split by ``grids`` int ``[N, 3]`` (``image_grid_thw``)."""
+    feats, start = [], 0
+    for img, (off, n), g in zip(images, runs, grids.tolist()):
+        t, h, w = (int(x) for x in g)
+        feats.append(MultiModalFeature("image", image_hash(img, kwargs), off, n,
+                                       pixels[start:start + t * h * w].contiguous(), bidirectional, (t, h, w)))
+        start += t * h * w
+    return feats
 
 
 def _tile_hash(tile: Any, kwargs: dict) -> str:

@@ -98,6 +98,12 @@ class ModelRunner:
                                "attend causally (outputs differ from transformers); use the torch backend",
                                type(attn_impl).__name__)
 
+        # M-RoPE models (Qwen2.5-VL): [3, T] positions from the requests' image grids (multimodal.mrope).
+        self.mrope = None
+        if getattr(model, "uses_mrope", False):
+            from pagedllm.multimodal.mrope import MRopePositions
+            self.mrope = MRopePositions(getattr(model, "spatial_merge_size", 2))
+
     def capture_cuda_graphs(self, max_num_seqs: int, max_model_len: int) -> float:
         """Capture decode-only CUDA graphs (CUDA + Triton backend only); returns seconds spent."""
         from pagedllm.attention.triton_paged import TritonPagedAttention
@@ -247,6 +253,9 @@ class ModelRunner:
         if self.encoder_cache is not None:
             for rid in so.finished_req_ids | so.preempted_req_ids:
                 self.encoder_cache.release_request(rid)
+        if self.mrope is not None:
+            for rid in so.finished_req_ids:
+                self.mrope.release(rid)
         for rid in so.preempted_req_ids:
             self.pool_state.pop(rid, None)
             batch.remove(rid)
@@ -266,6 +275,8 @@ class ModelRunner:
                     self.pool_state.pop(r.req_id, None)
         rows, max_blocks = batch.update(reqs, self._generator_for)
         input_ids, positions, meta, qsl = self._prepare(reqs, rows, max_blocks)
+        if self.mrope is not None:
+            positions = self.mrope.positions(reqs, positions, qsl)
         inputs_embeds = _prompt_embeds_rows(reqs, qsl)
         mm_embeds = None
         if self.encoder_cache is not None and any(r.mm_features for r in reqs):
@@ -334,7 +345,8 @@ class ModelRunner:
                     continue
                 out = cache.get(f.identifier)
                 if out is None:
-                    out = self.model.embed_images(f.data.to(self.device))[0]
+                    embed = getattr(self.model, "embed_feature", None)  # a feature with more than pixels (a grid)
+                    out = embed(f) if embed is not None else self.model.embed_images(f.data.to(self.device))[0]
                     if out.shape[0] != f.length:
                         raise ValueError(f"image encoder gave {out.shape[0]} embeddings for {f.length} placeholders")
                     cache.put(f.identifier, out)

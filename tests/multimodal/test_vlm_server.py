@@ -1,4 +1,4 @@
-"""LLaVA and Idefics3 (SmolVLM) images through a real ``pagedllm serve`` of their tiny random checkpoints
+"""LLaVA, LLaVA-NeXT, Idefics3 (SmolVLM) and Qwen2.5-VL images through a real ``pagedllm serve`` of their tiny random checkpoints
 (tests/multimodal/vlm_helpers.py): the openai client's ``image_url`` data URL gets transformers' greedy
 answer for the same chat; an Anthropic base64 ``image`` block and an Ollama ``images`` entry reach the
 model (the same prompt, the same answer); malformed images are 400s naming the field."""
@@ -12,8 +12,9 @@ import pytest
 
 sys.path.insert(0, __file__.rsplit("/", 1)[0])
 from mm_helpers import hf_greedy_mm, image, png_bytes  # noqa: E402
+from qwenvl_helpers import make_qwen2_5_vl_checkpoint  # noqa: E402
 from server_helpers import serve  # noqa: E402
-from vlm_helpers import make_idefics3_checkpoint, make_llava_checkpoint  # noqa: E402
+from vlm_helpers import make_idefics3_checkpoint, make_llava_checkpoint, make_llava_next_checkpoint  # noqa: E402
 
 openai = pytest.importorskip("openai")
 anthropic = pytest.importorskip("anthropic")
@@ -22,7 +23,8 @@ ollama = pytest.importorskip("ollama")
 N = 6
 IMG = image(7)
 B64 = base64.b64encode(png_bytes(IMG)).decode()
-MAKERS = {"llava": make_llava_checkpoint, "idefics3": make_idefics3_checkpoint}
+MAKERS = {"llava": make_llava_checkpoint, "idefics3": make_idefics3_checkpoint,
+          "qwen2_5_vl": make_qwen2_5_vl_checkpoint, "llava_next": make_llava_next_checkpoint}
 
 
 @pytest.fixture(scope="module", params=sorted(MAKERS))

@@ -90,3 +90,30 @@ def make_idefics3_checkpoint(path: str, seed: int = 0):
                                 chat_template=CHAT_TEMPLATE)
     proc.save_pretrained(path)
     return model, proc
+
+
+def llava_next_config():
+    """LLaVA-NeXT: the LLaVA tower (28 px tiles, 16 patches each) with anyres pinpoints 28x56, 56x28, 56x56."""
+    vision = tf.CLIPVisionConfig(hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=2,
+                                 image_size=28, patch_size=7, projection_dim=32)
+    return tf.LlavaNextConfig(text_config=_text_config().to_dict(), vision_config=vision.to_dict(),
+                              image_token_index=LLAVA_IMAGE, vision_feature_layer=-2,
+                              vision_feature_select_strategy="default", projector_hidden_act="gelu",
+                              image_grid_pinpoints=LLAVA_NEXT_PINPOINTS)
+
+
+LLAVA_NEXT_PINPOINTS = [[28, 56], [56, 28], [56, 56]]
+
+
+def make_llava_next_checkpoint(path: str, seed: int = 0):
+    """Save a tiny LLaVA-NeXT model, tokenizer and ``LlavaNextProcessor`` to ``path``; returns ``(hf, processor)``."""
+    model = build_hf(llava_next_config(), "LlavaNextForConditionalGeneration", seed)
+    os.makedirs(path, exist_ok=True)
+    model.save_pretrained(path)
+    ip = tf.LlavaNextImageProcessor(size={"shortest_edge": 28}, crop_size={"height": 28, "width": 28},
+                                    image_grid_pinpoints=LLAVA_NEXT_PINPOINTS)
+    proc = tf.LlavaNextProcessor(image_processor=ip, tokenizer=tiny_vlm_tokenizer(["<image>"]), patch_size=7,
+                                 vision_feature_select_strategy="default", num_additional_image_tokens=1,
+                                 chat_template=CHAT_TEMPLATE)
+    proc.save_pretrained(path)
+    return model, proc
