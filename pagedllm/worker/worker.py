@@ -620,16 +620,19 @@ class Worker:
 
     def trim_workspace(self) -> int:
         """Give the last steps' freed workspace back now (CPU; a server calls this when its batch
-        empties): the caching allocator's free blocks down to ``WORKSPACE_KEEP_BYTES`` (32 MiB,
-        largest first) and glibc's free heap. Cheaper than ``release_idle_memory`` (KV pages and
-        the kept blocks stay). Returns resident bytes released (RSS before minus after)."""
+        empties): all of the caching allocator's free blocks (no decode step is running to reuse
+        them; the next request re-faults its own, a few MiB for a decode step) and glibc's free
+        heap. Cheaper than ``release_idle_memory`` (KV pages stay). Returns resident bytes
+        released (RSS before minus after)."""
         if self.device.type != "cpu":
             return 0
         from pagedllm.metrics.memory import WorkspaceTrimmer, resident_memory_bytes
 
         before = resident_memory_bytes()
-        trimmer = getattr(self, "workspace_trimmer", None) or WorkspaceTrimmer()
-        trimmer.trim()
+        trimmer = getattr(self, "workspace_trimmer", None)
+        if trimmer is None:
+            trimmer = self.workspace_trimmer = WorkspaceTrimmer()
+        trimmer.trim(keep_bytes=0)
         trimmer.dirty = False
         return max(0, before - resident_memory_bytes())
 
