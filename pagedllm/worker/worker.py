@@ -8,6 +8,7 @@ The call order is ``init_device -> load_model -> determine_available_memory / ge
 """
 from __future__ import annotations
 
+import linecache
 import logging
 import os
 import time
@@ -439,6 +440,9 @@ class Worker:
         if self.device.type == "cpu":
             from pagedllm.kernels.cpu_ops import cpu_allocator_empty_cache
             cpu_allocator_empty_cache()
+        # NOTE: source lines that start-up's tracebacks / inspect calls (torch's op registration)
+        # read into linecache, ~27k lines (2.8 MiB) for SmolLM2; a later traceback re-reads them.
+        linecache.clearcache()
         trim_heap()
         return max(0, before - resident_memory_bytes())
 
