@@ -151,7 +151,8 @@ class GGUFFile:
     def drop_vocab(self) -> int:
         """Drop the tokenizer's vocabulary arrays from ``metadata`` (``tokenizer.ggml.tokens``,
         ``.merges``, ``.scores``, ``.token_type``, ...: every ``tokenizer.ggml.*`` list or array):
-        Gemma 3's 262,144 tokens and 514,906 merges are ~60 MiB of Python strings, SmolLM2's ~8 MiB.
+        Gemma 3's 262,144 tokens with their scores and types are 22.7 MiB of anonymous memory
+        (26.4 MiB parsed, 3.7 after), SmolLM2's 49,152 tokens and 48,900 merges 4.9 MiB.
         The loader calls this once the config (``vocab_size``) and the tokenizer are built, because
         the weights iterator keeps this object for the model's lifetime; scalar metadata (special
         token ids, ``add_bos_token``, the chat template) stays. Returns the number of keys dropped."""
