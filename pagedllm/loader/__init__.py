@@ -187,6 +187,7 @@ def load_model(
     dummy = load_format == "dummy"
     quant = None if dummy else resolve_quant_config("gguf", config, quantization, gguf_file=gf)
     tok = load_tokenizer(tok_src or path) if want_tokenizer else None
+    gf.drop_vocab()  # read by the config and the tokenizer only; `weights` below keeps `gf` (issue 30.4)
     lm = LoadedModel(hf_config=config, weights=_no_weights, tokenizer=tok, model_path=path, source="gguf",
                      generation_config={}, load_format="dummy" if dummy else "gguf", repo_id=repo_id,
                      quant_config=quant)

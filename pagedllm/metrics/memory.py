@@ -157,6 +157,8 @@ class WorkspaceTrimmer:
         self.keep_bytes = int(keep_bytes)
         self.dirty = False  # a prefill-sized step ran since the last trim
         self.trims = 0
+        #: bytes of free allocator blocks the trims have given back so far (a running total)
+        self.trimmed_bytes = 0
 
     def step(self, num_tokens: int, num_requests: int) -> bool:
         """Record a finished step of ``num_tokens`` scheduled tokens over ``num_requests``
@@ -171,19 +173,22 @@ class WorkspaceTrimmer:
         self.trim()
         return True
 
-    def trim(self) -> None:
-        """Trim the caching CPU allocator's free blocks to ``keep_bytes`` and glibc's heap now."""
+    def trim(self, keep_bytes: Optional[int] = None) -> None:
+        """Trim the caching CPU allocator's free blocks to ``keep_bytes`` (default: this trimmer's
+        ``keep_bytes``; 0 = all of them, as when a server's batch empties) and glibc's heap now."""
         from pagedllm.kernels.cpu_ops import cpu_allocator_stats, get_ops
         from pagedllm.platforms import trim_heap
 
+        keep = self.keep_bytes if keep_bytes is None else max(0, int(keep_bytes))
         st = cpu_allocator_stats()
-        if st and st.get("cached_bytes", 0) > self.keep_bytes:
+        if st and st.get("cached_bytes", 0) > keep:
             ops = get_ops()
             # NOTE: install_cpu_allocator on an installed allocator only sets its limits, and
             # lowering the cap frees cached blocks down to it (largest first); the cap is then
             # restored so decode keeps reusing its own blocks.
             huge = bool(st.get("huge_pages", 0))
-            ops.install_cpu_allocator(int(st["min_bytes"]), self.keep_bytes, huge)
+            ops.install_cpu_allocator(int(st["min_bytes"]), keep, huge)
             ops.install_cpu_allocator(int(st["min_bytes"]), int(st["max_cached_bytes"]), huge)
+            self.trimmed_bytes += max(0, int(st["cached_bytes"]) - int(cpu_allocator_stats().get("cached_bytes", 0)))
         trim_heap()
         self.trims += 1

@@ -8,6 +8,7 @@ The call order is ``init_device -> load_model -> determine_available_memory / ge
 """
 from __future__ import annotations
 
+import linecache
 import logging
 import os
 import time
@@ -435,6 +436,9 @@ class Worker:
         if self.device.type == "cpu":
             from pagedllm.kernels.cpu_ops import cpu_allocator_empty_cache
             cpu_allocator_empty_cache()
+        # NOTE: source lines that start-up's tracebacks / inspect calls (torch's op registration)
+        # read into linecache, ~27k lines (2.8 MiB) for SmolLM2; a later traceback re-reads them.
+        linecache.clearcache()
         trim_heap()
         return max(0, before - resident_memory_bytes())
 
@@ -612,16 +616,19 @@ class Worker:
 
     def trim_workspace(self) -> int:
         """Give the last steps' freed workspace back now (CPU; a server calls this when its batch
-        empties): the caching allocator's free blocks down to ``WORKSPACE_KEEP_BYTES`` (32 MiB,
-        largest first) and glibc's free heap. Cheaper than ``release_idle_memory`` (KV pages and
-        the kept blocks stay). Returns resident bytes released (RSS before minus after)."""
+        empties): all of the caching allocator's free blocks (no decode step is running to reuse
+        them; the next request re-faults its own, a few MiB for a decode step) and glibc's free
+        heap. Cheaper than ``release_idle_memory`` (KV pages stay). Returns resident bytes
+        released (RSS before minus after)."""
         if self.device.type != "cpu":
             return 0
         from pagedllm.metrics.memory import WorkspaceTrimmer, resident_memory_bytes
 
         before = resident_memory_bytes()
-        trimmer = getattr(self, "workspace_trimmer", None) or WorkspaceTrimmer()
-        trimmer.trim()
+        trimmer = getattr(self, "workspace_trimmer", None)
+        if trimmer is None:
+            trimmer = self.workspace_trimmer = WorkspaceTrimmer()
+        trimmer.trim(keep_bytes=0)
         trimmer.dirty = False
         return max(0, before - resident_memory_bytes())
 

@@ -227,7 +227,8 @@ def test_idle_server_engine_returns_its_free_blocks(monkeypatch, caplog):
         trimmer = eng.engine.core.executor.driver_worker.workspace_trimmer
         assert trimmer.trims >= 2 and not trimmer.dirty, trimmer.trims
         if after:  # the caching allocator is installed (C++ kernels built)
-            assert mid > 0, "the burst's activations should have left free blocks in the cache"
+            # (the batch-empty trim gives back every free block, so ``mid`` may already be 0)
+            assert mid is not None and trimmer.trimmed_bytes > 0, (mid, trimmer.trimmed_bytes)
             assert after["cached_bytes"] == 0
         counts = eng.engine.get_request_state_counts()
         assert all(v == 0 for v in counts.values()), counts  # finished ids were handed to the runner
