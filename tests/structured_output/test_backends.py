@@ -11,7 +11,7 @@ import re
 import jsonschema
 import pytest
 
-from conftest import SMOLLM2_EOS, SMOLLM2_VOCAB, allowed_ids, random_walk
+from so_helpers import SMOLLM2_EOS, SMOLLM2_VOCAB, allowed_ids, random_walk
 from pagedllm.structured_output.backend import GrammarSpec
 
 BACKENDS = ["xgrammar", "guidance"]

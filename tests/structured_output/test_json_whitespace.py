@@ -11,7 +11,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from conftest import SMOLLM2_EOS, SMOLLM2_VOCAB, allowed_ids
+from so_helpers import SMOLLM2_EOS, SMOLLM2_VOCAB, allowed_ids
 from pagedllm.structured_output.backend import GrammarSpec
 from pagedllm.structured_output.config import StructuredOutputsConfig
 from pagedllm.structured_output.manager import StructuredOutputManager

@@ -17,7 +17,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from conftest import SMOLLM2_EOS, SMOLLM2_VOCAB, allowed_ids
+from so_helpers import SMOLLM2_EOS, SMOLLM2_VOCAB, allowed_ids
 from tiny_models import save_tiny_llama
 
 PERSON = {"type": "object", "properties": {

@@ -8,7 +8,7 @@ import threading
 import pytest
 import torch
 
-from conftest import SMOLLM2_EOS, SMOLLM2_VOCAB
+from so_helpers import SMOLLM2_EOS, SMOLLM2_VOCAB
 from pagedllm.structured_output import manager as manager_mod
 from pagedllm.structured_output.backend import CompiledGrammar, StructuredOutputBackend
 from pagedllm.structured_output.manager import StructuredOutputManager

@@ -8,7 +8,7 @@ import json
 import pytest
 import torch
 
-from conftest import SMOLLM2_EOS, SMOLLM2_VOCAB, allowed_ids
+from so_helpers import SMOLLM2_EOS, SMOLLM2_VOCAB, allowed_ids
 from pagedllm.structured_output.manager import StructuredOutputManager
 from pagedllm.structured_output.params import StructuredOutputsParams as SOP
 
