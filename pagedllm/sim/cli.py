@@ -11,6 +11,7 @@ import os
 import sys
 from typing import Any, Optional
 
+from pagedllm.entrypoints.openai.cli_args import positive_float
 from pagedllm.sim.trace import SYNTHETIC_KINDS
 
 #: The step model fitted on the development machine, used when ``--step-model`` is not given.
@@ -27,16 +28,6 @@ def _pos_int(v: str) -> int:
     return n
 
 
-def _pos_float(v: str) -> float:
-    try:
-        x = float(v)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number, got {v!r}") from None
-    if not x > 0:
-        raise argparse.ArgumentTypeError(f"must be > 0, got {x}")
-    return x
-
-
 def _add_trace_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("Workload (one of --trace / --synthetic)")
     src = g.add_mutually_exclusive_group()
@@ -46,12 +37,12 @@ def _add_trace_args(p: argparse.ArgumentParser) -> None:
     src.add_argument("--synthetic", default=None, choices=list(SYNTHETIC_KINDS),
                      help="A generated trace: Poisson arrivals, bursty (gamma, --burstiness), multi-turn chat "
                           "with shared system prompts (--num-turns a conversation), long shared documents.")
-    g.add_argument("--request-rate", type=_pos_float, default=None,
+    g.add_argument("--request-rate", type=positive_float, default=None,
                    help="Synthetic: requests per second, whole fleet (default: --request-rate-per-replica x "
                         "--replicas).")
-    g.add_argument("--request-rate-per-replica", type=_pos_float, default=0.2,
+    g.add_argument("--request-rate-per-replica", type=positive_float, default=0.2,
                    help="Synthetic: requests per second per replica when --request-rate is not given.")
-    g.add_argument("--duration-s", type=_pos_float, default=None,
+    g.add_argument("--duration-s", type=positive_float, default=None,
                    help="Synthetic: arrivals over this many seconds (default 60); trace: drop arrivals "
                         "after it (default: keep all).")
     g.add_argument("--seed", type=int, default=0, help="Seeds the generator and the prefix-cache root hash.")
@@ -63,9 +54,9 @@ def _add_trace_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--num-system-prompts", type=_pos_int, default=4,
                    help="Synthetic multi-turn: distinct shared system prompts.")
     g.add_argument("--system-prompt-len", type=int, default=256, help="Synthetic multi-turn: tokens of each.")
-    g.add_argument("--think-time-s", type=_pos_float, default=20.0,
+    g.add_argument("--think-time-s", type=positive_float, default=20.0,
                    help="Synthetic multi-turn: mean seconds between a conversation's turns (exponential).")
-    g.add_argument("--burstiness", type=_pos_float, default=0.25,
+    g.add_argument("--burstiness", type=positive_float, default=0.25,
                    help="Synthetic bursty: gamma shape of the inter-arrival times (1 = Poisson).")
     g.add_argument("--save-trace", default=None, metavar="FILE",
                    help="Write the trace used (token ids spelled out) as JSONL, e.g. for `simulate replay`.")
@@ -125,7 +116,7 @@ def add_replay_args(p: argparse.ArgumentParser) -> None:
                    help="Synthetic: scales the default rate (as for `simulate`).")
     p.add_argument("--base-url", default="http://127.0.0.1:8000", help="Server to send the trace to.")
     p.add_argument("--model", default=None, help="The request's model field (default: the server's first).")
-    p.add_argument("--timeout-s", type=_pos_float, default=600.0, help="Per-request timeout.")
+    p.add_argument("--timeout-s", type=positive_float, default=600.0, help="Per-request timeout.")
     p.add_argument("--output-json", default=None, metavar="FILE", help="Write the measurement as JSON.")
 
 

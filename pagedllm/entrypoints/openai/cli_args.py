@@ -72,7 +72,8 @@ def _size_or_zero(value: str) -> int:
     return parse_bytes(value)
 
 
-def _positive_float(value: str) -> float:
+def positive_float(value: str) -> float:
+    """argparse type: a float > 0 (``ArgumentTypeError`` naming the value otherwise)."""
     try:
         v = float(value)
     except ValueError:
@@ -386,7 +387,7 @@ def add_serve_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                    help='KV connector, as vLLM: \'{"kv_connector": "OffloadingConnector", "kv_role": '
                         '"kv_both", "kv_connector_extra_config": {"cpu_bytes_to_use": ..., '
                         '"kv_cache_dir": ..., "disk_bytes_to_use": ...}}\' (docs/kv_connector.md).')
-    g.add_argument("--kv-offloading-size", type=_positive_float, default=None,
+    g.add_argument("--kv-offloading-size", type=positive_float, default=None,
                    help="GiB of host memory for KV blocks evicted from the prefix cache "
                         "(OffloadingConnector's host tier, LRU; vLLM's flag).")
     g.add_argument("--kv-offloading-backend", default=None, choices=["native"],
@@ -394,7 +395,7 @@ def add_serve_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g.add_argument("--kv-cache-dir", default=None, metavar="DIR",
                    help="Disk tier of OffloadingConnector: KV blocks are kept as checksummed files "
                         "here, survive restarts and may be shared by servers of the same model.")
-    g.add_argument("--kv-cache-dir-size", type=_positive_float, default=None,
+    g.add_argument("--kv-cache-dir-size", type=positive_float, default=None,
                    help="GiB bound of the --kv-cache-dir tier (default 16; least recently used "
                         "files are deleted past it).")
 
