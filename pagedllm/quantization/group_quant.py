@@ -47,17 +47,20 @@ KIND_NAMES = {KIND_INT4: "int4", KIND_INT8: "int8", KIND_FP8: "fp8"}
 #: rows above which the C++ kernel dequantizes tiles for ATen's GEMM instead of its register path
 LARGE_M = int(os.environ.get("PAGEDLLM_GROUP_GEMM_LARGE_M", "16"))
 #: the integer-dot kernel for GGUF's int4 / int8 group-32 layers, at every M (decode, verify,
-#: prefill). Opt-in (``PAGEDLLM_GGUF_INTDOT=1``): at one thread it is the fastest mode here
-#: (single stream 1.18x ``group_gemm``, offline 1.21x ``group_gemm`` and 1.03x the dequantized bf16
-#: model), at two threads the bf16 model is faster (docs/performance.md "Integer-dot GGUF path");
-#: and with int8 activations the embedded default model's near-tie answers change (its
-#: chat answer to "What is the capital of France?" loses "Paris"; a dozen real-model tests), so
-#: ``group_gemm`` with float activations stays the default for now. NOTE: int8 activations turn last-bit
-#: differences of the engine's scheduling-dependent float steps (attention sum order under
-#: chunked prefill / prefix hits) into whole code steps, so greedy tokens can differ between
-#: schedules where float activations happened not to (tests that pin scheduling invariance by
-#: token equality run with it off; see tests/engine/test_prefix_caching_real.py)
-INTDOT = os.environ.get("PAGEDLLM_GGUF_INTDOT", "0") == "1"
+#: prefill) and for the tied LM head (float32 logits): the default (``PAGEDLLM_GGUF_INTDOT=0`` runs
+#: ``group_gemm`` with float activations instead). It is the fastest GGUF mode measured here
+#: (docs/performance.md "Integer-dot GGUF path") and its perplexity is within 0.1% of float32 on
+#: SmolLM2 Q4_1 (tests/quantization/test_gguf_blocks.py). int8 activations are a different
+#: rounding of the same model, so greedy answers at a near tie (top-1 / top-2 logprob margin of a
+#: few hundredths of a nat) can differ from float activations; tests comparing GGUF blocks token
+#: for token with a float32 reference check agreement where the reference's margin is clear, or
+#: pin float activations when they test something else (e.g. scheduling invariance).
+#: NOTE: int8 activations turn last-bit differences of the engine's scheduling-dependent float
+#: steps (attention sum order under chunked prefill / prefix hits) into whole code steps, so
+#: greedy tokens can differ between schedules at near ties where float activations happened not to
+#: (tests that pin scheduling invariance by token equality run with it off; see
+#: tests/engine/test_prefix_caching_real.py)
+INTDOT = os.environ.get("PAGEDLLM_GGUF_INTDOT", "1").strip().lower() not in ("0", "false", "no", "off")
 #: rows above which the integer-dot kernel is not used (default: none)
 INTDOT_MAX_M = int(os.environ.get("PAGEDLLM_GGUF_INTDOT_MAX_M", str(1 << 62)))
 #: ``PAGEDLLM_ISA`` values: force one ISA path of the integer-dot kernel (default ``auto``: the

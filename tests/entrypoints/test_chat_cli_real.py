@@ -50,7 +50,10 @@ def _completion_ref(base: str, prompt: str, max_tokens: int) -> str:
 @pytest.mark.parametrize("no_openai", [False, True], ids=["openai", "urllib"])
 def test_chat_interactive_keeps_history(server, no_openai):
     system = "You are a terse assistant."
-    turns = ["What is the capital of France?", "And of Italy?"]
+    # NOTE: after this system prompt the bare question's first answer token is a near tie (top-1 /
+    # top-2 margin 0.00-0.14 nats, its side depending on dtype and on float vs int8 activations);
+    # asked to start with "The capital", the answer leads by >= 0.89 nats at every token in each path
+    turns = ["What is the capital of France? Start your answer with 'The capital'.", "And of Italy?"]
     p = _cli("chat", "--url", server + "/v1", "--system-prompt", system, "--max-tokens", "16",
              "--temperature", "0", stdin="\n".join(turns) + "\nexit\nnot sent\n", no_openai=no_openai)
     assert p.returncode == 0, p.stderr

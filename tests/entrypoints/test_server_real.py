@@ -64,7 +64,10 @@ def test_auth_required(server):
 
 
 def test_chat_and_stream_equals_non_stream(client):
-    msgs = [{"role": "user", "content": "What is the capital of France?"}]
+    # NOTE: the bare question's first answer token is a near tie for this model ("The" over "L" by
+    # 0.03-0.27 nats, its side depending on dtype and on float vs int8 activations); asked to start
+    # with "The capital", every token before "Paris" leads by >= 2 nats in each path
+    msgs = [{"role": "user", "content": "What is the capital of France? Start your answer with 'The capital'."}]
     r = client.chat.completions.create(model=MODEL, messages=msgs, max_tokens=32, temperature=0)
     text = r.choices[0].message.content
     assert "Paris" in text and r.choices[0].finish_reason == "stop"

@@ -169,8 +169,9 @@ def _greedy(llm, prompts, n):
 @pytest.mark.slow
 @pytest.mark.parametrize("which", ["smollm2", "gemma3"])
 def test_native_blocks_same_greedy_tokens_and_memory(which, smollm2_path, gemma3_path, monkeypatch):
-    """Float32 activations (the integer-dot kernel off, as by default: it quantizes activations
-    to int8, see test_intdot_close_to_float): native blocks give the float model's greedy tokens."""
+    """Float32 activations (the integer-dot kernel off, ``PAGEDLLM_GGUF_INTDOT=0``: the default
+    quantizes activations to int8, see test_intdot_close_to_float): native blocks give the float
+    model's greedy tokens, like with like."""
     from pagedllm import LLM
 
     monkeypatch.setattr(gq, "INTDOT", False)
@@ -217,6 +218,16 @@ def test_block_type_without_kernel_is_dequantized_with_a_log_line(caplog):
 
 
 # ----------------------------------------------------------------------------- integer-dot path
+def _greedy_lp(llm, prompts, n):
+    """Greedy tokens and, per step, ``{token: logprob}`` of the top 2 and the chosen token."""
+    from pagedllm import SamplingParams
+
+    outs = llm.generate(prompts, SamplingParams(max_tokens=n, temperature=0, ignore_eos=True, logprobs=2),
+                        use_tqdm=False)
+    return [(list(o.outputs[0].token_ids), [{k: v.logprob for k, v in d.items()} for d in o.outputs[0].logprobs])
+            for o in outs]
+
+
 def _count_intdot(monkeypatch) -> list:
     """A list that grows by one per linear call taking the integer-dot kernel."""
     calls = []
@@ -292,9 +303,12 @@ def test_intdot_close_to_float(which, smollm2_path, gemma3_path, monkeypatch):
     to float32, a 400-token text scored 16 tokens a step (every call M <= 16) and greedy decode of
     4 prompts x 24 tokens. SmolLM2 Q4_1: perplexity within 1% (measured +0.55%). Gemma 3 Q4_K_M
     (Q4_K/Q5_0/Q8_0 take the kernel, Q6_K keeps group_gemm): perplexity within 3% (measured +0.84%).
-    Greedy: int8 activations are a different rounding of the same model, so a near-tie can flip;
-    bound: the first 4 tokens of every prompt identical and at least 3 of 4 prompts identical over
-    all 24 (measured, first differing token per prompt: SmolLM2 [5, -, -, -], Gemma 3 [11, -, -, -])."""
+    Greedy: int8 activations are a different rounding of the same model, so a near tie can flip,
+    but only a near tie: up to each prompt's first differing token the two agree, and there the
+    float32 reference's top-1 / top-2 margin is < 0.5 nats (a clear margin never flips; measured
+    SmolLM2: one prompt differs, at token 5, margin 0.22); the reference token's logprob under the
+    integer-dot path stays within 0.5 nats of the reference on the common prefix (measured max
+    0.34). No hard-coded texts."""
     from pagedllm import LLM
     from pagedllm.entrypoints.bench import _SENTENCES
 
@@ -307,15 +321,69 @@ def test_intdot_close_to_float(which, smollm2_path, gemma3_path, monkeypatch):
     native = LLM(path, **kw)
     ids = native.get_tokenizer().encode(" ".join(_SENTENCES), add_special_tokens=False)[:400]
     got_ppl = _ppl_decode_sized(native, ids)
-    got = _greedy(native, prompts, 24)
+    got = _greedy_lp(native, prompts, 24)
     assert calls, "the integer-dot kernel did not run"
     del native
     ref_llm = LLM(path, quantization="none", **kw)
     want_ppl = _ppl_decode_sized(ref_llm, ids)
-    want = _greedy(ref_llm, prompts, 24)
-    first_diff = [next((i for i, (a, b) in enumerate(zip(g, w)) if a != b), None) for g, w in zip(got, want)]
+    want = _greedy_lp(ref_llm, prompts, 24)
+    first_diff, margins, drift = [], [], 0.0
+    for (g, glp), (w, wlp) in zip(got, want):
+        d = next((i for i, (a, b) in enumerate(zip(g, w)) if a != b), None)
+        first_diff.append(d)
+        for i in range(len(w) if d is None else d + 1):
+            drift = max(drift, abs(glp[i][w[i]] - wlp[i][w[i]])) if w[i] in glp[i] else float("inf")
+        if d is not None:
+            top = sorted(wlp[d].values(), reverse=True)
+            margins.append(top[0] - top[1])
     print(f"{which} perplexity: intdot {got_ppl:.4f}, float32 {want_ppl:.4f}, ratio {got_ppl / want_ppl:.5f}; "
-          f"greedy first differing token per prompt: {first_diff}")
+          f"greedy first differing token per prompt: {first_diff}, reference margin there {margins}, "
+          f"max logprob drift {drift:.4f}")
     assert abs(got_ppl / want_ppl - 1) < (0.01 if which == "smollm2" else 0.03), (got_ppl, want_ppl)
-    assert [g[:4] for g in got] == [w[:4] for w in want]
-    assert sum(d is None for d in first_diff) >= 3, first_diff
+    assert all(m < 0.5 for m in margins), (first_diff, margins)
+    assert drift < 0.5, drift
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(cpu_ops.get_intdot_ops() is None, reason="integer-dot C++ kernel not built here")
+def test_tied_lm_head_intdot_matches_float_activation_head(smollm2_path, monkeypatch):
+    """SmolLM2's tied LM head (its Q8_0 embedding table, 49152 x 576) takes the integer-dot kernel
+    by default (int8 activations per 32-block, float32 logits), against the same head with float
+    activations (``group_gemm``) on the model's own final hidden states of a 256-token text (one
+    call, M = 256). Bounds: the top-1 token is the same wherever the float head's top-1 / top-2
+    margin exceeds 0.1 nats, and on >= 97% of all positions; the float head's top-1 logprob moves
+    by < 0.25 nats at every position and by < 0.03 in the median (measured 2026-12-02: agreement
+    99.6%, all 232 clear positions agree, drift max 0.108, median 0.016)."""
+    from pagedllm import LLM, SamplingParams
+    from pagedllm.entrypoints.bench import _SENTENCES
+
+    monkeypatch.setattr(gq, "INTDOT", True)
+    llm = LLM(smollm2_path, dtype="float32", kv_cache_memory=32 * 1024**2, seed=0)
+    model = llm.llm_engine.core.runner.model
+    lp, embed = model.logits_processor, model.model.embed_tokens
+    assert lp.tied_head is not None and lp.tied_head.gq_kind == gq.KIND_INT8 and lp.tied_head.gq_group == 32
+    hidden = []
+    hook = lp.register_forward_hook(lambda m, args, out: hidden.append(args[1].detach().float().clone()))
+    ids = llm.get_tokenizer().encode(" ".join(_SENTENCES), add_special_tokens=False)[:256]
+    llm.generate([{"prompt_token_ids": ids}], SamplingParams(max_tokens=1, prompt_logprobs=0), use_tqdm=False)
+    hook.remove()
+    h = torch.cat(hidden)
+    assert h.shape[0] >= 255 and h.shape[1] == 576
+    calls = _count_intdot(monkeypatch)
+    got = lp(embed, h)
+    assert calls, "the integer-dot kernel did not run the head"
+    monkeypatch.setattr(gq, "INTDOT", False)
+    want = lp(embed, h)
+    assert got.dtype == want.dtype == torch.float32 and got.shape == want.shape == (h.shape[0], 49152)
+    lg, lw = torch.log_softmax(got, -1), torch.log_softmax(want, -1)
+    top2 = lw.topk(2, dim=-1)
+    top1 = top2.indices[:, :1]
+    clear = (top2.values[:, 0] - top2.values[:, 1]) > 0.1
+    same = got.argmax(-1) == top1[:, 0]
+    drift = (lg.gather(1, top1) - lw.gather(1, top1)).abs()
+    print(f"LM head intdot vs float activations: top-1 agreement {same.float().mean():.4f}, "
+          f"clear positions {int(clear.sum())}/{len(clear)}, top-1 logprob drift max {drift.max():.4f} "
+          f"median {drift.median():.5f}")
+    assert same[clear].all()
+    assert same.float().mean() >= 0.97
+    assert drift.max() < 0.25 and drift.median() < 0.03

@@ -58,6 +58,7 @@
 #include "torch_lite.h"
 #include <torch/csrc/utils/pybind.h>
 #include <ATen/Parallel.h>
+#include <omp.h>
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -127,9 +128,10 @@ void quantize_rows_ref(const float* x, int64_t M, int64_t K, int64_t nbp, int8_t
 
 // The arithmetic of the file comment, one output at a time.
 template <bool MINS>
-void range_ref(const Ctx& c, int64_t n0, int64_t n1) {
+void range_ref(const Ctx& c, int64_t n0, int64_t n1, int64_t r0, int64_t r1) {
   const int64_t K = c.nb * QK;
-  std::vector<int32_t> w(K);
+  thread_local std::vector<int32_t> w;
+  if (static_cast<int64_t>(w.size()) < K) w.resize(K);
   for (int64_t n = n0; n < n1; ++n) {
     const uint8_t* row = c.q + n * c.rb;
     for (int64_t b = 0; b < c.nb; ++b) {
@@ -144,7 +146,7 @@ void range_ref(const Ctx& c, int64_t n0, int64_t n1) {
     }
     const float* wd = c.wd + n * c.nb;
     const float* wm = MINS ? c.wm + n * c.nb : nullptr;
-    for (int64_t r = 0; r < c.M; ++r) {
+    for (int64_t r = r0; r < r1; ++r) {
       const int8_t* ar = c.a + r * K;
       float acc = 0.f, macc = 0.f;
       for (int64_t b = 0; b < c.nb; ++b) {
@@ -163,8 +165,8 @@ void range_ref(const Ctx& c, int64_t n0, int64_t n1) {
   }
 }
 
-void range_portable(const Ctx& c, int64_t n0, int64_t n1) {
-  c.wm ? range_ref<true>(c, n0, n1) : range_ref<false>(c, n0, n1);
+void range_portable(const Ctx& c, int64_t n0, int64_t n1, int64_t r0, int64_t r1) {
+  c.wm ? range_ref<true>(c, n0, n1, r0, r1) : range_ref<false>(c, n0, n1, r0, r1);
 }
 
 #ifdef PAGEDLLM_ID_X86
@@ -275,32 +277,50 @@ at::Tensor as_float_rows(const at::Tensor& x) {
   return xf;
 }
 
-// The rows kernel's activation operands straight from x [M, K] (float32 or bfloat16, contiguous):
-// each row quantized by quantize_rows (the same codes and scales as intdot_quantize) and its codes
-// scattered into the tile layout of Ctx::ap (4 codes at a time), xd / xs into xdp / xsp, and on
-// VNNI with int8 weights -128 sum a into cp. Rows in parallel (each writes its own lanes); rows
-// past M stay as the caller zeroed them.
-void quantize_tiles(int64_t isa, const at::Tensor& x, int64_t M, int64_t K, int8_t* ap, float* xdp, float* xsp,
-                    int32_t* cp) {
+// One activation row as float32: x's own row (float32) or the row widened into buf (bfloat16 ->
+// float32 is exact: the high half of the float's bits).
+inline const float* float_row(const float* xf, const uint16_t* xb, int64_t r, int64_t K, float* buf) {
+  if (xf) return xf + r * K;
+  const uint16_t* src = xb + r * K;
+  for (int64_t k = 0; k < K; ++k) {
+    const uint32_t u = static_cast<uint32_t>(src[k]) << 16;
+    std::memcpy(buf + k, &u, 4);
+  }
+  return buf;
+}
+
+// The rows kernel's activation operands for row tiles t0 .. t1-1, straight from x [M, K] (float32
+// xf or bfloat16 xb): each row quantized by quantize_rows (the same codes and scales as
+// intdot_quantize) and its codes scattered into the tile layout of Ctx::ap (4 codes at a time),
+// xd / xs into xdp / xsp, and on VNNI with int8 weights -128 sum a into cp; the lanes of rows past
+// M are zeroed here (the buffers are reused scratch). Tiles are disjoint, so threads run ranges of
+// them side by side.
+void quantize_tiles(int64_t isa, const float* xf, const uint16_t* xb, int64_t M, int64_t K, int64_t t0, int64_t t1,
+                    int8_t* ap, float* xdp, float* xsp, int32_t* cp) {
   const int64_t nb = K / QK;
-  const bool bf16 = x.scalar_type() == at::kBFloat16;
-  const float* xf = bf16 ? nullptr : x.data_ptr<float>();
-  const uint16_t* xb = bf16 ? reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>()) : nullptr;
-  at::parallel_for(0, M, std::max<int64_t>(1, (1 << 16) / K), [&](int64_t r0, int64_t r1) {
-    std::vector<float> buf(bf16 ? K : 0);
-    std::vector<int8_t> a(K);
-    std::vector<float> xd(nb), xs(nb);
-    for (int64_t r = r0; r < r1; ++r) {
-      const float* row = xf ? xf + r * K : buf.data();
-      if (bf16) {  // bfloat16 -> float32 is exact: the high half of the float's bits
-        const uint16_t* src = xb + r * K;
-        for (int64_t k = 0; k < K; ++k) {
-          const uint32_t u = static_cast<uint32_t>(src[k]) << 16;
-          std::memcpy(&buf[k], &u, 4);
+  thread_local std::vector<float> buf;
+  thread_local std::vector<int8_t> a;
+  thread_local std::vector<float> xd, xs;
+  if (static_cast<int64_t>(a.size()) < K) {
+    buf.resize(K);
+    a.resize(K);
+    xd.resize(nb);
+    xs.resize(nb);
+  }
+  for (int64_t t = t0; t < t1; ++t) {
+    for (int64_t rr = 0; rr < 8; ++rr) {
+      const int64_t r = 8 * t + rr;
+      if (r >= M) {
+        for (int64_t b = 0; b < nb; ++b) {
+          int8_t* d0 = ap + (t * nb + b) * 256 + rr * 4;
+          for (int g = 0; g < 8; ++g) std::memset(d0 + 32 * g, 0, 4);
+          xdp[(t * nb + b) * 8 + rr] = 0.f;
+          xsp[(t * nb + b) * 8 + rr] = 0.f;
+          if (cp) cp[(t * nb + b) * 8 + rr] = 0;
         }
+        continue;
       }
-      quantize_rows(isa, row, 1, K, a.data(), xd.data(), xs.data());
-      const int64_t t = r / 8, rr = r % 8;
+      quantize_rows(isa, float_row(xf, xb, r, K, buf.data()), 1, K, a.data(), xd.data(), xs.data());
       for (int64_t b = 0; b < nb; ++b) {
         const int8_t* s0 = a.data() + b * QK;
         int8_t* d0 = ap + (t * nb + b) * 256 + rr * 4;
@@ -314,7 +334,46 @@ void quantize_tiles(int64_t isa, const at::Tensor& x, int64_t M, int64_t K, int8
         }
       }
     }
-  });
+  }
+}
+
+// The columns kernel's activation operands for rows r0 .. r1-1: codes a [M, K], scales xd / xs
+// [M, nb] and on VNNI with int8 weights the offset codes au = a + 128.
+void quantize_plain(int64_t isa, const float* xf, const uint16_t* xb, int64_t K, int64_t r0, int64_t r1, int8_t* a,
+                    float* xd, float* xs, uint8_t* au) {
+  const int64_t nb = K / QK;
+  thread_local std::vector<float> buf;
+  if (!xf && static_cast<int64_t>(buf.size()) < K) buf.resize(K);
+  for (int64_t r = r0; r < r1; ++r) {
+    quantize_rows(isa, float_row(xf, xb, r, K, buf.data()), 1, K, a + r * K, xd + r * nb, xs + r * nb);
+    if (au) {
+      const uint8_t* src = reinterpret_cast<const uint8_t*>(a + r * K);
+      for (int64_t k = 0; k < K; ++k) au[r * K + k] = src[k] ^ 0x80u;
+    }
+  }
+}
+
+// Scratch of one calling thread, reused by its calls (no allocation per call once grown): the
+// activation operands and, with a bfloat16 output, the float32 result before rounding. Bound: a
+// buffer above kScratchKeepBytes is released after the call that needed it, so what stays between
+// calls is at most ~6 x kScratchKeepBytes per calling thread.
+constexpr size_t kScratchKeepBytes = 8u << 20;
+struct Scratch {
+  std::vector<int8_t> a, ap;
+  std::vector<uint8_t> au;
+  std::vector<float> xd, xs, xdp, xsp, y;
+  std::vector<int32_t> cp;
+};
+
+template <typename T>
+T* grow(std::vector<T>& v, int64_t n) {
+  if (static_cast<int64_t>(v.size()) < n) v.resize(n);
+  return v.data();
+}
+
+template <typename T>
+void trim(std::vector<T>& v) {
+  if (v.capacity() * sizeof(T) > kScratchKeepBytes) std::vector<T>().swap(v);
 }
 
 }  // namespace
@@ -355,41 +414,43 @@ at::Tensor intdot_gemm(at::Tensor x, at::Tensor qweight, at::Tensor scales, c10:
   }
   at::Tensor bf;
   if (bias.has_value()) {
-    bf = bias->to(at::kFloat).contiguous();
+    bf = bias->scalar_type() == at::kFloat ? bias->contiguous() : bias->to(at::kFloat).contiguous();
     TORCH_CHECK(bf.numel() == N, "bias must be [N]");
   }
-  at::Tensor y = at::empty({M, N}, fopt);
-  if (M == 0 || N == 0) return y.to(out_dtype);
+  at::Tensor out = at::empty({M, N}, x.options().dtype(out_dtype));
+  if (M == 0 || N == 0) return out;
 
   const bool rows = isa != kPortable && M >= (rows_min_m > 0 ? rows_min_m : kRowsMinM);
   const bool int4 = kind == kInt4;
-  // x86 paths, once per call, O(M K) bytes: the rows kernel's row tiles (codes [tile][block][group][row][4],
-  // xd / xs [tile][block][row], VNNI on int8 weights -128 sum a [tile][block][row]) quantized
-  // straight from x; the columns kernel's codes a, scales xd / xs and offset codes a + 128 (VNNI
-  // on int8 weights)
-  at::Tensor a, xd, xs, ap, xdp, xsp, cp, au;
+  const bool corr = rows && isa == kVnni && !int4;
+  const bool offs = !rows && isa == kVnni && !int4;
+  const bool obf16 = out_dtype == at::kBFloat16;
+  const at::Tensor xc = x.contiguous();
+  const bool ibf16 = xc.scalar_type() == at::kBFloat16;
+  const float* xf = ibf16 ? nullptr : xc.data_ptr<float>();
+  const uint16_t* xb = ibf16 ? reinterpret_cast<const uint16_t*>(xc.data_ptr<at::BFloat16>()) : nullptr;
+  const int64_t T = (M + 7) / 8;
+  // x86 paths, once per call, O(M K) bytes of this thread's reused scratch: the rows kernel's row
+  // tiles (codes [tile][block][group][row][4], xd / xs [tile][block][row], VNNI on int8 weights
+  // -128 sum a [tile][block][row]) quantized straight from x; the columns kernel's codes a, scales
+  // xd / xs and offset codes a + 128 (VNNI on int8 weights)
+  thread_local Scratch S;
+  int8_t *a = nullptr, *ap = nullptr;
+  uint8_t* au = nullptr;
+  float *xd = nullptr, *xs = nullptr, *xdp = nullptr, *xsp = nullptr;
+  int32_t* cp = nullptr;
   if (rows) {
-    const int64_t T = (M + 7) / 8;
-    ap = at::zeros({T * nb * 256}, x.options().dtype(at::kChar));
-    xdp = at::zeros({T * nb * 8}, fopt);
-    xsp = at::zeros({T * nb * 8}, fopt);
-    const bool corr = isa == kVnni && !int4;
-    if (corr) cp = at::zeros({T * nb * 8}, x.options().dtype(at::kInt));
-    quantize_tiles(isa, x.contiguous(), M, K, ap.data_ptr<int8_t>(), xdp.data_ptr<float>(), xsp.data_ptr<float>(),
-                   corr ? cp.data_ptr<int32_t>() : nullptr);
+    ap = grow(S.ap, T * nb * 256);
+    xdp = grow(S.xdp, T * nb * 8);
+    xsp = grow(S.xsp, T * nb * 8);
+    if (corr) cp = grow(S.cp, T * nb * 8);
   } else {
-    const at::Tensor xf = as_float_rows(x);
-    a = at::empty({M, K}, x.options().dtype(at::kChar));
-    xd = at::empty({M, nb}, fopt);
-    xs = at::empty({M, nb}, fopt);
-    quantize_rows(isa, xf.data_ptr<float>(), M, K, a.data_ptr<int8_t>(), xd.data_ptr<float>(), xs.data_ptr<float>());
-    if (isa == kVnni && !int4) {
-      au = at::empty({M * K}, x.options().dtype(at::kByte));
-      const uint8_t* src = reinterpret_cast<const uint8_t*>(a.data_ptr<int8_t>());
-      uint8_t* dst = au.data_ptr<uint8_t>();
-      for (int64_t i = 0; i < M * K; ++i) dst[i] = src[i] ^ 0x80u;
-    }
+    a = grow(S.a, M * K);
+    xd = grow(S.xd, M * nb);
+    xs = grow(S.xs, M * nb);
+    if (offs) au = grow(S.au, M * K);
   }
+  float* y = obf16 ? grow(S.y, M * N) : out.data_ptr<float>();
   // groups wider than 32: one scale (and min) per 32-block, expanded for this call
   at::Tensor wd = scales, wm = mins.has_value() ? *mins : at::Tensor();
   if (group != QK) {
@@ -398,28 +459,69 @@ at::Tensor intdot_gemm(at::Tensor x, at::Tensor qweight, at::Tensor scales, c10:
   }
   auto ptr_f = [](const at::Tensor& t) { return t.defined() ? t.data_ptr<float>() : nullptr; };
   Ctx c{static_cast<const uint8_t*>(qweight.data_ptr()), wd.data_ptr<float>(), ptr_f(wm), rb, nb, N, M, int4,
-        a.defined() ? a.data_ptr<int8_t>() : nullptr, au.defined() ? au.data_ptr<uint8_t>() : nullptr, ptr_f(xd),
-        ptr_f(xs), ap.defined() ? ap.data_ptr<int8_t>() : nullptr, ptr_f(xdp), ptr_f(xsp),
-        cp.defined() ? cp.data_ptr<int32_t>() : nullptr, ptr_f(bf), y.data_ptr<float>()};
-  // Threads split the output columns in units of 8 (the columns kernel's vector); grain ~64 KB of
-  // weight bytes per task (as group_gemm): smaller tasks cost more to wake than they save
-  const int64_t units = (N + 7) / 8;
-  const int64_t grain = std::max<int64_t>(1, (64 << 10) / (8 * rb));
-  at::parallel_for(0, units, grain, [&](int64_t u0, int64_t u1) {
-    const int64_t n0 = u0 * 8, n1 = std::min(N, u1 * 8);
+        a, au, xd, xs, ap, xdp, xsp, cp, ptr_f(bf), y};
+
+  // Threads: one parallel region per call. The activations are quantized first (split over row
+  // tiles / rows; on the calling thread alone when that is a few microseconds), then, after a
+  // barrier, each thread computes its block of the output: a range of columns in units of 24 (a
+  // multiple of both kernels' column groups), or, when the columns are too few to keep every
+  // thread busy and there are row tiles enough, a range of row tiles of all columns; a bfloat16
+  // output is rounded by the thread that computed the block. Every output's arithmetic is the
+  // same whichever block it falls in (file comment), so the split changes no bit. Threads: as many
+  // as torch's (at::get_num_threads), fewer when the work is small (~64 KB of weight bytes per
+  // thread and M row, as group_gemm's grain: smaller shares cost more to wake than they save).
+  constexpr int64_t kUnit = 24;
+  const int64_t units = (N + kUnit - 1) / kUnit;
+  const int64_t work = N * rb * (rows ? std::max<int64_t>(1, M / 4) : M);
+  const int64_t nt = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), work / (64 << 10)));
+  const bool split_m = rows && units < 4 * nt && T >= 2 * nt;
+  const bool quant_inside = nt > 1 && M * K >= (1 << 15);
+  auto quantize = [&](int64_t part, int64_t parts) {
+    if (rows) {
+      quantize_tiles(isa, xf, xb, M, K, T * part / parts, T * (part + 1) / parts, ap, xdp, xsp, cp);
+    } else {
+      quantize_plain(isa, xf, xb, K, M * part / parts, M * (part + 1) / parts, a, xd, xs, au);
+    }
+  };
+  auto compute = [&](int64_t part, int64_t parts) {
+    int64_t n0 = 0, n1 = N, r0 = 0, r1 = M;
+    if (split_m) {
+      r0 = std::min(M, 8 * (T * part / parts));
+      r1 = std::min(M, 8 * (T * (part + 1) / parts));
+    } else {
+      n0 = std::min(N, kUnit * (units * part / parts));
+      n1 = std::min(N, kUnit * (units * (part + 1) / parts));
+    }
+    if (n0 >= n1 || r0 >= r1) return;
 #ifdef PAGEDLLM_ID_X86
-    if (isa == kAvx2) return id_avx2::range(c, rows, n0, n1);
-    if (isa == kVnni) return id_vnni::range(c, rows, n0, n1);
+    if (isa == kAvx2) id_avx2::range(c, rows, n0, n1, r0, r1);
+    else if (isa == kVnni) id_vnni::range(c, rows, n0, n1, r0, r1);
+    else range_portable(c, n0, n1, r0, r1);
+#else
+    range_portable(c, n0, n1, r0, r1);
 #endif
-    range_portable(c, n0, n1);
-  });
-  if (out_dtype == at::kFloat) return y;
-  // bf16 output rounded here (round-to-nearest-even, the bits of ATen's .to()), not by an ATen copy
-  at::Tensor yb = at::empty({M, N}, x.options().dtype(out_dtype));
-  const float* ys = y.data_ptr<float>();
-  at::BFloat16* yd = yb.data_ptr<at::BFloat16>();
-  for (int64_t i = 0; i < M * N; ++i) yd[i] = static_cast<at::BFloat16>(ys[i]);
-  return yb;
+    if (obf16) {  // round-to-nearest-even, the bits of ATen's .to()
+      at::BFloat16* yd = out.data_ptr<at::BFloat16>();
+      for (int64_t r = r0; r < r1; ++r)
+        for (int64_t n = n0; n < n1; ++n) yd[r * N + n] = static_cast<at::BFloat16>(y[r * N + n]);
+    }
+  };
+  if (!quant_inside) quantize(0, 1);
+  if (nt == 1) {
+    compute(0, 1);
+  } else {
+#pragma omp parallel num_threads(static_cast<int>(nt))
+    {
+      const int64_t tid = omp_get_thread_num(), nth = omp_get_num_threads();
+      if (quant_inside) {
+        quantize(tid, nth);
+#pragma omp barrier
+      }
+      compute(tid, nth);
+    }
+  }
+  trim(S.a), trim(S.ap), trim(S.au), trim(S.xd), trim(S.xs), trim(S.xdp), trim(S.xsp), trim(S.y), trim(S.cp);
+  return out;
 }
 
 bool intdot_isa_supported(int64_t isa) { return isa >= 0 && isa <= kVnni && isa_supported(isa); }
@@ -550,9 +652,10 @@ void cols8(const Ctx& c, const uint8_t* const* cols, const float* wdT, const flo
 }
 
 template <bool INT4, bool MINS>
-void cols_range(const Ctx& c, int64_t n0, int64_t n1) {
+void cols_range(const Ctx& c, int64_t n0, int64_t n1, int64_t r0, int64_t r1) {
   constexpr int MT = kV ? 2 : 1;  // rows sharing one unpacking of the codes (registers: MT x 8 vectors)
-  std::vector<float> wdT(8 * c.nb), wmT(MINS ? 8 * c.nb : 0);
+  thread_local std::vector<float> wdT, wmT;
+  if (static_cast<int64_t>(wdT.size()) < 8 * c.nb) wdT.resize(8 * c.nb), wmT.resize(8 * c.nb);
   const uint8_t* cols[8];
   float bv[8];
   int64_t ns[8];
@@ -587,13 +690,13 @@ void cols_range(const Ctx& c, int64_t n0, int64_t n1) {
         for (int64_t j = 0; j < valid; ++j) dst[j] = t[j];
       }
     };
-    int64_t r = 0;
+    int64_t r = r0;
     __m256 out[MT];
-    for (; r + MT <= c.M; r += MT) {
+    for (; r + MT <= r1; r += MT) {
       cols8<INT4, MINS, MT>(c, cols, wdT.data(), wmT.data(), r, out);
       for (int i = 0; i < MT; ++i) store(r + i, out[i]);
     }
-    for (; r < c.M; ++r) {
+    for (; r < r1; ++r) {
       cols8<INT4, MINS, 1>(c, cols, wdT.data(), wmT.data(), r, out);
       store(r, out[0]);
     }
@@ -699,16 +802,18 @@ inline void prep_col(const uint8_t* row, int64_t nb, bool int4, uint8_t* dst) {
   }
 }
 
+// Columns n0 .. n1-1 of rows r0 .. r1-1 (r0 a multiple of 8; r1 a multiple of 8 or M).
 template <bool INT4, bool MINS>
-void rows_range(const Ctx& c, int64_t n0, int64_t n1) {
+void rows_range(const Ctx& c, int64_t n0, int64_t n1, int64_t r0, int64_t r1) {
   constexpr int NC = kV ? 6 : 2;  // columns per register tile (VNNI: 32 registers: 2 x 6 int32 chains + 2 x 6 float sums)
-  const int64_t K = c.nb * QK, T = (c.M + 7) / 8;
+  const int64_t K = c.nb * QK, t0 = r0 / 8, T = (r1 + 7) / 8;
   const int64_t C = std::max<int64_t>(NC, kPanelBytes / K / NC * NC);
-  std::vector<uint8_t> wu(std::min(C, n1 - n0) * K);
+  thread_local std::vector<uint8_t> wu;
+  if (static_cast<int64_t>(wu.size()) < std::min(C, n1 - n0) * K) wu.resize(std::min(C, n1 - n0) * K);
   for (int64_t p0 = n0; p0 < n1; p0 += C) {
     const int64_t np = std::min(C, n1 - p0);
     for (int64_t j = 0; j < np; ++j) prep_col(c.q + (p0 + j) * c.rb, c.nb, INT4, wu.data() + j * K);
-    for (int64_t t = 0; t < T;) {
+    for (int64_t t = t0; t < T;) {
       const int rt = (kV && t + 1 < T) ? 2 : 1;  // row tiles per register tile
       for (int64_t j0 = 0; j0 < np; j0 += NC) {
         const uint8_t* wp[NC];
@@ -738,14 +843,14 @@ void rows_range(const Ctx& c, int64_t n0, int64_t n1) {
   }
 }
 
-void range(const Ctx& c, bool rows, int64_t n0, int64_t n1) {
+void range(const Ctx& c, bool rows, int64_t n0, int64_t n1, int64_t r0, int64_t r1) {
   const bool mins = c.wm != nullptr;
   if (rows) {
-    if (c.int4) mins ? rows_range<true, true>(c, n0, n1) : rows_range<true, false>(c, n0, n1);
-    else mins ? rows_range<false, true>(c, n0, n1) : rows_range<false, false>(c, n0, n1);
+    if (c.int4) mins ? rows_range<true, true>(c, n0, n1, r0, r1) : rows_range<true, false>(c, n0, n1, r0, r1);
+    else mins ? rows_range<false, true>(c, n0, n1, r0, r1) : rows_range<false, false>(c, n0, n1, r0, r1);
   } else {
-    if (c.int4) mins ? cols_range<true, true>(c, n0, n1) : cols_range<true, false>(c, n0, n1);
-    else mins ? cols_range<false, true>(c, n0, n1) : cols_range<false, false>(c, n0, n1);
+    if (c.int4) mins ? cols_range<true, true>(c, n0, n1, r0, r1) : cols_range<true, false>(c, n0, n1, r0, r1);
+    else mins ? cols_range<false, true>(c, n0, n1, r0, r1) : cols_range<false, false>(c, n0, n1, r0, r1);
   }
 }
 
