@@ -10,7 +10,7 @@ Stated bounds:
 * SmolLM2 Q4_1 and Gemma 3 Q4_K_M: greedy tokens with native blocks equal those of the same file
   dequantized at load (``quantization="none"``), float32 math (integer-dot kernel off); resident
   weight bytes within 1.25x of the file size.
-* integer-dot kernel (default; PAGEDLLM_GGUF_INTDOT=0 turns it off; int8 activations): taken exactly for the
+* integer-dot kernel (opt-in, PAGEDLLM_GGUF_INTDOT=1; int8 activations): taken exactly for the
   int4/int8 group-32 kinds at every M and only by GGUF methods; the real models' perplexity within
   1% (SmolLM2) / 3% (Gemma 3) of float32 (``test_intdot_close_to_float`` states the rest).
 """
@@ -258,7 +258,7 @@ def _ppl_decode_sized(llm, ids) -> float:
 
 @pytest.mark.skipif(cpu_ops.get_intdot_ops() is None, reason="integer-dot C++ kernel not built here")
 def test_gguf_linear_takes_intdot_at_every_m(monkeypatch):
-    """With PAGEDLLM_GGUF_INTDOT on (the default), GGUF methods run the integer-dot kernel at every
+    """With PAGEDLLM_GGUF_INTDOT on, GGUF methods run the integer-dot kernel at every
     M on int4/int8 group-32 layers (Q4_1, Q8_0, Q4_0), rows bit-identical between a 5-row and a
     17-row call; the old kernel for group 16 (Q6_K) and with it off; other group-layout methods
     (GPTQ, ...) never take it."""
@@ -348,7 +348,7 @@ def test_intdot_close_to_float(which, smollm2_path, gemma3_path, monkeypatch):
 @pytest.mark.skipif(cpu_ops.get_intdot_ops() is None, reason="integer-dot C++ kernel not built here")
 def test_tied_lm_head_intdot_matches_float_activation_head(smollm2_path, monkeypatch):
     """SmolLM2's tied LM head (its Q8_0 embedding table, 49152 x 576) takes the integer-dot kernel
-    by default (int8 activations per 32-block, float32 logits), against the same head with float
+    when it is on (int8 activations per 32-block, float32 logits), against the same head with float
     activations (``group_gemm``) on the model's own final hidden states of a 256-token text (one
     call, M = 256). Bounds: the top-1 token is the same wherever the float head's top-1 / top-2
     margin exceeds 0.1 nats, and on >= 97% of all positions; the float head's top-1 logprob moves
