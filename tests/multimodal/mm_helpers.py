@@ -73,3 +73,22 @@ def hf_greedy_mm(hf, proc, text: str, images: list, n: int):
     toks = out.sequences[0, len(ids):].tolist()
     logps = [torch.log_softmax(lg[0].float(), -1)[t].item() for lg, t in zip(out.logits, toks)]
     return ids, toks, logps
+
+
+def greedy_params(n: int, **kw):
+    """Greedy ``SamplingParams`` for ``n`` tokens with the chosen token's logprob (``logprobs=0``)."""
+    from pagedllm import SamplingParams
+    return SamplingParams(max_tokens=n, temperature=0, ignore_eos=True, logprobs=0, **kw)
+
+
+def run_greedy(llm, prompt, n: int, **kw):
+    """``llm.generate(prompt)`` greedily for ``n`` tokens: (the RequestOutput, its token ids, the
+    chosen tokens' logprobs)."""
+    o = llm.generate(prompt, greedy_params(n, **kw), use_tqdm=False)[0]
+    lps = [next(iter(d.values())).logprob for d in o.outputs[0].logprobs]
+    return o, list(o.outputs[0].token_ids), lps
+
+
+def runner_model(llm):
+    """The model of an in-process ``LLM``'s runner."""
+    return llm.llm_engine.core.executor.driver_worker.runner.model

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 sys.path.insert(0, __file__.rsplit("/", 1)[0])
-from mm_helpers import hf_greedy_mm, image  # noqa: E402
+from mm_helpers import hf_greedy_mm, image, greedy_params, run_greedy, runner_model  # noqa: E402
 from vlm_helpers import make_llava_next_checkpoint  # noqa: E402
 
 from pagedllm import LLM, SamplingParams  # noqa: E402
@@ -36,17 +36,15 @@ def llm(ckpt):
 
 
 def greedy(n=N):
-    return SamplingParams(max_tokens=n, temperature=0, ignore_eos=True, logprobs=0)
+    return greedy_params(n)
 
 
 def _run(llm, prompt):
-    o = llm.generate(prompt, greedy(), use_tqdm=False)[0]
-    lps = [next(iter(d.values())).logprob for d in o.outputs[0].logprobs]
-    return o, list(o.outputs[0].token_ids), lps
+    return run_greedy(llm, prompt, N)
 
 
 def _model(llm):
-    return llm.llm_engine.core.executor.driver_worker.runner.model
+    return runner_model(llm)
 
 
 def test_packed_image_embeddings_match(llm, ckpt):

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 sys.path.insert(0, __file__.rsplit("/", 1)[0])
-from mm_helpers import hf_greedy_mm, image  # noqa: E402
+from mm_helpers import hf_greedy_mm, image, greedy_params, run_greedy, runner_model  # noqa: E402
 from qwenvl_helpers import make_qwen2_5_vl_checkpoint  # noqa: E402
 
 from pagedllm import LLM, SamplingParams  # noqa: E402
@@ -38,17 +38,15 @@ def llm(ckpt):
 
 
 def greedy(n=N, **kw):
-    return SamplingParams(max_tokens=n, temperature=0, ignore_eos=True, logprobs=0, **kw)
+    return greedy_params(n, **kw)
 
 
 def _run(llm, prompt, **kw):
-    o = llm.generate(prompt, greedy(**kw), use_tqdm=False)[0]
-    lps = [next(iter(d.values())).logprob for d in o.outputs[0].logprobs]
-    return o, list(o.outputs[0].token_ids), lps
+    return run_greedy(llm, prompt, N, **kw)
 
 
 def _model(llm):
-    return llm.llm_engine.core.executor.driver_worker.runner.model
+    return runner_model(llm)
 
 
 IMAGES = [image(2), image(3, size=(20, 50)), image(4, size=(64, 24))]
