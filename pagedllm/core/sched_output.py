@@ -55,6 +55,17 @@ class ScheduledRequest:
 class SchedulerOutput:
     """The step's batch.
 
+    Two forms of the same batch. The general one is ``scheduled``, one :class:`ScheduledRequest`
+    per request. A step whose every request is an *unchanged decode* (running before this step,
+    one new token, no drafts, no grammar, past its prompt, a generation request) may instead come
+    in the flat form of vLLM v1's ``CachedRequestData``: ``cached_req_ids`` /
+    ``cached_start_pos`` / ``cached_token_ids`` (one entry per request, batch order) and
+    ``cached_new_block_ids`` for the few whose block table grew; the model runner's persistent
+    ``InputBatch`` already holds everything else (parameters, block tables). Reading
+    ``scheduled`` of a flat step builds the ``ScheduledRequest`` list once (the same objects
+    the general form would hold), so every consumer that reads it works on both forms; the
+    hot path (the in-process runner, ``Scheduler.update_from_output``) reads the flat lists.
+
     Attributes:
         scheduled: requests in batch order (the runner may reorder decodes first).
         total_num_scheduled_tokens: sum of ``num_tokens`` over ``scheduled`` (<= token budget).
@@ -67,6 +78,13 @@ class SchedulerOutput:
             engine core after ``schedule()``; None when no row is constrained.
         kv_connector_metadata: the KV connector's ``KVConnectorMetadata`` for the step (loads and
             saves the worker-side connector does around the forward); None without a connector.
+        cached_req_ids: flat form only: the requests' ids, batch order (else empty).
+        cached_start_pos: flat form: each request's ``num_computed_tokens`` before the step (the
+            position of its one new token).
+        cached_token_ids: flat form: each request's input token (``token_ids[start_pos]``, the
+            token sampled last step).
+        cached_new_block_ids: flat form: req_id -> its whole block table (a copy), only for the
+            requests whose table grew in this step's allocation.
     """
 
     scheduled: list[ScheduledRequest] = field(default_factory=list)
@@ -76,10 +94,64 @@ class SchedulerOutput:
     structured_output_request_ids: dict[str, int] = field(default_factory=dict)
     grammar_bitmask: Any = None
     kv_connector_metadata: Any = None
+    cached_req_ids: list[str] = field(default_factory=list)
+    cached_start_pos: list[int] = field(default_factory=list)
+    cached_token_ids: list[int] = field(default_factory=list)
+    cached_new_block_ids: dict[str, list[int]] = field(default_factory=dict)
 
     @property
     def is_empty(self) -> bool:
-        return not self.scheduled
+        return not self.cached_req_ids and not self.scheduled
+
+    @property
+    def is_flat(self) -> bool:
+        """True when the step is in the flat form and ``scheduled`` has not been built yet."""
+        return self.__dict__["_scheduled"] is None
+
+    @property
+    def num_reqs(self) -> int:
+        """Number of scheduled requests (either form; builds nothing)."""
+        return len(self.cached_req_ids) if self.__dict__["_scheduled"] is None else len(self.scheduled)
+
+    def set_flat(self, sources: list[tuple[Any, list[int], int]]) -> None:
+        """Switch to the flat form (``Scheduler.schedule``): ``sources`` holds, per request in
+        batch order, ``(Request, its block id list (by reference), its length in this step)``,
+        from which ``scheduled`` is built if something reads it. Block lists only grow while a
+        request holds them (``KVCacheManager``), so the prefix is this step's table."""
+        self.__dict__["_scheduled"] = None
+        self.__dict__["_flat_sources"] = sources
+
+    def __getstate__(self) -> dict:
+        d = dict(self.__dict__)
+        d["_scheduled"] = self.scheduled  # (builds it: Request objects do not travel)
+        d.pop("_flat_sources", None)
+        return d
+
+
+def _get_scheduled(self: SchedulerOutput) -> list[ScheduledRequest]:
+    got = self.__dict__["_scheduled"]
+    if got is None:
+        got = []
+        for (req, blocks, nb), start, tok in zip(self.__dict__.pop("_flat_sources"), self.cached_start_pos,
+                                                 self.cached_token_ids):
+            got.append(ScheduledRequest(
+                req.request_id, req.all_token_ids, start, 1, blocks[:nb], True, req.sampling_params, None,
+                len(req.prompt_token_ids), False, _NO_SPEC, req.lora_request, None, None))
+        self.__dict__["_scheduled"] = got
+    return got
+
+
+def _set_scheduled(self: SchedulerOutput, value: list[ScheduledRequest]) -> None:
+    self.__dict__["_scheduled"] = value
+    self.__dict__.pop("_flat_sources", None)
+
+
+# ``ScheduledRequest.spec_token_ids`` of a request without drafts: one shared, never mutated empty list.
+_NO_SPEC: list[int] = []
+
+# NOTE: after @dataclass (which set the field's default from the class attribute): ``scheduled``
+# becomes a property over ``__dict__["_scheduled"]`` (None while only the flat form exists).
+SchedulerOutput.scheduled = property(_get_scheduled, _set_scheduled)  # type: ignore[assignment]
 
 
 @dataclass

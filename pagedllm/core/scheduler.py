@@ -41,11 +41,13 @@ from __future__ import annotations
 import logging
 import time
 from collections import deque
+from itertools import repeat
+from operator import attrgetter
 from typing import Any, Iterable, Optional
 
 from pagedllm.core.kv_cache_manager import KVCacheManager
 from pagedllm.core.request import Request, RequestStatus
-from pagedllm.core.sched_output import (EngineCoreOutput, ModelRunnerOutput, ScheduledRequest,
+from pagedllm.core.sched_output import (_NO_SPEC, EngineCoreOutput, ModelRunnerOutput, ScheduledRequest,
                                         SchedulerOutput)
 from pagedllm.core.spec_decode_stats import SpecDecodingStats
 from pagedllm import envs
@@ -55,9 +57,10 @@ logger = logging.getLogger("pagedllm")
 #: ``--scheduling-policy`` values (vLLM's).
 SCHEDULING_POLICIES = ("fcfs", "priority")
 
-
-# ``ScheduledRequest.spec_token_ids`` of a request without drafts: one shared, never mutated empty list.
-_NO_SPEC: list[int] = []
+# How a request entered this step's batch (``schedule()``'s ``order``): running with the blocks it
+# held, running after ``allocate_slots`` (its table may have grown), or (re)admitted.
+_KEPT, _ALLOCATED, _NEW = 0, 1, 2
+_REQ_ID, _SPEC_IDS, _IS_LAST = attrgetter("req_id"), attrgetter("spec_token_ids"), attrgetter("is_last_chunk")
 
 
 def _priority_key(req: Request) -> tuple[int, float]:
@@ -143,6 +146,10 @@ class Scheduler:
         # Outputs of requests finished inside schedule() (a grammar that failed to compile),
         # returned by the next update_from_output().
         self._pending_outputs: list[EngineCoreOutput] = []
+        # Emit unchanged-decode steps in SchedulerOutput's flat form (not with a KV connector, whose
+        # metadata builder may read the step, nor with a speculative method or adapters: their runner
+        # paths read ScheduledRequests; constrained requests, jump-forward's, never go flat).
+        self._flat_ok = connector is None and num_spec_tokens == 0 and not num_lookahead_tokens and not max_loras
 
     # ---- bookkeeping ---------------------------------------------------------------
 
@@ -328,7 +335,7 @@ class Scheduler:
                     not caching or req.pooling_params is not None
                     or min(computed + num_new + lookahead, len(req.all_token_ids)) // block_size
                     <= num_cached_block[req.request_id]):
-                order.append((req, num_new, False))
+                order.append((req, num_new, _KEPT))
                 budget -= num_new
                 i += 1
                 continue
@@ -353,7 +360,7 @@ class Scheduler:
                     break
             if not scheduled:
                 continue  # running[i] is now the next request (fcfs: none left)
-            order.append((req, num_new, False))
+            order.append((req, num_new, _ALLOCATED))
             budget -= num_new
             i += 1
 
@@ -414,7 +421,7 @@ class Scheduler:
                 self.running.append(req)
                 if loras is not None and lora is not None:
                     loras.add(lora.lora_int_id)
-                order.append((req, num_new, True))
+                order.append((req, num_new, _NEW))
                 budget -= num_new
             if skipped:
                 self.waiting.extendleft(reversed(skipped))
@@ -428,11 +435,13 @@ class Scheduler:
         if self.connector is not None:
             out.kv_connector_metadata = self.connector.build_connector_meta(out)
         block_ids = mgr.req_to_block_ids
+        if self._flat_ok and order and self._emit_flat(out, order, block_ids):
+            return out
         scheduled_reqs = out.scheduled
         grammar_rows = out.structured_output_request_ids
         num_grammar_rows = 0
         total = 0
-        for req, n, is_new in order:
+        for req, n, kind in order:
             start = req.num_computed_tokens
             tokens = req.all_token_ids
             spec: list[int] = _NO_SPEC
@@ -454,7 +463,7 @@ class Scheduler:
             scheduled_reqs.append(ScheduledRequest(
                 req.request_id, tokens, start, n, block_ids[req.request_id].copy(),
                 start + n >= len(tokens), req.sampling_params, req.pooling_params, prompt_len,
-                is_new, spec, req.lora_request,
+                kind == _NEW, spec, req.lora_request,
                 req.prompt_embeds if in_prompt else None, req.mm_features if in_prompt else None))
             req.num_computed_tokens = start + n
             total += n
@@ -462,6 +471,45 @@ class Scheduler:
         if self.debug:
             self.check_invariants(out)
         return out
+
+    def _emit_flat(self, out: SchedulerOutput, order: list, block_ids: dict[str, list[int]]) -> bool:
+        """Emit the step in ``SchedulerOutput``'s flat form when every request in ``order`` is an
+        unchanged decode (see ``SchedulerOutput``); returns False, having changed nothing, when
+        one is not (then the general form is emitted)."""
+        ids: list[str] = []
+        starts: list[int] = []
+        toks: list[int] = []
+        sources: list[tuple[Request, list[int], int]] = []
+        grown: dict[str, list[int]] = {}
+        for req, n, kind in order:
+            start = req.num_computed_tokens
+            tokens = req.all_token_ids
+            if (n != 1 or kind == _NEW or start + 1 != len(tokens) or req.structured_output_request is not None
+                    or req.pooling_params is not None or start < len(req.prompt_token_ids)):
+                for r in order[:len(ids)]:  # roll back: the general form advances them
+                    r[0].num_computed_tokens -= 1
+                return False
+            rid = req.request_id
+            ids.append(rid)
+            starts.append(start)
+            toks.append(tokens[start])
+            blocks = block_ids[rid]
+            sources.append((req, blocks, len(blocks)))
+            if kind == _ALLOCATED:
+                grown[rid] = blocks.copy()
+            req.num_computed_tokens = start + 1
+        for req, _, _ in order:
+            if req.spec_token_ids:
+                req.spec_token_ids = []  # (none fit a one-token step: dropped, as the general form does)
+        out.cached_req_ids = ids
+        out.cached_start_pos = starts
+        out.cached_token_ids = toks
+        out.cached_new_block_ids = grown
+        out.set_flat(sources)
+        out.total_num_scheduled_tokens = len(ids)
+        if self.debug:
+            self.check_invariants(out)
+        return True
 
     def _running_loras(self) -> set[int]:
         """Adapter ids of the running requests."""
@@ -494,7 +542,15 @@ class Scheduler:
         assert len(self.requests) == len(self.running) + len(self.waiting)
         if self.max_loras:
             assert len(self._running_loras()) <= self.max_loras, (self._running_loras(), self.max_loras)
-        if out is not None:
+        if out is not None and out.is_flat:  # (checked without building ``scheduled``)
+            n = len(out.cached_req_ids)
+            assert out.total_num_scheduled_tokens == n <= self.max_num_batched_tokens
+            assert len(set(out.cached_req_ids)) == n == len(out.cached_start_pos) == len(out.cached_token_ids)
+            for rid, start, tok in zip(out.cached_req_ids, out.cached_start_pos, out.cached_token_ids):
+                req = self.requests[rid]
+                assert req.num_computed_tokens == start + 1 == len(req.all_token_ids), req
+                assert req.all_token_ids[start] == tok, req
+        elif out is not None:
             assert out.total_num_scheduled_tokens == sum(s.num_tokens for s in out.scheduled)
             assert out.total_num_scheduled_tokens <= self.max_num_batched_tokens
             assert all(s.num_tokens >= 1 for s in out.scheduled)
@@ -527,14 +583,20 @@ class Scheduler:
         jump_forward = self.jump_forward_max_tokens
         preempted_status = RequestStatus.PREEMPTED
         running_status = RequestStatus.RUNNING
-        for sr in scheduler_output.scheduled:
-            req_id = sr.req_id
+        so = scheduler_output
+        if so.is_flat:  # (every request: one token, no drafts, its last chunk)
+            n = len(so.cached_req_ids)
+            items: Iterable[tuple[str, list[int], bool]] = zip(so.cached_req_ids, repeat(_NO_SPEC, n), repeat(True, n))
+        else:
+            sched = so.scheduled
+            items = zip(map(_REQ_ID, sched), map(_SPEC_IDS, sched), map(_IS_LAST, sched))
+        for req_id, spec, is_last_chunk in items:
             req = requests.get(req_id)
             if req is None or req.status != running_status:
                 continue  # aborted (or otherwise gone) while in flight
             prompt_lps = all_prompt_lps.get(req_id) if all_prompt_lps else None
             if req.pooling_params is not None:
-                if sr.is_last_chunk:
+                if is_last_chunk:
                     # NOTE: finish even if the runner gave no pooled output, or the request
                     # would sit in `running` with nothing left to compute, forever.
                     req.status = RequestStatus.FINISHED_STOPPED
@@ -545,7 +607,6 @@ class Scheduler:
                         num_cached_tokens=max(req.num_cached_tokens, 0)))
                 continue
             new_ids = sampled.get(req_id)
-            spec = sr.spec_token_ids
             if spec:
                 # Roll back over the rejected drafts: their K/V slots are rewritten next step.
                 num_accepted = min(len(new_ids) - 1, len(spec)) if new_ids else 0

@@ -187,6 +187,9 @@ class RequestState:
         # A request with no stop strings, logprobs or prompt logprobs: a step that brings one token
         # and no news otherwise takes update()'s short path.
         self._plain = not self.stop and not self.logprobs_requested and not self.prompt_logprobs_requested
+        # ... and one that sends nothing before its end (offline ``LLM.generate``, n = 1): such a
+        # step is handled inside ``OutputProcessor.process_outputs``' loop (no update() call).
+        self._plain_final = self._plain and self.output_kind == FINAL_ONLY and parent is None
 
     # ------------------------------------------------------------------ helpers
     def _token_text(self) -> Optional[Callable[[int], str]]:
@@ -209,22 +212,29 @@ class RequestState:
         return len(self.text) - stop_holdback(self.text, self.stop)
 
     # ------------------------------------------------------------------ one step
-    def update(self, eco: Any) -> bool:
-        """Apply one EngineCoreOutput. Returns True when a stop string matched while the
-        core still runs the request (so the core must abort it)."""
+    def _plain_step(self, eco: Any) -> bool:
+        """For a ``_plain`` request: apply ``eco`` if it is the common decode step (one int token,
+        not finished, no prompt logprobs, no news in the cached count; the same result as
+        :meth:`update`'s general path) and return True; else change nothing, return False."""
         new_ids = eco.new_token_ids
-        if (self._plain and eco.finish_reason is None and type(new_ids) is list and len(new_ids) == 1
+        if (eco.finish_reason is None and type(new_ids) is list and len(new_ids) == 1
                 and self.first_token_time is not None and not eco.new_prompt_logprobs
                 and type(new_ids[0]) is int
                 and (not eco.num_cached_tokens or eco.num_cached_tokens <= self.num_cached_tokens)):
-            # The common decode step (same result as the general path below): append, detokenize.
             self.token_ids.append(new_ids[0])
             det = self.detokenizer
             if det is not None:
                 delta = det.add_tokens(new_ids)
                 if delta:
                     self.text += delta
-            return False
+            return True
+        return False
+
+    def update(self, eco: Any) -> bool:
+        """Apply one EngineCoreOutput. Returns True when a stop string matched while the
+        core still runs the request (so the core must abort it)."""
+        if self._plain and self._plain_step(eco):
+            return False  # (the common decode step: append, detokenize)
         if eco.num_cached_tokens and eco.num_cached_tokens > self.num_cached_tokens:
             self.num_cached_tokens = int(eco.num_cached_tokens)
         if eco.new_prompt_logprobs:
@@ -457,10 +467,13 @@ class OutputProcessor:
         reqs_to_abort: list[str] = []
         parent_updates: dict[str, list[RequestState]] = {}
 
+        states = self.request_states
         for eco in engine_core_outputs:
-            state = self.request_states.get(eco.req_id)
+            state = states.get(eco.req_id)
             if state is None:
                 continue
+            if type(state) is RequestState and state._plain_final and state._plain_step(eco):
+                continue  # (nothing to send before the end)
             if isinstance(state, PoolingRequestState):
                 if eco.finish_reason is None:
                     continue  # NOTE: the core sends a pooling request's output only at its end

@@ -9,7 +9,8 @@ request computes exactly one token):
 phase                        what is timed
 ============================ ==========================================================
 ``schedule``                 ``EngineCore._schedule`` (scheduler + grammar bitmask)
-``prepare_inputs``           ``InputBatch.update`` + ``ModelRunner._prepare`` (input ids,
+``prepare_inputs``           ``InputBatch.update`` / ``update_cached`` + ``ModelRunner._prepare``
+                             / ``_prepare_flat`` (input ids,
                              positions, block tables, slot mapping, attention metadata)
 ``forward``                  the model's ``forward`` (~0 with the null model)
 ``sample``                   ``ModelRunner._sample`` (logits, sampling metadata, sampler,
@@ -75,9 +76,9 @@ class HostTimeProfiler:
                 t = perf()
                 so = fn(*a, **k)
                 self._cur["schedule"] += perf() - t
-                n = len(so.scheduled)
-                self._is_decode = n > 0 and so.total_num_scheduled_tokens == n and not any(
-                    s.spec_token_ids for s in so.scheduled)
+                n = so.num_reqs  # (the flat form: decodes without drafts, nothing to build)
+                self._is_decode = n > 0 and so.total_num_scheduled_tokens == n and (so.is_flat or not any(
+                    s.spec_token_ids for s in so.scheduled))
                 if n:
                     self.num_steps += 1
                     if self._is_decode:
@@ -109,6 +110,8 @@ class HostTimeProfiler:
         if phases:
             self._wrap(runner.input_batch, "update", self._timer("prepare_inputs"))
             self._wrap(runner, "_prepare", self._timer("prepare_inputs"))
+            self._wrap(runner.input_batch, "update_cached", self._timer("prepare_inputs"))
+            self._wrap(runner, "_prepare_flat", self._timer("prepare_inputs"))
             self._wrap(runner.model, "forward", self._timer("forward"))
             self._wrap(runner, "_sample", self._timer("sample"))
             self._wrap(core.scheduler, "update_from_output", self._timer("update"))

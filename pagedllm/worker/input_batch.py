@@ -221,6 +221,36 @@ class InputBatch:
             rows.append(row)
         return np.array(rows, dtype=np.int64), max_blocks
 
+    def update_cached(self, req_ids: list[str], new_block_ids: dict[str, list[int]]
+                      ) -> Optional[tuple[np.ndarray, int]]:
+        """:meth:`update` for a step in ``SchedulerOutput``'s flat form (every request an
+        unchanged decode, holding a row since its admission): the rows of ``req_ids`` and the
+        block tables of ``new_block_ids`` (req_id -> whole table) brought up to date.
+
+        Returns:
+            ``(rows, max_blocks)`` as :meth:`update`, or None (nothing changed) when some id holds
+            no row (then use :meth:`update` over the step's ``ScheduledRequest``s).
+        """
+        row_of = self.row_of
+        try:
+            rows = list(map(row_of.__getitem__, req_ids))
+        except KeyError:
+            return None
+        nblk = self.num_blocks
+        for rid, ids in new_block_ids.items():
+            row = row_of[rid]
+            n, k = len(ids), nblk[row]
+            if n > k:
+                if n > self.block_table.shape[1]:
+                    self._grow_cols(n)
+                self.block_table[row, k:n] = ids[k:]
+                nblk[row] = n
+            elif n < k:  # never from the Scheduler (tables only grow); rewrite the row
+                self.block_table[row, :k] = 0
+                self.block_table[row, :n] = ids
+                nblk[row] = n
+        return np.array(rows, dtype=np.int64), max(map(nblk.__getitem__, rows))
+
     def block_tables(self, rows: np.ndarray, width: int) -> np.ndarray:
         """int64 ``[len(rows), width]``: the rows' block tables, zero-padded (a copy)."""
         if width > self.block_table.shape[1]:

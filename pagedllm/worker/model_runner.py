@@ -141,12 +141,7 @@ class ModelRunner:
         block_tables = self.input_batch.block_tables(rows, max_blocks)
         if total == B:
             # Decode-only step (every request computes one token): no per-token expansion.
-            num_decodes = B
-            ids = np.array([r.token_ids[r.start_pos] for r in reqs], dtype=np.int64)
-            pos = np.array(starts, dtype=np.int64)
-            seq_lens = [s + 1 for s in starts]
-            qsl = np.arange(B + 1, dtype=np.int64)
-            blk = block_tables[np.arange(B), pos // bs]
+            return self._decode_inputs([r.token_ids[r.start_pos] for r in reqs], starts, block_tables)
         else:
             num_decodes = 0
             for q in query_lens:
@@ -173,6 +168,25 @@ class ModelRunner:
         meta = AttentionMetadata(
             num_reqs=B, num_decodes=num_decodes, num_decode_tokens=num_decodes,
             query_start_loc=torch.from_numpy(qsl), query_lens=query_lens,
+            seq_lens=torch.tensor(seq_lens, dtype=torch.int64), seq_lens_list=seq_lens,
+            block_tables=torch.from_numpy(block_tables), slot_mapping=torch.from_numpy(slots),
+            block_size=bs, max_seq_len=max(seq_lens),
+        )
+        return torch.from_numpy(ids), torch.from_numpy(pos), meta, qsl
+
+    def _decode_inputs(self, tokens: list[int], starts: list[int], block_tables: np.ndarray):
+        """``_prepare``'s result for a decode-only step: request i computes ``tokens[i]`` at
+        position ``starts[i]`` over block table row ``block_tables[i]``."""
+        bs = self.block_size
+        B = len(tokens)
+        ids = np.array(tokens, dtype=np.int64)
+        pos = np.array(starts, dtype=np.int64)
+        seq_lens = [s + 1 for s in starts]
+        qsl = np.arange(B + 1, dtype=np.int64)
+        slots = block_tables[np.arange(B), pos // bs] * bs + pos % bs
+        meta = AttentionMetadata(
+            num_reqs=B, num_decodes=B, num_decode_tokens=B,
+            query_start_loc=torch.from_numpy(qsl), query_lens=[1] * B,
             seq_lens=torch.tensor(seq_lens, dtype=torch.int64), seq_lens_list=seq_lens,
             block_tables=torch.from_numpy(block_tables), slot_mapping=torch.from_numpy(slots),
             block_size=bs, max_seq_len=max(seq_lens),
@@ -262,8 +276,19 @@ class ModelRunner:
             if sd is not None:
                 sd.remove(rid, finished=False)
         out = ModelRunnerOutput()
-        if not so.scheduled:
+        if so.is_empty:
             return out
+        if (so.is_flat and self.lora_manager is None and sd is None and self.mrope is None
+                and self.encoder_cache is None and self.pooler is None):
+            # The flat form (unchanged decodes): rows, tokens and positions from the lists, no
+            # ScheduledRequest; rows whose sampling needs per-request state take the general path.
+            got = batch.update_cached(so.cached_req_ids, so.cached_new_block_ids)
+            if got is not None and batch.simple[got[0]].all():
+                rows, max_blocks = got
+                input_ids, positions, meta, qsl = self._prepare_flat(so, rows, max_blocks)
+                hidden = self._forward(input_ids, positions, meta, None, None, None)
+                self._sample(None, None, rows, hidden, qsl, out, req_ids=so.cached_req_ids)
+                return out
         # (A step of one token per request is decodes only: already in order.)
         reqs = so.scheduled if so.total_num_scheduled_tokens == len(so.scheduled) else _decodes_first(so.scheduled)
         lora_mapping = None
@@ -285,18 +310,7 @@ class ModelRunner:
                 meta.bidirectional_ranges = [
                     [(f.offset, f.offset + f.length) for f in r.mm_features if f.bidirectional]
                     if r.mm_features else None for r in reqs]
-        ctx = ForwardContext(attn_metadata=meta, kv_caches=self.kv_caches, impl=self.attn_impl,
-                             lora_mapping=lora_mapping, inputs_embeds=inputs_embeds, mm_embeds=mm_embeds)
-        if (self.cuda_graphs is not None and lora_mapping is None and inputs_embeds is None
-                and mm_embeds is None
-                and self.cuda_graphs.can_run(meta)):
-            hidden = self.cuda_graphs.run(input_ids.to(self.device, non_blocking=True),
-                                          positions.to(self.device, non_blocking=True), meta)
-        else:
-            from pagedllm.worker.fused_decode import decode_step
-            with set_forward_context(ctx):
-                hidden = decode_step(self.decode_accelerator, self.model, input_ids.to(self.device),
-                                     positions.to(self.device))
+        hidden = self._forward(input_ids, positions, meta, lora_mapping, inputs_embeds, mm_embeds)
 
         gen_rows = [i for i, r in enumerate(reqs) if r.sampling_params is not None and r.is_last_chunk]
         grammar = (so.structured_output_request_ids, so.grammar_bitmask)
@@ -326,6 +340,28 @@ class ModelRunner:
                         out.pooler_output[r.req_id] = res
                         self.pool_state.pop(r.req_id, None)
         return out
+
+    def _prepare_flat(self, so: SchedulerOutput, rows: np.ndarray, max_blocks: int):
+        """``_prepare`` for a step in ``SchedulerOutput``'s flat form (rows from
+        ``InputBatch.update_cached``)."""
+        return self._decode_inputs(so.cached_token_ids, so.cached_start_pos,
+                                   self.input_batch.block_tables(rows, max_blocks))
+
+    def _forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
+                 lora_mapping: Any, inputs_embeds: Any, mm_embeds: Any) -> torch.Tensor:
+        """The model over the step's flat tokens: ``[T, hidden]`` hidden states (CUDA graphs when
+        they apply, else the eager forward under the step's ``ForwardContext``)."""
+        ctx = ForwardContext(attn_metadata=meta, kv_caches=self.kv_caches, impl=self.attn_impl,
+                             lora_mapping=lora_mapping, inputs_embeds=inputs_embeds, mm_embeds=mm_embeds)
+        if (self.cuda_graphs is not None and lora_mapping is None and inputs_embeds is None
+                and mm_embeds is None
+                and self.cuda_graphs.can_run(meta)):
+            return self.cuda_graphs.run(input_ids.to(self.device, non_blocking=True),
+                                        positions.to(self.device, non_blocking=True), meta)
+        from pagedllm.worker.fused_decode import decode_step
+        with set_forward_context(ctx):
+            return decode_step(self.decode_accelerator, self.model, input_ids.to(self.device),
+                               positions.to(self.device))
 
     def _mm_embeds(self, reqs: list[ScheduledRequest], qsl: np.ndarray
                    ) -> Optional[tuple[torch.Tensor, torch.Tensor]]:
@@ -360,20 +396,25 @@ class ModelRunner:
             return None
         return torch.cat(rows), torch.cat(vals)
 
-    def _sample(self, reqs: list[ScheduledRequest], sel_idx: list[int], rows: np.ndarray,
+    def _sample(self, reqs: Optional[list[ScheduledRequest]], sel_idx: Optional[list[int]], rows: np.ndarray,
                 hidden: torch.Tensor, qsl: np.ndarray, out: ModelRunnerOutput,
-                grammar: Optional[tuple[dict[str, int], Any]] = None) -> None:
+                grammar: Optional[tuple[dict[str, int], Any]] = None,
+                req_ids: Optional[list[str]] = None) -> None:
         """Sample one token for each ``reqs[i]``, ``i`` in ``sel_idx``, into ``out``.
 
         Args:
-            reqs: the step's requests (batch order).
-            sel_idx: indices into ``reqs`` of the requests that sample this step.
+            reqs: the step's requests (batch order); None with ``req_ids`` (flat form).
+            sel_idx: indices into ``reqs`` of the requests that sample this step; None: every
+                request, one token each (flat form: ``reqs`` None, every row simple).
             rows: int64 ``[B]`` input-batch row of every request.
             hidden: ``[T, hidden]`` hidden states of the step's tokens.
             qsl: int64 ``[B + 1]`` query start offsets (token ``qsl[i + 1] - 1`` is request i's last).
             grammar: ``(SchedulerOutput.structured_output_request_ids, .grammar_bitmask)``.
+            req_ids: with ``sel_idx`` None, the ids of the rows (batch order).
         """
-        if len(sel_idx) == hidden.shape[0] and hidden.is_contiguous():
+        if sel_idx is None:
+            h = hidden if hidden.is_contiguous() else hidden.contiguous()
+        elif len(sel_idx) == hidden.shape[0] and hidden.is_contiguous():
             # Every token is the last of a sampling request (decode-only step): no gather.
             h = hidden
         else:
@@ -382,8 +423,17 @@ class ModelRunner:
         if logits is None:  # NOTE: a tensor/pipeline-parallel rank that does not sample
             return
         logits = logits.float()
-        sel = [reqs[i] for i in sel_idx]
-        meta = self.input_batch.sampling_metadata(rows[sel_idx], self.device)
+        if sel_idx is None:
+            assert req_ids is not None, "the flat form names its rows"
+            sel: list[ScheduledRequest] = []
+            sel_ids = req_ids
+            meta = self.input_batch.sampling_metadata(rows, self.device)
+            assert meta is not None, "flat form: simple rows only (execute checks)"
+        else:
+            assert reqs is not None
+            sel = [reqs[i] for i in sel_idx]
+            sel_ids = [r.req_id for r in sel]
+            meta = self.input_batch.sampling_metadata(rows[sel_idx], self.device)
         if meta is None:
             meta = SamplingMetadata.from_requests(
                 params=[r.sampling_params for r in sel],
@@ -398,7 +448,7 @@ class ModelRunner:
             meta.grammar_bitmask = _grammar_rows(sel, grammar[0], grammar[1], self.device)
         so = self.sampler(logits, meta)
         sampled = so.sampled_token_ids.tolist()
-        out.sampled_token_ids.update(zip([r.req_id for r in sel], [[t] for t in sampled]))
+        out.sampled_token_ids.update(zip(sel_ids, [[t] for t in sampled]))
         if so.logprob_token_ids is None:
             return
         lp_ids = so.logprob_token_ids.tolist()
@@ -407,7 +457,7 @@ class ModelRunner:
         for j, k in enumerate(meta.num_logprobs):
             if k is not None:
                 n = 1 + k
-                out.logprobs[sel[j].req_id] = [(lp_ids[j][:n], lps[j][:n], ranks[j])]
+                out.logprobs[sel_ids[j]] = [(lp_ids[j][:n], lps[j][:n], ranks[j])]
 
     def _prompt_logprobs(self, r: ScheduledRequest, h: torch.Tensor, out: ModelRunnerOutput) -> None:
         """Prompt logprobs for tokens ``start_pos+1 .. min(end, prompt_len-1)`` of this chunk.

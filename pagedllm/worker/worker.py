@@ -642,7 +642,7 @@ class Worker:
         if trimmer is None:
             from pagedllm.metrics.memory import WorkspaceTrimmer
             trimmer = self.workspace_trimmer = WorkspaceTrimmer()
-        trimmer.step(so.total_num_scheduled_tokens, len(so.scheduled))
+        trimmer.step(so.total_num_scheduled_tokens, so.num_reqs)  # (num_reqs: builds no ScheduledRequest)
 
     def check_health(self) -> None:
         """Nothing to check in-process (a dead rank is the executor's to detect)."""

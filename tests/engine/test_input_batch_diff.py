@@ -130,3 +130,56 @@ def test_persistent_batch_state_is_bounded_by_live_requests():
         sched.update_from_output(so, ro)
         assert runner.input_batch.num_live <= 4
     assert runner.input_batch._num_rows_used <= 4 and runner.input_batch.num_live == 0
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_flat_decode_steps_equal_the_general_form(seed):
+    """``SchedulerOutput``'s flat form (steps of unchanged decodes) against the general form, in
+    lockstep over the same requests: the ``ScheduledRequest``s built from the flat form, the
+    runner's sampled tokens and logprobs (flat path vs ``ScheduledRequest`` path) and the
+    scheduler's outputs are equal step for step."""
+    rng = random.Random(100 + seed)
+    bs = rng.choice([1, 2, 4])
+    num_blocks = rng.choice([20, 200])
+    max_model_len = min(40, (num_blocks - 1) * bs)
+    pairs = []
+    for flat in (True, False):
+        mgr = KVCacheManager(num_blocks, bs, enable_caching=seed % 2 == 0, hash_seed=0, max_model_len=max_model_len)
+        sched = Scheduler(max_num_seqs=rng.choice([4, 8]), max_num_batched_tokens=64, max_model_len=max_model_len,
+                          kv_cache_manager=mgr, debug=True, policy="priority" if seed % 2 else "fcfs")
+        sched._flat_ok = flat
+        pairs.append((sched, _runner(bs, num_blocks)))
+    num_flat = 0
+    for step in range(120):
+        if rng.random() < 0.25:
+            rid = f"r{step}"
+            prompt = [rng.randrange(V) for _ in range(rng.randint(1, 12))]
+            params = _random_params(rng)
+            if rng.random() < 0.2:
+                params = SamplingParams(max_tokens=rng.randint(2, 10), ignore_eos=True, repetition_penalty=1.3,
+                                        temperature=0.0)
+            prio = rng.randint(0, 3)
+            for sched, _ in pairs:
+                sched.add_request(Request(rid, list(prompt), params.clone(), eos_token_id=None, priority=prio))
+        got = []
+        for sched, runner in pairs:
+            so = sched.schedule()
+            flat = so.is_flat and not so.is_empty
+            torch.manual_seed(step)  # (unseeded rows draw from the global generator: the same draws)
+            ro = runner.execute(so)
+            blocks_now = [list(r.block_ids) for r in so.scheduled]
+            got.append((flat, so, ro, blocks_now))
+        (flat_a, so_a, ro_a, blk_a), (flat_b, so_b, ro_b, blk_b) = got
+        assert not flat_b
+        num_flat += flat_a
+        assert so_a.scheduled == so_b.scheduled and blk_a == blk_b
+        assert so_a.total_num_scheduled_tokens == so_b.total_num_scheduled_tokens
+        assert ro_a.sampled_token_ids == ro_b.sampled_token_ids
+        assert ro_a.logprobs == ro_b.logprobs
+        outs = [sched.update_from_output(so, ro) for (sched, _), (_, so, ro, _) in zip(pairs, got)]
+        assert outs[0] == outs[1]
+        if pairs[0][0].running and rng.random() < 0.05:
+            victim = rng.choice(pairs[0][0].running).request_id
+            for sched, _ in pairs:
+                sched.finish_requests(victim, RequestStatus.FINISHED_ABORTED)
+    assert num_flat > 10
