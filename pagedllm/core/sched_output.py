@@ -132,8 +132,7 @@ def _get_scheduled(self: SchedulerOutput) -> list[ScheduledRequest]:
     got = self.__dict__["_scheduled"]
     if got is None:
         got = []
-        for (req, blocks, nb), start, tok in zip(self.__dict__.pop("_flat_sources"), self.cached_start_pos,
-                                                 self.cached_token_ids):
+        for (req, blocks, nb), start in zip(self.__dict__.pop("_flat_sources"), self.cached_start_pos):
             got.append(ScheduledRequest(
                 req.request_id, req.all_token_ids, start, 1, blocks[:nb], True, req.sampling_params, None,
                 len(req.prompt_token_ids), False, _NO_SPEC, req.lora_request, None, None))

@@ -290,8 +290,8 @@ class Scheduler:
         budget = self.max_num_batched_tokens
         threshold = self.long_prefill_token_threshold
         max_model_len = self.max_model_len
-        # (request, tokens to compute, newly admitted) in batch order.
-        order: list[tuple[Request, int, bool]] = []
+        # (request, tokens to compute, _KEPT / _ALLOCATED / _NEW) in batch order.
+        order: list[tuple[Request, int, int]] = []
         preempted: set[str] = set()
 
         # 1. Running requests, oldest first; preempt (the newest, or the lowest priority) when out
