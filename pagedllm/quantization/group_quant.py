@@ -60,7 +60,7 @@ LARGE_M = int(os.environ.get("PAGEDLLM_GROUP_GEMM_LARGE_M", "16"))
 #: fp8-KV and mmproj bounds) were near ties, float-tolerance comparisons or a fragile example,
 #: each handled from a measurement (docs/performance.md "Integer-dot GGUF path"). The tied LM
 #: head stays on it: a float-activation head changed perplexity by 0.1% (31.28 vs 31.31, bf16) and
-#: not the tool-call near tie, which sits in the transformer layers' rounding.
+#: left the tool-call near tie as it was (the model's own tie at the end of the JSON array).
 #: NOTE: int8 activations turn last-bit differences of the engine's scheduling-dependent float
 #: steps (attention sum order under chunked prefill / prefix hits) into whole code steps, so
 #: greedy tokens can differ between schedules at near ties where float activations happened not to
