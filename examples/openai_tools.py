@@ -13,8 +13,11 @@ tools = [{"type": "function", "function": {
     "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
                    "required": ["city"]}}}]
 messages = [{"role": "user", "content": "What is the weather in Paris?"}]
+# One call, greedy: a small model asked for "one or more" calls may repeat its call (or sample a
+# long argument) until max_tokens cuts the JSON short, and an unfinished array holds no call.
 resp = client.chat.completions.create(model="SmolLM2-135M-Instruct", messages=messages,
-                                      tools=tools, tool_choice="required", max_tokens=64)
+                                      tools=tools, tool_choice="required", max_tokens=64,
+                                      parallel_tool_calls=False, temperature=0)
 call = resp.choices[0].message.tool_calls[0]
 print(call.function.name, json.loads(call.function.arguments))
 # Send the call back with its result (only the fields the API defines: role, content, tool_calls).

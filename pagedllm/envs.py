@@ -59,9 +59,10 @@ ENV_VARS: dict[str, EnvVar] = {v.name: v for v in (
        "Cache directory (compiled kernels, converted models); default ~/.cache/pagedllm."),
     _v("PAGEDLLM_FUSED_DECODE", "bool", True,
        "0 turns off the fused decode step (all decoder layers of a decode-only step in one C++ call)."),
-    _v("PAGEDLLM_GGUF_INTDOT", "bool", False,
-       "1: GGUF int4/int8 group-32 layers and the tied LM head run the integer-dot kernel (int8 activations "
-       "per 32-block; faster, near-tie greedy answers can change); default: the float-activation group GEMM."),
+    _v("PAGEDLLM_GGUF_INTDOT", "bool", True,
+       "GGUF int4/int8 group-32 layers and the tied LM head run the integer-dot kernel (int8 activations "
+       "per 32-block, as llama.cpp); 0 runs the float-activation group GEMM instead (near-tie greedy answers "
+       "can differ between the two)."),
     _v("PAGEDLLM_GGUF_INTDOT_MAX_M", "int", 1 << 62,
        "Rows per call up to which GGUF layers take the integer-dot kernel (default: every M)."),
     _v("PAGEDLLM_ISA", "choice", "auto",

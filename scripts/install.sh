@@ -39,12 +39,12 @@ fi
 # start compiling as soon as torch is in, beside the rest of pip (which mostly waits on disk and
 # unpacking). Their output is kept until pip is done; step 3 then waits for them (and retries one
 # that failed, e.g. for a package pip had not installed yet).
+# The default GGUF path uses all three: the layer ops, the group GEMM and the integer-dot GEMM.
 BUILDS=("from pagedllm.kernels.cpu_ops import get_ops; get_ops()"
-        "from pagedllm.kernels.cpu_ops import get_quant_ops; get_quant_ops()")
-# --test: the opt-in integer-dot GEMM (PAGEDLLM_GGUF_INTDOT=1; it builds on first use otherwise)
-# and the batch-invariant kernels too, so parallel test workers never build them at once
-[ "${1:-}" = "--test" ] && BUILDS+=("from pagedllm.kernels.cpu_ops import get_intdot_ops; get_intdot_ops()"
-                                   "from pagedllm.kernels.batch_invariant import get_bi_ops; get_bi_ops()")
+        "from pagedllm.kernels.cpu_ops import get_quant_ops; get_quant_ops()"
+        "from pagedllm.kernels.cpu_ops import get_intdot_ops; get_intdot_ops()")
+# --test: the batch-invariant kernels too, so parallel test workers never build them at once
+[ "${1:-}" = "--test" ] && BUILDS+=("from pagedllm.kernels.batch_invariant import get_bi_ops; get_bi_ops()")
 EARLY_PIDS=(); EARLY_LOGS=()
 start_early_builds() {
   echo "install.sh: compiling the C++ CPU kernels beside pip (${#BUILDS[@]} extensions; cached ones only load)" >&2

@@ -14,7 +14,7 @@ with oneDNN-packed weights as ``kernels.onednn.prepack_cpu_linears`` leaves them
 group-quantized ones ("group": every projection held in ``group_quant``'s layout by a
 ``GroupQuantLinearMethod`` -- GGUF blocks, the default for a GGUF file, GPTQ / AWQ / ... -- with
 K a multiple of 32; each runs the kernel ``group_quant.group_linear`` picks for it, for GGUF int4 / int8
-group-32 layers ``group_gemm`` (``PAGEDLLM_GGUF_INTDOT=1``: ``intdot_gemm``), called by address in the other modules).
+group-32 layers by default ``intdot_gemm`` (``PAGEDLLM_GGUF_INTDOT=0``: ``group_gemm``), called by address in the other modules).
 Also required:
 CPU, float32 or bfloat16 activations, SiLU MLP, Llama-style norms (no q/k norm, no soft cap), a
 decode-only step (one query token per request; W8A8: at most ``PACKED_GEMM_MAX_M`` requests), and

@@ -4,9 +4,11 @@
   saturates where torch gives NaN / inf, as ``to_cache_dtype`` does;
 * the C++ decode and prefill kernels reading an fp8 cache equal the pure-torch path reading the
   same cache (bf16 tolerance);
-* SmolLM2 bf16 end to end: the same byte budget holds twice the tokens; perplexity of a fixed
-  400-token text within 2% (E4M3, measured -0.4%) / 6% (E5M2, measured +3.8%) of the bf16
-  cache; the same greedy first token for at least 6 of 8 prompts (E4M3, measured 8/8);
+* SmolLM2 bf16 end to end (the default GGUF path: integer-dot kernel, int8 activations): the same
+  byte budget holds twice the tokens; perplexity of a fixed 400-token text within 2% (E4M3,
+  measured +0.7%) / 8% (E5M2, measured +6.6%) of the bf16 cache (with float activations,
+  ``PAGEDLLM_GGUF_INTDOT=0``: -0.4% / +3.8%: E5M2's 2-bit mantissa and the int8 activation
+  codes add up); the same greedy first token for at least 6 of 8 prompts (E4M3, measured 8/8);
 * settings: vLLM's names, a ValueError naming the field otherwise, CPU only.
 """
 from __future__ import annotations
@@ -183,8 +185,9 @@ def test_smollm2_with_fp8_cache(smollm2_path):
                                  use_tqdm=False)[0].outputs[0].text
         del llm
     assert blocks["fp8"] == blocks["fp8_e5m2"] == 2 * blocks["auto"], blocks
-    # measured: auto 31.42, fp8 (E4M3) 31.29 (-0.4%), fp8_e5m2 32.62 (+3.8%)
-    assert ppl["fp8"] <= ppl["auto"] * 1.02 and ppl["fp8_e5m2"] <= ppl["auto"] * 1.06, ppl
+    # measured 2026-12-02, default (integer-dot) path: auto 31.31, fp8 (E4M3) 31.53 (+0.7%),
+    # fp8_e5m2 33.39 (+6.6%); float activations (PAGEDLLM_GGUF_INTDOT=0): 31.42, 31.29 (-0.4%), 32.62 (+3.8%)
+    assert ppl["fp8"] <= ppl["auto"] * 1.02 and ppl["fp8_e5m2"] <= ppl["auto"] * 1.08, ppl
     # NOTE: later greedy tokens are not compared: this small model's bf16 logits often tie or
     # differ by one bf16 step, and the bf16-cache run itself changes them between code paths.
     assert sum(a == b for a, b in zip(first["auto"], first["fp8"])) >= 6, first  # measured 8/8

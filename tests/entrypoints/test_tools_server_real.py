@@ -205,10 +205,15 @@ def test_responses_bad_item(oai):
 
 
 def test_messages_text_and_stream(claude):
-    # the Messages API of this SDK has no `temperature` argument: sent as an extra field
+    # the Messages API of this SDK has no `temperature` argument: sent as an extra field.
+    # NOTE: the bare question's first answer token is a near tie for this model ("The" vs "L'",
+    # its side depending on float vs int8 activations: the default GGUF path answers "L'Étoile,
+    # ..."); asked to start with "The capital" the answer reaches "Paris" on clear margins
+    # (as in tests/entrypoints/test_server_real.py)
     kw = dict(model=MODEL, max_tokens=24, extra_body={"temperature": 0.0},
               system="You are a helpful AI assistant named SmolLM, trained by Hugging Face",
-              messages=[{"role": "user", "content": "What is the capital of France?"}])
+              messages=[{"role": "user", "content": "What is the capital of France? Start your answer with "
+                                                    "'The capital'."}])
     m = claude.messages.create(**kw)
     assert m.content[0].type == "text" and "Paris" in m.content[0].text
     assert m.stop_reason in ("end_turn", "max_tokens") and m.usage.input_tokens > 5

@@ -215,7 +215,14 @@ def test_gguf_mmproj_matches_transformers_and_safetensors(files, gguf_llm):
     assert a.prompt_token_ids == b.prompt_token_ids and a.outputs[0].token_ids == b.outputs[0].token_ids
 
 
-def test_quantized_text_blocks_kept_and_autodetect(files, caplog):
+def test_quantized_text_blocks_kept_and_autodetect(files, caplog, monkeypatch):
+    # Like with like against transformers' float forward: the GGUF text layers with float activations
+    # (PAGEDLLM_GGUF_INTDOT=0). The default integer-dot path's int8 activations on this random
+    # 64-wide model (two 32-blocks per row) moved the logprobs by up to 1.48 nats (measured
+    # 2026-12-02); its accuracy is checked on real models in tests/quantization/test_gguf_blocks.py.
+    from pagedllm.quantization import group_quant as gq
+
+    monkeypatch.setattr(gq, "INTDOT", False)
     d = files["dir"]
     # an mmproj*.gguf beside the model file is picked up without --mmproj (Q8_0 vision tensors, dequantized)
     write_mmproj(files["hf"], str(d / "q8" / "mmproj-tiny-Q8_0.gguf"), Q.Q8_0)

@@ -10,7 +10,7 @@ Stated bounds:
 * SmolLM2 Q4_1 and Gemma 3 Q4_K_M: greedy tokens with native blocks equal those of the same file
   dequantized at load (``quantization="none"``), float32 math (integer-dot kernel off); resident
   weight bytes within 1.25x of the file size.
-* integer-dot kernel (opt-in, PAGEDLLM_GGUF_INTDOT=1; int8 activations): taken exactly for the
+* integer-dot kernel (the default; PAGEDLLM_GGUF_INTDOT=0 turns it off; int8 activations): taken exactly for the
   int4/int8 group-32 kinds at every M and only by GGUF methods; the real models' perplexity within
   1% (SmolLM2) / 3% (Gemma 3) of float32 (``test_intdot_close_to_float`` states the rest).
 """
@@ -258,7 +258,7 @@ def _ppl_decode_sized(llm, ids) -> float:
 
 @pytest.mark.skipif(cpu_ops.get_intdot_ops() is None, reason="integer-dot C++ kernel not built here")
 def test_gguf_linear_takes_intdot_at_every_m(monkeypatch):
-    """With PAGEDLLM_GGUF_INTDOT on, GGUF methods run the integer-dot kernel at every
+    """With PAGEDLLM_GGUF_INTDOT on (the default), GGUF methods run the integer-dot kernel at every
     M on int4/int8 group-32 layers (Q4_1, Q8_0, Q4_0), rows bit-identical between a 5-row and a
     17-row call; the old kernel for group 16 (Q6_K) and with it off; other group-layout methods
     (GPTQ, ...) never take it."""
@@ -299,7 +299,7 @@ def test_gguf_linear_takes_intdot_at_every_m(monkeypatch):
 @pytest.mark.skipif(cpu_ops.get_intdot_ops() is None, reason="integer-dot C++ kernel not built here")
 @pytest.mark.parametrize("which", ["smollm2", "gemma3"])
 def test_intdot_close_to_float(which, smollm2_path, gemma3_path, monkeypatch):
-    """The engine with PAGEDLLM_GGUF_INTDOT on (int8 activations) against the same file dequantized
+    """The default engine (PAGEDLLM_GGUF_INTDOT on: int8 activations) against the same file dequantized
     to float32, a 400-token text scored 16 tokens a step (every call M <= 16) and greedy decode of
     4 prompts x 24 tokens. SmolLM2 Q4_1: perplexity within 1% (measured +0.55%). Gemma 3 Q4_K_M
     (Q4_K/Q5_0/Q8_0 take the kernel, Q6_K keeps group_gemm): perplexity within 3% (measured +0.84%).
@@ -312,6 +312,8 @@ def test_intdot_close_to_float(which, smollm2_path, gemma3_path, monkeypatch):
     from pagedllm import LLM
     from pagedllm.entrypoints.bench import _SENTENCES
 
+    if "PAGEDLLM_GGUF_INTDOT" not in os.environ:
+        assert gq.INTDOT, "the integer-dot kernel is the default GGUF path: this test measures the default"
     monkeypatch.setattr(gq, "INTDOT", True)
     calls = _count_intdot(monkeypatch)
     path = smollm2_path if which == "smollm2" else gemma3_path
@@ -348,7 +350,7 @@ def test_intdot_close_to_float(which, smollm2_path, gemma3_path, monkeypatch):
 @pytest.mark.skipif(cpu_ops.get_intdot_ops() is None, reason="integer-dot C++ kernel not built here")
 def test_tied_lm_head_intdot_matches_float_activation_head(smollm2_path, monkeypatch):
     """SmolLM2's tied LM head (its Q8_0 embedding table, 49152 x 576) takes the integer-dot kernel
-    when it is on (int8 activations per 32-block, float32 logits), against the same head with float
+    by default (int8 activations per 32-block, float32 logits), against the same head with float
     activations (``group_gemm``) on the model's own final hidden states of a 256-token text (one
     call, M = 256). Bounds: the top-1 token is the same wherever the float head's top-1 / top-2
     margin exceeds 0.1 nats, and on >= 97% of all positions; the float head's top-1 logprob moves
