@@ -424,8 +424,9 @@ class Worker:
 
     def release_idle_memory(self) -> int:
         """Give memory this rank holds but is not using back to the OS: unreachable Python
-        objects (``gc.collect``), the caching CPU allocator's free blocks and glibc's free heap. Called after start-up and by a server
-        that has been idle a while; the next busy step re-faults what it needs (~0.4 s/GB).
+        objects (``gc.collect``), the caching CPU allocator's free blocks and glibc's free heap.
+        Called after start-up and by a server that has been idle a while; the next busy step
+        re-faults what it needs (~0.4 s/GB).
 
         Returns:
             bytes of resident memory released (this process's RSS before minus after).
@@ -622,8 +623,8 @@ class Worker:
         """Give the last steps' freed workspace back now (CPU; a server calls this when its batch
         empties): all of the caching allocator's free blocks (no decode step is running to reuse
         them; the next request re-faults its own, a few MiB for a decode step) and glibc's free
-        heap, after a garbage collection. Cheaper than ``release_idle_memory`` (KV pages stay). Returns resident bytes
-        released (RSS before minus after)."""
+        heap, after a garbage collection. Cheaper than ``release_idle_memory`` (KV pages stay).
+        Returns resident bytes released (RSS before minus after)."""
         if self.device.type != "cpu":
             return 0
         from pagedllm.metrics.memory import WorkspaceTrimmer, resident_memory_bytes
