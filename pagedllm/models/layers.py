@@ -218,7 +218,11 @@ class RotaryEmbedding(nn.Module):
     """HF-style rope (``rotate_half``, ``cat(freqs, freqs)``) at arbitrary per-token positions.
 
     The cos/sin table (float32 ``[n, D]``, ``n`` a power of two >= 1024) lives on the device of the
-    positions it is given and grows on demand to the largest position seen. The growth check reads
+    positions it is given and grows on demand to the largest position seen. On CPU only its first
+    ``R/2`` columns are kept (``_cos_half`` / ``_sin_half``, what the in-place C++ rope and the fused
+    decode read); the full ``[n, D]`` tables (``_cos`` / ``_sin``, for ``forward``) are built from the
+    same formula on first use, so a model on the C++ path holds a third of the bytes (Gemma 3: 8
+    instead of 24 MiB at 4,096 positions, 64 instead of 192 at 32,768; issue 30.4). The growth check reads
     ``positions.max()`` once per step (every layer passes the same ``positions`` tensor), which is
     free on CPU but a device sync on CUDA; ``reserve(max_model_len, device)`` sizes the table up
     front so CUDA steps skip the check, which CUDA-graph capture requires (no syncs while
@@ -236,26 +240,63 @@ class RotaryEmbedding(nn.Module):
         # Position-dependent frequencies (dynamic NTK, longrope): n -> float32 [n, R/2], row p = the
         # inverse frequencies a token at position p is rotated with (see models/rope.py).
         self.row_inv_freq = row_inv_freq
-        self._cos = self._sin = torch.empty(0, head_dim)
+        self._full: Optional[tuple[torch.Tensor, torch.Tensor]] = (torch.empty(0, head_dim), torch.empty(0, head_dim))
         self._cos_half = self._sin_half = torch.empty(0, head_dim // 2)
+        self._rows, self._table_device = 0, torch.device("cpu")  # the table's positions and device
         self._reserved = 0  # positions below this are covered on the table's device without a check
         self._checked_positions: Optional[torch.Tensor] = None  # the last positions checked against the table
 
-    def _table(self, n: int, device: torch.device) -> None:
-        n = 1 << max(10, math.ceil(math.log2(max(n, 1))))
+    def _full_table(self, n: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin float32 ``[n, D]`` (``n`` as given) on ``device``, times the scaling."""
         inv_freq = (self.row_inv_freq(n) if self.row_inv_freq is not None else self.inv_freq.unsqueeze(0)).to(device)
         freqs = torch.arange(n, dtype=torch.float, device=device).unsqueeze(1) * inv_freq
         emb = torch.cat((freqs, freqs), dim=-1)
-        self._cos, self._sin = emb.cos() * self.scaling, emb.sin() * self.scaling
+        return emb.cos() * self.scaling, emb.sin() * self.scaling
+
+    def _table(self, n: int, device: torch.device) -> None:
+        n = 1 << max(10, math.ceil(math.log2(max(n, 1))))
+        cos, sin = self._full_table(n, device)
         half = self.rotary_dim // 2
-        self._cos_half, self._sin_half = self._cos[:, :half].contiguous(), self._sin[:, :half].contiguous()
+        self._cos_half, self._sin_half = cos[:, :half].contiguous(), sin[:, :half].contiguous()
+        self._rows, self._table_device = n, cos.device
+        # NOTE: off CPU (CUDA graphs keep the table's address; no allocation while capturing) the full
+        # table stays; on CPU it is rebuilt by the same code when ``forward`` first needs it.
+        self._full = (cos, sin) if device.type != "cpu" else None
+
+    def _full_pair(self) -> tuple[torch.Tensor, torch.Tensor]:
+        if self._full is None:
+            self._full = self._full_table(self._rows, self._table_device)
+        return self._full
+
+    @property
+    def _cos(self) -> torch.Tensor:
+        """cos float32 ``[n, D]`` (built on first use on CPU); assigning an empty tensor drops the table."""
+        return self._full_pair()[0]
+
+    @_cos.setter
+    def _cos(self, value: torch.Tensor) -> None:
+        if value.shape[0]:
+            raise ValueError("RotaryEmbedding._cos: only an empty tensor may be assigned (drops the table)")
+        self._table_device = value.device
+        self._rows = 0
+        self._full = (value.new_empty(0, self.head_dim), value.new_empty(0, self.head_dim))
+        self._cos_half = self._sin_half = value.new_empty(0, self.head_dim // 2)
+
+    def drop_table(self) -> None:
+        """Forget the table (kept on its device); the next use rebuilds it."""
+        self._cos = self._cos_half[:0]
+
+    @property
+    def _sin(self) -> torch.Tensor:
+        """sin float32 ``[n, D]`` (built on first use on CPU)."""
+        return self._full_pair()[1]
 
     def reserve(self, n: int, device: torch.device | str) -> None:
         """Build the table for positions ``0 .. n-1`` on ``device`` now (e.g. ``max_model_len``
         before CUDA-graph capture); later steps on that device do not check positions."""
         device = torch.device(device)
-        if self._cos.device != device or self._cos.shape[0] < n:
-            self._table(max(n, self._cos.shape[0]), device)
+        if self._table_device != device or self._rows < n:
+            self._table(max(n, self._rows), device)
         self._reserved = n
         self._checked_positions = None
 
@@ -263,11 +304,11 @@ class RotaryEmbedding(nn.Module):
         """Make the table cover ``positions`` on their device (checked once per positions tensor)."""
         if positions is self._checked_positions:  # NOTE: every layer passes the same tensor
             return
-        if self._cos.device != positions.device:
-            self._table(max(self._cos.shape[0], self._reserved), positions.device)
+        if self._table_device != positions.device:
+            self._table(max(self._rows, self._reserved), positions.device)
         if positions.numel() and (positions.device.type == "cpu" or self._reserved == 0):
             top = int(positions.max())
-            if top >= self._cos.shape[0]:
+            if top >= self._rows:
                 self._table(top + 1, positions.device)
         self._checked_positions = positions
 

@@ -102,10 +102,10 @@ def set_rotary_max_model_len(rotary: RotaryEmbedding, max_model_len: int) -> Non
     inv_freq = long if max_model_len > orig else short
     if not torch.equal(inv_freq, rotary.inv_freq):
         rotary.inv_freq = inv_freq
-        rotary._cos = rotary._cos[:0]  # NOTE: an empty table is rebuilt (on its device) on the next use
+        rotary.drop_table()  # NOTE: an empty table is rebuilt (on its device) on the next use
         rotary._checked_positions = None
         if rotary._reserved:
-            rotary.reserve(rotary._reserved, rotary._cos.device)
+            rotary.reserve(rotary._reserved, rotary._table_device)
 
 
 def set_rope_max_model_len(model, max_model_len: int) -> int:

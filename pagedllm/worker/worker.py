@@ -8,6 +8,7 @@ The call order is ``init_device -> load_model -> determine_available_memory / ge
 """
 from __future__ import annotations
 
+import gc
 import linecache
 import logging
 import os
@@ -422,9 +423,10 @@ class Worker:
         self.release_idle_memory()  # what loading left behind: dequantized tensors, file buffers
 
     def release_idle_memory(self) -> int:
-        """Give memory this rank holds but is not using back to the OS: the caching CPU
-        allocator's free blocks and glibc's free heap. Called after start-up and by a server
-        that has been idle a while; the next busy step re-faults what it needs (~0.4 s/GB).
+        """Give memory this rank holds but is not using back to the OS: unreachable Python
+        objects (``gc.collect``), the caching CPU allocator's free blocks and glibc's free heap.
+        Called after start-up and by a server that has been idle a while; the next busy step
+        re-faults what it needs (~0.4 s/GB).
 
         Returns:
             bytes of resident memory released (this process's RSS before minus after).
@@ -433,6 +435,10 @@ class Worker:
         from pagedllm.platforms import trim_heap
 
         before = resident_memory_bytes()
+        # NOTE: the start-up heap is frozen and young collections are rare while serving
+        # (engine.gc_tuning), so the requests' cyclic garbage waits for a full collection; this
+        # one walks only what was allocated since start-up (issue 30.4).
+        gc.collect()
         if self.device.type == "cpu":
             from pagedllm.kernels.cpu_ops import cpu_allocator_empty_cache
             cpu_allocator_empty_cache()
@@ -565,7 +571,6 @@ class Worker:
                 self._sleep.pop("kv_cache", None)
                 self.model = self.runner = self.pooler = self.draft_model = self.lora_manager = None
                 del state
-                import gc
                 gc.collect()
                 self.load_model()
                 self.initialize_cache(*self._cache_shape)
@@ -618,13 +623,14 @@ class Worker:
         """Give the last steps' freed workspace back now (CPU; a server calls this when its batch
         empties): all of the caching allocator's free blocks (no decode step is running to reuse
         them; the next request re-faults its own, a few MiB for a decode step) and glibc's free
-        heap. Cheaper than ``release_idle_memory`` (KV pages stay). Returns resident bytes
-        released (RSS before minus after)."""
+        heap, after a garbage collection. Cheaper than ``release_idle_memory`` (KV pages stay).
+        Returns resident bytes released (RSS before minus after)."""
         if self.device.type != "cpu":
             return 0
         from pagedllm.metrics.memory import WorkspaceTrimmer, resident_memory_bytes
 
         before = resident_memory_bytes()
+        gc.collect()  # the burst's cyclic garbage (see release_idle_memory), before glibc's trim
         trimmer = getattr(self, "workspace_trimmer", None)
         if trimmer is None:
             trimmer = self.workspace_trimmer = WorkspaceTrimmer()

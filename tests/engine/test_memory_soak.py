@@ -15,6 +15,7 @@ import socket
 import subprocess
 import sys
 import time
+import weakref
 
 import httpx
 import pytest
@@ -188,6 +189,13 @@ def test_default_kv_cache_is_what_the_sequences_can_use():
     assert mem["kv_cache_bytes"] == core.kv_cache_bytes and mem["weight_bytes"] == core.weight_bytes
 
 
+class _Cycle:
+    """A reference cycle holding 4 MiB, freed only by the cyclic garbage collector."""
+
+    def __init__(self) -> None:
+        self.me, self.payload = self, bytearray(4 * MiB)
+
+
 def test_idle_server_engine_returns_its_free_blocks(monkeypatch, caplog):
     """After a burst, an idle AsyncLLM returns the allocator's free blocks and free heap to the
     OS (once per idle period of PAGEDLLM_IDLE_RELEASE_S); start-up logs the memory plan."""
@@ -211,9 +219,13 @@ def test_idle_server_engine_returns_its_free_blocks(monkeypatch, caplog):
                 pass
             mid = cpu_allocator_stats().get("cached_bytes")
             committed = eng.get_memory_stats()["kv_cache_committed_bytes"]
+            cycle = _Cycle()  # cyclic garbage left by the burst: the release collects it
+            ref = weakref.ref(cycle)
+            del cycle
             await asyncio.sleep(2.5)  # idle: the engine thread releases after 0.5 s
-            return mid, committed
-        mid, committed_mid = asyncio.run(burst())
+            return mid, committed, ref
+        mid, committed_mid, garbage = asyncio.run(burst())
+        assert garbage() is None  # collected (the start-up heap is frozen, young collections rare)
         # KV pages (issue 30): the ~750-token prompt committed ~47 blocks of 720 KiB; idle, all
         # but the 8 MiB of most recently used cached prefixes (11 blocks) went back.
         block = eng.engine.core.kv_block_bytes
