@@ -38,6 +38,7 @@ from pagedllm.core.kv_cache_utils import get_hash_fn, make_root_hash, update_blo
 from pagedllm.core.request import Request
 from pagedllm.core.scheduler import Scheduler
 from pagedllm.core.sched_output import ModelRunnerOutput
+from pagedllm.router.index import leading_matches
 from pagedllm.router.policy import PolicyConfig, Router as PolicyRouter
 from pagedllm.sim.step_model import COEFFICIENTS, StepModel
 from pagedllm.sim.trace import FILLER_TOKEN, TraceRequest
@@ -230,19 +231,7 @@ class Router:
 
     def prefix_matches(self, block_hashes: Sequence[bytes]) -> dict[int, int]:
         """Replica -> the leading blocks of ``block_hashes`` it holds (as ``PrefixIndex.match``)."""
-        out: dict[int, int] = {}
-        alive: Optional[set[int]] = None
-        index = self.index
-        for depth, h in enumerate(block_hashes, 1):
-            s = index.get(h)
-            if not s:
-                break
-            alive = set(s) if alive is None else alive & s
-            if not alive:
-                break
-            for r in alive:
-                out[r] = depth
-        return out
+        return leading_matches(self.index.get, block_hashes)
 
     def _route_by_router_rules(self, block_hashes: Sequence[bytes], conversation_id: Optional[str]) -> int:
         # NOTE: O(replicas) a request (the server router's rule over every eligible replica): meant

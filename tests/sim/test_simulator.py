@@ -194,6 +194,11 @@ def test_cli_missing_trace_and_json_output(tmp_path, capsys):
     assert main(["simulate", "--synthetic", "multi-turn", "--replicas", "2", "--policy", "prefix",
                  "--duration-s", "20", "--request-rate", "2", "--step-model", str(model),
                  "--output-json", str(out)]) == 0
+    assert main(["simulate", "--synthetic", "multi-turn", "--replicas", "2", "--policy", "prefix",
+                 "--duration-s", "20", "--request-rate", "2", "--step-model", str(model), "--closed-loop",
+                 "--router-rules", "--output-json", str(tmp_path / "c.json")]) == 0
+    c = json.loads((tmp_path / "c.json").read_text())["summary"]
+    assert c["prefix_routed"] > 0 and c["same_replica_as_previous_turn"] > 0.5
     d = json.loads(out.read_text())
     assert d["summary"]["num_replicas"] == 2 and len(d["replicas"]) == 2
     assert d["summary"]["num_completed"] == sum(r["num_requests"] for r in d["replicas"])
@@ -215,7 +220,7 @@ def test_closed_loop_sends_each_turn_after_the_previous_reply():
     added = {rid: t for _, t, ids, _ in a.steps for rid in ids}
     by_id = {r.request_id: r for r in trace}
     ends: dict = {}
-    for rep, t, _, st in a.steps:
+    for _rep, t, _, st in a.steps:
         for rid, _ in st:
             ends[rid] = t  # (the start of its last step: a lower bound of its end)
     for r in trace:
