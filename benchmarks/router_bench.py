@@ -111,6 +111,7 @@ def run_trace(base: str, system: str, convs, concurrency: int, max_tokens: int, 
                 with client.stream("POST", base + "/v1/chat/completions", json={
                         "model": MODEL, "messages": msgs, "max_tokens": max_tokens, "temperature": 0,
                         "ignore_eos": True, "stream": True}) as r:
+                    served_by = r.headers.get("x-pagedllm-replica")
                     for line in r.iter_lines():
                         if not line.startswith("data: ") or line == "data: [DONE]":
                             continue
@@ -124,7 +125,8 @@ def run_trace(base: str, system: str, convs, concurrency: int, max_tokens: int, 
                     ttfts.append(first if first is not None else time.perf_counter() - t0)
                     if log is not None:
                         log.append({"conversation": c, "turn": turn, "arrival_s": t0 - start,
-                                    "messages": sent_messages, "reply": "".join(text), "ttft_s": ttfts[-1]})
+                                    "messages": sent_messages, "reply": "".join(text), "ttft_s": ttfts[-1],
+                                    "replica": served_by})
                 msgs.append({"role": "assistant", "content": "".join(text)})
 
     t0 = time.perf_counter()
@@ -220,12 +222,17 @@ def main() -> None:
                 h1 = sum(metric(r, "pagedllm:prefix_cache_hits_total") for r in reps)
                 dec = httpx.get(router.base + "/metrics").text
                 late = [x["ttft_s"] for x in logs[policy] if x["turn"] > 0]
+                where = {(x["conversation"], x["turn"]): x["replica"] for x in logs[policy]}
+                same = [where[(c, t)] == where.get((c, t - 1)) for c, t in where if t > 0]
                 res[policy] = {"requests": len(ttfts), "hit_rate": (h1 - h0) / max(q1 - q0, 1),
                                "prompt_tokens": q1 - q0, "hit_tokens": h1 - h0,
                                "preemptions": sum(metric(r, "pagedllm:num_preemptions_total") for r in reps),
                                "mean_ttft_s": statistics.mean(ttfts), "p50_ttft_s": statistics.median(ttfts),
                                "mean_ttft_turns_2_8_s": statistics.mean(late) if late else None,
-                               "wall_s": wall, "decisions": [x for x in dec.splitlines()
+                               "wall_s": wall,
+                               # (a turn sent to the replica of the conversation's previous turn)
+                               "same_replica_as_previous_turn": sum(same) / max(len(same), 1),
+                               "decisions": [x for x in dec.splitlines()
                                                              if x.startswith("pagedllm_router_routing_decisions_total")]}
                 print(policy, json.dumps({k: v for k, v in res[policy].items() if k != "decisions"}), flush=True)
                 print(json.dumps([x for x in res[policy]["decisions"]]), flush=True)

@@ -21,7 +21,7 @@ import hashlib
 import threading
 from array import array
 from collections import OrderedDict
-from typing import Any, Iterable, Optional, Sequence
+from typing import Any, Callable, Iterable, Optional, Sequence
 
 #: Parent of every chain's first block in the router's hashes.
 ROOT = b"pagedllm-router-root"
@@ -41,6 +41,23 @@ def chain_hashes(token_ids: Sequence[int], block_size: int) -> list[bytes]:
     for i in range(len(token_ids) // block_size):
         parent = block_hash(parent, token_ids[i * block_size:(i + 1) * block_size])
         out.append(parent)
+    return out
+
+
+def leading_matches(holders: Callable[[Any], Optional[set[int]]], hashes: Iterable[Any]) -> dict[int, int]:
+    """Replica -> how many leading blocks of ``hashes`` it holds, where ``holders(h)`` gives the
+    replicas holding block ``h`` (None or empty: none); replicas holding none are absent."""
+    out: dict[int, int] = {}
+    alive: Optional[set[int]] = None
+    for depth, h in enumerate(hashes, 1):
+        got = holders(h)
+        if not got:
+            break
+        alive = set(got) if alive is None else alive & got
+        if not alive:
+            break
+        for r in alive:
+            out[r] = depth
     return out
 
 
@@ -145,20 +162,16 @@ class PrefixIndex:
     def match(self, hashes: Sequence[bytes]) -> dict[int, int]:
         """Replica -> the number of leading blocks of ``hashes`` (``chain_hashes``) it holds
         (replicas holding none are absent). Matched blocks become most recently used."""
-        out: dict[int, int] = {}
+        blocks = self._blocks
+
+        def holders(h: bytes) -> Optional[set[int]]:
+            got = blocks.get(h)
+            if got:
+                blocks.move_to_end(h)
+            return got
+
         with self._lock:
-            alive: Optional[set[int]] = None
-            for depth, h in enumerate(hashes, 1):
-                holders = self._blocks.get(h)
-                if not holders:
-                    break
-                self._blocks.move_to_end(h)
-                alive = set(holders) if alive is None else alive & holders
-                if not alive:
-                    break
-                for r in alive:
-                    out[r] = depth
-        return out
+            return leading_matches(holders, hashes)
 
     def replica_blocks(self, replica: int) -> int:
         """Blocks of ``replica`` in the index."""

@@ -72,6 +72,13 @@ def add_simulate_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--balance-abs-threshold", type=int, default=8,
                    help="prefix: go least-load when the prefix replica has this many more requests in flight "
                         "than the least loaded one (sgl-router's name).")
+    g.add_argument("--router-rules", action="store_true",
+                   help="Route with `pagedllm router`'s own policy and its defaults (pagedllm/router/policy.py: "
+                        "prefix's cost rule, least-load's ties in turn) instead of the simulator's rules; "
+                        "O(replicas) a request.")
+    g.add_argument("--closed-loop", action="store_true",
+                   help="Send a conversation's later turns think_time_s (else their arrival gap) after its "
+                        "previous turn finished, as a chat client does.")
     g.add_argument("--step-model", default=None, metavar="FILE",
                    help="Step-time model JSON (`pagedllm simulate fit --output`); default: the one fitted on "
                         "the development machine (pagedllm/sim/step_model_default.json).")
@@ -156,6 +163,7 @@ def _fmt(d: dict) -> str:
 
 def run_simulate(args: argparse.Namespace) -> int:
     """``pagedllm simulate``: print the summary (and write ``--output-json``)."""
+    from pagedllm.router.policy import PolicyConfig
     from pagedllm.sim.simulator import ReplicaConfig, simulate
     from pagedllm.sim.step_model import StepModel
 
@@ -171,7 +179,8 @@ def run_simulate(args: argparse.Namespace) -> int:
         enable_prefix_caching=args.enable_prefix_caching,
         long_prefill_token_threshold=args.long_prefill_token_threshold)
     res = simulate(trace, args.replicas, args.policy, model, cfg, seed=args.seed,
-                   balance_abs_threshold=args.balance_abs_threshold, per_replica=not args.no_per_replica)
+                   balance_abs_threshold=args.balance_abs_threshold, per_replica=not args.no_per_replica,
+                   closed_loop=args.closed_loop, router_rules=PolicyConfig() if args.router_rules else None)
     s = res.summary
     print(f"replicas={s['num_replicas']} policy={s['policy']} requests={s['num_completed']}/{s['num_requests']} "
           f"(rejected {s['num_rejected']}) simulated={s['simulated_s']:.1f}s wall={s['wall_s']:.2f}s "

@@ -38,6 +38,8 @@ from pagedllm.core.kv_cache_utils import get_hash_fn, make_root_hash, update_blo
 from pagedllm.core.request import Request
 from pagedllm.core.scheduler import Scheduler
 from pagedllm.core.sched_output import ModelRunnerOutput
+from pagedllm.router.index import leading_matches
+from pagedllm.router.policy import PolicyConfig, Router as PolicyRouter
 from pagedllm.sim.step_model import COEFFICIENTS, StepModel
 from pagedllm.sim.trace import FILLER_TOKEN, TraceRequest
 
@@ -85,12 +87,14 @@ class Replica:
         self.mgr = KVCacheManager(cfg.num_blocks, cfg.block_size, cfg.enable_prefix_caching,
                                   cfg.prefix_caching_hash_algo, hash_seed=hash_seed,
                                   max_model_len=cfg.max_model_len)
+        self.pool = self.mgr.block_pool
         if kv_events:
-            self.mgr.block_pool.enable_kv_events(cfg.block_size)
+            self.pool.enable_kv_events(cfg.block_size)
         self.sched = Scheduler(cfg.max_num_seqs, cfg.max_num_batched_tokens, cfg.max_model_len, self.mgr,
                                long_prefill_token_threshold=cfg.long_prefill_token_threshold, debug=False)
         self.busy = False
         self.current: Any = None  # the SchedulerOutput in flight
+        self.runner_out = ModelRunnerOutput()  # (refilled each step: no allocation)
         self.step_start = 0.0
         self.num_steps = 0
         self.busy_s = 0.0
@@ -107,10 +111,14 @@ class Replica:
 class Router:
     """Picks a replica per request (module docstring); tracks in-flight counts and KV usage."""
 
-    def __init__(self, policy: str, num_replicas: int, balance_abs_threshold: int = 8) -> None:
+    def __init__(self, policy: str, num_replicas: int, balance_abs_threshold: int = 8,
+                 router_rules: Optional[PolicyConfig] = None) -> None:
         if policy not in POLICIES:
             raise ValueError(f"--policy: expected one of {list(POLICIES)}, got {policy!r}")
         self.policy = policy
+        # The server router's own policy object (``pagedllm.router.policy``) when its rules decide.
+        self.rules: Optional[PolicyRouter] = None if router_rules is None else PolicyRouter(policy, router_rules)
+        self._all = list(range(num_replicas))
         self.n = num_replicas
         self.balance_abs_threshold = balance_abs_threshold
         self.in_flight = [0] * num_replicas
@@ -187,6 +195,8 @@ class Router:
     # ---- routing ---------------------------------------------------------------------------
     def route(self, block_hashes: Sequence[bytes], conversation_id: Optional[str]) -> int:
         """The replica for a request whose full prompt blocks hash to ``block_hashes``."""
+        if self.rules is not None:
+            return self._route_by_router_rules(block_hashes, conversation_id)
         p = self.policy
         if p == "round-robin":
             i = self._rr
@@ -207,6 +217,8 @@ class Router:
                     s = index.get(h)
                     if not s:
                         break
+                    if cand <= s:  # (the usual case: the same holders)
+                        continue
                     nxt = cand & s
                     if not nxt:
                         break
@@ -216,6 +228,21 @@ class Router:
                     self.num_prefix_routed += 1
                     return i
         return self.least_loaded()
+
+    def prefix_matches(self, block_hashes: Sequence[bytes]) -> dict[int, int]:
+        """Replica -> the leading blocks of ``block_hashes`` it holds (as ``PrefixIndex.match``)."""
+        return leading_matches(self.index.get, block_hashes)
+
+    def _route_by_router_rules(self, block_hashes: Sequence[bytes], conversation_id: Optional[str]) -> int:
+        # NOTE: O(replicas) a request (the server router's rule over every eligible replica): meant
+        # for the router's fleet sizes, not for 1,000 simulated replicas.
+        assert self.rules is not None
+        matches = self.prefix_matches(block_hashes) if self.policy == "prefix" else None
+        d = self.rules.choose(self._all, self.in_flight, matches=matches, prompt_blocks=len(block_hashes),
+                              session=conversation_id)
+        if d.reason == "prefix":
+            self.num_prefix_routed += 1
+        return d.replica
 
 
 @dataclass
@@ -231,6 +258,14 @@ class SimResult:
 
     def to_json(self) -> dict:
         return {"summary": self.summary, "replicas": self.replicas}
+
+
+def _common_blocks(a: Sequence[int], b: Sequence[int], nb: int, bs: int) -> int:
+    """The number of leading ``bs``-token blocks that ``a`` and ``b`` share, at most ``nb``."""
+    k = 0
+    while k < nb and a[k * bs:(k + 1) * bs] == b[k * bs:(k + 1) * bs]:
+        k += 1
+    return k
 
 
 def _percentiles(values: list[float], ps: Sequence[float] = (50, 90, 99)) -> dict:
@@ -266,7 +301,8 @@ def _to_ms(d: dict) -> dict:
 
 def simulate(trace: Sequence[TraceRequest], num_replicas: int, policy: str, step_model: StepModel,
              cfg: Optional[ReplicaConfig] = None, *, seed: int = 0, balance_abs_threshold: int = 8,
-             record_steps: bool = False, per_replica: bool = True) -> SimResult:
+             record_steps: bool = False, per_replica: bool = True, closed_loop: bool = False,
+             router_rules: Optional[PolicyConfig] = None) -> SimResult:
     """Run ``trace`` through ``num_replicas`` simulated replicas behind ``policy``.
 
     Args:
@@ -280,6 +316,13 @@ def simulate(trace: Sequence[TraceRequest], num_replicas: int, policy: str, step
         record_steps: keep, per step, ``(replica, start_s, ids added before it, [(req_id, num_tokens)])``
             (``SimResult.steps``; tests compare it with the real engine's steps).
         per_replica: include per-replica figures (percentiles too) in the result.
+        closed_loop: a conversation's later turns (same ``conversation_id``, in trace order) are
+            sent ``think_time_s`` (else the gap between the two turns' ``arrival_s``) after its
+            previous turn finished, as a chat client does; its first turn at its ``arrival_s``.
+            TTFT and E2E count from the send time.
+        router_rules: route with the server router's policy (``pagedllm.router.policy.Router``:
+            ``prefix``'s cost rule, ``least-load``'s ties in turn, ``sticky``'s rendezvous hash)
+            and these knobs, instead of the simulator's own rules; O(replicas) a request.
 
     Returns:
         a :class:`SimResult`. A request that cannot fit (prompt + max_tokens > max_model_len) is
@@ -294,12 +337,12 @@ def simulate(trace: Sequence[TraceRequest], num_replicas: int, policy: str, step
     root = make_root_hash(hash_fn, hash_seed)
     want_hashes = policy == "prefix" and cfg.enable_prefix_caching
     replicas = [Replica(i, cfg, hash_seed, want_hashes) for i in range(num_replicas)]
-    router = Router(policy, num_replicas, balance_abs_threshold)
+    router = Router(policy, num_replicas, balance_abs_threshold, router_rules)
     bs = cfg.block_size
     heap: list[tuple[float, int]] = []
     heappush, heappop = heapq.heappush, heapq.heappop
     steps: Optional[list[tuple]] = [] if record_steps else None
-    # rid -> [arrival_s, last emission time or None, the trace's output tokens or None]
+    # rid -> [arrival_s, last emission time or None, the trace's output tokens or None, prompt length]
     live: dict[str, list] = {}
     ttft_all: list[float] = []
     e2e_all: list[float] = []
@@ -309,37 +352,21 @@ def simulate(trace: Sequence[TraceRequest], num_replicas: int, policy: str, step
     log = math.log
     ITL_K = _ITL_BINS_PER_E
     usage = router.usage
-    # NOTE: the step-time formula inlined (``StepModel.cost``, same arithmetic) unless a subclass
-    # overrides it: it runs once per simulated step.
-    inline_cost = type(step_model).cost is StepModel.cost
-    cost = step_model.cost
-    ca, cb, cc = step_model.a, step_model.b_prefill_token, step_model.c_decode_row
-    cd, ce, cf = step_model.d_decode_context_ktoken, step_model.e_prefill_attention_kpair, step_model.f_prefill_step
+    step_seconds = step_model.step_seconds
+    decode_seconds = step_model.decode_seconds
 
     def start_step(rep: Replica, t: float) -> None:
         so = rep.sched.schedule()
-        if so.is_empty and not rep.sched.running:
+        flat = getattr(so, "cached_req_ids", None)  # (the scheduler's flat form of a pure decode step)
+        if flat and so.is_flat:
+            dt = decode_seconds(len(flat), sum(so.cached_start_pos) + len(flat))
+        elif so.is_empty and not rep.sched.running:
             # Nothing can run (cannot happen for requests that fit): stay idle until an arrival.
             rep.busy = False
             return
-        prefill = rows = 0
-        ctx = pairs = 0.0
-        for sr in so.scheduled:  # (step_features, inlined)
-            n = sr.num_tokens
-            s = sr.start_pos
-            if n == 1 and s >= sr.prompt_len:
-                rows += 1
-                ctx += s + 1
-            else:
-                prefill += n
-                pairs += n * s + n * (n + 1) / 2
-        if inline_cost:
-            dt = ca + cb * prefill + cc * rows + cd * (ctx / 1000.0) + ce * (pairs / 1000.0)
-            if prefill:
-                dt += cf
         else:
-            dt = cost(prefill, rows, ctx / 1000.0, pairs / 1000.0)
-        u = rep.mgr.block_pool.get_usage()
+            dt = step_seconds(so.scheduled)
+        u = rep.pool.get_usage()
         rep.usage_time += u * dt
         if u > rep.peak_usage:
             rep.peak_usage = u
@@ -357,25 +384,37 @@ def simulate(trace: Sequence[TraceRequest], num_replicas: int, policy: str, step
         """Apply the step that ends at ``t``; returns the tokens it emitted."""
         so = rep.current
         sched = rep.sched
-        sampled: dict[str, list[int]] = {}
-        for sr in so.scheduled:
-            if sr.is_last_chunk:
-                rid = sr.req_id
+        mro = rep.runner_out
+        sampled = mro.sampled_token_ids
+        sampled.clear()
+        flat = getattr(so, "cached_req_ids", None)
+        if flat and so.is_flat:
+            for rid, s in zip(flat, so.cached_start_pos):
                 st = live.get(rid)
-                if st is None:
-                    continue
-                outs = st[2]
-                k = len(sr.token_ids) - sr.prompt_len  # the output tokens so far
-                sampled[rid] = [outs[k] if outs is not None and k < len(outs) else FILLER_TOKEN]
-        outputs = sched.update_from_output(so, ModelRunnerOutput(sampled_token_ids=sampled))
+                if st is not None:
+                    outs = st[2]
+                    k = s + 1 - st[3]  # the output tokens so far
+                    sampled[rid] = [outs[k] if outs is not None and k < len(outs) else FILLER_TOKEN]
+        else:
+            for sr in so.scheduled:
+                if sr.is_last_chunk:
+                    rid = sr.req_id
+                    st = live.get(rid)
+                    if st is None:
+                        continue
+                    outs = st[2]
+                    k = len(sr.token_ids) - sr.prompt_len  # the output tokens so far
+                    sampled[rid] = [outs[k] if outs is not None and k < len(outs) else FILLER_TOKEN]
+        outputs = sched.update_from_output(so, mro)
         hist = rep.itl_hist if per_replica else itl_all
         n_out = 0
         last_d = -1.0
         key = 0
         for o in outputs:
             st = live[o.req_id]
-            if o.new_token_ids:
-                n_out += len(o.new_token_ids)
+            new = o.new_token_ids
+            if new:
+                n_out += len(new)
                 prev = st[1]
                 if prev is None:
                     v = t - st[0]
@@ -396,9 +435,13 @@ def simulate(trace: Sequence[TraceRequest], num_replicas: int, policy: str, step
                     rep.e2e.append(v)
                 del live[o.req_id]
                 router.dec(rep.index)
+                if follow is not None:
+                    nxt = follow.get(o.req_id)
+                    if nxt is not None:
+                        heappush(sent, (t + nxt[1], nxt[0].arrival_s, nxt[0].request_id, nxt[0]))
         rep.num_output_tokens += n_out
         if want_hashes:
-            ev = rep.mgr.block_pool.take_kv_events()
+            ev = rep.pool.take_kv_events()
             if ev:
                 router.apply_kv_events(rep.index, ev)
         rep.current = None
@@ -406,41 +449,118 @@ def simulate(trace: Sequence[TraceRequest], num_replicas: int, policy: str, step
             start_step(rep, t)
         else:
             rep.busy = False
-            usage[rep.index] = rep.mgr.block_pool.get_usage()
+            usage[rep.index] = rep.pool.get_usage()
         return n_out
 
+    # Closed loop: request id -> (the conversation's next turn, its think time); ``sent``: a heap
+    # of (send time, trace arrival, id, request) of the turns whose previous turn has finished.
+    follow: Optional[dict[str, tuple[TraceRequest, float]]] = None
+    sent: list[tuple[float, float, str, TraceRequest]] = []
+    arrivals: Sequence[TraceRequest] = trace
+    if closed_loop:
+        follow, last, arrivals = {}, {}, []
+        for tr in trace:
+            prev = last.get(tr.conversation_id) if tr.conversation_id is not None else None
+            if prev is None:
+                arrivals.append(tr)
+            else:
+                follow[prev.request_id] = (tr, tr.think_time_s if tr.think_time_s is not None
+                                           else max(0.0, tr.arrival_s - prev.arrival_s))
+            if tr.conversation_id is not None:
+                last[tr.conversation_id] = tr
     t_now = 0.0
     max_model_len = cfg.max_model_len
     gc_threshold = gc.get_threshold()
     # NOTE: fewer young-generation collections: a run allocates a few objects per step and keeps
     # few; the default (700) makes the collector a measurable share of a 1,000-replica run.
     gc.set_threshold(max(gc_threshold[0], 20000), *gc_threshold[1:])
+    # the prompt blocks the router looks up: the cacheable ones (the simulator's rules), or every
+    # full block (the server router's ``chain_hashes``)
+    route_last = router_rules is not None
+
+    caching = cfg.enable_prefix_caching
+    conv_last: dict[str, Request] = {}  # conversation id -> its latest turn's Request
+    conv_replica: dict[str, int] = {}  # conversation id -> the replica of its latest turn
+    affinity = [0, 0]  # later turns; of those, routed to the replica of the previous turn
+
+    def arrive(tr: TraceRequest, t_arr: float) -> bool:
+        """Route ``tr`` at ``t_arr``; False when it is rejected."""
+        if len(tr.prompt_token_ids) + tr.max_tokens > max_model_len:
+            return False
+        req = Request(tr.request_id, tr.prompt_token_ids, sampling_params=_SimSamplingParams(tr.max_tokens),
+                      arrival_time=t_arr)
+        cid = tr.conversation_id
+        if caching and cid is not None:
+            # NOTE: the hashes of the leading blocks this prompt shares with the conversation's
+            # previous turn (its prompt and answer so far) are that turn's: the same function of
+            # the same tokens. The rest are hashed by the engine's code (update_block_hashes).
+            prev = conv_last.get(cid)
+            if prev is not None:
+                toks, ph = tr.prompt_token_ids, prev.block_hashes
+                nb = min(len(ph), len(toks) // bs)
+                ptoks = prev.all_token_ids
+                if nb and toks[:nb * bs] != ptoks[:nb * bs]:
+                    nb = _common_blocks(toks, ptoks, nb, bs)
+                if nb:
+                    req.block_hashes = ph[:nb]
+            conv_last[cid] = req
+        if want_hashes:
+            update_block_hashes(req, bs, hash_fn, root)
+            i = router.route(req.block_hashes if route_last else req.block_hashes[:(req.num_tokens - 1) // bs],
+                             tr.conversation_id)
+        else:
+            i = router.route((), tr.conversation_id)
+        if cid is not None:
+            j = conv_replica.get(cid)
+            if j is not None:
+                affinity[0] += 1
+                affinity[1] += j == i
+            conv_replica[cid] = i
+        rep = replicas[i]
+        rep.sched.add_request(req)
+        rep.num_requests += 1
+        if steps is not None:
+            rep.added_since_step.append(tr.request_id)
+        live[tr.request_id] = [t_arr, None, tr.output_token_ids, len(tr.prompt_token_ids)]
+        router.inc(i)
+        if not rep.busy:
+            start_step(rep, t_arr)
+        return True
+
     try:
-        for tr in trace:
-            t_arr = tr.arrival_s
-            while heap and heap[0][0] < t_arr:  # (a step ending with an arrival: the arrival first)
-                t_now, i = heappop(heap)
-                total_out += end_step(replicas[i], t_now)
-            t_now = t_arr
-            if len(tr.prompt_token_ids) + tr.max_tokens > max_model_len:
-                num_rejected += 1
-                continue
-            req = Request(tr.request_id, tr.prompt_token_ids, sampling_params=_SimSamplingParams(tr.max_tokens),
-                          arrival_time=t_arr)
-            if want_hashes:
-                update_block_hashes(req, bs, hash_fn, root)
-                i = router.route(req.block_hashes[:(req.num_tokens - 1) // bs], tr.conversation_id)
-            else:
-                i = router.route((), tr.conversation_id)
-            rep = replicas[i]
-            rep.sched.add_request(req)
-            rep.num_requests += 1
-            if steps is not None:
-                rep.added_since_step.append(tr.request_id)
-            live[tr.request_id] = [t_arr, None, tr.output_token_ids]
-            router.inc(i)
-            if not rep.busy:
-                start_step(rep, t_now)
+        if follow is None:
+            for tr in arrivals:
+                t_arr = tr.arrival_s
+                while heap and heap[0][0] < t_arr:  # (a step ending with an arrival: the arrival first)
+                    t_now, i = heappop(heap)
+                    total_out += end_step(replicas[i], t_now)
+                t_now = t_arr
+                if not arrive(tr, t_arr):
+                    num_rejected += 1
+        else:
+            k = 0
+            inf = math.inf
+            while True:
+                t_a = arrivals[k].arrival_s if k < len(arrivals) else inf
+                t_s = sent[0][0] if sent else inf
+                t_arr = t_a if t_a <= t_s else t_s
+                if heap and heap[0][0] < t_arr:  # (a step's end may send a turn: one at a time)
+                    t_now, i = heappop(heap)
+                    total_out += end_step(replicas[i], t_now)
+                    continue
+                if t_arr == inf:
+                    break
+                if t_a <= t_s:
+                    tr = arrivals[k]
+                    k += 1
+                else:
+                    tr = heappop(sent)[3]
+                t_now = t_arr
+                if not arrive(tr, t_arr):
+                    num_rejected += 1
+                    nxt = follow.get(tr.request_id)  # (its conversation goes on)
+                    if nxt is not None:
+                        heappush(sent, (t_arr + nxt[1], nxt[0].arrival_s, nxt[0].request_id, nxt[0]))
         while heap:
             t_now, i = heappop(heap)
             total_out += end_step(replicas[i], t_now)
@@ -471,6 +591,7 @@ def simulate(trace: Sequence[TraceRequest], num_replicas: int, policy: str, step
         "num_steps": sum(r.num_steps for r in replicas),
         "num_preemptions": sum(r.sched.num_preemptions_total for r in replicas),
         "prefix_routed": router.num_prefix_routed,
+        "same_replica_as_previous_turn": affinity[1] / affinity[0] if affinity[0] else None,
         "wall_s": round(wall, 3),
         "config": {**cfg.__dict__, "balance_abs_threshold": balance_abs_threshold, "seed": seed,
                    "step_model": {k: getattr(step_model, k) for k in COEFFICIENTS}},

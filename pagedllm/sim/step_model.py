@@ -50,6 +50,16 @@ class StepModel:
              + self.e_prefill_attention_kpair * prefill_attention_kpairs)
         return t + self.f_prefill_step if prefill_tokens else t
 
+    def step_seconds(self, scheduled: Iterable[Any]) -> float:
+        """Seconds for the step that computes ``scheduled`` (a ``SchedulerOutput.scheduled``
+        list): ``cost(*step_features(scheduled))``."""
+        return self.cost(*step_features(scheduled))
+
+    def decode_seconds(self, rows: int, context_tokens: int) -> float:
+        """Seconds for a step of ``rows`` plain decodes whose contexts sum to ``context_tokens``
+        (the same value as ``step_seconds`` of those rows)."""
+        return self.cost(0, rows, float(context_tokens) / 1000.0, 0.0)
+
     def to_json(self) -> dict:
         return asdict(self)
 

@@ -15,7 +15,9 @@ line (blank lines and lines starting with ``#`` are skipped)::
 - optional: ``conversation_id`` (str; what the ``sticky`` policy keys on), ``request_id`` (str,
   unique; default ``req-<line>``), ``output_token_ids`` (list of ints: the tokens the simulator
   emits, e.g. a multi-turn conversation's assistant turns, so that the next turn's prompt, which
-  contains them, hits the cache as in a real chat; default a filler token).
+  contains them, hits the cache as in a real chat; default a filler token), ``think_time_s``
+  (number >= 0: in a closed-loop run, the request is sent this long after the previous turn of its
+  conversation finished).
 
 Token ids are drawn from ``[TOKEN_LO, TOKEN_HI)`` (ordinary text tokens of SmolLM2's vocabulary), so
 the same trace can be replayed against a real server (``pagedllm simulate replay``).
@@ -54,6 +56,9 @@ class TraceRequest:
         conversation_id: a conversation / session key, or None.
         output_token_ids: what the simulator emits (len >= max_tokens is not required: it is
             padded with ``FILLER_TOKEN``), or None.
+        think_time_s: closed-loop runs (``simulate(closed_loop=True)``): seconds between the end of
+            the conversation's previous turn and this request; None: the gap between the two
+            turns' ``arrival_s``.
     """
 
     request_id: str
@@ -62,6 +67,7 @@ class TraceRequest:
     max_tokens: int
     conversation_id: Optional[str] = None
     output_token_ids: Optional[list[int]] = field(default=None, repr=False)
+    think_time_s: Optional[float] = None
 
     def to_json(self) -> dict:
         d: dict[str, Any] = {"request_id": self.request_id, "arrival_s": round(self.arrival_s, 6),
@@ -70,6 +76,8 @@ class TraceRequest:
             d["conversation_id"] = self.conversation_id
         if self.output_token_ids is not None:
             d["output_token_ids"] = self.output_token_ids
+        if self.think_time_s is not None:
+            d["think_time_s"] = round(self.think_time_s, 6)
         return d
 
 
@@ -137,8 +145,13 @@ def parse_trace_line(obj: Any, lineno: int) -> TraceRequest:
     if conv is not None and not isinstance(conv, (str, int)):
         raise _err(where, f"conversation_id: expected a string, got {conv!r}")
     out = _token_list(obj, "output_token_ids", where)
+    think = obj.get("think_time_s")
+    if think is not None and (isinstance(think, bool) or not isinstance(think, (int, float))
+                              or not math.isfinite(think) or think < 0):
+        raise _err(where, f"think_time_s: expected a number >= 0, got {think!r}")
     assert max_tokens is not None
-    return TraceRequest(rid, float(t), list(prompt), max_tokens, None if conv is None else str(conv), out)
+    return TraceRequest(rid, float(t), list(prompt), max_tokens, None if conv is None else str(conv), out,
+                        None if think is None else float(think))
 
 
 def load_trace(path: str) -> list[TraceRequest]:
@@ -242,13 +255,15 @@ def synthetic_trace(kind: str, *, rate: float, duration_s: float, seed: int = 0,
         for c, t0 in enumerate(_arrivals(rng, rate / num_turns, duration_s, 1.0)):
             history = list(systems[rng.randrange(num_system_prompts)])
             t = t0
+            think: Optional[float] = None
             for k in range(num_turns):
                 prompt = history + toks(draw(user_len))
                 n_out = draw(output_len)
                 answer = toks(n_out)
-                out.append(TraceRequest(f"conv-{c}-turn-{k}", t, prompt, n_out, f"conv-{c}", answer))
+                out.append(TraceRequest(f"conv-{c}-turn-{k}", t, prompt, n_out, f"conv-{c}", answer, think))
                 history = prompt + answer
-                t += rng.expovariate(1.0 / think_time_s)
+                think = rng.expovariate(1.0 / think_time_s)
+                t += think
     else:  # long-doc
         docs = [fixed_tokens(f"doc:{seed}:{j}", draw(doc_len)) for j in range(num_documents)]
         weights = [1.0 / (j + 1) for j in range(num_documents)]

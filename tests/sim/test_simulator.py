@@ -194,9 +194,91 @@ def test_cli_missing_trace_and_json_output(tmp_path, capsys):
     assert main(["simulate", "--synthetic", "multi-turn", "--replicas", "2", "--policy", "prefix",
                  "--duration-s", "20", "--request-rate", "2", "--step-model", str(model),
                  "--output-json", str(out)]) == 0
+    assert main(["simulate", "--synthetic", "multi-turn", "--replicas", "2", "--policy", "prefix",
+                 "--duration-s", "20", "--request-rate", "2", "--step-model", str(model), "--closed-loop",
+                 "--router-rules", "--output-json", str(tmp_path / "c.json")]) == 0
+    c = json.loads((tmp_path / "c.json").read_text())["summary"]
+    assert c["prefix_routed"] > 0 and c["same_replica_as_previous_turn"] > 0.5
     d = json.loads(out.read_text())
     assert d["summary"]["num_replicas"] == 2 and len(d["replicas"]) == 2
     assert d["summary"]["num_completed"] == sum(r["num_requests"] for r in d["replicas"])
     model.write_text('{"a": -1}')
     assert main(["simulate", "--synthetic", "poisson", "--step-model", str(model)]) == 2
     assert "a: expected a number >= 0" in capsys.readouterr().err
+
+
+def test_closed_loop_sends_each_turn_after_the_previous_reply():
+    trace = synthetic_trace("multi-turn", rate=1.0, duration_s=30, seed=4, think_time_s=0.5, num_turns=4)
+    assert all(r.think_time_s is None for r in trace if r.request_id.endswith("-turn-0"))
+    assert all(r.think_time_s > 0 for r in trace if not r.request_id.endswith("-turn-0"))
+    cfg = ReplicaConfig(num_blocks=1024, max_model_len=8192)
+    a = simulate(trace, 2, "least-load", MODEL, cfg, closed_loop=True, record_steps=True)
+    b = simulate(trace, 2, "least-load", MODEL, cfg, closed_loop=True, record_steps=True)
+    assert a.steps == b.steps and _strip(a.summary) == _strip(b.summary)
+    assert a.summary["num_completed"] == len(trace)
+    # each request joined a step that starts at or after it was sent
+    added = {rid: t for _, t, ids, _ in a.steps for rid in ids}
+    by_id = {r.request_id: r for r in trace}
+    ends: dict = {}
+    for _rep, t, _, st in a.steps:
+        for rid, _ in st:
+            ends[rid] = t  # (the start of its last step: a lower bound of its end)
+    for r in trace:
+        c, k = r.request_id.rsplit("-turn-", 1)
+        if k == "0":
+            assert added[r.request_id] >= r.arrival_s - 1e-9
+        else:
+            prev = by_id[f"{c}-turn-{int(k) - 1}"]
+            # sent think_time_s after the previous turn's end, which is after its last step started
+            assert added[r.request_id] >= ends[prev.request_id] + r.think_time_s - 1e-9
+    open_loop = simulate(trace, 2, "least-load", MODEL, cfg)
+    assert _strip(open_loop.summary) != _strip(a.summary)
+
+
+def test_router_rules_are_the_server_routers_policy():
+    from pagedllm.router.policy import PolicyConfig
+
+    trace = synthetic_trace("multi-turn", rate=4.0, duration_s=40, seed=2, num_system_prompts=2)
+    cfg = ReplicaConfig(num_blocks=600, max_model_len=4096)
+    res = simulate(trace, 3, "prefix", MODEL, cfg, router_rules=PolicyConfig(), closed_loop=True)
+    s = res.summary
+    assert s["num_completed"] == len(trace) and s["prefix_routed"] > len(trace) // 2
+    ll = simulate(trace, 3, "least-load", MODEL, cfg, router_rules=PolicyConfig(), closed_loop=True).summary
+    assert s["prefix_cache_hit_rate"] > ll["prefix_cache_hit_rate"] and ll["prefix_routed"] == 0
+    # the index the rules read: replica -> leading blocks held, as the router's PrefixIndex.match
+    router = res.router
+    h = [next(iter(router.index))]
+    assert router.prefix_matches(h) == {i: 1 for i in router.index[h[0]]}
+    assert router.prefix_matches([b"unknown"]) == {}
+
+
+def test_reused_conversation_hashes_equal_the_engines(monkeypatch):
+    """The simulator reuses a conversation's previous turn's block hashes: they equal what the
+    engine's own code computes from the prompt alone, for every policy."""
+    from pagedllm.core.kv_cache_utils import get_hash_fn, make_root_hash, update_block_hashes
+    from pagedllm.core.request import Request
+    from pagedllm.core.scheduler import Scheduler
+
+    added = []
+    orig = Scheduler.add_request
+
+    def spy(self, req):
+        added.append((req, list(req.block_hashes)))
+        return orig(self, req)
+
+    monkeypatch.setattr(Scheduler, "add_request", spy)
+    trace = synthetic_trace("multi-turn", rate=2.0, duration_s=20, seed=7, num_turns=3)
+    cfg = ReplicaConfig(num_blocks=2048, max_model_len=8192)
+    hash_fn = get_hash_fn(cfg.prefix_caching_hash_algo)
+    root = make_root_hash(hash_fn, "pagedllm-sim-5")
+    for policy in ("prefix", "least-load"):
+        added.clear()
+        simulate(trace, 2, policy, MODEL, cfg, seed=5)
+        assert len(added) == len(trace)
+        reused = 0
+        for req, hashes in added:
+            fresh = Request(req.request_id, req.prompt_token_ids, sampling_params=None)
+            update_block_hashes(fresh, cfg.block_size, hash_fn, root)
+            assert hashes == fresh.block_hashes[:len(hashes)], req.request_id
+            reused += bool(hashes) and not req.request_id.endswith("-turn-0")
+        assert reused > len(trace) // 3  # later turns came with their shared blocks' hashes
