@@ -16,6 +16,7 @@ flags as the engine's build (``cpu_ops._INTDOT_CFLAGS``).
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import platform
@@ -116,19 +117,11 @@ def main() -> None:
                 x = torch.randn(m, k, generator=torch.Generator().manual_seed(m)).bfloat16()
 
                 def call(mod, rows_min_m=0, ws=ws, x=x, kind=kind, start=0):
-                    # each kernel starts half-way from the previous one in the copies, so that none
-                    # reads a copy another kernel has just brought into the cache
-                    it = iter(ws[start:])
-
-                    def f():
-                        nonlocal it
-                        w = next(it, None)
-                        if w is None:
-                            it = iter(ws)
-                            w = next(it)
-                        return mod.intdot_gemm(x, w[0], w[1], w[2], None, kind, 32, torch.bfloat16, args.isa,
-                                               rows_min_m)
-                    return f
+                    # each kernel starts a third of the way from the previous one in the copies, so
+                    # that none reads a copy another kernel has just brought into the cache
+                    cyc = itertools.cycle(ws[start:] + ws[:start])
+                    return lambda: mod.intdot_gemm(x, *next(cyc), None, kind, 32, torch.bfloat16, args.isa,
+                                                   rows_min_m)
                 fns = {key: call(mod, start=i * len(ws) // 3) for i, (key, mod) in enumerate(mods.items())}
                 if args.with_rows:
                     fns["new_rows"] = call(mods["new"], 1, start=2 * len(ws) // 3)
