@@ -279,7 +279,34 @@ def test_both_kernels_equal_the_fixed_arithmetic(isa, kind, with_mins):
         for rows_min_m in (0, 1, 1 << 20):
             y = OPS.intdot_gemm(x, q, scales, mins, bias, kind, 32, torch.float32, isa, rows_min_m)
             assert torch.equal(y, want), (m, rows_min_m)
-    assert OPS.intdot_rows_min_m() == 4
+    assert OPS.intdot_rows_min_m() == 8
+
+
+@pytest.mark.parametrize("isa", [0, 1, 2])
+@pytest.mark.parametrize("kind", [gq.KIND_INT4, gq.KIND_INT8])
+def test_extreme_codes_exact(isa, kind):
+    """Weight codes at their extremes (int4 15, int8 -128 / 127) against activations at +-127 in
+    every lane: the integer bounds the kernels rely on (vpmaddubsw pair sums below 2^15, int8 as
+    q + 128 on VNNI) hold, so both kernels give ``_fixed_ref``'s bits at M = 1..8 and 12 on K = 224
+    (7 blocks: an odd block count, the int4 block-pair tail)."""
+    _require(isa)
+    n, k = 19, 224
+    g = torch.Generator().manual_seed(51)
+    if kind == gq.KIND_INT4:
+        q = gq.pack_int4(torch.full((n, k), 15, dtype=torch.uint8)).contiguous()
+    else:
+        q = torch.where(torch.rand(n, k, generator=g) < 0.5, -128, 127).to(torch.int8).contiguous()
+    scales = (torch.rand(n, k // 32, generator=g) + 0.5).contiguous()
+    mins = -torch.rand(n, k // 32, generator=g).contiguous()
+    for m in (1, 2, 3, 4, 5, 6, 7, 8, 12):
+        sign = torch.where(torch.rand(m, k, generator=g) < 0.5, -1.0, 1.0)
+        x = sign * 3.0  # every code +-127 (amax / 127 scale)
+        if m > 1:
+            x[1] = 3.0  # a row of +127 only
+        want = _fixed_ref(x, q, scales, mins, None, kind)
+        for rows_min_m in (0, 1, 1 << 20):
+            y = OPS.intdot_gemm(x, q, scales, mins, None, kind, 32, torch.float32, isa, rows_min_m)
+            assert torch.equal(y, want), (m, rows_min_m)
 
 
 def test_isa_env_knob(monkeypatch):

@@ -28,11 +28,16 @@
 // nor on the ISA path.
 //
 // Two kernels compute exactly that, both vectorized over 8 float lanes:
-//   columns kernel (M < kRowsMinM: decode): lanes = 8 output columns of one row. Per block, one
-//     integer dot per column gives 8 lanes of 4-k partial sums (vpdpbusd, or vpmaddubsw + vpmaddwd),
-//     a horizontal-add tree folds the 8 columns' vectors into one vector of their block sums, then
-//     one cvt + mul + fma for 8 outputs. Each weight row is read once per call; the int4 codes
-//     are unpacked once per block for all rows.
+//   columns kernel (M < kRowsMinM = 8: decode and verify): lanes = 8 output columns of a group of 1-4
+//     rows (VNNI; AVX2 1-2). Per block (int4: per pair of blocks, 32 packed bytes unpacked with one
+//     and / shift / and against activations stored in block-pair order) one integer dot per column
+//     and row gives 8 lanes of 4-k partial sums (vpdpbusd, or vpmaddubsw + vpmaddwd; int8 weights
+//     on VNNI as q + 128 against signed activations, -128 sum a added per row and block), a
+//     tree of unpacks and adds folds the 8 columns' vectors into one vector of their block sums, then
+//     one cvt + mul + fma per 8 outputs. Each weight row is read once per call and its codes are
+//     unpacked once per block for up to 4 rows (5-7 rows: two groups, the second reading the 8
+//     columns' codes from L1), so a verify step of up to 7 rows streams the weights from memory once.
+//     The codes and scales of the column group kPrefetchGroups ahead are software-prefetched.
 //   rows kernel (M >= kRowsMinM: verify and prefill): lanes = 8 activation rows ("row tile"), the
 //     activation codes repacked once per call as [tile][block][4-k group][row][4 codes], the
 //     weight codes of a column panel (~kPanelBytes) prepared once per call into unsigned bytes (int4:
@@ -65,6 +70,7 @@
 #include <cstring>
 #include <string>
 #include <tuple>
+#include <type_traits>
 #include <vector>
 
 #if defined(__x86_64__) || defined(__i386__)
@@ -77,11 +83,16 @@ namespace {
 constexpr int QK = 32;
 enum Isa : int64_t { kPortable = 0, kAvx2 = 1, kVnni = 2 };
 enum Kind : int64_t { kInt4 = 0, kInt8 = 1 };
-// rows from which the rows kernel runs (below: the columns kernel); set by measurement
-// (benchmarks/intdot_bench.py gemm): the two cost the same near M = 3-4 on Zen 4
-constexpr int64_t kRowsMinM = 4;
+// rows from which the rows kernel runs (below: the columns kernel); set by measurement on Zen 4
+// (benchmarks/intdot_kernel_ab.py --with-rows --with-cols): the columns kernel's cost grows by about
+// a third of a one-row call per extra row, the rows kernel's is flat up to 8 rows (one padded 8-row
+// tile); they tie at 8 rows for int4 and int8 weights
+constexpr int64_t kRowsMinM = 8;
 // bytes of prepared weight codes per column panel of the rows kernel (per thread, L2)
 constexpr int64_t kPanelBytes = 96 << 10;
+// column groups of 8 between the columns kernel's software prefetch and its use (measured on Zen 4 with
+// the weights in DRAM: 2 groups into L2 took 13% less time than 1 group into L1 on SmolLM2's layers)
+constexpr int64_t kPrefetchGroups = 2;
 
 // One call's operands, shared by the ISA paths.
 struct Ctx {
@@ -91,7 +102,8 @@ struct Ctx {
   int64_t rb, nb, N, M;
   bool int4;
   const int8_t* a;      // [M, K] signed codes
-  const uint8_t* au;    // [M, K] a + 128 (VNNI columns kernel on int8 weights) or nullptr
+  const int8_t* a2;     // columns kernel on int4 weights: a in block-pair order [M][ceil(nb/2)][64] or nullptr
+  const int32_t* cs;    // [M, nb]: -128 sum_k a (VNNI columns kernel on int8 weights) or nullptr
   const float* xd;      // [M, nb]
   const float* xs;      // [M, nb]
   // rows kernel: T = ceil(M / 8) row tiles (rows past M zero)
@@ -338,17 +350,39 @@ void quantize_tiles(int64_t isa, const float* xf, const uint16_t* xb, int64_t M,
 }
 
 // The columns kernel's activation operands for rows r0 .. r1-1: codes a [M, K], scales xd / xs
-// [M, nb] and on VNNI with int8 weights the offset codes au = a + 128.
+// [M, nb]; with a2 (int4 weights) the codes again in block-pair order [M][ceil(nb / 2)][64]: pair p
+// (blocks 2p, 2p+1) as a(64p + 0..15), a(64p + 32..47), a(64p + 16..31), a(64p + 48..63), the order
+// of the low and then the high nibbles of the 32 packed bytes of two int4 blocks (an odd last
+// block's partner: zeros); with cs (VNNI on int8 weights) -128 sum_k a per block.
 void quantize_plain(int64_t isa, const float* xf, const uint16_t* xb, int64_t K, int64_t r0, int64_t r1, int8_t* a,
-                    float* xd, float* xs, uint8_t* au) {
-  const int64_t nb = K / QK;
+                    float* xd, float* xs, int8_t* a2, int32_t* cs) {
+  const int64_t nb = K / QK, np = (nb + 1) / 2;
   thread_local std::vector<float> buf;
   if (!xf && static_cast<int64_t>(buf.size()) < K) buf.resize(K);
   for (int64_t r = r0; r < r1; ++r) {
+    const int8_t* ar = a + r * K;
     quantize_rows(isa, float_row(xf, xb, r, K, buf.data()), 1, K, a + r * K, xd + r * nb, xs + r * nb);
-    if (au) {
-      const uint8_t* src = reinterpret_cast<const uint8_t*>(a + r * K);
-      for (int64_t k = 0; k < K; ++k) au[r * K + k] = src[k] ^ 0x80u;
+    if (a2) {
+      int8_t* d = a2 + r * np * 64;
+      for (int64_t p = 0; p < np; ++p, d += 64) {
+        const int8_t* s0 = ar + 64 * p;
+        std::memcpy(d, s0, 16);
+        std::memcpy(d + 32, s0 + 16, 16);
+        if (2 * p + 1 < nb) {
+          std::memcpy(d + 16, s0 + 32, 16);
+          std::memcpy(d + 48, s0 + 48, 16);
+        } else {
+          std::memset(d + 16, 0, 16);
+          std::memset(d + 48, 0, 16);
+        }
+      }
+    }
+    if (cs) {
+      for (int64_t b = 0; b < nb; ++b) {
+        int32_t sum = 0;
+        for (int j = 0; j < QK; ++j) sum += ar[b * QK + j];
+        cs[r * nb + b] = -128 * sum;
+      }
     }
   }
 }
@@ -359,10 +393,9 @@ void quantize_plain(int64_t isa, const float* xf, const uint16_t* xb, int64_t K,
 // calls is at most ~6 x kScratchKeepBytes per calling thread.
 constexpr size_t kScratchKeepBytes = 8u << 20;
 struct Scratch {
-  std::vector<int8_t> a, ap;
-  std::vector<uint8_t> au;
+  std::vector<int8_t> a, ap, a2;
   std::vector<float> xd, xs, xdp, xsp, y;
-  std::vector<int32_t> cp;
+  std::vector<int32_t> cp, cs;
 };
 
 template <typename T>
@@ -420,10 +453,11 @@ at::Tensor intdot_gemm(at::Tensor x, at::Tensor qweight, at::Tensor scales, c10:
   at::Tensor out = at::empty({M, N}, x.options().dtype(out_dtype));
   if (M == 0 || N == 0) return out;
 
-  const bool rows = isa != kPortable && M >= (rows_min_m > 0 ? rows_min_m : kRowsMinM);
   const bool int4 = kind == kInt4;
+  const bool rows = isa != kPortable && M >= (rows_min_m > 0 ? rows_min_m : kRowsMinM);
   const bool corr = rows && isa == kVnni && !int4;
   const bool offs = !rows && isa == kVnni && !int4;
+  const bool pairs = !rows && isa != kPortable && int4;
   const bool obf16 = out_dtype == at::kBFloat16;
   const at::Tensor xc = x.contiguous();
   const bool ibf16 = xc.scalar_type() == at::kBFloat16;
@@ -433,10 +467,10 @@ at::Tensor intdot_gemm(at::Tensor x, at::Tensor qweight, at::Tensor scales, c10:
   // x86 paths, once per call, O(M K) bytes of this thread's reused scratch: the rows kernel's row
   // tiles (codes [tile][block][group][row][4], xd / xs [tile][block][row], VNNI on int8 weights
   // -128 sum a [tile][block][row]) quantized straight from x; the columns kernel's codes a, scales
-  // xd / xs and offset codes a + 128 (VNNI on int8 weights)
+  // xd / xs, their block-pair order (int4) and -128 sum a (VNNI on int8 weights)
   thread_local Scratch S;
-  int8_t *a = nullptr, *ap = nullptr;
-  uint8_t* au = nullptr;
+  int8_t *a = nullptr, *ap = nullptr, *a2 = nullptr;
+  int32_t* cs = nullptr;
   float *xd = nullptr, *xs = nullptr, *xdp = nullptr, *xsp = nullptr;
   int32_t* cp = nullptr;
   if (rows) {
@@ -448,7 +482,8 @@ at::Tensor intdot_gemm(at::Tensor x, at::Tensor qweight, at::Tensor scales, c10:
     a = grow(S.a, M * K);
     xd = grow(S.xd, M * nb);
     xs = grow(S.xs, M * nb);
-    if (offs) au = grow(S.au, M * K);
+    if (offs) cs = grow(S.cs, M * nb);
+    if (pairs) a2 = grow(S.a2, M * ((nb + 1) / 2) * 64);
   }
   float* y = obf16 ? grow(S.y, M * N) : out.data_ptr<float>();
   // groups wider than 32: one scale (and min) per 32-block, expanded for this call
@@ -459,7 +494,7 @@ at::Tensor intdot_gemm(at::Tensor x, at::Tensor qweight, at::Tensor scales, c10:
   }
   auto ptr_f = [](const at::Tensor& t) { return t.defined() ? t.data_ptr<float>() : nullptr; };
   Ctx c{static_cast<const uint8_t*>(qweight.data_ptr()), wd.data_ptr<float>(), ptr_f(wm), rb, nb, N, M, int4,
-        a, au, xd, xs, ap, xdp, xsp, cp, ptr_f(bf), y};
+        a, a2, cs, xd, xs, ap, xdp, xsp, cp, ptr_f(bf), y};
 
   // Threads: one parallel region per call. The activations are quantized first (split over row
   // tiles / rows; on the calling thread alone when that is a few microseconds), then, after a
@@ -480,7 +515,7 @@ at::Tensor intdot_gemm(at::Tensor x, at::Tensor qweight, at::Tensor scales, c10:
     if (rows) {
       quantize_tiles(isa, xf, xb, M, K, T * part / parts, T * (part + 1) / parts, ap, xdp, xsp, cp);
     } else {
-      quantize_plain(isa, xf, xb, K, M * part / parts, M * (part + 1) / parts, a, xd, xs, au);
+      quantize_plain(isa, xf, xb, K, M * part / parts, M * (part + 1) / parts, a, xd, xs, a2, cs);
     }
   };
   auto compute = [&](int64_t part, int64_t parts) {
@@ -520,7 +555,7 @@ at::Tensor intdot_gemm(at::Tensor x, at::Tensor qweight, at::Tensor scales, c10:
       compute(tid, nth);
     }
   }
-  trim(S.a), trim(S.ap), trim(S.au), trim(S.xd), trim(S.xs), trim(S.xdp), trim(S.xsp), trim(S.y), trim(S.cp);
+  trim(S.a), trim(S.ap), trim(S.a2), trim(S.cs), trim(S.xd), trim(S.xs), trim(S.xdp), trim(S.xsp), trim(S.y), trim(S.cp);
   return out;
 }
 
@@ -571,12 +606,16 @@ inline int32_t load4(const uint8_t* p) {
   return v;
 }
 
-// Lane j of the result = the sum of the 8 int32 lanes of v[j] (exact; integer adds in any order).
-inline __m256i reduce8(const __m256i* v) {
-  const __m256i t0 = _mm256_hadd_epi32(v[0], v[1]), t1 = _mm256_hadd_epi32(v[2], v[3]);
-  const __m256i t2 = _mm256_hadd_epi32(v[4], v[5]), t3 = _mm256_hadd_epi32(v[6], v[7]);
-  const __m256i u0 = _mm256_hadd_epi32(t0, t1), u1 = _mm256_hadd_epi32(t2, t3);
-  return _mm256_add_epi32(_mm256_permute2x128_si256(u0, u1, 0x20), _mm256_permute2x128_si256(u0, u1, 0x31));
+// The first level of 4-lane sums of two vectors, per 128-bit lane: [v0 l0+l2, v1 l0+l2, v0 l1+l3,
+// v1 l1+l3] (unpack + add: on Zen 4 vphaddd costs ~2 cycles, these three ~1).
+inline __m256i fold2(__m256i v0, __m256i v1) {
+  return _mm256_add_epi32(_mm256_unpacklo_epi32(v0, v1), _mm256_unpackhi_epi32(v0, v1));
+}
+
+// From fold2(v0, v1) and fold2(v2, v3): per 128-bit lane [sum v0, sum v1, sum v2, sum v3] over that
+// lane's 4 int32 lanes (exact; integer adds in any order).
+inline __m256i fold4(__m256i t01, __m256i t23) {
+  return _mm256_add_epi32(_mm256_unpacklo_epi64(t01, t23), _mm256_unpackhi_epi64(t01, t23));
 }
 
 // dst[8 b + j] = src[n[j] * nb + b] for b < nb: 8 x 8 transposes (unpack / shuffle / permute).
@@ -607,45 +646,99 @@ inline void transpose_scales(const float* src, const int64_t* n, int64_t nb, flo
 }
 
 // ---- columns kernel: 8 columns (row pointers cols[j], scales transposed to wdT / wmT [nb][8]) x MT
-// rows from r0; out[r][j] = y[r0 + r, column j] before the bias.
+// rows from r0; out[r] lane j = y[r0 + r, column j] before the bias. Per block (int4: per pair of
+// blocks, whose 32 packed bytes unpack with one and / shift / and into the low nibbles of both
+// blocks and their high nibbles, against the activations in block-pair order) one integer dot per
+// column and row; the codes are unpacked once for all MT rows. The 8 columns' dot vectors are
+// folded by an unpack + add tree two columns at a time (so few are live at once), to one vector
+// of 8 block sums per row and block, then one cvt + mul + fma per row and block.
 template <bool INT4, bool MINS, int MT>
 void cols8(const Ctx& c, const uint8_t* const* cols, const float* wdT, const float* wmT, int64_t r0, __m256* out) {
-  const int64_t K = c.nb * QK;
+  const int64_t K = c.nb * QK, nb = c.nb;
   __m256 f[MT], m[MT];
   for (int r = 0; r < MT; ++r) f[r] = m[r] = _mm256_setzero_ps();
   const __m256i ones16 = _mm256_set1_epi16(1);
-  for (int64_t b = 0; b < c.nb; ++b) {
-    __m256i v[MT][8];
-    __m256i av[MT];
-    for (int r = 0; r < MT; ++r) {
-      const uint8_t* src = (kV && !INT4) ? c.au + (r0 + r) * K : reinterpret_cast<const uint8_t*>(c.a + (r0 + r) * K);
-      av[r] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + b * QK));
-    }
-    for (int j = 0; j < 8; ++j) {
-      if (INT4) {
-        const __m256i w = unpack4(cols[j] + 16 * b);
-        for (int r = 0; r < MT; ++r) {
-          if constexpr (kV) v[r][j] = _mm256_dpbusd_epi32(_mm256_setzero_si256(), w, av[r]);
-          else v[r][j] = _mm256_madd_epi16(_mm256_maddubs_epi16(w, av[r]), ones16);
-        }
-      } else {
-        const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(cols[j] + QK * b));
-        if constexpr (kV) {  // sum (a + 128) q - 128 sum q: the start value carries -128 sum q per lane
-          const __m256i wx = _mm256_sub_epi32(_mm256_setzero_si256(),
-                                              _mm256_dpbusd_epi32(_mm256_setzero_si256(), _mm256_set1_epi8(-128), w));
-          for (int r = 0; r < MT; ++r) v[r][j] = _mm256_dpbusd_epi32(wx, av[r], w);
-        } else {  // |q| x sign(a, q): pairs below 2 * 128 * 127 < 2^15, no saturation
-          const __m256i wa = _mm256_abs_epi8(w);
-          for (int r = 0; r < MT; ++r)
-            v[r][j] = _mm256_madd_epi16(_mm256_maddubs_epi16(wa, _mm256_sign_epi8(av[r], w)), ones16);
-        }
+  auto step = [&](int r, int64_t b, __m256i sum) {
+    const __m256 s = _mm256_mul_ps(_mm256_loadu_ps(wdT + 8 * b), _mm256_set1_ps(c.xd[(r0 + r) * nb + b]));
+    f[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum), s, f[r]);
+    if (MINS) m[r] = _mm256_fmadd_ps(_mm256_loadu_ps(wmT + 8 * b), _mm256_set1_ps(c.xs[(r0 + r) * nb + b]), m[r]);
+  };
+  if constexpr (INT4) {
+    const int64_t np = (nb + 1) / 2;
+    const __m256i lo4 = _mm256_set1_epi8(0x0F);
+    auto pair = [&](int64_t p, auto full_c) {
+      constexpr bool FULL = decltype(full_c)::value;
+      __m256i al[MT], ah[MT];
+      for (int r = 0; r < MT; ++r) {
+        const int8_t* src = c.a2 + (r0 + r) * np * 64 + 64 * p;
+        al[r] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src));
+        ah[r] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + 32));
       }
-    }
-    const __m256 wdv = _mm256_loadu_ps(wdT + 8 * b);
-    for (int r = 0; r < MT; ++r) {
-      const __m256 s = _mm256_mul_ps(wdv, _mm256_set1_ps(c.xd[(r0 + r) * c.nb + b]));
-      f[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(reduce8(v[r])), s, f[r]);
-      if (MINS) m[r] = _mm256_fmadd_ps(_mm256_loadu_ps(wmT + 8 * b), _mm256_set1_ps(c.xs[(r0 + r) * c.nb + b]), m[r]);
+      __m256i u[MT][2];
+      for (int q = 0; q < 2; ++q) {
+        __m256i t[MT][2];
+        for (int jp = 0; jp < 2; ++jp) {
+          __m256i v[MT][2];
+          for (int jj = 0; jj < 2; ++jj) {
+            const uint8_t* wp = cols[4 * q + 2 * jp + jj] + 32 * p;
+            const __m256i w = FULL ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wp))
+                                   : _mm256_zextsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(wp)));
+            const __m256i lo = _mm256_and_si256(w, lo4), hi = _mm256_and_si256(_mm256_srli_epi16(w, 4), lo4);
+            for (int r = 0; r < MT; ++r) {
+              if constexpr (kV) {
+                v[r][jj] = _mm256_dpbusd_epi32(_mm256_dpbusd_epi32(_mm256_setzero_si256(), lo, al[r]), hi, ah[r]);
+              } else {  // int16 pair sums below 2 * 2 * 15 * 127 < 2^15
+                v[r][jj] = _mm256_madd_epi16(
+                    _mm256_add_epi16(_mm256_maddubs_epi16(lo, al[r]), _mm256_maddubs_epi16(hi, ah[r])), ones16);
+              }
+            }
+          }
+          for (int r = 0; r < MT; ++r) t[r][jp] = fold2(v[r][0], v[r][1]);
+        }
+        // lanes 0..3: block 2p of columns 4q..4q+3, lanes 4..7: block 2p+1
+        for (int r = 0; r < MT; ++r) u[r][q] = fold4(t[r][0], t[r][1]);
+      }
+      for (int r = 0; r < MT; ++r) {
+        step(r, 2 * p, _mm256_permute2x128_si256(u[r][0], u[r][1], 0x20));
+        if (FULL) step(r, 2 * p + 1, _mm256_permute2x128_si256(u[r][0], u[r][1], 0x31));
+      }
+    };
+    int64_t p = 0;
+    for (; 2 * p + 1 < nb; ++p) pair(p, std::true_type{});
+    if (p < np) pair(p, std::false_type{});
+  } else {
+    const __m256i x80 = _mm256_set1_epi8(-128);
+    for (int64_t b = 0; b < nb; ++b) {
+      __m256i av[MT];
+      for (int r = 0; r < MT; ++r)
+        av[r] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(c.a + (r0 + r) * K + QK * b));
+      __m256i u[MT][2];
+      for (int q = 0; q < 2; ++q) {
+        __m256i t[MT][2];
+        for (int jp = 0; jp < 2; ++jp) {
+          __m256i v[MT][2];
+          for (int jj = 0; jj < 2; ++jj) {
+            const __m256i w =
+                _mm256_loadu_si256(reinterpret_cast<const __m256i*>(cols[4 * q + 2 * jp + jj] + QK * b));
+            if constexpr (kV) {  // sum (q + 128) a = sum q a + 128 sum a; cs carries -128 sum a
+              const __m256i wx = _mm256_xor_si256(w, x80);
+              for (int r = 0; r < MT; ++r) v[r][jj] = _mm256_dpbusd_epi32(_mm256_setzero_si256(), wx, av[r]);
+            } else {  // |q| x sign(a, q): pairs below 2 * 128 * 127 < 2^15, no saturation
+              const __m256i wa = _mm256_abs_epi8(w);
+              for (int r = 0; r < MT; ++r)
+                v[r][jj] = _mm256_madd_epi16(_mm256_maddubs_epi16(wa, _mm256_sign_epi8(av[r], w)), ones16);
+            }
+          }
+          for (int r = 0; r < MT; ++r) t[r][jp] = fold2(v[r][0], v[r][1]);
+        }
+        for (int r = 0; r < MT; ++r) u[r][q] = fold4(t[r][0], t[r][1]);
+      }
+      for (int r = 0; r < MT; ++r) {
+        __m256i sum = _mm256_add_epi32(_mm256_permute2x128_si256(u[r][0], u[r][1], 0x20),
+                                       _mm256_permute2x128_si256(u[r][0], u[r][1], 0x31));
+        if constexpr (kV) sum = _mm256_add_epi32(sum, _mm256_set1_epi32(c.cs[(r0 + r) * nb + b]));
+        step(r, b, sum);
+      }
     }
   }
   for (int r = 0; r < MT; ++r) out[r] = MINS ? _mm256_add_ps(f[r], m[r]) : f[r];
@@ -653,7 +746,8 @@ void cols8(const Ctx& c, const uint8_t* const* cols, const float* wdT, const flo
 
 template <bool INT4, bool MINS>
 void cols_range(const Ctx& c, int64_t n0, int64_t n1, int64_t r0, int64_t r1) {
-  constexpr int MT = kV ? 2 : 1;  // rows sharing one unpacking of the codes (registers: MT x 8 vectors)
+  // rows sharing one unpacking of the codes (VNNI: 32 registers; AVX2: 16)
+  constexpr int MTX = kV ? 4 : 2;
   thread_local std::vector<float> wdT, wmT;
   if (static_cast<int64_t>(wdT.size()) < 8 * c.nb) wdT.resize(8 * c.nb), wmT.resize(8 * c.nb);
   const uint8_t* cols[8];
@@ -669,13 +763,21 @@ void cols_range(const Ctx& c, int64_t n0, int64_t n1, int64_t r0, int64_t r1) {
     }
     transpose_scales(c.wd, ns, c.nb, wdT.data());
     if (MINS) transpose_scales(c.wm, ns, c.nb, wmT.data());
-    // the next 8 rows of codes, while these run: 8 interleaved row streams defeat the hardware
-    // prefetcher once the weights come from DRAM (the LM head), one stream at a time does not
-    if (g0 + 8 < n1) {
-      const int64_t nn = std::min<int64_t>(8, n1 - g0 - 8);
-      for (int64_t j = 0; j < nn; ++j) {
-        const char* p = reinterpret_cast<const char*>(c.q + (g0 + 8 + j) * c.rb);
-        for (int64_t o = 0; o < c.rb; o += 64) _mm_prefetch(p + o, _MM_HINT_T0);
+    // the codes (into L2) and scales (into L1) of the group kPrefetchGroups ahead, while these run:
+    // 8 interleaved row streams defeat the hardware prefetcher once the weights come from DRAM (a
+    // decode step's layers and the LM head), and the scale transposes above otherwise stall on it
+    {
+      const int64_t pg = g0 + 8 * kPrefetchGroups;
+      if (pg < n1) {
+        const int64_t nn = std::min<int64_t>(8, n1 - pg);
+        const char* p = reinterpret_cast<const char*>(c.q + pg * c.rb);
+        for (int64_t o = 0; o < nn * c.rb; o += 64) _mm_prefetch(p + o, _MM_HINT_T1);
+        const char* ps = reinterpret_cast<const char*>(c.wd + pg * c.nb);
+        for (int64_t o = 0; o < nn * c.nb * 4; o += 64) _mm_prefetch(ps + o, _MM_HINT_T0);
+        if (MINS) {
+          const char* pm = reinterpret_cast<const char*>(c.wm + pg * c.nb);
+          for (int64_t o = 0; o < nn * c.nb * 4; o += 64) _mm_prefetch(pm + o, _MM_HINT_T0);
+        }
       }
     }
     const __m256 bias = _mm256_loadu_ps(bv);
@@ -690,15 +792,18 @@ void cols_range(const Ctx& c, int64_t n0, int64_t n1, int64_t r0, int64_t r1) {
         for (int64_t j = 0; j < valid; ++j) dst[j] = t[j];
       }
     };
-    int64_t r = r0;
-    __m256 out[MT];
-    for (; r + MT <= r1; r += MT) {
-      cols8<INT4, MINS, MT>(c, cols, wdT.data(), wmT.data(), r, out);
-      for (int i = 0; i < MT; ++i) store(r + i, out[i]);
-    }
-    for (; r < r1; ++r) {
-      cols8<INT4, MINS, 1>(c, cols, wdT.data(), wmT.data(), r, out);
-      store(r, out[0]);
+    __m256 out[MTX];
+    for (int64_t r = r0; r < r1;) {
+      // chunks of at most MTX rows, as even as can be (M = 6 on VNNI: 3 + 3)
+      const int64_t left = r1 - r, chunks = (left + MTX - 1) / MTX, mt = (left + chunks - 1) / chunks;
+      switch (mt) {
+        case 1: cols8<INT4, MINS, 1>(c, cols, wdT.data(), wmT.data(), r, out); break;
+        case 2: cols8<INT4, MINS, 2>(c, cols, wdT.data(), wmT.data(), r, out); break;
+        case 3: if constexpr (MTX >= 3) cols8<INT4, MINS, 3>(c, cols, wdT.data(), wmT.data(), r, out); break;
+        default: if constexpr (MTX >= 4) cols8<INT4, MINS, 4>(c, cols, wdT.data(), wmT.data(), r, out); break;
+      }
+      for (int64_t i = 0; i < mt; ++i) store(r + i, out[i]);
+      r += mt;
     }
   }
 }
