@@ -82,12 +82,15 @@ def _isa_lines() -> list[str]:
 # The slowest test files, longest first (seconds per file summed from the junit times of the full run
 # under xdist, 2026-12-01 23:00, less what this list's commit saved): pytest-xdist's --dist loadfile hands
 # files to the workers in collection order (with --loadscope-reorder off, see pytest_configure), so the long
-# ones go first and none starts last to run alone at the end (longest-first scheduling); the files that
-# build the transformers references (generate_real, loader) start on different workers, apart.
+# ones go first and none starts last to run alone at the end (longest-first scheduling). The first file
+# builds both transformers references (hf_smollm2, hf_gemma3: 10 s, 28 s); the other files that use them
+# (loader, pooling_real, real_parity, lora_real, sampling_real) come after the next five long ones, so a
+# worker loads the saved reference instead of waiting on the lock while the other builds it (that wait
+# was 36 s of one worker doing nothing).
 SLOW_FILES_FIRST = [
     "tests/engine/test_generate_real.py", "tests/distributed/test_tensor_parallel.py",
-    "tests/loader/test_loader.py", "tests/distributed/test_real_parallel.py", "tests/spec_decode/test_spec_real.py",
-    "tests/entrypoints/test_chat_cli_real.py", "tests/engine/test_memory_soak.py",
+    "tests/distributed/test_real_parallel.py", "tests/spec_decode/test_spec_real.py",
+    "tests/entrypoints/test_chat_cli_real.py", "tests/engine/test_memory_soak.py", "tests/loader/test_loader.py",
     "tests/distributed/test_ray_two_nodes.py", "tests/structured_output/test_structured_real.py",
     "tests/engine/test_lazy_kv.py", "tests/engine/test_prefix_caching_real.py", "tests/quantization/test_gguf_blocks.py",
     "tests/pooling/test_pooling_real.py", "tests/entrypoints/test_structured_server_real.py",
