@@ -110,6 +110,21 @@ SLOW_FILES_FIRST = [
 ]
 
 
+# Files whose tests start processes (a ``pagedllm serve`` or CLI subprocess, TP/PP ranks, data-parallel
+# replicas, a Ray cluster, example scripts): marked ``slow`` at collection, with the real-model tests
+# (their own ``pytestmark``), so ``-m "not slow"`` is the quick in-process tier (README, "Tests").
+PROCESS_FILES = frozenset([
+    "tests/distributed/test_tensor_parallel.py", "tests/distributed/test_tensor_parallel_archs.py",
+    "tests/distributed/test_server_parallel.py", "tests/distributed/test_ray.py",
+    "tests/engine/test_llm_data_parallel.py", "tests/entrypoints/test_dp_serve.py",
+    "tests/entrypoints/test_kv_tiers_server.py", "tests/entrypoints/test_p2p_disagg_server.py",
+    "tests/entrypoints/test_router.py", "tests/entrypoints/test_cli_errors.py", "tests/lora/test_lora_server.py",
+    "tests/multimodal/test_mm_server.py", "tests/multimodal/test_vlm_server.py", "tests/loader/test_gguf_mmproj.py",
+    "tests/spec_decode/test_mtp_eagle3_server.py", "tests/spec_decode/test_gemma4_target.py",
+    "tests/examples/test_examples.py",
+])
+
+
 def pytest_configure(config):
     """Keep the collection order under pytest-xdist's --dist loadfile: its default
     ``--loadscope-reorder`` sorts the files by their number of tests (most first), which put the
@@ -118,16 +133,20 @@ def pytest_configure(config):
         config.option.loadscopereorder = False
 
 
+@pytest.hookimpl(tryfirst=True)  # NOTE: before ``-m`` deselects, so the marks below count
 def pytest_collection_modifyitems(session, config, items):
-    """Order the collected tests so the files of ``SLOW_FILES_FIRST`` come first (in that order);
-    every file's tests stay together and in their own order."""
+    """Mark the tests of ``PROCESS_FILES`` slow, and order the collected tests so the files of
+    ``SLOW_FILES_FIRST`` come first (in that order); every file's tests stay together and in their
+    own order."""
     rank = {f: i for i, f in enumerate(SLOW_FILES_FIRST)}
 
-    def key(item):
-        rel = os.path.relpath(str(item.path), str(config.rootpath)).replace(os.sep, "/")
-        return rank.get(rel, len(rank))
+    def rel(item):
+        return os.path.relpath(str(item.path), str(config.rootpath)).replace(os.sep, "/")
 
-    items[:] = sorted(items, key=key)  # stable: the other files keep pytest's order
+    for item in items:
+        if rel(item) in PROCESS_FILES:
+            item.add_marker(pytest.mark.slow)
+    items[:] = sorted(items, key=lambda item: rank.get(rel(item), len(rank)))  # stable: others keep pytest's order
 
 
 def pytest_report_header(config):
