@@ -123,6 +123,13 @@ PROCESS_FILES = frozenset([
     "tests/spec_decode/test_mtp_eagle3_server.py", "tests/spec_decode/test_gemma4_target.py",
     "tests/examples/test_examples.py",
 ])
+# Single tests that start processes in files that are otherwise in-process ("file::function").
+PROCESS_TESTS = frozenset([
+    "tests/engine/test_sleep_mode.py::test_sleep_two_tensor_parallel_ranks",
+    "tests/kernels/test_cpu_allocator.py::test_engine_installs_it_unless_disabled",
+    "tests/lora/test_lora_engine.py::test_worker_in_another_process",
+    "tests/loader/test_loader.py::test_gguf_load_skips_heavy_imports",
+])
 
 
 def pytest_configure(config):
@@ -135,7 +142,7 @@ def pytest_configure(config):
 
 @pytest.hookimpl(tryfirst=True)  # NOTE: before ``-m`` deselects, so the marks below count
 def pytest_collection_modifyitems(session, config, items):
-    """Mark the tests of ``PROCESS_FILES`` slow, and order the collected tests so the files of
+    """Mark the tests of ``PROCESS_FILES`` and ``PROCESS_TESTS`` slow, and order the collected tests so the files of
     ``SLOW_FILES_FIRST`` come first (in that order); every file's tests stay together and in their
     own order."""
     rank = {f: i for i, f in enumerate(SLOW_FILES_FIRST)}
@@ -144,7 +151,8 @@ def pytest_collection_modifyitems(session, config, items):
         return os.path.relpath(str(item.path), str(config.rootpath)).replace(os.sep, "/")
 
     for item in items:
-        if rel(item) in PROCESS_FILES:
+        f = rel(item)
+        if f in PROCESS_FILES or f"{f}::{getattr(item, 'originalname', item.name)}" in PROCESS_TESTS:
             item.add_marker(pytest.mark.slow)
     items[:] = sorted(items, key=lambda item: rank.get(rel(item), len(rank)))  # stable: others keep pytest's order
 
