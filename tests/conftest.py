@@ -82,12 +82,15 @@ def _isa_lines() -> list[str]:
 # The slowest test files, longest first (seconds per file summed from the junit times of the full run
 # under xdist, 2026-12-01 23:00, less what this list's commit saved): pytest-xdist's --dist loadfile hands
 # files to the workers in collection order (with --loadscope-reorder off, see pytest_configure), so the long
-# ones go first and none starts last to run alone at the end (longest-first scheduling); the files that
-# build the transformers references (generate_real, loader) start on different workers, apart.
+# ones go first and none starts last to run alone at the end (longest-first scheduling). The first file
+# builds both transformers references (hf_smollm2, hf_gemma3: 10 s, 28 s); the other files that use them
+# (loader, pooling_real, real_parity, lora_real, sampling_real) come after the next five long ones, so a
+# worker loads the saved reference instead of waiting on the lock while the other builds it (that wait
+# was 36 s of one worker doing nothing).
 SLOW_FILES_FIRST = [
     "tests/engine/test_generate_real.py", "tests/distributed/test_tensor_parallel.py",
-    "tests/loader/test_loader.py", "tests/distributed/test_real_parallel.py", "tests/spec_decode/test_spec_real.py",
-    "tests/entrypoints/test_chat_cli_real.py", "tests/engine/test_memory_soak.py",
+    "tests/distributed/test_real_parallel.py", "tests/spec_decode/test_spec_real.py",
+    "tests/entrypoints/test_chat_cli_real.py", "tests/engine/test_memory_soak.py", "tests/loader/test_loader.py",
     "tests/distributed/test_ray_two_nodes.py", "tests/structured_output/test_structured_real.py",
     "tests/engine/test_lazy_kv.py", "tests/engine/test_prefix_caching_real.py", "tests/quantization/test_gguf_blocks.py",
     "tests/pooling/test_pooling_real.py", "tests/entrypoints/test_structured_server_real.py",
@@ -107,6 +110,28 @@ SLOW_FILES_FIRST = [
 ]
 
 
+# Files whose tests start processes (a ``pagedllm serve`` or CLI subprocess, TP/PP ranks, data-parallel
+# replicas, a Ray cluster, example scripts): marked ``slow`` at collection, with the real-model tests
+# (their own ``pytestmark``), so ``-m "not slow"`` is the quick in-process tier (README, "Tests").
+PROCESS_FILES = frozenset([
+    "tests/distributed/test_tensor_parallel.py", "tests/distributed/test_tensor_parallel_archs.py",
+    "tests/distributed/test_server_parallel.py", "tests/distributed/test_ray.py",
+    "tests/engine/test_llm_data_parallel.py", "tests/entrypoints/test_dp_serve.py",
+    "tests/entrypoints/test_kv_tiers_server.py", "tests/entrypoints/test_p2p_disagg_server.py",
+    "tests/entrypoints/test_router.py", "tests/entrypoints/test_cli_errors.py", "tests/lora/test_lora_server.py",
+    "tests/multimodal/test_mm_server.py", "tests/multimodal/test_vlm_server.py", "tests/loader/test_gguf_mmproj.py",
+    "tests/spec_decode/test_mtp_eagle3_server.py", "tests/spec_decode/test_gemma4_target.py",
+    "tests/examples/test_examples.py",
+])
+# Single tests that start processes in files that are otherwise in-process ("file::function").
+PROCESS_TESTS = frozenset([
+    "tests/engine/test_sleep_mode.py::test_sleep_two_tensor_parallel_ranks",
+    "tests/kernels/test_cpu_allocator.py::test_engine_installs_it_unless_disabled",
+    "tests/lora/test_lora_engine.py::test_worker_in_another_process",
+    "tests/loader/test_loader.py::test_gguf_load_skips_heavy_imports",
+])
+
+
 def pytest_configure(config):
     """Keep the collection order under pytest-xdist's --dist loadfile: its default
     ``--loadscope-reorder`` sorts the files by their number of tests (most first), which put the
@@ -115,16 +140,21 @@ def pytest_configure(config):
         config.option.loadscopereorder = False
 
 
+@pytest.hookimpl(tryfirst=True)  # NOTE: before ``-m`` deselects, so the marks below count
 def pytest_collection_modifyitems(session, config, items):
-    """Order the collected tests so the files of ``SLOW_FILES_FIRST`` come first (in that order);
-    every file's tests stay together and in their own order."""
+    """Mark the tests of ``PROCESS_FILES`` and ``PROCESS_TESTS`` slow, and order the collected tests so the files of
+    ``SLOW_FILES_FIRST`` come first (in that order); every file's tests stay together and in their
+    own order."""
     rank = {f: i for i, f in enumerate(SLOW_FILES_FIRST)}
 
-    def key(item):
-        rel = os.path.relpath(str(item.path), str(config.rootpath)).replace(os.sep, "/")
-        return rank.get(rel, len(rank))
+    def rel(item):
+        return os.path.relpath(str(item.path), str(config.rootpath)).replace(os.sep, "/")
 
-    items[:] = sorted(items, key=key)  # stable: the other files keep pytest's order
+    for item in items:
+        f = rel(item)
+        if f in PROCESS_FILES or f"{f}::{getattr(item, 'originalname', item.name)}" in PROCESS_TESTS:
+            item.add_marker(pytest.mark.slow)
+    items[:] = sorted(items, key=lambda item: rank.get(rel(item), len(rank)))  # stable: others keep pytest's order
 
 
 def pytest_report_header(config):
@@ -176,16 +206,31 @@ def _one_gguf_parse():
     import copy
 
     import gguf
+    import numpy as np
     import transformers.modeling_gguf_pytorch_utils as mgu
 
     reader_cls, load = gguf.GGUFReader, mgu.load_gguf_checkpoint
+
+    class _ArrayReader(reader_cls):
+        """``gguf.GGUFReader`` whose mapped file is a plain ``ndarray`` view of its ``np.memmap``:
+        the same bytes and the same parsing code, but every one of the ~10M small slices its
+        field walk takes is a C-level ndarray index instead of a ``memmap`` subclass object with a
+        Python ``__array_finalize__`` (Gemma 3: 3.6 s instead of 11-12 s per reader)."""
+
+        @property
+        def data(self):
+            return self._data
+
+        @data.setter
+        def data(self, value):
+            self._data = value.view(np.ndarray) if isinstance(value, np.memmap) else value
     readers: dict = {}
     metadata: dict = {}
 
     def reader(path, *a, **kw):
         key = (os.path.realpath(path), a, tuple(sorted(kw.items())))
         if key not in readers:
-            readers[key] = reader_cls(path, *a, **kw)
+            readers[key] = _ArrayReader(path, *a, **kw)
         return readers[key]
 
     def load_checkpoint(path, return_tensors=False, *a, **kw):

@@ -494,6 +494,29 @@ def run_latency(args: argparse.Namespace) -> dict:
     }
 
 
+def run_batch(eng: Any, prompts: list, sp: Any) -> tuple[list[float], int]:
+    """Add ``prompts`` (engine inputs: prompt dicts) to the engine ``eng`` at once with the
+    sampling params ``sp`` and step it until every request finishes.
+
+    Returns:
+        (time to first output of each request in seconds since the submission, in order of
+        arrival; prompt tokens served from the prefix cache, summed over the requests).
+    """
+    t0 = time.perf_counter()
+    ids = [eng.next_request_id() for _ in prompts]
+    for rid, p in zip(ids, prompts):
+        eng.add_request(rid, p, sp)
+    first: dict[str, float] = {}
+    done = cached = 0
+    while done < len(ids):
+        for o in eng.step():
+            first.setdefault(o.request_id, time.perf_counter() - t0)
+            if o.finished:
+                done += 1
+                cached += o.num_cached_tokens or 0
+    return list(first.values()), cached
+
+
 def _timed_run(eng: Any, prompts: list[list[int]], output_len: int) -> dict:
     """Submit every prompt at once and step the engine; per-request TTFT (s) and total time (s)."""
     from pagedllm import SamplingParams
@@ -501,20 +524,10 @@ def _timed_run(eng: Any, prompts: list[list[int]], output_len: int) -> dict:
 
     sp = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True,
                         output_kind=RequestOutputKind.DELTA)
+    inputs = [{"prompt_token_ids": p} for p in prompts]
     t0 = time.perf_counter()
-    ids = [eng.next_request_id() for _ in prompts]
-    for rid, p in zip(ids, prompts):
-        eng.add_request(rid, {"prompt_token_ids": p}, sp)
-    first: dict[str, float] = {}
-    done = 0
-    cached = 0
-    while done < len(ids):
-        for o in eng.step():
-            first.setdefault(o.request_id, time.perf_counter() - t0)
-            if o.finished:
-                done += 1
-                cached += o.num_cached_tokens
-    ttft = sorted(first.values())
+    ttft, cached = run_batch(eng, inputs, sp)
+    ttft.sort()
     return {"total_s": time.perf_counter() - t0, "ttft_median_s": statistics.median(ttft),
             "ttft_p99_s": ttft[min(len(ttft) - 1, int(0.99 * len(ttft)))], "cached_tokens": cached}
 

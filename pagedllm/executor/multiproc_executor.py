@@ -502,3 +502,10 @@ if __name__ == "__main__":
     _rank = int(sys.argv[1])
     _conn, (_args, _r, _init, _n, _hb) = _connect(_rank)
     _worker_main(_args, _r, _init, _n, _conn, _hb)
+    # NOTE: a clean end (shutdown or the engine gone): the worker has left its process groups and
+    # holds nothing to flush but stdio, so skip the interpreter's teardown (freeing the model and
+    # unloading torch: ~0.5 s per rank at every engine shutdown). An error still exits through
+    # the traceback above, with status 1.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)

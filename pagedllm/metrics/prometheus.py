@@ -210,6 +210,21 @@ _ENCODER_CACHE_METRICS: tuple = (
 )
 
 
+def _record_totals(metrics: dict[str, Any], seen: dict[str, int], totals: dict[str, Any]) -> None:
+    """Bring ``metrics`` (key -> labelled Counter / Gauge) to a component's ``totals`` (key ->
+    number; keys absent are left alone): a gauge is set, a counter advances by the difference
+    since the last call (``seen`` holds the totals last seen, updated here)."""
+    for key, v in totals.items():
+        metric, v = metrics[key], int(v)
+        if not isinstance(metric, Counter):
+            metric.set(v)
+            continue
+        delta = v - seen.get(key, 0)
+        if delta > 0:
+            metric.inc(delta)
+        seen[key] = v
+
+
 class PrometheusStatLogger:
     """Stat logger exporting the engine's metrics to a private Prometheus registry."""
 
@@ -409,17 +424,8 @@ class PrometheusStatLogger:
         with self._lock:
             if self._kv_events is None:
                 self._kv_events = self._labelled_all(_KV_EVENT_METRICS)
-            for key, metric in self._kv_events.items():
-                if key not in stats:
-                    continue
-                v = int(stats[key])
-                if key in self._kv_events_seen:
-                    delta = v - self._kv_events_seen[key]
-                    if delta > 0:
-                        metric.inc(delta)
-                    self._kv_events_seen[key] = v
-                else:
-                    metric.set(v)
+            _record_totals(self._kv_events, self._kv_events_seen, {k: v for k, v in stats.items()
+                                                                   if k in self._kv_events})
 
     def record_encoder_cache(self, stats: dict) -> None:
         """Set the encoder-cache metrics (image-text models) from ``get_scheduler_stats()["encoder_cache"]``
@@ -431,15 +437,7 @@ class PrometheusStatLogger:
             if ec is None:
                 ec = self._encoder_cache = self._labelled_all(_ENCODER_CACHE_METRICS)
                 self._encoder_cache_seen: dict = {}
-            for key, metric in ec.items():
-                v = int(stats.get(key, 0))
-                if key in ("usage", "capacity"):
-                    metric.set(v)
-                    continue
-                delta = v - self._encoder_cache_seen.get(key, 0)
-                if delta > 0:
-                    metric.inc(delta)
-                self._encoder_cache_seen[key] = v
+            _record_totals(ec, self._encoder_cache_seen, {k: stats.get(k, 0) for k in ec})
 
     def record_kv_connector(self, stats: Optional[dict]) -> None:
         """Set the KV-tier metrics from ``get_scheduler_stats()["kv_connector"]`` (the

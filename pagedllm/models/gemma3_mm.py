@@ -24,7 +24,8 @@ from torch import nn
 from pagedllm.models.base import default_dtype
 from pagedllm.models.gemma3 import Gemma3ForCausalLM, Gemma3TextModel
 from pagedllm.models.layers import RMSNorm
-from pagedllm.models.vlm import copy_vision_tensors
+from pagedllm.models.vlm import (copy_vision_tensors, decode_with_mm_embeds, run_vision_tower,
+                                 split_vision_weights)
 
 VISION_PREFIXES = ("model.vision_tower.", "vision_tower.")
 PROJECTOR_PREFIXES = ("model.multi_modal_projector.", "multi_modal_projector.")
@@ -56,19 +57,9 @@ class Gemma3MMTextModel(Gemma3TextModel):
     the embedding scale."""
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        from pagedllm.attention.backend import current_forward_context
-
         vocab = self.embed_tokens.num_embeddings
         x = self.embed_tokens(input_ids.clamp(max=vocab - 1) if input_ids.numel() else input_ids)
-        x = x * self.embed_scale.to(x.dtype)
-        ctx = current_forward_context()
-        if ctx is not None and ctx.mm_embeds is not None:
-            rows, embeds = ctx.mm_embeds
-            x = x.index_copy(0, rows.to(x.device), embeds.to(x.device, x.dtype))
-        residual = None
-        for layer in self.layers:
-            x, residual = layer(positions, x, residual)
-        return self.norm(x, residual)[0]
+        return decode_with_mm_embeds(self, x * self.embed_scale.to(x.dtype), positions)
 
 
 class Gemma3ForConditionalGeneration(Gemma3ForCausalLM):
@@ -126,10 +117,7 @@ class Gemma3ForConditionalGeneration(Gemma3ForCausalLM):
         Raises:
             ValueError: the model was built without a vision tower.
         """
-        if not self.supports_images:
-            raise ValueError("this model has no vision tower")
-        p = next(self.vision_tower.parameters())
-        out = self.vision_tower(pixel_values=pixel_values.to(p.device, p.dtype)).last_hidden_state
+        out = run_vision_tower(self, "vision_tower", pixel_values).last_hidden_state
         return self.multi_modal_projector(out)
 
     def _vision_name(self, name: str):
@@ -160,16 +148,7 @@ class Gemma3ForConditionalGeneration(Gemma3ForCausalLM):
             self.ignored_weight_prefixes = VISION_PREFIXES + PROJECTOR_PREFIXES
             return super().load_weights(weights)
         vision: dict[str, torch.Tensor] = {}
-
-        def text_only():
-            for name, t in weights:
-                v = self._vision_name(name)
-                if v is None:
-                    yield name, t
-                else:
-                    vision[v] = t
-
-        loaded = super().load_weights(text_only())
+        loaded = super().load_weights(split_vision_weights(weights, self._vision_name, vision))
         targets = {f"vision_tower.{k}": v for k, v in self.vision_tower.state_dict().items()}
         targets.update({f"multi_modal_projector.{k}": v for k, v in self.multi_modal_projector.state_dict().items()})
         return loaded | copy_vision_tensors(vision, targets, optional=lambda k: k.startswith("vision_tower.head."))

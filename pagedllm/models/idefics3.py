@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from pagedllm.models.vlm import LlamaVisionLanguageModel
+from pagedllm.models.vlm import LlamaVisionLanguageModel, run_vision_tower
 
 
 class Idefics3Connector(nn.Module):
@@ -61,8 +61,5 @@ class Idefics3ForConditionalGeneration(LlamaVisionLanguageModel):
         Raises:
             ValueError: the model was built without a vision tower.
         """
-        if not self.supports_images:
-            raise ValueError("this model has no vision tower")
-        p = next(self.vision_model.parameters())
-        h = self.vision_model(pixel_values=pixel_values.to(p.device, p.dtype), return_dict=True).last_hidden_state
+        h = run_vision_tower(self, "vision_model", pixel_values, return_dict=True).last_hidden_state
         return self.connector(h).to(self.dtype)

@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from pagedllm.models.vlm import LlamaVisionLanguageModel
+from pagedllm.models.vlm import LlamaVisionLanguageModel, run_vision_tower
 
 
 class LlavaMultiModalProjector(nn.Module):
@@ -60,11 +60,8 @@ class LlavaForConditionalGeneration(LlamaVisionLanguageModel):
         Raises:
             ValueError: the model was built without a vision tower.
         """
-        if not self.supports_images:
-            raise ValueError("this model has no vision tower")
-        p = next(self.vision_tower.parameters())
-        hs = self.vision_tower(pixel_values=pixel_values.to(p.device, p.dtype), output_hidden_states=True,
-                               return_dict=True).hidden_states
+        hs = run_vision_tower(self, "vision_tower", pixel_values, output_hidden_states=True,
+                              return_dict=True).hidden_states
         layers = [self.feature_layer] if isinstance(self.feature_layer, int) else list(self.feature_layer)
         feats = [hs[i][:, 1:] if self.select_strategy == "default" else hs[i] for i in layers]
         return self.multi_modal_projector(torch.cat(feats, dim=-1)).to(self.dtype)

@@ -8,7 +8,7 @@ at a time, outside the paged KV cache; the model runner calls ``embed_images`` p
 """
 from __future__ import annotations
 
-from typing import Any, Callable, Iterable, Optional
+from typing import Any, Callable, Iterable, Iterator, Optional
 
 import torch
 from torch import nn
@@ -55,6 +55,34 @@ def copy_vision_tensors(tensors: dict[str, torch.Tensor], targets: dict[str, tor
     return loaded
 
 
+def split_vision_weights(weights: Iterable[tuple[str, torch.Tensor]], vision_name: Callable[[str], Optional[str]],
+                         vision: dict[str, torch.Tensor]) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield the text decoder's ``(name, tensor)`` pairs of a checkpoint stream and put the
+    vision-side ones into ``vision`` under ``vision_name(name)`` (our name; None = a text tensor),
+    as the stream is consumed: the first step of a VLM's ``load_weights``."""
+    for name, t in weights:
+        v = vision_name(name)
+        if v is None:
+            yield name, t
+        else:
+            vision[v] = t
+
+
+def run_vision_tower(model: nn.Module, tower: str, pixel_values: torch.Tensor, **kwargs: Any) -> Any:
+    """``getattr(model, tower)(pixel_values=...)`` with ``pixel_values`` moved to the tower's
+    device and dtype; ``kwargs`` go to the tower (the transformers module's own output object
+    is returned).
+
+    Raises:
+        ValueError: the model was built without a vision tower (``model.supports_images`` False).
+    """
+    if not model.supports_images:
+        raise ValueError("this model has no vision tower")
+    module = getattr(model, tower)
+    p = next(module.parameters())
+    return module(pixel_values=pixel_values.to(p.device, p.dtype), **kwargs)
+
+
 def split_mm_config(config) -> tuple[Any, Any]:
     """``(text config, full config or None)`` of a multimodal model.
 
@@ -75,22 +103,28 @@ def split_mm_config(config) -> tuple[Any, Any]:
     return config, full
 
 
+def decode_with_mm_embeds(model: nn.Module, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """``model``'s decoder layers and final norm over the token embeddings ``x`` ``[T, hidden]``,
+    after its rows ``ForwardContext.mm_embeds[0]`` take the encoder outputs ``mm_embeds[1]``
+    (``[R, hidden]``; no-op without a context or embeddings) -> hidden states ``[T, hidden]``."""
+    from pagedllm.attention.backend import current_forward_context
+
+    ctx = current_forward_context()
+    if ctx is not None and ctx.mm_embeds is not None:
+        rows, embeds = ctx.mm_embeds
+        x = x.index_copy(0, rows.to(x.device), embeds.to(x.device, x.dtype))
+    residual = None
+    for layer in model.layers:
+        x, residual = layer(positions, x, residual)
+    return model.norm(x, residual)[0]
+
+
 class MMLlamaModel(LlamaModel):
     """``LlamaModel`` whose rows ``ForwardContext.mm_embeds[0]`` take the embeddings
     ``mm_embeds[1]`` (``[R, hidden]``) in place of the placeholder tokens' embeddings."""
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        from pagedllm.attention.backend import current_forward_context
-
-        x = self.embed_tokens(input_ids)
-        ctx = current_forward_context()
-        if ctx is not None and ctx.mm_embeds is not None:
-            rows, embeds = ctx.mm_embeds
-            x = x.index_copy(0, rows.to(x.device), embeds.to(x.device, x.dtype))
-        residual = None
-        for layer in self.layers:
-            x, residual = layer(positions, x, residual)
-        return self.norm(x, residual)[0]
+        return decode_with_mm_embeds(self, self.embed_tokens(input_ids), positions)
 
 
 class LlamaVisionLanguageModel(LlamaForCausalLM):
@@ -173,16 +207,7 @@ class LlamaVisionLanguageModel(LlamaForCausalLM):
             self.ignored_weight_prefixes = tuple(c for c, _ in self.vision_prefixes)
             return super().load_weights(weights)
         vision: dict[str, torch.Tensor] = {}
-
-        def text_only():
-            for name, t in weights:
-                v = self._vision_name(name)
-                if v is None:
-                    yield name, t
-                else:
-                    vision[v] = t
-
-        loaded = super().load_weights(text_only())
+        loaded = super().load_weights(split_vision_weights(weights, self._vision_name, vision))
         targets = {f"{m}.{k}": v for m in self.vision_modules for k, v in getattr(self, m).state_dict().items()}
         return loaded | copy_vision_tensors(vision, targets, self._match, lambda k: k.endswith("position_ids"))
 

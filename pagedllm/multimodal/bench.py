@@ -62,6 +62,7 @@ def _prompts(llm: Any, args: argparse.Namespace) -> list[dict]:
 
 def _pass(eng: Any, prompts: list[dict], output_len: int, concurrent: bool) -> dict:
     from pagedllm import SamplingParams
+    from pagedllm.entrypoints.bench import run_batch
     from pagedllm.sampling_params import RequestOutputKind
 
     sp = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True, output_kind=RequestOutputKind.DELTA)
@@ -70,19 +71,9 @@ def _pass(eng: Any, prompts: list[dict], output_len: int, concurrent: bool) -> d
     t0 = time.perf_counter()
     batches = [prompts] if concurrent else [[p] for p in prompts]
     for batch in batches:
-        ts = time.perf_counter()
-        ids = [eng.next_request_id() for _ in batch]
-        for rid, p in zip(ids, batch):
-            eng.add_request(rid, p, sp)
-        first: dict[str, float] = {}
-        done = 0
-        while done < len(ids):
-            for o in eng.step():
-                first.setdefault(o.request_id, time.perf_counter() - ts)
-                if o.finished:
-                    done += 1
-                    cached += o.num_cached_tokens or 0
-        ttft += list(first.values())
+        first, n = run_batch(eng, batch, sp)
+        ttft += first
+        cached += n
     total = time.perf_counter() - t0
     return {"total_s": total, "ttft_median_s": statistics.median(ttft),
             "output_tokens_per_s": len(prompts) * output_len / total, "cached_tokens": cached}

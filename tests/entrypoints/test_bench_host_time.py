@@ -128,3 +128,23 @@ def test_null_model_bad_flags_one_line(capsys, flags, msg):
     assert main(["bench", "throughput", "--null-model", *flags]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("pagedllm bench throughput: error: " + msg), err
+
+
+def test_run_batch_first_tokens_and_prefix_cache_hits(tiny_smollm2_llama_dir):
+    """``bench.run_batch`` (prefix-caching and image benches): one first-token time per request,
+    every request run to its length, and the second submission of the same prompts served from
+    the prefix cache (whole 16-token blocks)."""
+    from pagedllm import LLM, SamplingParams
+    from pagedllm.entrypoints.bench import run_batch
+    from pagedllm.sampling_params import RequestOutputKind
+
+    llm = LLM(tiny_smollm2_llama_dir, dtype="float32", kv_cache_memory=16 * 1024**2, seed=0)
+    eng = llm.llm_engine
+    shared = list(range(100, 140))
+    prompts = [{"prompt_token_ids": shared + [7 + i, 9]} for i in range(3)]
+    sp = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True, output_kind=RequestOutputKind.DELTA)
+    ttft, cached = run_batch(eng, prompts, sp)
+    assert len(ttft) == 3 and all(t >= 0 for t in ttft)
+    assert not eng.has_unfinished_requests()
+    _, cached_again = run_batch(eng, prompts, sp)
+    assert cached_again >= 3 * 32 > cached
