@@ -24,6 +24,7 @@
 // reduction order is the idea of "Defeating Nondeterminism in LLM Inference" (Thinking Machines,
 // 2025) and of vLLM's batch-invariant mode, applied to the CPU kernels here.
 #include "torch_lite.h"
+#include "cpu_utils.h"
 #include <torch/csrc/utils/pybind.h>
 #include <ATen/Parallel.h>
 
@@ -155,22 +156,10 @@ inline void from_float_row(const float* src, uint16_t* dst, int64_t n) {
 
 inline int64_t round_up(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
 
-// exp(x) in float32: 2^(x log2 e) as an integer power (exponent bits) times 2^f, f in [0, 1), by
-// a degree-6 polynomial (relative error ~2e-7; the same as cpu_utils.h exp_approx). Plain
-// multiplies and adds: no FMA contraction in this file, so vector and scalar copies of this
-// function give the same bits.
-inline float bi_exp(float x) {
-  x = std::min(88.f, std::max(-87.f, x));
-  const float t = x * 1.44269504088896341f;
-  const float fi = std::floor(t);
-  const float f = t - fi;
-  const float p = 1.f + f * (0.693147182f + f * (0.240226507f + f * (0.0555041087f + f * (0.00961812911f +
-                  f * (0.00133335581f + f * 0.000154035304f)))));
-  const uint32_t bits = static_cast<uint32_t>(static_cast<int32_t>(fi) + 127) << 23;
-  float scale;
-  std::memcpy(&scale, &bits, sizeof(scale));
-  return p * scale;
-}
+// exp(x) in float32: cpu_utils.h's exp_approx (2^(x log2 e) as an integer power times a degree-6
+// polynomial of the fraction, relative error ~2e-7), compiled here with this file's flags: plain
+// multiplies and adds, no FMA contraction, so vector and scalar uses give the same bits.
+inline float bi_exp(float x) { return pagedllm_cpu::exp_approx(x); }
 
 // ---------------------------------------------------------------------------------------------
 // linear

@@ -26,6 +26,7 @@
 //
 //   group_dequantize(qweight, scales, mins?, kind, group, K, row0, row1, dtype) -> [row1 - row0, K]
 #include "torch_lite.h"
+#include "cpu_utils.h"
 #include <torch/csrc/utils/pybind.h>
 #include <ATen/Parallel.h>
 #include <algorithm>
@@ -248,15 +249,7 @@ void check_operands(const at::Tensor& qweight, const at::Tensor& scales, const c
   TORCH_CHECK(kind == kInt4 || kind == kInt8 || kind == kFp8, "kind must be 0 (int4), 1 (int8) or 2 (fp8)");
   TORCH_CHECK(K > 0 && K % 32 == 0, "K must be a positive multiple of 32");
   TORCH_CHECK(group > 0 && group % 16 == 0, "group must be a positive multiple of 16");
-  TORCH_CHECK(qweight.dim() == 2 && qweight.is_contiguous() && qweight.element_size() == 1 &&
-              qweight.size(1) == row_bytes(kind, K), "qweight must be a contiguous byte tensor [N, K/2] (int4) or [N, K]");
-  const int64_t N = qweight.size(0), G = (K + group - 1) / group;
-  TORCH_CHECK(scales.scalar_type() == at::kFloat && scales.is_contiguous() && scales.dim() == 2 &&
-              scales.size(0) == N && scales.size(1) == G, "scales must be float32 [N, ceil(K / group)]");
-  if (mins.has_value()) {
-    TORCH_CHECK(mins->scalar_type() == at::kFloat && mins->is_contiguous() && mins->sizes() == scales.sizes(),
-                "mins must be float32 like scales");
-  }
+  pagedllm_cpu::check_group_weights(qweight, scales, mins, row_bytes(kind, K), K, group);
 }
 
 // Dequantize rows [r0, r1) into dst (float32 or bf16, row stride K).

@@ -61,6 +61,7 @@
 //   intdot_isa_supported(isa) -> bool; intdot_best_isa() -> int; intdot_isa_name(isa) -> str
 #ifndef PAGEDLLM_ID_BODY
 #include "torch_lite.h"
+#include "cpu_utils.h"
 #include <torch/csrc/utils/pybind.h>
 #include <ATen/Parallel.h>
 #include <omp.h>
@@ -436,15 +437,7 @@ at::Tensor intdot_gemm(at::Tensor x, at::Tensor qweight, at::Tensor scales, c10:
   TORCH_CHECK(group > 0 && group % QK == 0, "intdot: group must be a positive multiple of 32");
   TORCH_CHECK(out_dtype == at::kFloat || out_dtype == at::kBFloat16, "out_dtype must be float32 or bfloat16");
   const int64_t rb = kind == kInt4 ? K / 2 : K;
-  TORCH_CHECK(qweight.dim() == 2 && qweight.is_contiguous() && qweight.element_size() == 1 && qweight.size(1) == rb,
-              "qweight must be a contiguous byte tensor [N, K/2] (int4) or [N, K] (int8)");
-  const int64_t N = qweight.size(0), G = (K + group - 1) / group;
-  TORCH_CHECK(scales.scalar_type() == at::kFloat && scales.is_contiguous() && scales.dim() == 2 &&
-              scales.size(0) == N && scales.size(1) == G, "scales must be float32 [N, ceil(K / group)]");
-  if (mins.has_value()) {
-    TORCH_CHECK(mins->scalar_type() == at::kFloat && mins->is_contiguous() && mins->sizes() == scales.sizes(),
-                "mins must be float32 like scales");
-  }
+  const int64_t N = pagedllm_cpu::check_group_weights(qweight, scales, mins, rb, K, group);
   at::Tensor bf;
   if (bias.has_value()) {
     bf = bias->scalar_type() == at::kFloat ? bias->contiguous() : bias->to(at::kFloat).contiguous();
