@@ -4,7 +4,8 @@ default for a quantized GGUF file).
 Each llama.cpp block type maps exactly onto the engine's group layout (``group_quant``): the codes
 are unpacked once at load and keep their bit width class, the block's scales become float32 per
 group (computed with the same float32 operations as gguf-py's dequantizer, so ``scale * code +
-min`` is bit-identical to it):
+min`` is bit-identical to it; Q8_0 / Q4_0 / Q4_1 / Q5_0 / Q5_1 keep them float16, the file's own
+fields, which the kernels widen exactly):
 
 | GGUF type | codes | group | value (gguf-py / llama.cpp ``dequantize_row_*``) |
 |---|---|---|---|
@@ -175,6 +176,9 @@ def _convert_blocks(name: str, b: np.ndarray) -> tuple[np.ndarray, np.ndarray, O
 #: block types with an exact mapping onto the group layout
 NATIVE_TYPES = ("Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K")
 
+#: types whose scales (and mins) are the file's own float16 fields: kept float16 in the group layout
+HALF_SCALE_TYPES = ("Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1")
+
 
 def gguf_to_group(raw: GGUFRawTensor) -> Optional[gq.GroupWeight]:
     """A GGUF tensor's blocks in the group layout (exact), or None for a type without a mapping."""
@@ -188,10 +192,20 @@ def gguf_to_group(raw: GGUFRawTensor) -> Optional[gq.GroupWeight]:
     blocks = np.ascontiguousarray(raw.data).reshape(-1, size)
     codes, scales, mins, kind, group = _convert_blocks(name, blocks)
     g = k // group
+    # the f16-field types keep d (and m) as float16: exactly the file's values, half the bytes of
+    # float32 (a Q4 weight's 0.25 of 0.75 bytes); kept float32 where a value is not a float16 (Q4_0's
+    # -8 d past the float16 range) and for the K-quants (d * sc products)
+    sdt = np.float32
+    if name in HALF_SCALE_TYPES:
+        sh = scales.astype(np.float16)
+        mh = None if mins is None else mins.astype(np.float16)
+        if (np.array_equal(sh.astype(np.float32), scales, equal_nan=True)
+                and (mins is None or np.array_equal(mh.astype(np.float32), mins, equal_nan=True))):
+            sdt = np.float16
     return gq.GroupWeight(
         torch.from_numpy(np.ascontiguousarray(codes).reshape(rows, k)),
-        torch.from_numpy(np.ascontiguousarray(scales, dtype=np.float32).reshape(rows, g)),
-        None if mins is None else torch.from_numpy(np.ascontiguousarray(mins, dtype=np.float32).reshape(rows, g)),
+        torch.from_numpy(np.ascontiguousarray(scales, dtype=sdt).reshape(rows, g)),
+        None if mins is None else torch.from_numpy(np.ascontiguousarray(mins, dtype=sdt).reshape(rows, g)),
         kind, group)
 
 

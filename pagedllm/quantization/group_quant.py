@@ -115,10 +115,11 @@ def expand_groups(t: torch.Tensor, group: int, k: int) -> torch.Tensor:
 def dequantize(qweight: torch.Tensor, scales: torch.Tensor, mins: Optional[torch.Tensor], kind: int, group: int,
                k: int) -> torch.Tensor:
     """float32 ``[N, K]``: ``scale * code`` then ``+ min`` (two float32 roundings, as the reference
-    dequantizers of GGUF / GPTQ / AWQ compute it)."""
-    w = codes_as_float(qweight, kind) * expand_groups(scales, group, k)
+    dequantizers of GGUF / GPTQ / AWQ compute it). ``scales`` / ``mins``: float32 or float16 (GGUF's
+    own fields; widened exactly)."""
+    w = codes_as_float(qweight, kind) * expand_groups(scales.float(), group, k)
     if mins is not None:
-        w = w + expand_groups(mins, group, k)
+        w = w + expand_groups(mins.float(), group, k)
     return w
 
 
@@ -127,7 +128,9 @@ class GroupWeight:
 
     Attributes:
         codes: ``[rows, K]`` — int8 for kinds int8 (-128..127) and int4 (0..15), uint8 fp8 codes.
-        scales: float32 ``[rows, G]``; mins: float32 ``[rows, G]`` or None.
+        scales: float32 ``[rows, G]``; mins: float32 ``[rows, G]`` or None. Both float16 instead where
+            the values are exactly the checkpoint's float16 fields (GGUF Q4_0/Q4_1/Q5_x/Q8_0: half
+            the bytes; the CPU kernels widen them exactly on load, so every result keeps its bits).
         kind: KIND_INT4 / KIND_INT8 / KIND_FP8; group: elements per scale along K.
     """
 
@@ -144,9 +147,9 @@ class GroupWeight:
     def dequantize(self) -> torch.Tensor:
         """float32 ``[rows, K]``."""
         w = (self.codes.view(torch.float8_e4m3fn).float() if self.kind == KIND_FP8 else self.codes.float())
-        w = w * expand_groups(self.scales, self.group, self.k)
+        w = w * expand_groups(self.scales.float(), self.group, self.k)
         if self.mins is not None:
-            w = w + expand_groups(self.mins, self.group, self.k)
+            w = w + expand_groups(self.mins.float(), self.group, self.k)
         return w
 
     def regroup(self, kind: int, group: int, with_mins: bool) -> "GroupWeight":
@@ -196,8 +199,11 @@ def install(layer: nn.Module, gw: GroupWeight) -> None:
     else:
         q, kind = gw.codes.contiguous(), gw.kind
     layer.qweight = _param(q)
-    layer.scales = _param(gw.scales.float().contiguous())
-    layer.mins = None if gw.mins is None else _param(gw.mins.float().contiguous())
+    # float16 scales (and mins) stay float16 (exact; see GroupWeight); anything else is float32
+    half = gw.scales.dtype == torch.float16 and (gw.mins is None or gw.mins.dtype == torch.float16)
+    sdt = torch.float16 if half else torch.float32
+    layer.scales = _param(gw.scales.to(sdt).contiguous())
+    layer.mins = None if gw.mins is None else _param(gw.mins.to(sdt).contiguous())
     layer.gq_kind, layer.gq_group = kind, gw.group
     w = getattr(layer, "weight", None)
     dtype = w.dtype if isinstance(w, torch.Tensor) and w.is_floating_point() else torch.float32

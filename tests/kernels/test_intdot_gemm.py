@@ -328,3 +328,58 @@ def test_isa_env_knob(monkeypatch):
     monkeypatch.setenv("PAGEDLLM_ISA", "auto")
     assert gq.intdot_isa(OPS) == OPS.intdot_best_isa()
     monkeypatch.setattr(gq, "_intdot_isa", None)
+
+
+@pytest.mark.parametrize("isa", [0, 1, 2])
+@pytest.mark.parametrize("kind,with_mins", CASES)
+def test_float16_scales_bit_identical_to_float32(isa, kind, with_mins):
+    """float16 scales / mins (GGUF Q4_0 / Q4_1 / Q5_x / Q8_0 keep the file's fields) give the same
+    bits as the same values in float32, on both kernels (columns and rows forced), with a bias,
+    float32 and bfloat16 inputs, a block count with a transpose tail (11) and ragged N; and group
+    64 (expanded scales). Mixed dtypes are refused."""
+    _require(isa)
+    n, k = 29, 32 * 11
+    q, scales, mins = _weight(kind, n, k, with_mins=with_mins, seed=11)
+    sh, mh = scales.half(), None if mins is None else mins.half()
+    sf, mf = sh.float(), None if mh is None else mh.float()
+    bias = torch.randn(n)
+    for m in (1, 3, 8, 19):
+        x = torch.randn(m, k, generator=torch.Generator().manual_seed(m))
+        for rows_min_m in (1, 1 << 20):
+            want = OPS.intdot_gemm(x, q, sf, mf, bias, kind, 32, torch.float32, isa, rows_min_m)
+            got = OPS.intdot_gemm(x, q, sh, mh, bias, kind, 32, torch.float32, isa, rows_min_m)
+            assert torch.equal(got, want), (m, rows_min_m)
+            wb = OPS.intdot_gemm(x.bfloat16(), q, sf, mf, None, kind, 32, torch.bfloat16, isa, rows_min_m)
+            gb = OPS.intdot_gemm(x.bfloat16(), q, sh, mh, None, kind, 32, torch.bfloat16, isa, rows_min_m)
+            assert torch.equal(gb, wb), (m, rows_min_m)
+    q64, s64, m64 = _weight(kind, n, 128, group=64, with_mins=with_mins, seed=12)
+    x = torch.randn(9, 128)
+    for rows_min_m in (1, 1 << 20):
+        want = OPS.intdot_gemm(x, q64, s64.half().float(), None if m64 is None else m64.half().float(), None, kind,
+                               64, torch.float32, isa, rows_min_m)
+        got = OPS.intdot_gemm(x, q64, s64.half(), None if m64 is None else m64.half(), None, kind, 64,
+                              torch.float32, isa, rows_min_m)
+        assert torch.equal(got, want)
+    if with_mins:
+        with pytest.raises(RuntimeError, match="mins"):
+            OPS.intdot_gemm(torch.randn(2, k), q, sh, mf, None, kind, 32, torch.float32, isa)
+
+
+@pytest.mark.parametrize("kind,with_mins", CASES)
+def test_group_gemm_float16_scales_bit_identical(kind, with_mins):
+    """group_gemm / group_dequantize (the float-activation kernel) take float16 scales / mins with
+    the bits of their float32 values, at the register (M <= large_m) and tiled (M > large_m) sizes."""
+    ops = cpu_ops.get_quant_ops()
+    if ops is None:
+        pytest.skip("group GEMM C++ kernel not built here")
+    n, k = 21, 256
+    q, scales, mins = _weight(kind, n, k, with_mins=with_mins, seed=13)
+    sh, mh = scales.half(), None if mins is None else mins.half()
+    sf, mf = sh.float(), None if mh is None else mh.float()
+    for m in (1, 5, 40):
+        x = torch.randn(m, k)
+        want = ops.group_gemm(x, q, sf, mf, None, kind, 32, gq.LARGE_M, torch.float32)
+        assert torch.equal(ops.group_gemm(x, q, sh, mh, None, kind, 32, gq.LARGE_M, torch.float32), want), m
+    assert torch.equal(ops.group_dequantize(q, sh, mh, kind, 32, k, 3, 17, torch.float32),
+                       ops.group_dequantize(q, sf, mf, kind, 32, k, 3, 17, torch.float32))
+    assert torch.equal(gq.dequantize(q, sh, mh, kind, 32, k), gq.dequantize(q, sf, mf, kind, 32, k))

@@ -194,8 +194,8 @@ def test_mapped_gguf_same_logits_as_copies(cache, tmp_path, monkeypatch):
 
 @pytest.mark.slow
 def test_mapped_smollm2_same_logits(smollm2_path, cache, monkeypatch):
-    """The real SmolLM2-135M Q4_1 file: the mapped weights (~104 MiB of 106 MiB) give the copied
-    weights' logits bit for bit."""
+    """The real SmolLM2-135M Q4_1 file: the mapped weights (~86 MiB of ~88 MiB; float16 scales and
+    mins) give the copied weights' logits bit for bit."""
     from pagedllm.attention.backend import ForwardContext, set_forward_context
     from pagedllm.attention.torch_paged import TorchPagedAttention, build_metadata
 
@@ -213,7 +213,7 @@ def test_mapped_smollm2_same_logits(smollm2_path, cache, monkeypatch):
             out.append(model.compute_logits(model(torch.tensor(ids), torch.arange(len(ids)))))
         out.append(core.weight_mapped_bytes)
         del llm, model
-    assert out[1] == 0 and out[3] > 100 * 2**20
+    assert out[1] == 0 and out[3] > 80 * 2**20
     assert torch.equal(out[0], out[2])
 
 

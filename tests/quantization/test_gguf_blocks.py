@@ -27,7 +27,7 @@ from gguf.quants import dequantize as gguf_dequantize
 
 import pagedllm.kernels.cpu_ops as cpu_ops
 from pagedllm.quantization import group_quant as gq
-from pagedllm.quantization.gguf import NATIVE_TYPES, GGUFRawTensor, gguf_to_group
+from pagedllm.quantization.gguf import HALF_SCALE_TYPES, NATIVE_TYPES, GGUFRawTensor, gguf_to_group
 
 torch.set_num_threads(1)
 
@@ -60,6 +60,9 @@ def test_block_type_repacks_bit_exactly(name):
     assert torch.equal(gq.layer_dequantize(lin), ref)
     expected_kind = gq.KIND_INT4 if name in ("Q4_0", "Q4_1", "Q2_K", "Q3_K", "Q4_K") else gq.KIND_INT8
     assert lin.gq_kind == expected_kind and lin.qweight.shape == (rows, k // 2 if expected_kind == gq.KIND_INT4 else k)
+    # the f16-field types keep the file's float16 d / m (half the bytes); K-quants float32
+    want_dtype = torch.float16 if name in HALF_SCALE_TYPES else torch.float32
+    assert lin.scales.dtype == want_dtype and (lin.mins is None or lin.mins.dtype == want_dtype), name
 
 
 def test_mixed_shards_merge_exactly():

@@ -56,19 +56,20 @@ inline float exp_approx(float x) {
 }
 
 // Shape and dtype checks shared by the group-quantized GEMMs (group_gemm.cpp, intdot_gemm.cpp):
-// qweight a contiguous byte tensor [N, row_bytes], scales float32 [N, ceil(K / group)], mins (if
-// given) float32 like scales. Returns N; a mismatch raises (RuntimeError in Python).
+// qweight a contiguous byte tensor [N, row_bytes], scales float32 or float16 [N, ceil(K / group)]
+// (float16: GGUF's own d / m fields, kept as stored), mins (if given) of scales' dtype and shape. Returns N; a mismatch raises (RuntimeError in Python).
 inline int64_t check_group_weights(const at::Tensor& qweight, const at::Tensor& scales,
                                    const c10::optional<at::Tensor>& mins, int64_t row_bytes, int64_t K,
                                    int64_t group) {
   TORCH_CHECK(qweight.dim() == 2 && qweight.is_contiguous() && qweight.element_size() == 1 &&
               qweight.size(1) == row_bytes, "qweight must be a contiguous byte tensor [N, K/2] (int4) or [N, K] (int8, fp8)");
   const int64_t N = qweight.size(0), G = (K + group - 1) / group;
-  TORCH_CHECK(scales.scalar_type() == at::kFloat && scales.is_contiguous() && scales.dim() == 2 &&
-              scales.size(0) == N && scales.size(1) == G, "scales must be float32 [N, ceil(K / group)]");
+  TORCH_CHECK((scales.scalar_type() == at::kFloat || scales.scalar_type() == at::kHalf) && scales.is_contiguous() &&
+              scales.dim() == 2 && scales.size(0) == N && scales.size(1) == G,
+              "scales must be float32 or float16 [N, ceil(K / group)]");
   if (mins.has_value()) {
-    TORCH_CHECK(mins->scalar_type() == at::kFloat && mins->is_contiguous() && mins->sizes() == scales.sizes(),
-                "mins must be float32 like scales");
+    TORCH_CHECK(mins->scalar_type() == scales.scalar_type() && mins->is_contiguous() && mins->sizes() == scales.sizes(),
+                "mins must be contiguous, of scales' dtype (float32 or float16) and shape");
   }
   return N;
 }

@@ -11,7 +11,7 @@
 // kind 2 (fp8):   qweight uint8 [N, K], float8_e4m3fn codes (decoded exactly through the fp16
 //                 conversion: (sign << 15 | (code & 0x7F) << 7) is the same value times 2^-8).
 //
-// scales, mins: float32 [N, G], G = ceil(K / group); group a multiple of 16; K a multiple of 32.
+// scales, mins: float32 or float16 [N, G] (float16 widened per call), G = ceil(K / group); group a multiple of 16; K a multiple of 32.
 //
 //   group_gemm(x [M, K] f32/bf16, qweight, scales, mins?, bias? [N], kind, group, large_m, out_dtype)
 //       -> [M, N] in out_dtype (float32 or bfloat16)
@@ -284,11 +284,20 @@ void dequant_rows(const Operands& o, int64_t r0, int64_t r1, T* dst) {
   });
 }
 
+// float16 scales / mins (GGUF's own fields): widened to float32 for this call (exact), so the
+// dequantization below reads float32 as before and every result keeps its bits.
+void widen_scales(at::Tensor& scales, c10::optional<at::Tensor>& mins) {
+  if (scales.scalar_type() != at::kHalf) return;
+  scales = scales.to(at::kFloat);
+  if (mins.has_value()) mins = mins->to(at::kFloat);
+}
+
 }  // namespace
 
 at::Tensor group_dequantize(at::Tensor qweight, at::Tensor scales, c10::optional<at::Tensor> mins, int64_t kind,
                             int64_t group, int64_t K, int64_t row0, int64_t row1, at::ScalarType dtype) {
   check_operands(qweight, scales, mins, kind, group, K);
+  widen_scales(scales, mins);
   TORCH_CHECK(0 <= row0 && row0 <= row1 && row1 <= qweight.size(0), "bad row range");
   TORCH_CHECK(dtype == at::kFloat || dtype == at::kBFloat16, "dtype must be float32 or bfloat16");
   const std::vector<int32_t> table = group_table(K, group);
@@ -310,6 +319,7 @@ at::Tensor group_gemm(at::Tensor x, at::Tensor qweight, at::Tensor scales, c10::
               "x must be a 2-D float32 or bfloat16 tensor");
   const int64_t M = x.size(0), K = x.size(1);
   check_operands(qweight, scales, mins, kind, group, K);
+  widen_scales(scales, mins);
   TORCH_CHECK(out_dtype == at::kFloat || out_dtype == at::kBFloat16, "out_dtype must be float32 or bfloat16");
   const int64_t N = qweight.size(0);
   at::Tensor b;

@@ -56,7 +56,9 @@
 //   256-bit vectors (32 registers: 6 columns x 16 rows; AVX2 2 x 8). The isa argument forces a path.
 //
 //   intdot_gemm(x [M, K] f32/bf16, qweight, scales, mins?, bias? [N], kind, group, out_dtype, isa=-1)
-//       -> [M, N] out_dtype (float32 / bfloat16); isa -1 = best available.
+//       -> [M, N] out_dtype (float32 / bfloat16); isa -1 = best available. scales / mins float32
+//       or float16 [N, ceil(K / group)] (float16: read as stored, widened exactly on load, so the
+//       result is bit-identical to the same values in float32).
 //   intdot_quantize(x, isa=-1) -> (a int8 [M, K], xd f32 [M, K/32], xs f32 [M, K/32])
 //   intdot_isa_supported(isa) -> bool; intdot_best_isa() -> int; intdot_isa_name(isa) -> str
 #ifndef PAGEDLLM_ID_BODY
@@ -73,6 +75,7 @@
 #include <tuple>
 #include <type_traits>
 #include <vector>
+#include <c10/util/Half.h>
 
 #if defined(__x86_64__) || defined(__i386__)
 #define PAGEDLLM_ID_X86 1
@@ -98,8 +101,10 @@ constexpr int64_t kPrefetchGroups = 2;
 // One call's operands, shared by the ISA paths.
 struct Ctx {
   const uint8_t* q;     // weight codes, row stride rb bytes
-  const float* wd;      // [N, nb]: the scale of each 32-block (groups > 32 expanded)
+  const float* wd;      // [N, nb]: the scale of each 32-block (groups > 32 expanded); nullptr when float16
   const float* wm;      // [N, nb] or nullptr
+  const uint16_t* wdh;  // float16 scales [N, nb] (IEEE half bits) in place of wd, else nullptr
+  const uint16_t* wmh;  // float16 mins [N, nb] in place of wm, else nullptr
   int64_t rb, nb, N, M;
   bool int4;
   const int8_t* a;      // [M, K] signed codes
@@ -139,6 +144,12 @@ void quantize_rows_ref(const float* x, int64_t M, int64_t K, int64_t nbp, int8_t
 }
 
 
+// IEEE half bits -> float (exact).
+inline float half_to_float(uint16_t h) { return static_cast<float>(c10::Half(h, c10::Half::from_bits())); }
+
+// The scale (or min) of column n's 32-block b: float32 f or float16 h, whichever is given.
+inline float scale_at(const float* f, const uint16_t* h, int64_t i) { return f ? f[i] : half_to_float(h[i]); }
+
 // The arithmetic of the file comment, one output at a time.
 template <bool MINS>
 void range_ref(const Ctx& c, int64_t n0, int64_t n1, int64_t r0, int64_t r1) {
@@ -157,19 +168,18 @@ void range_ref(const Ctx& c, int64_t n0, int64_t n1, int64_t r0, int64_t r1) {
         }
       }
     }
-    const float* wd = c.wd + n * c.nb;
-    const float* wm = MINS ? c.wm + n * c.nb : nullptr;
+    const int64_t wo = n * c.nb;
     for (int64_t r = r0; r < r1; ++r) {
       const int8_t* ar = c.a + r * K;
       float acc = 0.f, macc = 0.f;
       for (int64_t b = 0; b < c.nb; ++b) {
         int32_t i = 0;
         for (int j = 0; j < QK; ++j) i += w[b * QK + j] * ar[b * QK + j];
-        const float s = wd[b] * c.xd[r * c.nb + b];
+        const float s = scale_at(c.wd, c.wdh, wo + b) * c.xd[r * c.nb + b];
         acc = std::fma(static_cast<float>(i), s, acc);
       }
       if (MINS) {
-        for (int64_t b = 0; b < c.nb; ++b) macc = std::fma(wm[b], c.xs[r * c.nb + b], macc);
+        for (int64_t b = 0; b < c.nb; ++b) macc = std::fma(scale_at(c.wm, c.wmh, wo + b), c.xs[r * c.nb + b], macc);
       }
       float v = MINS ? acc + macc : acc;
       if (c.bias) v += c.bias[n];
@@ -179,12 +189,12 @@ void range_ref(const Ctx& c, int64_t n0, int64_t n1, int64_t r0, int64_t r1) {
 }
 
 void range_portable(const Ctx& c, int64_t n0, int64_t n1, int64_t r0, int64_t r1) {
-  c.wm ? range_ref<true>(c, n0, n1, r0, r1) : range_ref<false>(c, n0, n1, r0, r1);
+  (c.wm || c.wmh) ? range_ref<true>(c, n0, n1, r0, r1) : range_ref<false>(c, n0, n1, r0, r1);
 }
 
 #ifdef PAGEDLLM_ID_X86
 #pragma GCC push_options
-#pragma GCC target("avx2,fma")
+#pragma GCC target("avx2,fma,f16c")
 // AVX2 quantizer: the same float operations as quantize_rows_ref (vcvtps2dq rounds half to even
 // under the default MXCSR, as nearbyint does under the default rounding mode).
 void quantize_rows_avx2(const float* x, int64_t M, int64_t K, int64_t nbp, int8_t* a, float* xd, float* xs) {
@@ -231,7 +241,7 @@ namespace id_avx2 {
 #pragma GCC pop_options
 
 #pragma GCC push_options
-#pragma GCC target("avx2,fma,avx512f,avx512bw,avx512vl,avx512vnni")
+#pragma GCC target("avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")
 namespace id_vnni {
 #define PAGEDLLM_ID_BODY 2
 #include "intdot_gemm.cpp"
@@ -485,8 +495,14 @@ at::Tensor intdot_gemm(at::Tensor x, at::Tensor qweight, at::Tensor scales, c10:
     wd = scales.repeat_interleave(group / QK, 1).narrow(1, 0, nb).contiguous();
     if (wm.defined()) wm = wm.repeat_interleave(group / QK, 1).narrow(1, 0, nb).contiguous();
   }
+  // float16 scales / mins (GGUF's own fields) are read as stored and widened in registers (exact)
+  const bool wh = scales.scalar_type() == at::kHalf;
   auto ptr_f = [](const at::Tensor& t) { return t.defined() ? t.data_ptr<float>() : nullptr; };
-  Ctx c{static_cast<const uint8_t*>(qweight.data_ptr()), wd.data_ptr<float>(), ptr_f(wm), rb, nb, N, M, int4,
+  auto ptr_h = [](const at::Tensor& t) {
+    return t.defined() ? reinterpret_cast<const uint16_t*>(t.data_ptr<at::Half>()) : nullptr;
+  };
+  Ctx c{static_cast<const uint8_t*>(qweight.data_ptr()), wh ? nullptr : ptr_f(wd), wh ? nullptr : ptr_f(wm),
+        wh ? ptr_h(wd) : nullptr, wh ? ptr_h(wm) : nullptr, rb, nb, N, M, int4,
         a, a2, cs, xd, xs, ap, xdp, xsp, cp, ptr_f(bf), y};
 
   // Threads: one parallel region per call. The activations are quantized first (split over row
@@ -611,12 +627,26 @@ inline __m256i fold4(__m256i t01, __m256i t23) {
   return _mm256_add_epi32(_mm256_unpacklo_epi64(t01, t23), _mm256_unpackhi_epi64(t01, t23));
 }
 
-// dst[8 b + j] = src[n[j] * nb + b] for b < nb: 8 x 8 transposes (unpack / shuffle / permute).
-inline void transpose_scales(const float* src, const int64_t* n, int64_t nb, float* dst) {
+inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+inline __m256 load8(const uint16_t* p) { return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
+inline float load1(const float* p) { return *p; }
+inline float load1(const uint16_t* p) { return _cvtsh_ss(*p); }
+
+// dst[i] = float(src[i]) for i < n (float16 -> float32 with vcvtph2ps: exact).
+inline void widen(const uint16_t* src, int64_t n, float* dst) {
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) _mm256_storeu_ps(dst + i, load8(src + i));
+  for (; i < n; ++i) dst[i] = load1(src + i);
+}
+
+// dst[8 b + j] = src[n[j] * nb + b] for b < nb: 8 x 8 transposes (unpack / shuffle / permute);
+// src float32 or float16 (widened on load).
+template <typename S>
+inline void transpose_scales(const S* src, const int64_t* n, int64_t nb, float* dst) {
   int64_t b = 0;
   for (; b + 8 <= nb; b += 8) {
     __m256 r[8], t[8];
-    for (int j = 0; j < 8; ++j) r[j] = _mm256_loadu_ps(src + n[j] * nb + b);
+    for (int j = 0; j < 8; ++j) r[j] = load8(src + n[j] * nb + b);
     for (int j = 0; j < 8; j += 2) {
       t[j] = _mm256_unpacklo_ps(r[j], r[j + 1]);
       t[j + 1] = _mm256_unpackhi_ps(r[j], r[j + 1]);
@@ -635,7 +665,7 @@ inline void transpose_scales(const float* src, const int64_t* n, int64_t nb, flo
     }
   }
   for (; b < nb; ++b)
-    for (int j = 0; j < 8; ++j) dst[8 * b + j] = src[n[j] * nb + b];
+    for (int j = 0; j < 8; ++j) dst[8 * b + j] = load1(src + n[j] * nb + b);
 }
 
 // ---- columns kernel: 8 columns (row pointers cols[j], scales transposed to wdT / wmT [nb][8]) x MT
@@ -754,8 +784,13 @@ void cols_range(const Ctx& c, int64_t n0, int64_t n1, int64_t r0, int64_t r1) {
       bv[j] = c.bias ? c.bias[n] : 0.f;
       ns[j] = n;
     }
-    transpose_scales(c.wd, ns, c.nb, wdT.data());
-    if (MINS) transpose_scales(c.wm, ns, c.nb, wmT.data());
+    if (c.wdh) {
+      transpose_scales(c.wdh, ns, c.nb, wdT.data());
+      if (MINS) transpose_scales(c.wmh, ns, c.nb, wmT.data());
+    } else {
+      transpose_scales(c.wd, ns, c.nb, wdT.data());
+      if (MINS) transpose_scales(c.wm, ns, c.nb, wmT.data());
+    }
     // the codes (into L2) and scales (into L1) of the group kPrefetchGroups ahead, while these run:
     // 8 interleaved row streams defeat the hardware prefetcher once the weights come from DRAM (a
     // decode step's layers and the LM head), and the scale transposes above otherwise stall on it
@@ -765,11 +800,14 @@ void cols_range(const Ctx& c, int64_t n0, int64_t n1, int64_t r0, int64_t r1) {
         const int64_t nn = std::min<int64_t>(8, n1 - pg);
         const char* p = reinterpret_cast<const char*>(c.q + pg * c.rb);
         for (int64_t o = 0; o < nn * c.rb; o += 64) _mm_prefetch(p + o, _MM_HINT_T1);
-        const char* ps = reinterpret_cast<const char*>(c.wd + pg * c.nb);
-        for (int64_t o = 0; o < nn * c.nb * 4; o += 64) _mm_prefetch(ps + o, _MM_HINT_T0);
+        const int64_t es = c.wdh ? 2 : 4;  // bytes per scale
+        const char* ps = c.wdh ? reinterpret_cast<const char*>(c.wdh + pg * c.nb)
+                               : reinterpret_cast<const char*>(c.wd + pg * c.nb);
+        for (int64_t o = 0; o < nn * c.nb * es; o += 64) _mm_prefetch(ps + o, _MM_HINT_T0);
         if (MINS) {
-          const char* pm = reinterpret_cast<const char*>(c.wm + pg * c.nb);
-          for (int64_t o = 0; o < nn * c.nb * 4; o += 64) _mm_prefetch(pm + o, _MM_HINT_T0);
+          const char* pm = c.wmh ? reinterpret_cast<const char*>(c.wmh + pg * c.nb)
+                                 : reinterpret_cast<const char*>(c.wm + pg * c.nb);
+          for (int64_t o = 0; o < nn * c.nb * es; o += 64) _mm_prefetch(pm + o, _MM_HINT_T0);
         }
       }
     }
@@ -802,13 +840,13 @@ void cols_range(const Ctx& c, int64_t n0, int64_t n1, int64_t r0, int64_t r1) {
 }
 
 // ---- rows kernel: NC columns (prepared codes wu[j], stride K; AVX2 int8: signed codes ws[j];
-// column indices n[j]) x the 8 RT rows of tiles t .. t + RT - 1; o[h][j] lane r = y[8 (t + h) + r, n[j]]
+// column indices n[j]; float32 scales / mins of column j, block b: sd[sn[j] * nb + b], sm[...]) x the 8 RT rows of tiles t .. t + RT - 1; o[h][j] lane r = y[8 (t + h) + r, n[j]]
 // (bias included). RT = 2 (VNNI): each broadcast of 4 weight codes feeds two row tiles, halving the
 // broadcasts per vpdpbusd; the NC x 2 chains keep enough products in flight. RT = 1: two chains per
 // column (even / odd 4-k groups). Integer sums are exact in any order, so the split changes no bit.
 template <bool INT4, bool MINS, int NC, int RT>
-void rows_tile(const Ctx& c, const uint8_t* const* wu, const uint8_t* const* ws, const int64_t* n, int64_t t,
-               __m256 (*o)[NC]) {
+void rows_tile(const Ctx& c, const uint8_t* const* wu, const uint8_t* const* ws, const int64_t* n, const float* sd,
+               const float* sm, const int64_t* sn, int64_t t, __m256 (*o)[NC]) {
   static_assert(RT == 1 || RT == 2, "RT is 1 or 2 row tiles");
   constexpr int CH = RT == 1 ? 2 : 1;  // chains per (column, row tile)
   const int8_t* at[RT];
@@ -863,7 +901,7 @@ void rows_tile(const Ctx& c, const uint8_t* const* wu, const uint8_t* const* ws,
     for (int h = 0; h < RT; ++h) {
       const __m256 xdv = _mm256_loadu_ps(c.xdp + tb[h] + 8 * b);
       for (int j = 0; j < NC; ++j) {
-        const __m256 s = _mm256_mul_ps(_mm256_set1_ps(c.wd[n[j] * c.nb + b]), xdv);
+        const __m256 s = _mm256_mul_ps(_mm256_set1_ps(sd[sn[j] * c.nb + b]), xdv);
         f[h][j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(acc[h][0][j]), s, f[h][j]);
       }
     }
@@ -873,7 +911,7 @@ void rows_tile(const Ctx& c, const uint8_t* const* wu, const uint8_t* const* ws,
     for (int64_t b = 0; b < c.nb; ++b) {
       for (int h = 0; h < RT; ++h) {
         const __m256 xsv = _mm256_loadu_ps(c.xsp + tb[h] + 8 * b);
-        for (int j = 0; j < NC; ++j) m[h][j] = _mm256_fmadd_ps(_mm256_set1_ps(c.wm[n[j] * c.nb + b]), xsv, m[h][j]);
+        for (int j = 0; j < NC; ++j) m[h][j] = _mm256_fmadd_ps(_mm256_set1_ps(sm[sn[j] * c.nb + b]), xsv, m[h][j]);
       }
     }
   }
@@ -908,24 +946,39 @@ void rows_range(const Ctx& c, int64_t n0, int64_t n1, int64_t r0, int64_t r1) {
   const int64_t C = std::max<int64_t>(NC, kPanelBytes / K / NC * NC);
   thread_local std::vector<uint8_t> wu;
   if (static_cast<int64_t>(wu.size()) < std::min(C, n1 - n0) * K) wu.resize(std::min(C, n1 - n0) * K);
+  // float16 scales / mins: each panel's widened once into float32 (indexed by the panel column)
+  thread_local std::vector<float> wdf, wmf;
+  const bool half = c.wdh != nullptr;
+  if (half) {
+    const int64_t need = std::min(C, n1 - n0) * c.nb;
+    if (static_cast<int64_t>(wdf.size()) < need) wdf.resize(need);
+    if (MINS && static_cast<int64_t>(wmf.size()) < need) wmf.resize(need);
+  }
   for (int64_t p0 = n0; p0 < n1; p0 += C) {
     const int64_t np = std::min(C, n1 - p0);
     for (int64_t j = 0; j < np; ++j) prep_col(c.q + (p0 + j) * c.rb, c.nb, INT4, wu.data() + j * K);
+    if (half) {
+      widen(c.wdh + p0 * c.nb, np * c.nb, wdf.data());
+      if (MINS) widen(c.wmh + p0 * c.nb, np * c.nb, wmf.data());
+    }
+    const float* sd = half ? wdf.data() : c.wd;
+    const float* sm = half ? (MINS ? wmf.data() : nullptr) : c.wm;
     for (int64_t t = t0; t < T;) {
       const int rt = (kV && t + 1 < T) ? 2 : 1;  // row tiles per register tile
       for (int64_t j0 = 0; j0 < np; j0 += NC) {
         const uint8_t* wp[NC];
         const uint8_t* sp[NC];
-        int64_t n[NC];
+        int64_t n[NC], sn[NC];
         for (int j = 0; j < NC; ++j) {
           const int64_t jj = std::min<int64_t>(j0 + j, np - 1);
           wp[j] = wu.data() + jj * K;
           sp[j] = c.q + (p0 + jj) * c.rb;
           n[j] = p0 + jj;
+          sn[j] = half ? jj : p0 + jj;
         }
         __m256 o[2][NC];
-        if (rt == 2) rows_tile<INT4, MINS, NC, 2>(c, wp, sp, n, t, o);
-        else rows_tile<INT4, MINS, NC, 1>(c, wp, sp, n, t, o);
+        if (rt == 2) rows_tile<INT4, MINS, NC, 2>(c, wp, sp, n, sd, sm, sn, t, o);
+        else rows_tile<INT4, MINS, NC, 1>(c, wp, sp, n, sd, sm, sn, t, o);
         const int64_t nv = std::min<int64_t>(NC, np - j0);
         for (int hh = 0; hh < rt; ++hh) {
           const int64_t h = std::min<int64_t>(8, c.M - 8 * (t + hh));
@@ -942,7 +995,7 @@ void rows_range(const Ctx& c, int64_t n0, int64_t n1, int64_t r0, int64_t r1) {
 }
 
 void range(const Ctx& c, bool rows, int64_t n0, int64_t n1, int64_t r0, int64_t r1) {
-  const bool mins = c.wm != nullptr;
+  const bool mins = c.wm != nullptr || c.wmh != nullptr;
   if (rows) {
     if (c.int4) mins ? rows_range<true, true>(c, n0, n1, r0, r1) : rows_range<true, false>(c, n0, n1, r0, r1);
     else mins ? rows_range<false, true>(c, n0, n1, r0, r1) : rows_range<false, false>(c, n0, n1, r0, r1);
