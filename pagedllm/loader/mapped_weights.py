@@ -4,7 +4,8 @@ Why a cache file and not the GGUF file itself: no kernel here reads llama.cpp's 
 A Q4_1 block is ``f16 d | f16 m | 16 bytes of nibbles`` (20 bytes per 32 values); the engine's group
 layout (``quantization/group_quant.py``), which ``group_gemm.cpp`` and ``intdot_gemm.cpp`` read, keeps the
 codes as one ``[N, K/2]`` nibble plane (llama.cpp's nibble order) and the scales / mins as separate
-float32 ``[N, K/32]`` planes; fused q|k|v and gate|up shards are stacked, and K-quants' 6-bit sub-block
+``[N, K/32]`` planes (float16 for Q4_0/Q4_1/Q5_0/Q5_1/Q8_0, the file's own fields; float32 for the
+K-quants); fused q|k|v and gate|up shards are stacked, and K-quants' 6-bit sub-block
 scales are expanded. So the file's bytes are never the kernel's bytes (F32 norms aside, a few KiB).
 Instead the loaded model's parameters (exactly what the kernels read) are written once to a cache file
 and every later start maps that file: the weight pages are then file-backed and clean (``Shared_Clean``
