@@ -19,7 +19,7 @@ from typing import Optional
 import torch
 
 from pagedllm.quantization.base import QuantizationConfig, register_quantization_config
-from pagedllm.quantization.checkpoint import CheckpointLinearMethod, is_ignored
+from pagedllm.quantization.checkpoint import CheckpointLinearMethod, quantizes_linear
 from pagedllm.quantization.gptq import int_group_weight, unpack_int32
 
 AWQ_ORDER = [0, 2, 4, 6, 1, 3, 5, 7]
@@ -81,8 +81,4 @@ class AWQConfig(QuantizationConfig):
         return f"awq (4-bit gemm, group {self.group_size}, zero_point={self.zero_point})"
 
     def get_quant_method(self, layer, prefix):
-        if not isinstance(layer, torch.nn.Linear) or prefix == "lm_head":
-            return None
-        if is_ignored(prefix, self.modules_to_not_convert, substring=True):
-            return None
-        return AWQLinearMethod(self)
+        return AWQLinearMethod(self) if quantizes_linear(layer, prefix, self.modules_to_not_convert) else None

@@ -59,6 +59,14 @@ def is_ignored(prefix: str, patterns, substring: bool = False) -> bool:
     return all(hits)
 
 
+def quantizes_linear(layer: nn.Module, prefix: str, ignored) -> bool:
+    """Whether a checkpoint format quantizes ``layer`` (module name ``prefix``): an ``nn.Linear``
+    other than the LM head whose checkpoint modules are not in ``ignored`` (the config's ignore
+    list, matched as by ``is_ignored(..., substring=True)``; raises ValueError as it does)."""
+    return (isinstance(layer, nn.Linear) and prefix != "lm_head"
+            and not is_ignored(prefix, ignored, substring=True))
+
+
 def shard_order(layer: nn.Module) -> list:
     offsets = getattr(layer, "shard_offsets", None)
     return list(offsets) if offsets else [None]

@@ -19,7 +19,7 @@ import torch
 
 from pagedllm.quantization import group_quant as gq
 from pagedllm.quantization.base import QuantizationConfig, register_quantization_config
-from pagedllm.quantization.checkpoint import CheckpointLinearMethod, is_ignored
+from pagedllm.quantization.checkpoint import CheckpointLinearMethod, quantizes_linear
 
 logger = logging.getLogger("pagedllm")
 
@@ -98,8 +98,4 @@ class Fp8Config(QuantizationConfig):
         return f"fp8 (e4m3 weights upcast in the GEMM, {how}; activations in the model dtype)"
 
     def get_quant_method(self, layer, prefix):
-        if not isinstance(layer, torch.nn.Linear) or prefix == "lm_head":
-            return None
-        if is_ignored(prefix, self.ignored, substring=True):
-            return None
-        return Fp8LinearMethod(self)
+        return Fp8LinearMethod(self) if quantizes_linear(layer, prefix, self.ignored) else None

@@ -24,7 +24,7 @@ import torch
 
 from pagedllm.quantization import group_quant as gq
 from pagedllm.quantization.base import QuantizationConfig, register_quantization_config
-from pagedllm.quantization.checkpoint import CheckpointLinearMethod, group_perm, is_ignored
+from pagedllm.quantization.checkpoint import CheckpointLinearMethod, group_perm, quantizes_linear
 
 
 def unpack_int32(packed: torch.Tensor, bits: int, dim: int, order: Optional[list[int]] = None) -> torch.Tensor:
@@ -140,8 +140,4 @@ class GPTQConfig(QuantizationConfig):
                 f"sym={self.sym}, {self.checkpoint_format})")
 
     def get_quant_method(self, layer, prefix):
-        if not isinstance(layer, torch.nn.Linear) or prefix == "lm_head":
-            return None
-        if is_ignored(prefix, self.modules_to_not_convert, substring=True):
-            return None
-        return GPTQLinearMethod(self)
+        return GPTQLinearMethod(self) if quantizes_linear(layer, prefix, self.modules_to_not_convert) else None
