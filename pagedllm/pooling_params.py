@@ -79,6 +79,19 @@ def resolve_use_activation(use_activation: Optional[bool], where: str = "",
     return value
 
 
+def _activation_alias(name: str) -> property:
+    """A deprecated alias of ``PoolingParams.use_activation``: reads it, and sets it through
+    ``resolve_use_activation`` (which logs the deprecation warning once per alias)."""
+
+    def get(self: "PoolingParams") -> Optional[bool]:
+        return self.use_activation
+
+    def set_(self: "PoolingParams", value: Optional[bool]) -> None:
+        self.use_activation = resolve_use_activation(None, **{name: value})
+
+    return property(get, set_, doc=f"Deprecated alias of ``use_activation`` ({name}).")
+
+
 class PoolingParams:
     """Parameters of one pooling (embedding / classification / scoring) request.
 
@@ -122,29 +135,9 @@ class PoolingParams:
         self._verify_args()
 
     # Deprecated aliases of ``use_activation`` (vLLM's older names).
-    @property
-    def normalize(self) -> Optional[bool]:
-        return self.use_activation
-
-    @normalize.setter
-    def normalize(self, value: Optional[bool]) -> None:
-        self.use_activation = resolve_use_activation(None, normalize=value)
-
-    @property
-    def activation(self) -> Optional[bool]:
-        return self.use_activation
-
-    @activation.setter
-    def activation(self, value: Optional[bool]) -> None:
-        self.use_activation = resolve_use_activation(None, activation=value)
-
-    @property
-    def softmax(self) -> Optional[bool]:
-        return self.use_activation
-
-    @softmax.setter
-    def softmax(self, value: Optional[bool]) -> None:
-        self.use_activation = resolve_use_activation(None, softmax=value)
+    normalize = _activation_alias("normalize")
+    activation = _activation_alias("activation")
+    softmax = _activation_alias("softmax")
 
     def _verify_args(self) -> None:
         if self.dimensions is not None:
