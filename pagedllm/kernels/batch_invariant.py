@@ -21,10 +21,11 @@ from __future__ import annotations
 
 import logging
 import os
-import threading
 from typing import Any, Optional
 
 import torch
+
+from pagedllm.kernels.cpu_ops import LazyExtension
 
 logger = logging.getLogger("pagedllm")
 
@@ -34,10 +35,10 @@ _CFLAGS = ["-O3", "-march=native", "-fopenmp", "-fno-fast-math", "-ffp-contract=
 #: ``act_mul`` kinds by activation name (``pagedllm.models.layers.ACTIVATIONS``).
 ACT_KINDS = {"silu": 0, "gelu_pytorch_tanh": 1, "gelu_new": 1, "gelu": 2}
 
-_lock = threading.Lock()
-_ops: Any = None
-_error: Optional[str] = None
-_tried = False
+#: no torch fallback, so ``PAGEDLLM_CPU_KERNELS=0`` does not switch it off; the failure is raised by
+#: ``get_bi_ops``, not warned about.
+_BI_OPS = LazyExtension([_SRC], "pagedllm_bi_ops", "the batch-invariant CPU kernels", _CFLAGS,
+                        optional=False, on_error=lambda e: None)
 
 
 def batch_invariant_from_env() -> bool:
@@ -53,21 +54,11 @@ def get_bi_ops() -> Any:
         RuntimeError: the module cannot be built here (no compiler or headers); the message
             says why. Batch-invariant mode has no torch fallback.
     """
-    global _ops, _error, _tried
-    if not _tried:
-        with _lock:
-            if not _tried:
-                try:
-                    from pagedllm.kernels.cpu_ops import load_extension
-
-                    _ops = load_extension([_SRC], "pagedllm_bi_ops", "the batch-invariant CPU kernels", _CFLAGS)
-                except Exception as e:  # no compiler / headers
-                    _error = f"{type(e).__name__}: {e}"
-                _tried = True
-    if _ops is None:
-        raise RuntimeError(f"batch_invariant: the batch-invariant CPU kernels could not be built ({_error}); "
+    ops = _BI_OPS.get()
+    if ops is None:
+        raise RuntimeError(f"batch_invariant: the batch-invariant CPU kernels could not be built ({_BI_OPS.error}); "
                            f"they need a C++ compiler and the torch headers")
-    return _ops
+    return ops
 
 
 def bi_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None) -> torch.Tensor:

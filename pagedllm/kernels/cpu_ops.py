@@ -41,13 +41,9 @@ import sys
 import tempfile
 import threading
 import time
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 logger = logging.getLogger("pagedllm")
-
-_lock = threading.Lock()
-_ops: Any = None
-_tried = False
 
 _SRCS = [os.path.join(os.path.dirname(__file__), "csrc", f)
          for f in ("paged_decode.cpp", "quant_ops.cpp", "layer_ops.cpp", "int8_gemm.cpp", "cpu_allocator.cpp",
@@ -175,6 +171,58 @@ def _warn_build_failed(what: str, err: BaseException) -> None:
     print(build_failed_message(what, err), file=sys.stderr, flush=True)
 
 
+class LazyExtension:
+    """One JIT-built extension module, loaded (``load_extension``) on the first ``get()`` and kept
+    for the process; thread-safe, one attempt per process.
+
+    Args:
+        srcs, prefix, what, cflags: as for ``load_extension``.
+        optional: ``PAGEDLLM_CPU_KERNELS=0`` disables it (``get()`` then returns None without
+            building); False for a module with no torch fallback, which the variable does not
+            switch off.
+        on_error: called once with the exception when the build fails (default: the one-line
+            ``build_failed_message`` warning on stderr).
+
+    Attributes:
+        ops: the module, or None (not tried yet, disabled, or failed). tried: whether ``get()``
+        has run. error: ``"Type: message"`` of the failed build, else None.
+    """
+
+    def __init__(self, srcs: list[str], prefix: str, what: str, cflags: Optional[list[str]] = None, *,
+                 optional: bool = True, on_error: Optional[Callable[[BaseException], None]] = None) -> None:
+        self.srcs, self.prefix, self.what, self.cflags = srcs, prefix, what, cflags
+        self.optional = optional
+        self.on_error = on_error or (lambda e: _warn_build_failed(what, e))
+        self.ops: Any = None
+        self.tried = False
+        self.error: Optional[str] = None
+        self._lock = threading.Lock()
+
+    def get(self) -> Optional[Any]:
+        """The module, built or loaded from the kernel cache on the first call; None when
+        disabled or the build failed (``on_error`` has then been called, once)."""
+        if self.tried:
+            return self.ops
+        with self._lock:
+            if self.tried:
+                return self.ops
+            self.tried = True
+            if self.optional and os.environ.get("PAGEDLLM_CPU_KERNELS", "1") == "0":
+                return None
+            try:
+                import torch  # noqa: F401  (the extension links against libtorch)
+
+                self.ops = load_extension(self.srcs, self.prefix, self.what, self.cflags)
+            except Exception as e:  # no compiler / headers: callers use their fallback
+                self.error = f"{type(e).__name__}: {e}"
+                self.on_error(e)
+            return self.ops
+
+    def built(self) -> Optional[Any]:
+        """The module if ``get()`` has already loaded it, else None (never triggers a build)."""
+        return self.ops if self.tried else None
+
+
 DEFAULT_ALLOCATOR_MIN_BYTES = 1 << 20
 DEFAULT_ALLOCATOR_CACHE_BYTES = 1 << 30
 
@@ -228,7 +276,7 @@ def cpu_allocator_stats() -> dict[str, int]:
     cache / freshly mapped), ``min_bytes``, ``max_cached_bytes``, ``huge_pages``. Bytes are
     whole 2 MiB-rounded blocks.
     """
-    ops = _ops if _tried else None  # never triggers a build
+    ops = _CPU_OPS.built()
     if ops is None or not hasattr(ops, "cpu_allocator_stats"):
         return {}
     return dict(ops.cpu_allocator_stats())
@@ -236,30 +284,17 @@ def cpu_allocator_stats() -> dict[str, int]:
 
 def cpu_allocator_empty_cache() -> None:
     """Return the caching CPU allocator's free blocks to the OS (no-op when not installed)."""
-    ops = _ops if _tried else None  # never triggers a build
+    ops = _CPU_OPS.built()
     if ops is not None and hasattr(ops, "cpu_allocator_empty_cache"):
         ops.cpu_allocator_empty_cache()
 
 
+_CPU_OPS = LazyExtension(_SRCS, "pagedllm_cpu_ops", "the C++ CPU kernels")
+
+
 def get_ops() -> Optional[Any]:
     """The compiled extension module, or None when disabled or it failed to build."""
-    global _ops, _tried
-    if _tried:
-        return _ops
-    with _lock:
-        if _tried:
-            return _ops
-        _tried = True
-        if os.environ.get("PAGEDLLM_CPU_KERNELS", "1") == "0":
-            return None
-        try:
-            import torch  # noqa: F401  (the extension links against libtorch)
-
-            _ops = load_extension(_SRCS, "pagedllm_cpu_ops", "the C++ CPU kernels")
-        except Exception as e:  # no compiler / headers: the torch path still works
-            _warn_build_failed("the C++ CPU kernels", e)
-            _ops = None
-        return _ops
+    return _CPU_OPS.get()
 
 
 # ----------------------------------------------------------------------------- quantized-weight GEMMs
@@ -268,31 +303,14 @@ def get_ops() -> Optional[Any]:
 # ``pagedllm.quantization.group_quant``). NOTE: its own module so that it builds in seconds and
 # changing it does not rebuild the kernels above.
 _QUANT_SRCS = [os.path.join(os.path.dirname(__file__), "csrc", "group_gemm.cpp")]
-_quant_ops: Any = None
-_quant_tried = False
+_QUANT_OPS = LazyExtension(_QUANT_SRCS, "pagedllm_quant_ops", "the quantized-weight GEMM kernels")
 
 
 def get_quant_ops() -> Optional[Any]:
     """The compiled ``group_gemm`` extension (``group_gemm``, ``group_dequantize``,
     ``group_gemm_avx2``), or None when disabled (``PAGEDLLM_CPU_KERNELS=0``) or it failed to build
     (callers then use the torch path)."""
-    global _quant_ops, _quant_tried
-    if _quant_tried:
-        return _quant_ops
-    with _lock:
-        if _quant_tried:
-            return _quant_ops
-        _quant_tried = True
-        if os.environ.get("PAGEDLLM_CPU_KERNELS", "1") == "0":
-            return None
-        try:
-            import torch  # noqa: F401
-
-            _quant_ops = load_extension(_QUANT_SRCS, "pagedllm_quant_ops", "the quantized-weight GEMM kernels")
-        except Exception as e:
-            _warn_build_failed("the quantized-weight GEMM kernels", e)
-            _quant_ops = None
-        return _quant_ops
+    return _QUANT_OPS.get()
 
 
 # ----------------------------------------------------------------------------- integer-dot GEMM
@@ -303,29 +321,13 @@ def get_quant_ops() -> Optional[Any]:
 # paths do the same float operations.
 _INTDOT_SRCS = [os.path.join(os.path.dirname(__file__), "csrc", "intdot_gemm.cpp")]
 _INTDOT_CFLAGS = ["-O3", "-fopenmp", "-ffp-contract=off"]
-_intdot_ops: Any = None
-_intdot_tried = False
+_INTDOT_OPS = LazyExtension(
+    _INTDOT_SRCS, "pagedllm_intdot_ops", "the integer-dot GEMM kernel", _INTDOT_CFLAGS,
+    on_error=lambda e: logger.warning("pagedllm: integer-dot C++ kernel unavailable (%s); group_gemm runs instead", e))
 
 
 def get_intdot_ops() -> Optional[Any]:
     """The compiled ``intdot_gemm`` extension (``intdot_gemm``, ``intdot_quantize``,
     ``intdot_isa_supported``, ``intdot_best_isa``, ``intdot_isa_name``), or None when disabled
     (``PAGEDLLM_CPU_KERNELS=0``) or it failed to build (callers then use ``group_gemm``)."""
-    global _intdot_ops, _intdot_tried
-    if _intdot_tried:
-        return _intdot_ops
-    with _lock:
-        if _intdot_tried:
-            return _intdot_ops
-        _intdot_tried = True
-        if os.environ.get("PAGEDLLM_CPU_KERNELS", "1") == "0":
-            return None
-        try:
-            import torch  # noqa: F401
-
-            _intdot_ops = load_extension(_INTDOT_SRCS, "pagedllm_intdot_ops", "the integer-dot GEMM kernel",
-                                         _INTDOT_CFLAGS)
-        except Exception as e:
-            logger.warning("pagedllm: integer-dot C++ kernel unavailable (%s); group_gemm runs instead", e)
-            _intdot_ops = None
-        return _intdot_ops
+    return _INTDOT_OPS.get()

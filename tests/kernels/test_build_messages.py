@@ -36,8 +36,8 @@ def test_failed_build_is_one_line(tmp_path, monkeypatch, capfd):
     monkeypatch.setattr(ext, "load", fail)
     monkeypatch.setenv("PAGEDLLM_CACHE_DIR", str(tmp_path))
     monkeypatch.setenv("PAGEDLLM_CPU_KERNELS", "1")
-    monkeypatch.setattr(cpu_ops, "_ops", None)
-    monkeypatch.setattr(cpu_ops, "_tried", False)
+    monkeypatch.setattr(cpu_ops._CPU_OPS, "ops", None)
+    monkeypatch.setattr(cpu_ops._CPU_OPS, "tried", False)
     assert cpu_ops.get_ops() is None
     lines = capfd.readouterr().err.splitlines()
     assert len(lines) == 2, lines
@@ -51,6 +51,7 @@ def test_failed_build_is_one_line(tmp_path, monkeypatch, capfd):
 @pytest.fixture(autouse=True)
 def _restore_ops():
     """get_ops() state is process-wide: put the real module back for later tests."""
-    ops, tried = cpu_ops._ops, cpu_ops._tried
+    ext = cpu_ops._CPU_OPS
+    ops, tried, error = ext.ops, ext.tried, ext.error
     yield
-    cpu_ops._ops, cpu_ops._tried = ops, tried
+    ext.ops, ext.tried, ext.error = ops, tried, error
