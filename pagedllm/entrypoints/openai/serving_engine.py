@@ -509,17 +509,21 @@ class OpenAIServing:
             from pagedllm.sampling_params import RequestOutputKind
             gens = [self._logged_outputs(g, r.request_id, getattr(r.sampling_params, "output_kind", None)
                                          == RequestOutputKind.DELTA) for g, r in zip(gens, requests)]
-        merged = MergedGenerators(gens)
+        return await self._track(MergedGenerators(gens), request_ids, prime)
+
+    async def _track(self, merged: MergedGenerators, request_ids: list[str], prime: bool) -> MergedGenerators:
+        """Count ``merged`` (the streams of ``request_ids``) as in flight (``inflight``,
+        ``inflight_streams``: what a shutdown aborts) and, with ``prime``, wait for each first
+        output; an error while priming untracks them again and propagates."""
         self.inflight.update(request_ids)
         self.inflight_streams.add(merged)
-        if not prime:
-            return merged
-        try:
-            await merged.prime()
-        except BaseException:
-            self.inflight.difference_update(request_ids)
-            self.inflight_streams.discard(merged)
-            raise
+        if prime:
+            try:
+                await merged.prime()
+            except BaseException:
+                self.inflight.difference_update(request_ids)
+                self.inflight_streams.discard(merged)
+                raise
         return merged
 
     async def start_beam_search(self, requests: list[EngineCoreRequest], length_penalty: float,
@@ -554,17 +558,7 @@ class OpenAIServing:
                 raise OpenAIError(msg.replace("beam_width", "n"), 400, "n")
             searches.append((r, params))
         merged = MergedGenerators([self._beam_search(r, params) for r, params in searches])
-        ids = [r.request_id for r in requests]
-        self.inflight.update(ids)
-        self.inflight_streams.add(merged)
-        if prime:
-            try:
-                await merged.prime()
-            except BaseException:
-                self.inflight.difference_update(ids)
-                self.inflight_streams.discard(merged)
-                raise
-        return merged
+        return await self._track(merged, [r.request_id for r in requests], prime)
 
     async def _beam_search(self, request: EngineCoreRequest, params: Any) -> AsyncIterator[Any]:
         """One prompt's beam search over the engine; yields one final RequestOutput."""
