@@ -58,6 +58,20 @@ def _slices(n_items: int, n: int) -> list[tuple[int, int]]:
     return out
 
 
+def _split_method(name: str) -> Any:
+    """``DataParallelLLM.<name>``: ``LLM.<name>`` over the replicas, its first argument (the
+    prompts, or for ``chat`` one conversation or a list) split into one contiguous slice per
+    replica (``_split_call``); the outputs, a list, in input order."""
+
+    def call(self: DataParallelLLM, items: Any, *args: Any, **kwargs: Any) -> list:
+        return self._split_call(name, items, args, kwargs)
+
+    call.__name__ = name
+    call.__qualname__ = f"DataParallelLLM.{name}"
+    call.__doc__ = f"``LLM.{name}`` over the replicas; outputs in input order."
+    return call
+
+
 class DataParallelLLM(LLM):
     """``LLM`` over ``data_parallel_size`` replica processes (see the module docstring).
 
@@ -140,29 +154,13 @@ class DataParallelLLM(LLM):
             out.extend(part or [])
         return out
 
-    def generate(self, prompts: Any, *args: Any, **kwargs: Any) -> list:  # type: ignore[override]
-        """``LLM.generate`` over the replicas; outputs in input order."""
-        return self._split_call("generate", prompts, args, kwargs)
-
-    def chat(self, messages: Any, *args: Any, **kwargs: Any) -> list:  # type: ignore[override]
-        """``LLM.chat`` over the replicas (one conversation or a list); outputs in input order."""
-        return self._split_call("chat", messages, args, kwargs)
-
-    def encode(self, prompts: Any, *args: Any, **kwargs: Any) -> list:  # type: ignore[override]
-        """``LLM.encode`` over the replicas; outputs in input order."""
-        return self._split_call("encode", prompts, args, kwargs)
-
-    def embed(self, prompts: Any, *args: Any, **kwargs: Any) -> list:  # type: ignore[override]
-        """``LLM.embed`` over the replicas; outputs in input order."""
-        return self._split_call("embed", prompts, args, kwargs)
-
-    def classify(self, prompts: Any, *args: Any, **kwargs: Any) -> list:  # type: ignore[override]
-        """``LLM.classify`` over the replicas; outputs in input order."""
-        return self._split_call("classify", prompts, args, kwargs)
-
-    def beam_search(self, prompts: Any, *args: Any, **kwargs: Any) -> list:  # type: ignore[override]
-        """``LLM.beam_search`` over the replicas; outputs in input order."""
-        return self._split_call("beam_search", prompts, args, kwargs)
+    # The SPLIT methods: LLM.<name> over the replicas, outputs in input order.
+    generate = _split_method("generate")
+    chat = _split_method("chat")  # one conversation or a list
+    encode = _split_method("encode")
+    embed = _split_method("embed")
+    classify = _split_method("classify")
+    beam_search = _split_method("beam_search")
 
     def score(self, *args: Any, **kwargs: Any) -> list:  # type: ignore[override]
         """``LLM.score`` on replica 0 (not split)."""
