@@ -286,6 +286,15 @@ class DiskTier:
         if self._warned <= 20 or self._warned % 1000 == 0:
             logger.warning("pagedllm: KV disk tier: " + msg, *a)
 
+    def _reject(self, key: bytes, msg: str, *a: Any) -> None:
+        """A block file that cannot be used: count and warn (``msg % a``), drop it from the index
+        and never read it again."""
+        self.stats.errors += 1
+        self._warn(msg, *a)
+        with self._lock:
+            self._forget(key)
+            self._bad.add(key)
+
     # ---- reads -----------------------------------------------------------------------
     def get(self, key: bytes) -> Optional[torch.Tensor]:
         """Read and check the block; None (with a warning, counted in ``errors``) when the file
@@ -299,20 +308,12 @@ class DiskTier:
                 self._forget(key)
             return None
         except OSError as e:
-            self.stats.errors += 1
-            self._warn("cannot read %s (%s); recomputing that block", path, e)
-            with self._lock:
-                self._forget(key)
-                self._bad.add(key)
+            self._reject(key, "cannot read %s (%s); recomputing that block", path, e)
             return None
         try:
             block = decode_block(self.layout, key, data)
         except BlockFileError as e:
-            self.stats.errors += 1
-            self._warn("ignoring %s: %s; recomputing that block", path, e)
-            with self._lock:
-                self._forget(key)
-                self._bad.add(key)
+            self._reject(key, "ignoring %s: %s; recomputing that block", path, e)
             return None
         with self._lock:
             if key in self._index:
