@@ -88,6 +88,18 @@ inline __m256 fp8_to_ps(__m128i v) {
   return _mm256_cvtph_ps(_mm_or_si128(sign, mag));
 }
 
+// 32 one-byte codes at p into 4 vectors of 8 (k 0-7, 8-15, 16-23, 24-31) through cvt (8 codes ->
+// 8 floats).
+template <typename Cvt>
+inline void decode_bytes32(const uint8_t* p, Cvt cvt, __m256 v[4]) {
+  const __m128i a = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 16));
+  v[0] = cvt(a);
+  v[1] = cvt(_mm_srli_si128(a, 8));
+  v[2] = cvt(b);
+  v[3] = cvt(_mm_srli_si128(b, 8));
+}
+
 // Decode the 32 codes of chunk c into 4 vectors (k 0-7, 8-15, 16-23, 24-31), unscaled (fp8: / 256).
 inline void decode_chunk_avx2(const uint8_t* row, int64_t kind, int64_t c, __m256 v[4]) {
   if (kind == kInt4) {
@@ -100,19 +112,9 @@ inline void decode_chunk_avx2(const uint8_t* row, int64_t kind, int64_t c, __m25
     v[2] = u8_to_ps(hi);
     v[3] = u8_to_ps(_mm_srli_si128(hi, 8));
   } else if (kind == kInt8) {
-    const __m128i a = _mm_loadu_si128(reinterpret_cast<const __m128i*>(row + 32 * c));
-    const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(row + 32 * c + 16));
-    v[0] = i8_to_ps(a);
-    v[1] = i8_to_ps(_mm_srli_si128(a, 8));
-    v[2] = i8_to_ps(b);
-    v[3] = i8_to_ps(_mm_srli_si128(b, 8));
+    decode_bytes32(row + 32 * c, i8_to_ps, v);
   } else {
-    const __m128i a = _mm_loadu_si128(reinterpret_cast<const __m128i*>(row + 32 * c));
-    const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(row + 32 * c + 16));
-    v[0] = fp8_to_ps(a);
-    v[1] = fp8_to_ps(_mm_srli_si128(a, 8));
-    v[2] = fp8_to_ps(b);
-    v[3] = fp8_to_ps(_mm_srli_si128(b, 8));
+    decode_bytes32(row + 32 * c, fp8_to_ps, v);
   }
 }
 
