@@ -76,10 +76,12 @@ void rotary_inplace(at::Tensor q, at::Tensor k, at::Tensor positions, at::Tensor
   }
 }
 
-// The store into an fp8 cache: every element encoded (round to nearest even, saturating).
-template <typename src_t, int M, int BIAS>
-static void store_fp8(const at::Tensor& k, const at::Tensor& v, uint8_t* cache, const int64_t* sl, int64_t T,
-                      int64_t H, int64_t D, int64_t BS) {
+// The slot loop of the converting stores: for each token with a slot (>= 0), its K and V rows
+// of every head handed to store(src, dst, D, buf) (src: D src_t values; dst: D dst_t in the
+// cache block; buf: D floats of scratch, one per thread chunk).
+template <typename src_t, typename dst_t, typename Store>
+static void store_slots(const at::Tensor& k, const at::Tensor& v, dst_t* cache, const int64_t* sl, int64_t T,
+                        int64_t H, int64_t D, int64_t BS, Store store) {
   const src_t* kp = k.data_ptr<src_t>();
   const src_t* vp = v.data_ptr<src_t>();
   const int64_t tok = H * D;
@@ -88,19 +90,24 @@ static void store_fp8(const at::Tensor& k, const at::Tensor& v, uint8_t* cache, 
     for (int64_t t = b; t < e; ++t) {
       const int64_t s = sl[t];
       if (s < 0) continue;
-      uint8_t* kdst = cache + (((s / BS) * 2 * BS) + (s % BS)) * tok;
-      uint8_t* vdst = kdst + BS * tok;
+      dst_t* kdst = cache + (((s / BS) * 2 * BS) + (s % BS)) * tok;
+      dst_t* vdst = kdst + BS * tok;
       for (int64_t h = 0; h < H; ++h) {
-        for (int which = 0; which < 2; ++which) {
-          const src_t* src = which == 0 ? kp + t * k.stride(0) + h * k.stride(1) : vp + t * v.stride(0) + h * v.stride(1);
-          uint8_t* dst = (which == 0 ? kdst : vdst) + h * D;
-          pagedllm_cpu::load_row(src, buf.data(), D);
-          const float* f = buf.data();
-#pragma omp simd
-          for (int64_t d = 0; d < D; ++d) dst[d] = pagedllm_cpu::fp8_encode<M, BIAS>(f[d]);
-        }
+        store(kp + t * k.stride(0) + h * k.stride(1), kdst + h * D, D, buf.data());
+        store(vp + t * v.stride(0) + h * v.stride(1), vdst + h * D, D, buf.data());
       }
     }
+  });
+}
+
+// The store into an fp8 cache: every element encoded (round to nearest even, saturating).
+template <typename src_t, int M, int BIAS>
+static void store_fp8(const at::Tensor& k, const at::Tensor& v, uint8_t* cache, const int64_t* sl, int64_t T,
+                      int64_t H, int64_t D, int64_t BS) {
+  store_slots<src_t>(k, v, cache, sl, T, H, D, BS, [](const src_t* src, uint8_t* dst, int64_t n, float* buf) {
+    pagedllm_cpu::load_row(src, buf, n);
+#pragma omp simd
+    for (int64_t d = 0; d < n; ++d) dst[d] = pagedllm_cpu::fp8_encode<M, BIAS>(buf[d]);
   });
 }
 
@@ -120,26 +127,10 @@ static void reshape_and_cache_fp8(const at::Tensor& k, const at::Tensor& v, at::
 template <typename dst_t>
 static void store_rounded(const at::Tensor& k, const at::Tensor& v, at::Tensor& kv_cache, const int64_t* sl,
                           int64_t T, int64_t H, int64_t D, int64_t BS) {
-  dst_t* cache = static_cast<dst_t*>(kv_cache.data_ptr());
-  const float* kp = k.data_ptr<float>();
-  const float* vp = v.data_ptr<float>();
-  const int64_t tok = H * D;
-  at::parallel_for(0, T, pagedllm_cpu::row_grain(2 * H * D), [&](int64_t b, int64_t e) {
-    for (int64_t t = b; t < e; ++t) {
-      const int64_t s = sl[t];
-      if (s < 0) continue;
-      dst_t* kdst = cache + (((s / BS) * 2 * BS) + (s % BS)) * tok;
-      dst_t* vdst = kdst + BS * tok;
-      for (int64_t h = 0; h < H; ++h) {
-        const float* ks = kp + t * k.stride(0) + h * k.stride(1);
-        const float* vs = vp + t * v.stride(0) + h * v.stride(1);
-        for (int64_t d = 0; d < D; ++d) {
-          kdst[h * D + d] = static_cast<dst_t>(ks[d]);
-          vdst[h * D + d] = static_cast<dst_t>(vs[d]);
-        }
-      }
-    }
-  });
+  store_slots<float>(k, v, static_cast<dst_t*>(kv_cache.data_ptr()), sl, T, H, D, BS,
+                     [](const float* src, dst_t* dst, int64_t n, float*) {
+                       for (int64_t d = 0; d < n; ++d) dst[d] = static_cast<dst_t>(src[d]);
+                     });
 }
 
 void reshape_and_cache(at::Tensor k, at::Tensor v, at::Tensor kv_cache, at::Tensor slots) {
