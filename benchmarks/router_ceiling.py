@@ -13,22 +13,25 @@ path = sys.argv[1] if len(sys.argv) > 1 else "benchmarks/results/router-chat-tra
 tr = load_trace(path)
 bs = 16
 by = {}
-for r in tr: by.setdefault(r.conversation_id, []).append(r)
+for r in tr:
+    by.setdefault(r.conversation_id, []).append(r)
 tot = hist_hit = sys_hit = 0
 def common_blocks(a, b):
     k = 0
-    while (k+1)*bs <= min(len(a), len(b)) and a[k*bs:(k+1)*bs] == b[k*bs:(k+1)*bs]: k += 1
+    while (k + 1) * bs <= min(len(a), len(b)) and a[k * bs:(k + 1) * bs] == b[k * bs:(k + 1) * bs]:
+        k += 1
     return k
 first = [v[0].prompt_token_ids for v in by.values()]
 # system prompt: the common block prefix of all first turns
 sp = min(common_blocks(first[0], f) for f in first[1:])
 n_turns = 0
-for cid, turns in by.items():
+for turns in by.values():
     turns.sort(key=lambda r: int(r.request_id.rsplit("-",1)[1]))
     for k, r in enumerate(turns):
         p = r.prompt_token_ids
         cap = (len(p) - 1) // bs  # the engine recomputes at least the last token
-        tot += len(p); n_turns += 1
+        tot += len(p)
+        n_turns += 1
         s = min(sp, cap)
         sys_hit += s * bs
         if k == 0:
