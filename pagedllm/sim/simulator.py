@@ -12,6 +12,18 @@ The loop is event driven: a heap of the busy replicas' step-end times and the so
 An idle replica costs nothing; an arrival is routed (:class:`Router`) and, if its replica is idle,
 starts a step at once. Arrivals during a step join the next ``schedule()``, as in the engine.
 
+Fast-forward (``simulate(fast_forward=True)``, the default): after a step, when a replica has
+nothing waiting and every running request is a plain decode whose next steps allocate no block,
+register no full block (the scheduler's own no-allocation path) and finish nothing, the longest
+such run of steps (>= 2) is applied without calling the scheduler: in such a step the scheduler
+only advances each request's ``num_computed_tokens`` and appends its sampled token, and nothing
+the router reads (requests in flight, KV usage, KV events) changes. The run's step times are the
+same ``StepModel`` calls and float sums as one step at a time, and one heap event marks its end.
+An arrival routed to the replica during the run applies the steps that ended before it and hands
+the step in flight to the real scheduler (the arrival joins the step after it, as without
+fast-forward). ``tests/sim/test_fast_forward.py`` checks that both ways give the same steps,
+token times and figures.
+
 Routing policies (``--policy``), over the requests each replica has in flight (routed, not
 finished), the notion the server's data-parallel front door uses:
 
