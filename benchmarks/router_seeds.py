@@ -4,7 +4,8 @@ clients' think times and over KV cache sizes.
 
     PYTHONPATH=. python benchmarks/router_seeds.py \\
         --trace benchmarks/results/router-chat-trace-2026-12-01-16conv.jsonl --seeds 20 \\
-        --num-blocks 330,361,400,450 --json-output benchmarks/results/router-seeds-DATE.json
+        --num-blocks 330,361,400,450,600 --tie-breaks turn,first,random --round-robin \\
+        --json-output benchmarks/results/router-seeds-DATE.json
 
 The trace is a recorded ``benchmarks/router_bench.py --save-trace`` run (16 conversations, a shared
 system prompt, 8 turns each, the replica's token ids and replies). Each conversation is replayed as
@@ -58,6 +59,11 @@ def main() -> None:
     ap.add_argument("--num-blocks", default="361")
     ap.add_argument("--replicas", type=int, default=2)
     ap.add_argument("--think-time-s", type=float, default=1.0)
+    ap.add_argument("--tie-breaks", default="turn",
+                    help="least-load's tie breaks to compare (PolicyConfig.tie_break: turn,first,random); "
+                         "the ratio is against each; random is seeded by the seed")
+    ap.add_argument("--round-robin", action="store_true",
+                    help="also run round-robin (no load feedback: a later turn finds its replica half the time)")
     ap.add_argument("--json-output", default=None)
     a = ap.parse_args()
     model = StepModel.load(a.step_model)
@@ -66,18 +72,31 @@ def main() -> None:
     for nb in [int(x) for x in a.num_blocks.split(",")]:
         cfg = ReplicaConfig(num_blocks=nb, block_size=16, max_num_seqs=16, max_num_batched_tokens=2048,
                             max_model_len=2048)
+        tbs = a.tie_breaks.split(",")
         ratios, ttft_ratios = [], []
+        rr_ratios: list = []
+        rr_same: list = []
+        by_tb: dict = {tb: [] for tb in tbs}
+        same_tb: dict = {tb: [] for tb in tbs}
         for seed in range(a.seeds):
             tr = think_trace(base, seed, a.think_time_s)
             pt: dict = {"num_blocks": nb, "seed": seed}
-            for pol in ("least-load", "prefix"):
-                s = simulate(tr, a.replicas, pol, model, cfg, closed_loop=True, router_rules=PolicyConfig(),
-                             per_replica=False).summary
-                pt[pol] = {"hit_rate": s["prefix_cache_hit_rate"], "mean_ttft_ms": s["ttft_ms"]["mean"],
+            runs = [("least-load" if tb == tbs[0] else f"least-load/{tb}", "least-load", tb) for tb in tbs]
+            extra = [("round-robin", "round-robin", "turn")] if a.round_robin else []
+            for name, pol, tb in runs + extra + [("prefix", "prefix", "turn")]:
+                s = simulate(tr, a.replicas, pol, model, cfg, closed_loop=True,
+                             router_rules=PolicyConfig(tie_break=tb, tie_seed=seed), per_replica=False).summary
+                pt[name] = {"hit_rate": s["prefix_cache_hit_rate"], "mean_ttft_ms": s["ttft_ms"]["mean"],
                            "p50_ttft_ms": s["ttft_ms"]["p50"], "preemptions": s["num_preemptions"],
                            "prefix_routed": s["prefix_routed"], "num_completed": s["num_completed"],
                            "simulated_s": s["simulated_s"],
                            "same_replica_as_previous_turn": s["same_replica_as_previous_turn"]}
+            if a.round_robin:
+                rr_ratios.append(pt["prefix"]["hit_rate"] / max(pt["round-robin"]["hit_rate"], 1e-9))
+                rr_same.append(pt["round-robin"]["same_replica_as_previous_turn"])
+            for name, _, tb in runs:
+                by_tb[tb].append(pt["prefix"]["hit_rate"] / max(pt[name]["hit_rate"], 1e-9))
+                same_tb[tb].append(pt[name]["same_replica_as_previous_turn"])
             pt["hit_rate_ratio"] = pt["prefix"]["hit_rate"] / max(pt["least-load"]["hit_rate"], 1e-9)
             pt["mean_ttft_ratio"] = pt["prefix"]["mean_ttft_ms"] / pt["least-load"]["mean_ttft_ms"]
             ratios.append(pt["hit_rate_ratio"])
@@ -87,12 +106,22 @@ def main() -> None:
                               "prefix_hit": round(pt["prefix"]["hit_rate"], 3),
                               "hit_ratio": round(pt["hit_rate_ratio"], 3),
                               "least_load_same_replica": round(pt["least-load"]["same_replica_as_previous_turn"], 3),
-                              "ttft_ratio": round(pt["mean_ttft_ratio"], 3)}), flush=True)
+                              "ttft_ratio": round(pt["mean_ttft_ratio"], 3),
+                              **{f"hit_ratio_{tb}": round(by_tb[tb][-1], 3) for tb in tbs}}), flush=True)
         q = statistics.quantiles(ratios, n=10) if len(ratios) >= 2 else ratios * 9
         summ = {"num_blocks": nb, "seeds": a.seeds, "hit_ratio_min": min(ratios), "hit_ratio_p10": q[0],
                 "hit_ratio_median": statistics.median(ratios), "hit_ratio_p90": q[-1], "hit_ratio_max": max(ratios),
                 "share_at_least_1_5": sum(r >= 1.5 for r in ratios) / len(ratios),
-                "ttft_ratio_median": statistics.median(ttft_ratios), "ttft_ratio_max": max(ttft_ratios)}
+                "ttft_ratio_median": statistics.median(ttft_ratios), "ttft_ratio_max": max(ttft_ratios),
+                "by_tie_break": {tb: {"hit_ratio_min": min(v), "hit_ratio_median": statistics.median(v),
+                                      "hit_ratio_max": max(v), "share_at_least_1_5": sum(r >= 1.5 for r in v) / len(v),
+                                      "same_replica_median": statistics.median(same_tb[tb])}
+                                 for tb, v in by_tb.items()}}
+        if rr_ratios:
+            summ["round_robin"] = {"hit_ratio_min": min(rr_ratios), "hit_ratio_median": statistics.median(rr_ratios),
+                                   "hit_ratio_max": max(rr_ratios),
+                                   "share_at_least_1_5": sum(r >= 1.5 for r in rr_ratios) / len(rr_ratios),
+                                   "same_replica_median": statistics.median(rr_same)}
         out.setdefault("summary", []).append(summ)
         print(json.dumps(summ), flush=True)
     out["loadavg_end"] = os.getloadavg()

@@ -20,10 +20,13 @@
 from __future__ import annotations
 
 import hashlib
+import random
 from dataclasses import dataclass
 from typing import Optional, Sequence
 
 POLICIES = ("prefix", "least-load", "round-robin", "sticky")
+#: ``PolicyConfig.tie_break`` values.
+TIE_BREAKS = ("turn", "first", "random")
 
 
 @dataclass
@@ -34,6 +37,13 @@ class PolicyConfig:
     balance_abs_threshold: int = 32
     balance_rel_threshold: float = 1.5
     load_weight: float = 0.1
+    #: how ``least-load`` (and the prefix policy's equal costs) break ties of equal load: ``"turn"``
+    #: (in turn, the default), ``"first"`` (the lowest index: sgl-router's ``min_by_key``,
+    #: vLLM production-stack's lowest-QPS loop) or ``"random"`` (the Gateway API Inference
+    #: Extension's max-score picker, which llm-d's scheduler uses: shuffle, then a stable sort;
+    #: seeded by ``tie_seed``).
+    tie_break: str = "turn"
+    tie_seed: int = 0
 
 
 @dataclass
@@ -62,11 +72,19 @@ class Router:
             raise ValueError(f"policy: expected one of {list(POLICIES)}, got {policy!r}")
         self.policy = policy
         self.config = config or PolicyConfig()
+        if self.config.tie_break not in TIE_BREAKS:
+            raise ValueError(f"tie_break: expected one of {list(TIE_BREAKS)}, got {self.config.tie_break!r}")
         self._rr = 0
+        self._rng = random.Random(self.config.tie_seed)
 
     def _least_load(self, eligible: Sequence[int], in_flight: Sequence[int]) -> int:
         low = min(in_flight[i] for i in eligible)
         ties = [i for i in eligible if in_flight[i] == low]
+        tb = self.config.tie_break
+        if tb == "first":
+            return ties[0]
+        if tb == "random":
+            return ties[self._rng.randrange(len(ties))] if len(ties) > 1 else ties[0]
         pick = ties[self._rr % len(ties)]
         self._rr += 1
         return pick

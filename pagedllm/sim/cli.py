@@ -95,6 +95,8 @@ def add_simulate_args(p: argparse.ArgumentParser) -> None:
     o.add_argument("--output-json", default=None, metavar="FILE",
                    help="Write {summary, replicas} as JSON ('-': stdout).")
     o.add_argument("--no-per-replica", action="store_true", help="Leave the per-replica figures out.")
+    o.add_argument("--no-fast-forward", action="store_true",
+                   help="Call the scheduler for every step, also in runs of pure-decode steps (same result, slower).")
 
 
 def add_fit_args(p: argparse.ArgumentParser) -> None:
@@ -180,7 +182,8 @@ def run_simulate(args: argparse.Namespace) -> int:
         long_prefill_token_threshold=args.long_prefill_token_threshold)
     res = simulate(trace, args.replicas, args.policy, model, cfg, seed=args.seed,
                    balance_abs_threshold=args.balance_abs_threshold, per_replica=not args.no_per_replica,
-                   closed_loop=args.closed_loop, router_rules=PolicyConfig() if args.router_rules else None)
+                   closed_loop=args.closed_loop, router_rules=PolicyConfig() if args.router_rules else None,
+                   fast_forward=not args.no_fast_forward)
     s = res.summary
     print(f"replicas={s['num_replicas']} policy={s['policy']} requests={s['num_completed']}/{s['num_requests']} "
           f"(rejected {s['num_rejected']}) simulated={s['simulated_s']:.1f}s wall={s['wall_s']:.2f}s "

@@ -12,6 +12,18 @@ The loop is event driven: a heap of the busy replicas' step-end times and the so
 An idle replica costs nothing; an arrival is routed (:class:`Router`) and, if its replica is idle,
 starts a step at once. Arrivals during a step join the next ``schedule()``, as in the engine.
 
+Fast-forward (``simulate(fast_forward=True)``, the default): after a step, when a replica has
+nothing waiting and every running request is a plain decode whose next steps allocate no block,
+register no full block (the scheduler's own no-allocation path) and finish nothing, the longest
+such run of steps (>= 2) is applied without calling the scheduler: in such a step the scheduler
+only advances each request's ``num_computed_tokens`` and appends its sampled token, and nothing
+the router reads (requests in flight, KV usage, KV events) changes. The run's step times are the
+same ``StepModel`` calls and float sums as one step at a time, and one heap event marks its end.
+An arrival routed to the replica during the run applies the steps that ended before it and hands
+the step in flight to the real scheduler (the arrival joins the step after it, as without
+fast-forward). ``tests/sim/test_fast_forward.py`` checks that both ways give the same steps,
+token times and figures.
+
 Routing policies (``--policy``), over the requests each replica has in flight (routed, not
 finished), the notion the server's data-parallel front door uses:
 
@@ -28,6 +40,7 @@ from __future__ import annotations
 
 import gc
 import heapq
+from bisect import bisect_left
 import math
 import time
 from dataclasses import dataclass, field
@@ -94,6 +107,9 @@ class Replica:
                                long_prefill_token_threshold=cfg.long_prefill_token_threshold, debug=False)
         self.busy = False
         self.current: Any = None  # the SchedulerOutput in flight
+        #: a fast-forwarded run of decode steps in flight (``_Window``), else None
+        self.window: Optional[_Window] = None
+        self.gen = 0  # the heap entry of this replica that is current (older ones are stale)
         self.runner_out = ModelRunnerOutput()  # (refilled each step: no allocation)
         self.step_start = 0.0
         self.num_steps = 0
@@ -106,6 +122,24 @@ class Replica:
         self.ttft: list[float] = []
         self.e2e: list[float] = []
         self.itl_hist: dict[int, int] = {}
+
+
+class _Window:
+    """A run of ``k`` pure-decode steps of one replica applied without calling the scheduler.
+
+    ``times[0]`` is when the first of them starts, ``times[j]`` when the j-th ends (the same float
+    sums as stepping one at a time) and ``dts[j - 1]`` its step time; ``reqs`` are the running requests in batch order, ``live``
+    their simulator state, ``u`` the pool's (unchanging) usage."""
+
+    __slots__ = ("times", "dts", "reqs", "live", "u", "k")
+
+    def __init__(self, times: list[float], dts: list[float], reqs: list, live: list, u: float) -> None:
+        self.times = times
+        self.dts = dts
+        self.reqs = reqs
+        self.live = live
+        self.u = u
+        self.k = len(times) - 1
 
 
 class Router:
@@ -252,6 +286,8 @@ class SimResult:
     summary: dict
     replicas: list[dict]
     steps: Optional[list[tuple]] = field(default=None, repr=False)
+    #: request id -> emission time (simulated s) of each of its tokens (``record_token_times``)
+    token_times: Optional[dict[str, list[float]]] = field(default=None, repr=False)
     #: the run's Router and Replica objects (for inspection; not serialized).
     router: Any = field(default=None, repr=False)
     replica_objects: list = field(default_factory=list, repr=False)
@@ -302,7 +338,8 @@ def _to_ms(d: dict) -> dict:
 def simulate(trace: Sequence[TraceRequest], num_replicas: int, policy: str, step_model: StepModel,
              cfg: Optional[ReplicaConfig] = None, *, seed: int = 0, balance_abs_threshold: int = 8,
              record_steps: bool = False, per_replica: bool = True, closed_loop: bool = False,
-             router_rules: Optional[PolicyConfig] = None) -> SimResult:
+             router_rules: Optional[PolicyConfig] = None, fast_forward: bool = True,
+             record_token_times: bool = False) -> SimResult:
     """Run ``trace`` through ``num_replicas`` simulated replicas behind ``policy``.
 
     Args:
@@ -323,6 +360,12 @@ def simulate(trace: Sequence[TraceRequest], num_replicas: int, policy: str, step
         router_rules: route with the server router's policy (``pagedllm.router.policy.Router``:
             ``prefix``'s cost rule, ``least-load``'s ties in turn, ``sticky``'s rendezvous hash)
             and these knobs, instead of the simulator's own rules; O(replicas) a request.
+        fast_forward: apply runs of pure-decode steps without calling the scheduler for each
+            (module docstring, "Fast-forward"); the result is the same as stepping one at a time
+            (``False``), which ``tests/sim`` checks, except that ``SimResult.steps`` lists a
+            fast-forwarded replica's steps when they are applied (each replica's in order).
+        record_token_times: keep, per request id, the simulated time of each emitted token
+            (``SimResult.token_times``).
 
     Returns:
         a :class:`SimResult`. A request that cannot fit (prompt + max_tokens > max_model_len) is
@@ -339,9 +382,10 @@ def simulate(trace: Sequence[TraceRequest], num_replicas: int, policy: str, step
     replicas = [Replica(i, cfg, hash_seed, want_hashes) for i in range(num_replicas)]
     router = Router(policy, num_replicas, balance_abs_threshold, router_rules)
     bs = cfg.block_size
-    heap: list[tuple[float, int]] = []
+    heap: list[tuple[float, int, int]] = []  # (step end, replica, its gen when pushed)
     heappush, heappop = heapq.heappush, heapq.heappop
     steps: Optional[list[tuple]] = [] if record_steps else None
+    token_times: Optional[dict[str, list[float]]] = {} if record_token_times else None
     # rid -> [arrival_s, last emission time or None, the trace's output tokens or None, prompt length]
     live: dict[str, list] = {}
     ttft_all: list[float] = []
@@ -378,7 +422,8 @@ def simulate(trace: Sequence[TraceRequest], num_replicas: int, policy: str, step
             rep.added_since_step = []
         rep.current = so
         rep.busy = True
-        heappush(heap, (t + dt, rep.index))
+        g = rep.gen = rep.gen + 1
+        heappush(heap, (t + dt, rep.index, g))
 
     def end_step(rep: Replica, t: float) -> int:
         """Apply the step that ends at ``t``; returns the tokens it emitted."""
@@ -428,6 +473,8 @@ def simulate(trace: Sequence[TraceRequest], num_replicas: int, policy: str, step
                         key = int(log(d) * ITL_K)
                     hist[key] = hist.get(key, 0) + 1
                 st[1] = t
+                if token_times is not None:
+                    token_times.setdefault(o.req_id, []).extend([t] * len(new))
             if o.finish_reason is not None:
                 v = t - st[0]
                 e2e_all.append(v)
@@ -446,10 +493,150 @@ def simulate(trace: Sequence[TraceRequest], num_replicas: int, policy: str, step
                 router.apply_kv_events(rep.index, ev)
         rep.current = None
         if sched.has_unfinished_requests():
-            start_step(rep, t)
+            if not (fast_forward and start_window(rep, t)):
+                start_step(rep, t)
         else:
             rep.busy = False
             usage[rep.index] = rep.pool.get_usage()
+        return n_out
+
+    budget = cfg.max_num_batched_tokens
+    max_len = cfg.max_model_len
+    caching_on = cfg.enable_prefix_caching
+
+    def start_window(rep: Replica, t: float) -> bool:
+        """Start a fast-forward window at ``t`` if the next steps are pure decodes (none waiting,
+        every running request one token behind, no block to allocate or register, none to
+        finish) for at least 2 steps; False (nothing changed) otherwise."""
+        sched = rep.sched
+        if sched.waiting:
+            return False
+        running = sched.running
+        n = len(running)
+        if not n or n > budget:
+            return False
+        mgr = rep.mgr
+        rtb = mgr.req_to_blocks
+        ncb = mgr.num_cached_block
+        k = 1 << 30
+        ctx = 0
+        for req in running:
+            c = req.num_computed_tokens
+            ln = len(req.all_token_ids)
+            # NOTE: the scheduler's KEPT fast path holds for the step starting at c + j while
+            # c + j + 1 <= held blocks * bs and (c + j + 1) // bs <= registered blocks; a step
+            # that emits the max_tokens-th output token or reaches max_model_len finishes it.
+            if c + 1 != ln or req.spec_token_ids or c < len(req.prompt_token_ids):
+                return False
+            rid = req.request_id
+            m = len(rtb[rid]) * bs - c
+            if caching_on:
+                m2 = (ncb[rid] + 1) * bs - 1 - c
+                if m2 < m:
+                    m = m2
+            f = req.max_tokens - len(req.output_token_ids) - 1
+            if f < m:
+                m = f
+            f = max_len - ln - 1
+            if f < m:
+                m = f
+            if m < k:
+                k = m
+                if k < 2:
+                    return False
+            ctx += c
+        times = [t]
+        dts = []
+        tt = t
+        for j in range(1, k + 1):
+            dt = decode_seconds(n, ctx + j * n)
+            dts.append(dt)
+            tt = tt + dt
+            times.append(tt)
+        u = rep.pool.get_usage()
+        if u > rep.peak_usage:
+            rep.peak_usage = u
+        usage[rep.index] = u
+        rep.window = _Window(times, dts, list(running), [live[r.request_id] for r in running], u)
+        rep.busy = True
+        g = rep.gen = rep.gen + 1
+        heappush(heap, (tt, rep.index, g))
+        return True
+
+    def apply_window(rep: Replica, m: int) -> int:
+        """Apply the first ``m`` steps of ``rep``'s window (what ``schedule()`` and
+        ``update_from_output`` do to a pure decode step, and the simulator's own counters);
+        returns the tokens emitted."""
+        w = rep.window
+        if not m:
+            return 0
+        times = w.times
+        dts = w.dts
+        u = w.u
+        ut, bt = rep.usage_time, rep.busy_s
+        for dt in dts[:m]:  # (the same float sums, in the same order, as one step at a time)
+            ut += u * dt
+            bt += dt
+        rep.usage_time, rep.busy_s = ut, bt
+        rep.num_steps += m
+        sched = rep.sched
+        if sched.finished_req_ids:  # (the first step's schedule() hands them to the runner)
+            sched.finished_req_ids = set()
+        t_end = times[m]
+        t1 = times[1]
+        hist = rep.itl_hist if per_replica else itl_all
+        rids = []
+        for req, st in zip(w.reqs, w.live):
+            out_ids = req.output_token_ids
+            o = len(out_ids)
+            outs = st[2]
+            new = outs[o:o + m] if outs is not None else []
+            if len(new) < m:
+                new = new + [FILLER_TOKEN] * (m - len(new))
+            out_ids.extend(new)
+            req.all_token_ids.extend(new)
+            req.num_computed_tokens += m
+            prev = st[1]
+            if t1 > prev:
+                key = int(log(t1 - prev) * ITL_K)
+                hist[key] = hist.get(key, 0) + 1
+            st[1] = t_end
+            if token_times is not None:
+                token_times.setdefault(req.request_id, []).extend(times[1:m + 1])
+            if steps is not None:
+                rids.append(req.request_id)
+        n = len(w.reqs)
+        last_d = -1.0
+        key = 0
+        for j in range(2, m + 1):
+            d = times[j] - times[j - 1]
+            if d != last_d:
+                last_d = d
+                key = int(log(d) * ITL_K)
+            hist[key] = hist.get(key, 0) + n
+        if steps is not None:
+            for j in range(m):
+                steps.append((rep.index, times[j], rep.added_since_step if j == 0 else [], [(r, 1) for r in rids]))
+            rep.added_since_step = []
+        rep.num_output_tokens += n * m
+        return n * m
+
+    def interrupt_window(rep: Replica, t_arr: float) -> int:
+        """An arrival at ``t_arr`` joins ``rep``: apply the window's steps that ended before it,
+        and start the one in flight at ``t_arr`` through the scheduler (the arrival joins the
+        step after it, as one step at a time); returns the tokens emitted."""
+        times = rep.window.times
+        j = bisect_left(times, t_arr, 1)  # the step in flight: the first to end at or after t_arr
+        n_out = apply_window(rep, j - 1)
+        rep.window = None
+        start_step(rep, times[j - 1])
+        return n_out
+
+    def end_window(rep: Replica, t: float) -> int:
+        n_out = apply_window(rep, rep.window.k)
+        rep.window = None
+        if not start_window(rep, t):
+            start_step(rep, t)
         return n_out
 
     # Closed loop: request id -> (the conversation's next turn, its think time); ``sent``: a heap
@@ -482,6 +669,8 @@ def simulate(trace: Sequence[TraceRequest], num_replicas: int, policy: str, step
     conv_last: dict[str, Request] = {}  # conversation id -> its latest turn's Request
     conv_replica: dict[str, int] = {}  # conversation id -> the replica of its latest turn
     affinity = [0, 0]  # later turns; of those, routed to the replica of the previous turn
+
+    window_out = [0]  # tokens of the windows that arrivals cut short
 
     def arrive(tr: TraceRequest, t_arr: float) -> bool:
         """Route ``tr`` at ``t_arr``; False when it is rejected."""
@@ -517,6 +706,8 @@ def simulate(trace: Sequence[TraceRequest], num_replicas: int, policy: str, step
                 affinity[1] += j == i
             conv_replica[cid] = i
         rep = replicas[i]
+        if rep.window is not None:
+            window_out[0] += interrupt_window(rep, t_arr)
         rep.sched.add_request(req)
         rep.num_requests += 1
         if steps is not None:
@@ -532,8 +723,11 @@ def simulate(trace: Sequence[TraceRequest], num_replicas: int, policy: str, step
             for tr in arrivals:
                 t_arr = tr.arrival_s
                 while heap and heap[0][0] < t_arr:  # (a step ending with an arrival: the arrival first)
-                    t_now, i = heappop(heap)
-                    total_out += end_step(replicas[i], t_now)
+                    t, i, g = heappop(heap)
+                    rep = replicas[i]
+                    if g == rep.gen:  # (else a window cut short by an arrival: stale)
+                        t_now = t
+                        total_out += end_step(rep, t) if rep.window is None else end_window(rep, t)
                 t_now = t_arr
                 if not arrive(tr, t_arr):
                     num_rejected += 1
@@ -545,8 +739,11 @@ def simulate(trace: Sequence[TraceRequest], num_replicas: int, policy: str, step
                 t_s = sent[0][0] if sent else inf
                 t_arr = t_a if t_a <= t_s else t_s
                 if heap and heap[0][0] < t_arr:  # (a step's end may send a turn: one at a time)
-                    t_now, i = heappop(heap)
-                    total_out += end_step(replicas[i], t_now)
+                    t, i, g = heappop(heap)
+                    rep = replicas[i]
+                    if g == rep.gen:
+                        t_now = t
+                        total_out += end_step(rep, t) if rep.window is None else end_window(rep, t)
                     continue
                 if t_arr == inf:
                     break
@@ -562,8 +759,12 @@ def simulate(trace: Sequence[TraceRequest], num_replicas: int, policy: str, step
                     if nxt is not None:
                         heappush(sent, (t_arr + nxt[1], nxt[0].arrival_s, nxt[0].request_id, nxt[0]))
         while heap:
-            t_now, i = heappop(heap)
-            total_out += end_step(replicas[i], t_now)
+            t, i, g = heappop(heap)
+            rep = replicas[i]
+            if g == rep.gen:
+                t_now = t
+                total_out += end_step(rep, t) if rep.window is None else end_window(rep, t)
+        total_out += window_out[0]
     finally:
         gc.set_threshold(*gc_threshold)
     n_arr = len(trace)
@@ -608,4 +809,4 @@ def simulate(trace: Sequence[TraceRequest], num_replicas: int, policy: str, step
                 "prefix_cache_hit_rate": st.hit_rate, "prefix_cache_queries": st.queries,
                 "kv_usage_mean": r.usage_time / makespan if makespan > 0 else 0.0, "kv_usage_peak": r.peak_usage,
                 "num_preemptions": r.sched.num_preemptions_total})
-    return SimResult(summary, reps, steps, router, replicas)
+    return SimResult(summary, reps, steps, token_times, router, replicas)
