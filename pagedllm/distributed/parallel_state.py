@@ -104,11 +104,18 @@ def init_distributed(world_size: int, rank: int, init_method: str, tp_size: int,
     if tp_size * pp_size != world_size:
         raise ValueError(f"tensor_parallel_size {tp_size} x pipeline_parallel_size {pp_size} != {world_size} ranks")
     if not init_method:
-        raise ValueError("init_distributed: an init_method (tcp://host:port) is required")
+        raise ValueError("init_distributed: an init_method (tcp://host:port or tcpstore://host:port) is required")
     backend = "nccl" if device.type == "cuda" else "gloo"
     if not dist.is_initialized():
-        dist.init_process_group(backend, init_method=init_method, world_size=world_size, rank=rank,
-                                timeout=_timeout())
+        if init_method.startswith("tcpstore://"):
+            # A store already listening (hosted by the launching process): every rank is a client.
+            host, port = init_method[len("tcpstore://"):].rsplit(":", 1)
+            store = dist.TCPStore(host, int(port), is_master=False, timeout=_timeout())
+            dist.init_process_group(backend, store=store, world_size=world_size, rank=rank,
+                                    timeout=_timeout())
+        else:
+            dist.init_process_group(backend, init_method=init_method, world_size=world_size, rank=rank,
+                                    timeout=_timeout())
     tp_groups = [list(range(p * tp_size, (p + 1) * tp_size)) for p in range(pp_size)]
     pp_groups = [list(range(t, world_size, tp_size)) for t in range(tp_size)]
     # NOTE: every rank must create every group, in the same order (torch.distributed.new_group).

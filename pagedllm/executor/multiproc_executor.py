@@ -173,7 +173,15 @@ class MultiprocExecutor(Executor):
         self._failure: Optional[str] = None
         self._lock = threading.Lock()
         self._heartbeats = _Heartbeats.create(n)
-        init_method = f"tcp://127.0.0.1:{get_open_port()}"
+        # NOTE: this process hosts the rendezvous store on a port the OS binds at once (port 0);
+        # picking a free port for rank 0 to bind later raced with other processes (EADDRINUSE).
+        import datetime
+
+        import torch.distributed as dist
+
+        self._store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
+                                    timeout=datetime.timedelta(seconds=1800))
+        init_method = f"tcpstore://127.0.0.1:{self._store.port}"
         self.procs: list[_Proc] = []
         self.conns: list[Any] = []
         authkey = secrets.token_bytes(32)
@@ -393,6 +401,7 @@ class MultiprocExecutor(Executor):
                 pass
         for p in procs:
             p.close()
+        self._store = None
         hb = getattr(self, "_heartbeats", None)
         if hb is not None:
             hb.close()
