@@ -8,15 +8,20 @@ SmolLM2-135M-Instruct Q4_1 GGUF), then reads the server's resident memory at fou
   burst       right after 32 mixed /v1/completions requests (8 at a time): 28 short prompts of
               3-40 words with 8-64 output tokens (greedy and sampled), and 4 prompts of ~2,500
               words (~3,300 tokens) with 16 output tokens
+  fill        with ``--fill``: rounds of 8 further ~2,500-word prompts (new words each round) until
+              the committed KV reaches 95% of the reserved cache (at most 6 rounds), so the burst
+              fills the KV cache (use a bounded ``--kv-cache-memory``)
   idle        ``--idle-wait`` seconds later (the server's idle release runs after
-              PAGEDLLM_IDLE_RELEASE_S, default 10 s)
+              PAGEDLLM_IDLE_RELEASE_S, default 10 s); ``--idle-samples 12,30`` also reads at
+              those seconds after the burst
   peak        VmHWM
 
 Resident figures come from ``/proc/<pid>/status`` (VmRSS, VmHWM; proc(5)), in MiB, and the KV
 figures from the server's own ``/metrics`` (``pagedllm:kv_cache_bytes``, and
 ``pagedllm:kv_cache_committed_bytes`` where the server has it).
 
-    python benchmarks/memory_lazykv.py [--json out.json] [--label NAME] [-- serve flags...]
+    python benchmarks/memory_lazykv.py [--json out.json] [--label NAME] [--idle-wait S]
+        [--idle-samples S1,S2] [--fill] [-- serve flags...]
 
 RSS figures do not depend on the machine's load; nothing here is a timing.
 """
@@ -106,6 +111,15 @@ def requests_32(seed: int = 0) -> list[dict]:
     return reqs
 
 
+def long_requests(seed: int, n: int = 8) -> list[dict]:
+    """``n`` prompts of ~2,500 random words (16 greedy output tokens each), distinct per ``seed``."""
+    rng = random.Random(1000 + seed)
+    words = ("river mountain garden music story city light water history science market bridge "
+             "winter forest ocean library engine signal harvest pepper violin orbit castle meadow").split()
+    return [{"prompt": " ".join(rng.choice(words) for _ in range(2500)), "max_tokens": 16, "temperature": 0}
+            for _ in range(n)]
+
+
 async def burst(base: str, reqs: list[dict], concurrency: int = 8) -> int:
     sem = asyncio.Semaphore(concurrency)
     ok = 0
@@ -131,6 +145,8 @@ def main() -> None:
     ap.add_argument("--json", default=None)
     ap.add_argument("--label", default="run")
     ap.add_argument("--idle-wait", type=float, default=16.0)
+    ap.add_argument("--idle-samples", default="", help="comma-separated seconds after the burst to read too")
+    ap.add_argument("--fill", action="store_true", help="keep sending long prompts until the KV cache is full")
     ap.add_argument("flags", nargs="*")
     a = ap.parse_args()
     port = free_port()
@@ -156,7 +172,22 @@ def main() -> None:
         n = asyncio.run(burst(base, requests_32()))
         res["requests_ok"] = n
         res["after_32_requests"] = snapshot(proc.pid, base)
-        time.sleep(a.idle_wait)
+        if a.fill:
+            rounds = 0
+            while rounds < 6:
+                snap = res["after_32_requests"] if rounds == 0 else res["after_fill"]
+                if snap.get("kv_cache_committed_mib", 0) >= 0.95 * snap.get("kv_cache_mib", 0):
+                    break
+                rounds += 1
+                res["requests_ok"] += asyncio.run(burst(base, long_requests(rounds)))
+                res["after_fill"] = snapshot(proc.pid, base)
+            res["fill_rounds"] = rounds
+        t_burst = time.time()
+        for s in sorted(float(x) for x in a.idle_samples.split(",") if x.strip()):
+            if s < a.idle_wait:
+                time.sleep(max(0.0, t_burst + s - time.time()))
+                res[f"idle_{s:g}s"] = snapshot(proc.pid, base)
+        time.sleep(max(0.0, t_burst + a.idle_wait - time.time()))
         res["after_idle_release"] = snapshot(proc.pid, base)
         plan = [ln.strip() for ln in open(log.name)
                 if "memory plan" in ln or "KV cache budget" in ln or "loaded in" in ln or "weights" in ln]
