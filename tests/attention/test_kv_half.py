@@ -79,8 +79,10 @@ def test_backend_uses_the_kernels_for_a_bf16_cache():
 
 
 # Measured on SmolLM2-135M (float32 weights dequantized from the Q4_1 file, 5 prompts x 24 greedy
-# tokens, 2026-12-01): every greedy token equal, max |logprob difference| of the chosen tokens
-# 0.018 (the bound asserted is 0.05).
+# tokens): on an AMD Zen 3 (2026-12-01) every greedy token equal, max |logprob difference| of the
+# chosen tokens 0.018 (the bound asserted is 0.05); on an AMD Zen 1 (AVX2, 2026-12-06) "The three
+# primary colors are" parts at token 8, a near tie: 42 / 28 at -1.2208 / -1.2387 with the float32
+# cache, -1.23291 / -1.23287 with the bf16 one (0.018 nats apart, so the cache's rounding flips it).
 LOGPROB_TOL = 0.05
 
 
@@ -96,17 +98,24 @@ def test_smollm2_bf16_cache_close_to_float32_cache(smollm2_llm):
     assert core.kv_block_bytes == 16 * 2 * 30 * 3 * 64 * 2  # half of the float32 cache's
     prompts = ["The capital of France is", "def fibonacci(n):", "Once upon a time, in a small village,",
                "The three primary colors are", " ".join(["river mountain garden music story"] * 40)]
-    sp = SamplingParams(temperature=0, max_tokens=24, logprobs=0, ignore_eos=True)
+    sp = SamplingParams(temperature=0, max_tokens=24, logprobs=2, ignore_eos=True)
     a = smollm2_llm.generate(prompts, sp, use_tqdm=False)
     b = half.generate(prompts, sp, use_tqdm=False)
-    worst = 0.0
+    worst, parted = 0.0, 0
     for x, y in zip(a, b):
         tx, ty = list(x.outputs[0].token_ids), list(y.outputs[0].token_ids)
-        assert tx == ty, (x.prompt[:30], tx, ty)
-        for t, dx, dy in zip(tx, x.outputs[0].logprobs, y.outputs[0].logprobs):
+        for i, (t, u, dx, dy) in enumerate(zip(tx, ty, x.outputs[0].logprobs, y.outputs[0].logprobs)):
+            if t != u:
+                # Greedy paths may part only at a near tie of the float32 cache's two best tokens
+                # (each run's top-2 holds both); the rest of the sequence then follows other text.
+                assert u in dx and t in dy, (x.prompt[:30], i, dx, dy)
+                assert abs(dx[t].logprob - dx[u].logprob) < LOGPROB_TOL, (x.prompt[:30], i, dx)
+                parted += 1
+                break
             worst = max(worst, abs(dx[t].logprob - dy[t].logprob))
-    print(f"max |logprob difference| {worst:.4f}")
+    print(f"max |logprob difference| {worst:.4f}; sequences parted at a near tie: {parted}")
     assert worst < LOGPROB_TOL, worst
+    assert parted <= 1, parted  # 4 of the 5 sequences stay token for token equal
 
 
 def test_engine_default_on_a_cpu_without_native_bf16(monkeypatch, tmp_path):
