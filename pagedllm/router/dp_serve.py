@@ -17,6 +17,10 @@ are), waits until every child answers ``/v1/models``, and serves the router ther
   the label ``engine="<rank>"`` added (vLLM's label for the engine index);
 * ``/health``: 200 while every replica process is alive and healthy; 503 naming the replica once
   one has exited or fails its health check (the router keeps sending requests to the others);
+* ``--data-parallel-backend ray``: each replica's ranks run as Ray actors on the cluster
+  (``RAY_ADDRESS``), so the replicas spread over its nodes; a node that dies fails its replica's
+  requests in flight (the engine reports the dead actor) and turns that replica's ``/health`` 503,
+  which the router's health checks see, so later requests go to the others;
 * SIGINT / SIGTERM: the front stops accepting, then every child gets SIGTERM (its own graceful
   shutdown), SIGKILL after ``_STOP_TIMEOUT_S``. A child whose parent dies exits too.
 """
@@ -210,6 +214,10 @@ def run_dp_serve(args: argparse.Namespace, sock: socket.socket) -> int:
             ns.dp_replica_rank = r
             ns.data_parallel_rank = r
             ns.host, ns.port = "127.0.0.1", _free_port()
+            if getattr(args, "data_parallel_backend", "mp") == "ray":
+                # NOTE: the replica's engine front stays a local process; its ranks are Ray actors, placed
+                # by the cluster (one node's CPUs full, the next replica's ranks go to another node).
+                ns.distributed_executor_backend = "ray"
             if kv_cfg is not None:
                 ns.kv_events_config = kv_cfg
             p = ctx.Process(target=_replica_main, args=(ns, os.getpid()), name=f"pagedllm-dp{r}")

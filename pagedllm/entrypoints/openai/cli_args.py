@@ -424,6 +424,11 @@ def add_serve_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                         "router on this port, routing by this policy (prefix: the replica holding the "
                         "longest prefix of the prompt, from its KV cache events; docs/scaling.md); 'off': "
                         "the replicas in this process, least loaded first (default: prefix).")
+    g.add_argument("--data-parallel-backend", "-dpb", default="mp", choices=["mp", "ray"],
+                   help="With --data-parallel-size > 1 (vLLM's flag): 'mp' runs every replica's ranks on this "
+                        "machine; 'ray' runs each replica's ranks as Ray actors on the cluster that RAY_ADDRESS "
+                        "names (as --distributed-executor-backend ray does for one engine), so the replicas "
+                        "spread over its nodes; each rank asks Ray for --num-threads CPUs (default: %(default)s).")
 
     g = parser.add_argument_group("Device")
     g.add_argument("--attention-backend", default=None, choices=["torch", "triton", "flashinfer"],
