@@ -214,10 +214,6 @@ def run_dp_serve(args: argparse.Namespace, sock: socket.socket) -> int:
             ns.dp_replica_rank = r
             ns.data_parallel_rank = r
             ns.host, ns.port = "127.0.0.1", _free_port()
-            if getattr(args, "data_parallel_backend", "mp") == "ray":
-                # NOTE: the replica's engine front stays a local process; its ranks are Ray actors, placed
-                # by the cluster (one node's CPUs full, the next replica's ranks go to another node).
-                ns.distributed_executor_backend = "ray"
             if kv_cfg is not None:
                 ns.kv_events_config = kv_cfg
             p = ctx.Process(target=_replica_main, args=(ns, os.getpid()), name=f"pagedllm-dp{r}")

@@ -261,6 +261,10 @@ def run_server(args: argparse.Namespace, sock: Optional[socket.socket] = None) -
             sock = prepare_serve(args)
         except ValueError as e:
             return fail("pagedllm serve", str(e))
+    if int(getattr(args, "data_parallel_size", 1) or 1) > 1 and getattr(args, "data_parallel_backend", "mp") == "ray":
+        # NOTE: every replica's ranks become Ray actors placed by the cluster (one node's CPUs full, the
+        # next replica's go to another node); the replicas' engine fronts stay on this machine.
+        args.distributed_executor_backend = "ray"
     from pagedllm.router.dp_serve import run_dp_serve, uses_router
     if uses_router(args):  # --data-parallel-size N: N replica processes behind the router
         return run_dp_serve(args, sock)
