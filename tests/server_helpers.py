@@ -39,6 +39,17 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def wait_for_status(url: str, status: int, timeout: float, interval: float = 0.2) -> httpx.Response:
+    """GET ``url`` until it answers ``status`` or ``timeout`` seconds pass; returns the last response
+    (the caller asserts on it, so a timeout shows what was answered instead)."""
+    deadline = time.time() + timeout
+    while True:
+        r = httpx.get(url, timeout=10)
+        if r.status_code == status or time.time() > deadline:
+            return r
+        time.sleep(interval)
+
+
 @contextlib.contextmanager
 def serve(args: list[str], *, env_drop: tuple[str, ...] = (), timeout: float = 180.0,
           stop_timeout: float = 30.0) -> Iterator[tuple[str, subprocess.Popen]]:

@@ -9,6 +9,7 @@ dead replica and later requests all go to the survivor. The cluster is stopped i
 data-parallel test, which kills a node, runs last)."""
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import shutil
@@ -19,7 +20,7 @@ import time
 import httpx
 import psutil
 import pytest
-from server_helpers import free_port, serve
+from server_helpers import free_port, serve, wait_for_status
 
 pytest.importorskip("ray", reason="ray is not installed (pip install ray)")
 pytestmark = pytest.mark.slow
@@ -154,7 +155,7 @@ def _kill_node(node_manager_port: int) -> int:
     return len(procs)
 
 
-async def _stream(base: str, prompt: list[int], started: "asyncio.Event") -> tuple[str, list[dict]]:
+async def _stream(base: str, prompt: list[int], started: asyncio.Event) -> tuple[str, list[dict]]:
     """One streamed greedy completion: (the replica URL that served it, its parsed data events)."""
     events: list[dict] = []
     async with httpx.AsyncClient(timeout=180) as c:
@@ -174,8 +175,6 @@ async def _stream(base: str, prompt: list[int], started: "asyncio.Event") -> tup
 @pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
 def test_two_node_ray_data_parallel_and_node_death(cluster, tiny_llama_dir, one_process_tokens, monkeypatch):
     """Runs last in this file: it kills the second node."""
-    import asyncio
-
     address, env, second_node_port = cluster
     monkeypatch.setenv("RAY_ADDRESS", address)
     monkeypatch.setenv("RAY_AUTH_MODE", "disabled")
@@ -209,12 +208,7 @@ def test_two_node_ray_data_parallel_and_node_death(cluster, tiny_llama_dir, one_
         dead_url = failed[0][0]
         survivor = next(u for u in replicas if u != dead_url)
         # /health names the dead replica (its engine lost its worker), within the router's health checks.
-        deadline = time.time() + 60
-        while True:
-            h = httpx.get(base + "/health", timeout=10)
-            if h.status_code == 503 or time.time() > deadline:
-                break
-            time.sleep(0.5)
+        h = wait_for_status(base + "/health", 503, timeout=60)
         assert h.status_code == 503 and dead_url in h.text, h.text
         # Later requests all go to the survivor, with one process's tokens.
         for _ in range(2):

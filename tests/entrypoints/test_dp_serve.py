@@ -14,7 +14,7 @@ import time
 import httpx
 import psutil
 import pytest
-from server_helpers import serve
+from server_helpers import serve, wait_for_status
 
 TEMPLATE = ("{% for m in messages %}w5 {{ m['role'] }} {{ m['content'] }} w6 {% endfor %}"
             "{% if add_generation_prompt %}w7 assistant{% endif %}")
@@ -129,12 +129,7 @@ def test_replica_crash_is_reported_and_shutdown_stops_children(front):
     victim = next(k for k in kids if int(reps[1].rsplit(":", 1)[1]) in port_of[k.pid])
     victim.kill()
     # (no wait: the front reaps it when it next looks, i.e. at /health)
-    deadline = time.time() + 15
-    while True:
-        h = httpx.get(base + "/health", timeout=5)
-        if h.status_code == 503 or time.time() > deadline:
-            break
-        time.sleep(0.2)
+    h = wait_for_status(base + "/health", 503, timeout=15)
     assert h.status_code == 503
     assert "data-parallel replica 1" in h.json()["error"]["message"] and reps[1] in h.json()["error"]["message"]
     for i in range(4):  # the front does not hang: the live replica answers, the dead one is avoided
