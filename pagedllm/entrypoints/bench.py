@@ -609,24 +609,42 @@ def run_embed(args: argparse.Namespace) -> dict:
     return res
 
 
+#: Largest square matmul ``measure_hardware`` times, and the time one call may take before the size
+#: stops doubling (a CPU without native bf16 runs a 2048^3 bf16 matmul for minutes).
+_MATMUL_MAX_N = 2048
+_MATMUL_GROW_S = 0.25
+
+
 def measure_hardware(num_threads: Optional[int] = None) -> dict:
-    """Matmul GFLOP/s (fp32, bf16; 2048^3) and read / copy bandwidth (GB/s) on this machine."""
+    """Matmul GFLOP/s (fp32, bf16) and read / copy bandwidth (GB/s) on this machine.
+
+    Each matmul is square, best of 3: n doubles from 256 up to 2048 while one call takes under
+    ``_MATMUL_GROW_S`` s, so a dtype the CPU lacks (bf16 without AVX512-BF16 / AMX) is measured
+    in seconds at a smaller n (``matmul_<dtype>_n`` records it). Bandwidth: 256 MiB of float32,
+    ``sum`` (read) and ``copy_`` (read + write), best of 3.
+    """
     import torch
 
     if num_threads:
         torch.set_num_threads(num_threads)
     res: dict = {"threads": torch.get_num_threads()}
-    n = 2048
     for name, dt in (("fp32", torch.float32), ("bf16", torch.bfloat16)):
-        a = torch.randn(n, n).to(dt)
-        b = torch.randn(n, n).to(dt)
-        a @ b
+        n = 256
+        while True:
+            a = torch.randn(n, n).to(dt)
+            b = torch.randn(n, n).to(dt)
+            t = time.perf_counter()
+            a @ b
+            if n >= _MATMUL_MAX_N or time.perf_counter() - t >= _MATMUL_GROW_S:
+                break
+            n *= 2
         best = float("inf")
         for _ in range(3):
             t = time.perf_counter()
             a @ b
             best = min(best, time.perf_counter() - t)
         res[f"matmul_{name}_gflops"] = 2 * n**3 / best / 1e9
+        res[f"matmul_{name}_n"] = n
     x = torch.ones(256 * 1024 * 1024 // 4)  # 256 MiB fp32
     y = torch.empty_like(x)
     x.sum()

@@ -175,3 +175,20 @@ def test_bench_serve_json_schema_on_a_share_of_requests():
     # The fake engine ignores the constraint: its text is no JSON, so none counts as valid.
     assert m["structured_outputs_valid"] == 0
     assert "Structured-output requests:" in format_results(m, 3, float("inf"))
+
+
+def test_bench_hardware_sizes_its_matmuls(monkeypatch):
+    """``measure_hardware``: every figure is there and positive; a matmul stops growing once one
+    call takes ``_MATMUL_GROW_S`` (0 here: n stays 256; a CPU without native bf16 stops this way
+    instead of running a 2048^3 bf16 matmul for minutes), else it grows to ``_MATMUL_MAX_N``."""
+    from pagedllm.entrypoints import bench
+
+    monkeypatch.setattr(bench, "_MATMUL_GROW_S", 0.0)
+    res = bench.measure_hardware(1)
+    assert res["threads"] == 1
+    assert res["matmul_fp32_n"] == 256 and res["matmul_bf16_n"] == 256
+    for k in ("matmul_fp32_gflops", "matmul_bf16_gflops", "read_bandwidth_gbps", "copy_bandwidth_gbps"):
+        assert res[k] > 0, (k, res)
+    monkeypatch.setattr(bench, "_MATMUL_GROW_S", float("inf"))
+    monkeypatch.setattr(bench, "_MATMUL_MAX_N", 512)
+    assert bench.measure_hardware(1)["matmul_fp32_n"] == 512
