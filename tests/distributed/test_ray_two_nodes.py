@@ -37,7 +37,7 @@ def cluster():
     port = free_port()
     # RAY_AUTH_MODE=disabled: a token left in ~/.ray/auth_token would otherwise be required of
     # every node and client.
-    # RAY_health_check_*: the GCS declares a node dead after ~1.5 s without an answer (default ~30 s),
+    # RAY_health_check_*: the GCS declares a node dead after ~1.5 s without an answer (defaults: 15 s or more),
     # so the node-death test does not wait on Ray's detection.
     env = dict(os.environ, RAY_USAGE_STATS_ENABLED="0", PAGEDLLM_NUM_THREADS="1", OMP_NUM_THREADS="1",
                RAY_AUTH_MODE="disabled", RAY_health_check_period_ms="500", RAY_health_check_timeout_ms="500",
@@ -172,7 +172,6 @@ async def _stream(base: str, prompt: list[int], started: asyncio.Event) -> tuple
     return replica, events
 
 
-@pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
 def test_two_node_ray_data_parallel_and_node_death(cluster, tiny_llama_dir, one_process_tokens, monkeypatch):
     """Runs last in this file: it kills the second node."""
     address, env, second_node_port = cluster
