@@ -16,7 +16,7 @@ pytestmark = pytest.mark.skipif(ops is None, reason="C++ CPU kernels could not b
 
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
 @pytest.mark.parametrize("hq,hkv,d,bs", [(9, 3, 64, 16), (4, 1, 256, 16), (8, 8, 32, 4), (6, 2, 128, 1), (16, 2, 64, 4),
-                                         (12, 1, 128, 16)])
+                                         (12, 1, 128, 16), (10, 2, 80, 16), (21, 3, 96, 4)])
 @pytest.mark.parametrize("window,cap", [(None, None), (7, None), (None, 20.0), (33, 5.0)])
 def test_kernel_matches_torch_decode(dtype, tol, hq, hkv, d, bs, window, cap):
     rng = random.Random(hq * 1000 + d + bs)

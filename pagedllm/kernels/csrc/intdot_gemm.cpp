@@ -640,11 +640,11 @@ inline void widen(const uint16_t* src, int64_t n, float* dst) {
 }
 
 // dst[8 b + j] = src[n[j] * nb + b] for b < nb: 8 x 8 transposes (unpack / shuffle / permute);
-// src float32 or float16 (widened on load).
+// src float32 or float16 (widened on load). When nb >= 8 a tail of nb % 8 blocks is one more
+// transpose of the last 8 blocks (rewriting a few with the same values), not scalar loads.
 template <typename S>
 inline void transpose_scales(const S* src, const int64_t* n, int64_t nb, float* dst) {
-  int64_t b = 0;
-  for (; b + 8 <= nb; b += 8) {
+  auto block8 = [&](int64_t b) {
     __m256 r[8], t[8];
     for (int j = 0; j < 8; ++j) r[j] = load8(src + n[j] * nb + b);
     for (int j = 0; j < 8; j += 2) {
@@ -663,8 +663,12 @@ inline void transpose_scales(const S* src, const int64_t* n, int64_t nb, float* 
       _mm256_storeu_ps(dst + 8 * (b + i), _mm256_permute2f128_ps(r[i], r[i + 4], 0x20));
       _mm256_storeu_ps(dst + 8 * (b + i + 4), _mm256_permute2f128_ps(r[i], r[i + 4], 0x31));
     }
+  };
+  if (nb >= 8) {
+    for (int64_t b = 0; b < nb; b += 8) block8(std::min(b, nb - 8));
+    return;
   }
-  for (; b < nb; ++b)
+  for (int64_t b = 0; b < nb; ++b)
     for (int j = 0; j < 8; ++j) dst[8 * b + j] = load1(src + n[j] * nb + b);
 }
 

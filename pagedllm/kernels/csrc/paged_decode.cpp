@@ -4,7 +4,9 @@
 // float32 softmax, then the weighted sum of V. Same math as pagedllm.attention.torch_paged.
 #include "torch_lite.h"
 #include <ATen/Parallel.h>
+#include <algorithm>
 #include <cmath>
+#include <cstdlib>
 #include <cstring>
 #include <limits>
 #include <type_traits>
@@ -29,8 +31,12 @@ inline void to_float<c10::BFloat16>(const c10::BFloat16* __restrict src, float* 
 
 // One (request, kv head) work item. DIM > 0 fixes the head size at compile time (full
 // unrolling and vectorization of the d loops); DIM == 0 handles any head size.
+// NOTE: noipa: with the AVX2 kernels below in the same file, GCC 12.2's interprocedural
+// optimizations (-O3 -march=znver1 -ffast-math) compiled the bf16, head-size-128 instance to read
+// the K row where the V row is (tests/attention/test_cpu_kernel.py caught it); one call per
+// (request, kv head), so the lost inlining costs nothing measurable.
 template <int DIM, typename scalar_t, typename kv_t = scalar_t>
-static void decode_one(const scalar_t* q, const kv_t* kv, const int64_t* bt, int64_t L, int64_t b,
+__attribute__((noipa)) static void decode_one(const scalar_t* q, const kv_t* kv, const int64_t* bt, int64_t L, int64_t b,
                        int64_t h, scalar_t* out, int64_t Hq, int64_t G, int64_t D_rt, int64_t block_size,
                        int64_t kv_block_stride, int64_t tok_stride, int64_t v_offset, float scale,
                        int64_t window, float soft_cap, std::vector<float>& qf, std::vector<float>& acc,
@@ -311,6 +317,182 @@ static void decode_kernel_bf16(const c10::BFloat16* q, const typename KV::T* kv,
 }
 #endif
 
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#include <immintrin.h>
+#define PAGEDLLM_AVX2_F32 1
+
+// How the float32-q AVX2 kernel reads 8 values of a K/V row of a cache element type as float32
+// (exact widening: bf16 by a 16-bit shift, fp16 by vcvtph2ps).
+struct KvF32FromBf16 {
+  using T = c10::BFloat16;
+  static inline __m256 load8(const T* p) {
+    const __m128i x = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(x), 16));
+  }
+};
+struct KvF32FromHalf {
+  using T = c10::Half;
+  static inline __m256 load8(const T* p) {
+    return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  }
+};
+struct KvF32FromF32 {
+  using T = float;
+  static inline __m256 load8(const T* p) { return _mm256_loadu_ps(p); }
+};
+
+// Horizontal sums of 8 vectors: lane i of the result is the sum of v[i]'s 8 lanes.
+static inline __m256 reduce8(const __m256* v) {
+  const __m256 t0 = _mm256_hadd_ps(v[0], v[1]), t1 = _mm256_hadd_ps(v[2], v[3]);
+  const __m256 t2 = _mm256_hadd_ps(v[4], v[5]), t3 = _mm256_hadd_ps(v[6], v[7]);
+  // u0 = [v0, v1, v2, v3 (lanes 0-3) | the same for lanes 4-7], u1 likewise for v4 .. v7
+  const __m256 u0 = _mm256_hadd_ps(t0, t1), u1 = _mm256_hadd_ps(t2, t3);
+  return _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20), _mm256_permute2f128_ps(u0, u1, 0x31));
+}
+
+// Vectors of the head dim per P.V pass: the largest divisor of NV with G x CV accumulators, CV
+// values and one weight in 16 registers.
+constexpr int decode_cv_f32(int G, int NV) {
+  for (int cv = NV; cv > 1; --cv)
+    if (NV % cv == 0 && (G + 1) * cv + 1 <= 16) return cv;
+  return 1;
+}
+
+// Float32 decode on AVX2 + FMA for the G query heads head0 .. head0+G-1 of request b that share
+// kv head h, over a bf16 / fp16 / float32 cache (the float32-activation path of CPUs without
+// AVX512-BF16). Same math as decode_one (q pre-scaled, float32 scores, softmax_row, float32
+// P.V) up to the order of the float sums: the K row of each context token is widened once for
+// all G heads (one 8-lane FMA chain per head and token, the chains of 8 tokens reduced together
+// by one transposing hadd tree), each V row is widened once for all G heads (G x CV vectors of
+// the head dim in registers), and every token's row address is computed once from the block table.
+template <typename KV, int DIM, int G>
+static void decode_group_f32(const float* q, const typename KV::T* kv, const int64_t* bt, int64_t L, int64_t b,
+                             int64_t head0, int64_t h, float* out, int64_t Hq, int64_t block_size,
+                             int64_t kv_block_stride, int64_t tok_stride, int64_t v_offset, float scale,
+                             int64_t window, float soft_cap, std::vector<float>& scores,
+                             std::vector<const typename KV::T*>& rows) {
+  using KT = typename KV::T;
+  static_assert(DIM % 8 == 0, "head size a multiple of 8");
+  constexpr int NV = DIM / 8;  // 8-lane vectors per row
+  constexpr int CV = decode_cv_f32(G, NV);
+  const int64_t first = (window > 0 && L > window) ? L - window : 0;
+  const int64_t n = L - first;
+  const int64_t n8 = (n + 7) / 8 * 8;
+  scores.resize(G * n8);
+  rows.resize(n8);
+  {
+    int64_t blk = first / block_size, off = first % block_size;
+    const KT* base = kv + bt[blk] * kv_block_stride + h * DIM;
+    for (int64_t i = 0; i < n; ++i) {
+      rows[i] = base + off * tok_stride;
+      if (++off == block_size && i + 1 < n) {
+        off = 0;
+        base = kv + bt[++blk] * kv_block_stride + h * DIM;
+      }
+    }
+    for (int64_t i = n; i < n8; ++i) rows[i] = rows[0];  // padding tokens: scored, never used
+  }
+  alignas(32) float qs[G * DIM];
+  for (int g = 0; g < G; ++g)
+    for (int d = 0; d < DIM; ++d) qs[g * DIM + d] = q[(b * Hq + head0 + g) * DIM + d] * scale;
+  constexpr int LINES = std::max<int>(1, DIM * static_cast<int>(sizeof(KT)) / 64);
+  // Pass 1: scores, 8 tokens at a time.
+  for (int64_t p0 = 0; p0 < n; p0 += 8) {
+    __m256 part[G][8];
+    for (int j = 0; j < 8; ++j) {
+      const KT* kp = rows[p0 + j];
+      if (p0 + 8 + j < n) {
+        const char* r = reinterpret_cast<const char*>(rows[p0 + 8 + j]);
+        for (int l = 0; l < LINES; ++l) _mm_prefetch(r + 64 * l, _MM_HINT_T0);
+      }
+      __m256 a[G];
+      for (int g = 0; g < G; ++g) a[g] = _mm256_setzero_ps();
+      for (int c = 0; c < NV; ++c) {
+        const __m256 kc = KV::load8(kp + 8 * c);
+        for (int g = 0; g < G; ++g) a[g] = _mm256_fmadd_ps(_mm256_load_ps(qs + g * DIM + 8 * c), kc, a[g]);
+      }
+      for (int g = 0; g < G; ++g) part[g][j] = a[g];
+    }
+    for (int g = 0; g < G; ++g) _mm256_storeu_ps(scores.data() + g * n8 + p0, reduce8(part[g]));
+  }
+  for (int g = 0; g < G; ++g) {
+    float* sg = scores.data() + g * n8;
+    if (soft_cap > 0.f)
+      for (int64_t i = 0; i < n; ++i) sg[i] = soft_cap * std::tanh(sg[i] / soft_cap);
+    pagedllm_cpu::softmax_row(sg, n);
+  }
+  // Pass 2: P.V for all G heads, CV vectors of the head dim at a time.
+  for (int c0 = 0; c0 < NV; c0 += CV) {
+    __m256 acc[G][CV];
+    for (int g = 0; g < G; ++g)
+      for (int c = 0; c < CV; ++c) acc[g][c] = _mm256_setzero_ps();
+    for (int64_t i = 0; i < n; ++i) {
+      const KT* vp = rows[i] + v_offset + 8 * c0;
+      if (i + 8 < n) _mm_prefetch(reinterpret_cast<const char*>(rows[i + 8] + v_offset + 8 * c0), _MM_HINT_T0);
+      __m256 v[CV];
+      for (int c = 0; c < CV; ++c) v[c] = KV::load8(vp + 8 * c);
+      for (int g = 0; g < G; ++g) {
+        const __m256 w = _mm256_set1_ps(scores[g * n8 + i]);
+        for (int c = 0; c < CV; ++c) acc[g][c] = _mm256_fmadd_ps(w, v[c], acc[g][c]);
+      }
+    }
+    for (int g = 0; g < G; ++g)
+      for (int c = 0; c < CV; ++c) _mm256_storeu_ps(out + (b * Hq + head0 + g) * DIM + 8 * (c0 + c), acc[g][c]);
+  }
+}
+
+// decode_group_f32 over all (request, kv head) pairs, the G query heads of a kv head in chunks
+// of up to 8. Returns false (nothing done) for a head size it has no instance for.
+template <typename KV>
+static bool decode_kernel_f32(const float* q, const typename KV::T* kv, const int64_t* block_tables,
+                              const int64_t* seq_lens, float* out, int64_t B, int64_t Hq, int64_t Hkv, int64_t D,
+                              int64_t block_size, int64_t max_blocks, int64_t kv_block_stride, float scale,
+                              int64_t window, float soft_cap) {
+  if (D != 64 && D != 80 && D != 96 && D != 128 && D != 256) return false;
+  const int64_t G = Hq / Hkv;
+  const int64_t tok_stride = Hkv * D, v_offset = block_size * Hkv * D;
+  int64_t ctx_tokens = 0;
+  for (int64_t b = 0; b < B; ++b) ctx_tokens += seq_lens[b];
+  // no threads at all for a small step (waking them would cost more than the work)
+  const int64_t grain = ctx_tokens * Hkv * D < 262144 ? B * Hkv : 1;
+  at::parallel_for(0, B * Hkv, grain, [&](int64_t begin, int64_t end) {
+    std::vector<float> scores;
+    std::vector<const typename KV::T*> rows;
+    for (int64_t w = begin; w < end; ++w) {
+      const int64_t b = w / Hkv, h = w % Hkv;
+      const int64_t* bt = block_tables + b * max_blocks;
+      for (int64_t g0 = 0; g0 < G; g0 += 8) {
+        const int64_t head0 = h * G + g0;
+#define PAGEDLLM_F32_CALL(DIMV, GV)                                                                             \
+  decode_group_f32<KV, DIMV, GV>(q, kv, bt, seq_lens[b], b, head0, h, out, Hq, block_size, kv_block_stride,     \
+                                 tok_stride, v_offset, scale, window, soft_cap, scores, rows)
+#define PAGEDLLM_F32_DIM(DIMV)                                                                                  \
+  switch (std::min<int64_t>(8, G - g0)) {                                                                        \
+    case 1: PAGEDLLM_F32_CALL(DIMV, 1); break;                                                                   \
+    case 2: PAGEDLLM_F32_CALL(DIMV, 2); break;                                                                   \
+    case 3: PAGEDLLM_F32_CALL(DIMV, 3); break;                                                                   \
+    case 4: PAGEDLLM_F32_CALL(DIMV, 4); break;                                                                   \
+    case 5: PAGEDLLM_F32_CALL(DIMV, 5); break;                                                                   \
+    case 6: PAGEDLLM_F32_CALL(DIMV, 6); break;                                                                   \
+    case 7: PAGEDLLM_F32_CALL(DIMV, 7); break;                                                                   \
+    default: PAGEDLLM_F32_CALL(DIMV, 8); break;                                                                  \
+  }
+        switch (D) {
+          case 64: PAGEDLLM_F32_DIM(64); break;
+          case 80: PAGEDLLM_F32_DIM(80); break;
+          case 96: PAGEDLLM_F32_DIM(96); break;
+          case 128: PAGEDLLM_F32_DIM(128); break;
+          default: PAGEDLLM_F32_DIM(256); break;
+        }
+#undef PAGEDLLM_F32_DIM
+#undef PAGEDLLM_F32_CALL
+      }
+    }
+  });
+  return true;
+}
+#endif
+
 template <typename scalar_t, typename kv_t = scalar_t>
 static void decode_kernel(const scalar_t* q, const kv_t* kv, const int64_t* block_tables,
                           const int64_t* seq_lens, scalar_t* out, int64_t B, int64_t Hq, int64_t Hkv,
@@ -341,6 +523,16 @@ static void decode_kernel(const scalar_t* q, const kv_t* kv, const int64_t* bloc
 #undef PAGEDLLM_DECODE
     }
   });
+}
+
+// PAGEDLLM_DECODE_GENERIC=1: the per-head decode_one kernel even where a grouped one exists
+// (read once; for A/B measurements and tests).
+static bool pagedllm_decode_generic() {
+  static const bool v = [] {
+    const char* e = std::getenv("PAGEDLLM_DECODE_GENERIC");
+    return e != nullptr && e[0] == '1';
+  }();
+  return v;
 }
 
 // q: [B, Hq, D]; kv_cache: [NB, 2, BS, Hkv, D] (q's dtype; bf16/fp16 for float32 q; fp8 for bf16 q);
@@ -383,6 +575,22 @@ torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor kv_cache, to
     else PAGEDLLM_DECODE_KV(KvE5M2);
 #undef PAGEDLLM_DECODE_KV
     return out;
+  }
+#endif
+#ifdef PAGEDLLM_AVX2_F32
+  if (q.scalar_type() == at::kFloat && !pagedllm_decode_generic()) {  // float32 q: the AVX2 grouped kernel
+    const auto kvt = kv_cache.scalar_type();
+#define PAGEDLLM_DECODE_F32(KVT)                                                                             \
+  decode_kernel_f32<KVT>(q.data_ptr<float>(), static_cast<const KVT::T*>(kv_cache.data_ptr()),                 \
+                         block_tables.data_ptr<int64_t>(), seq_lens.data_ptr<int64_t>(), out.data_ptr<float>(), \
+                         B, Hq, Hkv, D, BS, block_tables.size(1), kv_cache.stride(0), (float)scale, window,    \
+                         (float)soft_cap)
+    bool done = false;
+    if (kvt == at::kBFloat16) done = PAGEDLLM_DECODE_F32(KvF32FromBf16);
+    else if (kvt == at::kHalf) done = PAGEDLLM_DECODE_F32(KvF32FromHalf);
+    else if (kvt == at::kFloat) done = PAGEDLLM_DECODE_F32(KvF32FromF32);
+#undef PAGEDLLM_DECODE_F32
+    if (done) return out;
   }
 #endif
   if (f32q_half_kv) {  // float32 model, 16-bit cache: K/V widened to float32 per row (exact)
