@@ -340,7 +340,11 @@ def add_bench_serve_args(parser: argparse.ArgumentParser) -> argparse.ArgumentPa
     parser.add_argument("--host", default="127.0.0.1", help="Server host (default: 127.0.0.1).")
     parser.add_argument("--port", type=int, default=8000, help="Server port (default: 8000).")
     parser.add_argument("--endpoint", default="/v1/completions",
-                        help="API path (default: /v1/completions).")
+                        help="API path (default: /v1/completions). A path ending in chat/completions sends each "
+                             "prompt as one user message.")
+    parser.add_argument("--backend", default="openai", choices=["openai", "vllm", "openai-chat"],
+                        help="vLLM's request format names: 'openai' / 'vllm' send completions, 'openai-chat' "
+                             "chat messages (to /v1/chat/completions unless --endpoint names another path).")
     parser.add_argument("--model", default=None,
                         help="Model name to send (default: the first one /v1/models lists).")
     parser.add_argument("--api-key", default=None, help="Bearer token, if the server needs one.")
@@ -404,8 +408,14 @@ async def benchmark(args: argparse.Namespace) -> dict[str, Any]:
         work = mixed_requests(args.num_prompts, args.seed, args.max_tokens)
     else:
         make = synthetic_prompts if args.dataset_name == "synthetic" else random_prompts
-        work = [(args.endpoint, {"prompt": p, "max_tokens": args.max_tokens, "temperature": args.temperature,
-                                 "stream": True, "stream_options": {"include_usage": True}}, False)
+        endpoint = args.endpoint
+        chat = getattr(args, "backend", None) == "openai-chat" or endpoint.rstrip("/").endswith("chat/completions")
+        if chat and getattr(args, "backend", None) == "openai-chat" and endpoint == "/v1/completions":
+            endpoint = "/v1/chat/completions"
+        # /v1/chat/completions takes each prompt as one user message (vLLM's openai-chat backend)
+        work = [(endpoint, {**({"messages": [{"role": "user", "content": p}]} if chat else {"prompt": p}),
+                            "max_tokens": args.max_tokens, "temperature": args.temperature,
+                            "stream": True, "stream_options": {"include_usage": True}}, False)
                 for p in make(args.num_prompts, args.input_len, args.seed)]
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
     transport = getattr(args, "transport", None)  # tests: an httpx.ASGITransport

@@ -85,6 +85,22 @@ def test_bench_serve_against_fake():
     assert synthetic_prompts(3, 10, 0) == synthetic_prompts(3, 10, 0)
 
 
+def test_bench_serve_chat_endpoint_sends_messages():
+    """``--backend openai-chat`` (vLLM's name) or a chat path: each prompt is one user message, and
+    TTFT / TPOT come from the chat stream's deltas (a completions body there is a 400)."""
+    engine = FakeAsyncLLM(max_model_len=256)
+    app = build_app(engine, argparse.Namespace(disable_log_requests=True, disable_log_stats=True))
+    for argv in (["--backend", "openai-chat"], ["--endpoint", "/v1/chat/completions"]):
+        args = add_bench_serve_args(argparse.ArgumentParser()).parse_args(
+            argv + ["--num-prompts", "3", "--max-tokens", "4", "--input-len", "8", "--max-concurrency", "1"])
+        args.transport = httpx.ASGITransport(app=app)
+        args.base_url = "http://testserver"
+        m = asyncio.run(benchmark(args))
+        assert m["failed"] == 0, [e for e in m["errors"] if e][:3]
+        assert m["completed"] == 3 and m["total_output_tokens"] == 12
+        assert m["median_ttft_ms"] > 0 and m["median_tpot_ms"] > 0
+
+
 def _sample(text: str, name: str) -> float:
     """The value of the exposition line for ``name`` (with its labels)."""
     vals = [float(x.rsplit(" ", 1)[1]) for x in text.splitlines() if x.rsplit(" ", 1)[0] == name]
