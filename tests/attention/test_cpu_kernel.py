@@ -104,3 +104,24 @@ def test_backend_prefill_kernel_in_a_mixed_bf16_batch():
     b = TorchPagedAttention(use_cpu_kernel=False).forward(q, k, v, kv_b, meta, d ** -0.5, None, None)
     torch.testing.assert_close(a.float(), b.float(), atol=2e-2, rtol=2e-2)
     assert torch.equal(kv_a, kv_b)
+
+
+@pytest.mark.parametrize("hq,hkv,d", [(4, 1, 256), (9, 3, 64), (12, 1, 128)])
+def test_decode_kernel_split_over_threads_matches_torch(hq, hkv, d):
+    """A long context on 2 threads: the (request, kv head) items, and when they are fewer than the
+    threads the query heads of a kv head too, run on both threads; each head equals the oracle."""
+    bs, L = 16, 700
+    nb = L // bs + 1
+    kv = torch.randn(nb + 3, 2, bs, hkv, d).to(torch.bfloat16)
+    blocks = list(range(1, nb + 1))
+    random.Random(7).shuffle(blocks)
+    meta = build_metadata([(L - 1, 1, blocks)], bs)
+    q = torch.randn(1, hq, d)
+    ref = TorchPagedAttention._decode(q, kv, meta, d ** -0.5, None, None)
+    prev = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        out = ops.paged_decode_attention(q, kv, meta.block_tables, meta.seq_lens, d ** -0.5, 0, 0.0)
+    finally:
+        torch.set_num_threads(prev)
+    torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)

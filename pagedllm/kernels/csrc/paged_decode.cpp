@@ -453,21 +453,33 @@ static bool decode_kernel_f32(const float* q, const typename KV::T* kv, const in
   const int64_t tok_stride = Hkv * D, v_offset = block_size * Hkv * D;
   int64_t ctx_tokens = 0;
   for (int64_t b = 0; b < B; ++b) ctx_tokens += seq_lens[b];
-  // no threads at all for a small step (waking them would cost more than the work)
-  const int64_t grain = ctx_tokens * Hkv * D < 262144 ? B * Hkv : 1;
-  at::parallel_for(0, B * Hkv, grain, [&](int64_t begin, int64_t end) {
+  // no threads at all for a small step (waking them would cost more than the work); from 64 Ki
+  // context elements per layer on (SmolLM2: 342 tokens) the (request, kv head) items are split
+  // over the threads: one request's 3 kv heads over 2 threads took 0.71x the time at 512 and 1,024
+  // tokens on Zen 1 (benchmarks/decode_attention_bench.py at 2 threads), 0.76x at 190
+  const bool par = ctx_tokens * Hkv * D >= 65536;
+  // query heads per work item: up to 8 (registers); when there are fewer (request, kv head)
+  // items than threads, the heads of a kv head are split too (Gemma 3 270M: 1 kv head, 4 query
+  // heads), each item re-reading and widening the same K/V rows: 1.1-1.15x at 1,024-2,048 tokens
+  // on 2 threads of Zen 1 (the widening is done twice)
+  int64_t gc = std::min<int64_t>(8, G);
+  if (par && B * Hkv < at::get_num_threads() && G > 1)
+    gc = std::min<int64_t>(gc, (G * B * Hkv + at::get_num_threads() - 1) / at::get_num_threads() / (B * Hkv));
+  gc = std::max<int64_t>(1, gc);
+  const int64_t chunks = (G + gc - 1) / gc;
+  at::parallel_for(0, B * Hkv * chunks, par ? 1 : B * Hkv * chunks, [&](int64_t begin, int64_t end) {
     std::vector<float> scores;
     std::vector<const typename KV::T*> rows;
     for (int64_t w = begin; w < end; ++w) {
-      const int64_t b = w / Hkv, h = w % Hkv;
+      const int64_t b = w / (Hkv * chunks), h = (w / chunks) % Hkv, g0 = (w % chunks) * gc;
       const int64_t* bt = block_tables + b * max_blocks;
-      for (int64_t g0 = 0; g0 < G; g0 += 8) {
+      {
         const int64_t head0 = h * G + g0;
 #define PAGEDLLM_F32_CALL(DIMV, GV)                                                                             \
   decode_group_f32<KV, DIMV, GV>(q, kv, bt, seq_lens[b], b, head0, h, out, Hq, block_size, kv_block_stride,     \
                                  tok_stride, v_offset, scale, window, soft_cap, scores, rows)
 #define PAGEDLLM_F32_DIM(DIMV)                                                                                  \
-  switch (std::min<int64_t>(8, G - g0)) {                                                                        \
+  switch (std::min<int64_t>(gc, G - g0)) {                                                                       \
     case 1: PAGEDLLM_F32_CALL(DIMV, 1); break;                                                                   \
     case 2: PAGEDLLM_F32_CALL(DIMV, 2); break;                                                                   \
     case 3: PAGEDLLM_F32_CALL(DIMV, 3); break;                                                                   \
