@@ -68,6 +68,9 @@ ENV_VARS: dict[str, EnvVar] = {v.name: v for v in (
     _v("PAGEDLLM_ISA", "choice", "auto",
        "ISA path of the integer-dot kernel: auto (the best this CPU has), portable, avx2 or avx512vnni "
        "(a path the CPU lacks is an error).", choices=("auto", "portable", "avx2", "avx512vnni")),
+    _v("PAGEDLLM_DECODE_GENERIC", "bool", False,
+       "1 runs CPU decode attention on the per-head loop even where the grouped kernel applies (float32 q "
+       "on AVX2; read once by the C++ kernel, for A/B runs)."),
     _v("PAGEDLLM_GROUP_GEMM_LARGE_M", "int", 16,
        "Rows above which the quantized-weight GEMM dequantizes tiles for ATen's GEMM."),
     _v("PAGEDLLM_W8A8_PACKED_MAX_M", "int", 256,
