@@ -29,6 +29,23 @@ inline void to_float<c10::BFloat16>(const c10::BFloat16* __restrict src, float* 
   for (int64_t i = 0; i < n; ++i) d[i] = static_cast<uint32_t>(s[i]) << 16;
 }
 
+// rows[i] = the address of context token first + i's row of one kv head (head_off elements into a
+// token's row of the cache block) for i < n, walking the block table once (no per-token division
+// by the block size). Used by the grouped kernels below.
+template <typename KT>
+static inline void context_rows(const KT* kv, const int64_t* bt, int64_t first, int64_t n, int64_t block_size,
+                                int64_t kv_block_stride, int64_t tok_stride, int64_t head_off, const KT** rows) {
+  int64_t blk = first / block_size, off = first % block_size;
+  const KT* base = kv + bt[blk] * kv_block_stride + head_off;
+  for (int64_t i = 0; i < n; ++i) {
+    rows[i] = base + off * tok_stride;
+    if (++off == block_size && i + 1 < n) {
+      off = 0;
+      base = kv + bt[++blk] * kv_block_stride + head_off;
+    }
+  }
+}
+
 // One (request, kv head) work item. DIM > 0 fixes the head size at compile time (full
 // unrolling and vectorization of the d loops); DIM == 0 handles any head size.
 // NOTE: noipa: with the AVX2 kernels below in the same file, GCC 12.2's interprocedural
@@ -180,17 +197,7 @@ static void decode_group_bf16(const c10::BFloat16* q, const typename KV::T* kv, 
   scores.resize(G * n16);
   rows.resize(n16);
   // K row address of every context token, walking the block table once.
-  {
-    int64_t blk = first / block_size, off = first % block_size;
-    const KT* base = kv + bt[blk] * kv_block_stride + h * DIM;
-    for (int64_t i = 0; i < n; ++i) {
-      rows[i] = base + off * tok_stride;
-      if (++off == block_size && i + 1 < n) {
-        off = 0;
-        base = kv + bt[++blk] * kv_block_stride + h * DIM;
-      }
-    }
-  }
+  context_rows(kv, bt, first, n, block_size, kv_block_stride, tok_stride, h * DIM, rows.data());
   const __m512 vscale = _mm512_set1_ps(scale * KV::kScale);
   const c10::BFloat16* qh = q + (b * Hq + head0) * DIM;
   // NOTE: software prefetch one 16-token group ahead: the block table scatters rows, so the
@@ -380,18 +387,8 @@ static void decode_group_f32(const float* q, const typename KV::T* kv, const int
   const int64_t n8 = (n + 7) / 8 * 8;
   scores.resize(G * n8);
   rows.resize(n8);
-  {
-    int64_t blk = first / block_size, off = first % block_size;
-    const KT* base = kv + bt[blk] * kv_block_stride + h * DIM;
-    for (int64_t i = 0; i < n; ++i) {
-      rows[i] = base + off * tok_stride;
-      if (++off == block_size && i + 1 < n) {
-        off = 0;
-        base = kv + bt[++blk] * kv_block_stride + h * DIM;
-      }
-    }
-    for (int64_t i = n; i < n8; ++i) rows[i] = rows[0];  // padding tokens: scored, never used
-  }
+  context_rows(kv, bt, first, n, block_size, kv_block_stride, tok_stride, h * DIM, rows.data());
+  for (int64_t i = n; i < n8; ++i) rows[i] = rows[0];  // padding tokens: scored, never used
   alignas(32) float qs[G * DIM];
   for (int g = 0; g < G; ++g)
     for (int d = 0; d < DIM; ++d) qs[g * DIM + d] = q[(b * Hq + head0 + g) * DIM + d] * scale;
