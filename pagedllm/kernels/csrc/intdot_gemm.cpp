@@ -37,7 +37,8 @@
 //     one cvt + mul + fma per 8 outputs. Each weight row is read once per call and its codes are
 //     unpacked once per block for up to 4 rows (5-7 rows: two groups, the second reading the 8
 //     columns' codes from L1), so a verify step of up to 7 rows streams the weights from memory once.
-//     The codes and scales of the column group kPrefetchGroups ahead are software-prefetched.
+//     The codes and scales of later column groups are software-prefetched (AVX2: the next group, a
+//     few lines per block; VNNI: the group kPrefetchGroups ahead in one burst).
 //   rows kernel (M >= kRowsMinM: verify and prefill): lanes = 8 activation rows ("row tile"), the
 //     activation codes repacked once per call as [tile][block][4-k group][row][4 codes], the
 //     weight codes of a column panel (~kPanelBytes) prepared once per call into unsigned bytes (int4:
@@ -672,6 +673,28 @@ inline void transpose_scales(const S* src, const int64_t* n, int64_t nb, float* 
     for (int j = 0; j < 8; ++j) dst[8 * b + j] = load1(src + n[j] * nb + b);
 }
 
+// The next column group's codes and scales, prefetched a few lines per block (pair) of this group's
+// loop instead of in one burst at its start (AVX2 path). A burst of a group's 36-96 code lines
+// overruns the core's outstanding-miss queue: on Zen 1 a loads-only pass over the Q8_0 LM head's
+// codes in the kernel's order reads 9.8 GB/s with the burst, 10.4 without prefetch and 13.5 with
+// 4 lines per block into L1 (plain sequential loads: 10.6); in the kernel, the LM head 5.3 -> 3.2 ms
+// and a SmolLM2 layer's GEMMs 425 -> 317 us on one thread (benchmarks/intdot_kernel_ab.py --copies 30).
+// NOTE: `at` must stay always_inline: out of line, GCC 12's IPA mod/ref analysis sees a function
+// whose only statements are prefetches as having no effect and deletes every call to it (measured:
+// no prefetch instruction left in the AVX2 kernels).
+struct GroupPrefetch {
+  const char* q = nullptr;  // codes of the next group, ql lines
+  const char* s = nullptr;  // its scales (then mins), sl and ml lines
+  const char* m = nullptr;
+  int64_t ql = 0, sl = 0, ml = 0, per = 0;  // per: code lines per iteration
+  __attribute__((always_inline)) inline void at(int64_t i) const {
+    if (!q) return;
+    for (int64_t l = i * per, e = std::min(ql, l + per); l < e; ++l) _mm_prefetch(q + 64 * l, _MM_HINT_T0);
+    if (i < sl) _mm_prefetch(s + 64 * i, _MM_HINT_T0);
+    if (i < ml) _mm_prefetch(m + 64 * i, _MM_HINT_T0);
+  }
+};
+
 // ---- columns kernel: 8 columns (row pointers cols[j], scales transposed to wdT / wmT [nb][8]) x MT
 // rows from r0; out[r] lane j = y[r0 + r, column j] before the bias. Per block (int4: per pair of
 // blocks, whose 32 packed bytes unpack with one and / shift / and into the low nibbles of both
@@ -680,7 +703,8 @@ inline void transpose_scales(const S* src, const int64_t* n, int64_t nb, float* 
 // folded by an unpack + add tree two columns at a time (so few are live at once), to one vector
 // of 8 block sums per row and block, then one cvt + mul + fma per row and block.
 template <bool INT4, bool MINS, int MT>
-void cols8(const Ctx& c, const uint8_t* const* cols, const float* wdT, const float* wmT, int64_t r0, __m256* out) {
+void cols8(const Ctx& c, const uint8_t* const* cols, const float* wdT, const float* wmT, int64_t r0, __m256* out,
+           const GroupPrefetch& pf) {
   const int64_t K = c.nb * QK, nb = c.nb;
   __m256 f[MT], m[MT];
   for (int r = 0; r < MT; ++r) f[r] = m[r] = _mm256_setzero_ps();
@@ -695,6 +719,7 @@ void cols8(const Ctx& c, const uint8_t* const* cols, const float* wdT, const flo
     const __m256i lo4 = _mm256_set1_epi8(0x0F);
     auto pair = [&](int64_t p, auto full_c) {
       constexpr bool FULL = decltype(full_c)::value;
+      pf.at(p);
       __m256i al[MT], ah[MT];
       for (int r = 0; r < MT; ++r) {
         const int8_t* src = c.a2 + (r0 + r) * np * 64 + 64 * p;
@@ -736,6 +761,7 @@ void cols8(const Ctx& c, const uint8_t* const* cols, const float* wdT, const flo
   } else {
     const __m256i x80 = _mm256_set1_epi8(-128);
     for (int64_t b = 0; b < nb; ++b) {
+      pf.at(b);
       __m256i av[MT];
       for (int r = 0; r < MT; ++r)
         av[r] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(c.a + (r0 + r) * K + QK * b));
@@ -780,6 +806,7 @@ void cols_range(const Ctx& c, int64_t n0, int64_t n1, int64_t r0, int64_t r1) {
   const uint8_t* cols[8];
   float bv[8];
   int64_t ns[8];
+  const GroupPrefetch none;
   for (int64_t g0 = n0; g0 < n1; g0 += 8) {
     const int64_t valid = std::min<int64_t>(8, n1 - g0);
     for (int j = 0; j < 8; ++j) {
@@ -795,10 +822,13 @@ void cols_range(const Ctx& c, int64_t n0, int64_t n1, int64_t r0, int64_t r1) {
       transpose_scales(c.wd, ns, c.nb, wdT.data());
       if (MINS) transpose_scales(c.wm, ns, c.nb, wmT.data());
     }
-    // the codes (into L2) and scales (into L1) of the group kPrefetchGroups ahead, while these run:
-    // 8 interleaved row streams defeat the hardware prefetcher once the weights come from DRAM (a
-    // decode step's layers and the LM head), and the scale transposes above otherwise stall on it
-    {
+    // the next groups' codes and scales, while these run: 8 interleaved row streams defeat the
+    // hardware prefetcher once the weights come from DRAM (a decode step's layers and the LM head),
+    // and the scale transposes above otherwise stall on it. VNNI path: the group kPrefetchGroups
+    // ahead in one burst (codes into L2, scales into L1; measured on Zen 4). AVX2 path: the next
+    // group a few lines per block inside cols8 (GroupPrefetch; measured on Zen 1).
+    GroupPrefetch pf;
+    if constexpr (kV) {
       const int64_t pg = g0 + 8 * kPrefetchGroups;
       if (pg < n1) {
         const int64_t nn = std::min<int64_t>(8, n1 - pg);
@@ -812,6 +842,21 @@ void cols_range(const Ctx& c, int64_t n0, int64_t n1, int64_t r0, int64_t r1) {
           const char* pm = c.wmh ? reinterpret_cast<const char*>(c.wmh + pg * c.nb)
                                  : reinterpret_cast<const char*>(c.wm + pg * c.nb);
           for (int64_t o = 0; o < nn * c.nb * es; o += 64) _mm_prefetch(pm + o, _MM_HINT_T0);
+        }
+      }
+    } else {
+      const int64_t pg = g0 + 8;
+      if (pg < n1) {
+        const int64_t nn = std::min<int64_t>(8, n1 - pg), es = c.wdh ? 2 : 4;
+        const int64_t iters = INT4 ? (c.nb + 1) / 2 : c.nb;
+        pf.q = reinterpret_cast<const char*>(c.q + pg * c.rb);
+        pf.ql = (nn * c.rb + 63) / 64;
+        pf.per = (pf.ql + iters - 1) / iters;
+        pf.s = c.wdh ? reinterpret_cast<const char*>(c.wdh + pg * c.nb) : reinterpret_cast<const char*>(c.wd + pg * c.nb);
+        pf.sl = (nn * c.nb * es + 63) / 64;
+        if (MINS) {
+          pf.m = c.wmh ? reinterpret_cast<const char*>(c.wmh + pg * c.nb) : reinterpret_cast<const char*>(c.wm + pg * c.nb);
+          pf.ml = pf.sl;
         }
       }
     }
@@ -831,11 +876,12 @@ void cols_range(const Ctx& c, int64_t n0, int64_t n1, int64_t r0, int64_t r1) {
     for (int64_t r = r0; r < r1;) {
       // chunks of at most MTX rows, as even as can be (M = 6 on VNNI: 3 + 3)
       const int64_t left = r1 - r, chunks = (left + MTX - 1) / MTX, mt = (left + chunks - 1) / chunks;
+      const GroupPrefetch& p = r == r0 ? pf : none;  // the first chunk of rows prefetches
       switch (mt) {
-        case 1: cols8<INT4, MINS, 1>(c, cols, wdT.data(), wmT.data(), r, out); break;
-        case 2: cols8<INT4, MINS, 2>(c, cols, wdT.data(), wmT.data(), r, out); break;
-        case 3: if constexpr (MTX >= 3) cols8<INT4, MINS, 3>(c, cols, wdT.data(), wmT.data(), r, out); break;
-        default: if constexpr (MTX >= 4) cols8<INT4, MINS, 4>(c, cols, wdT.data(), wmT.data(), r, out); break;
+        case 1: cols8<INT4, MINS, 1>(c, cols, wdT.data(), wmT.data(), r, out, p); break;
+        case 2: cols8<INT4, MINS, 2>(c, cols, wdT.data(), wmT.data(), r, out, p); break;
+        case 3: if constexpr (MTX >= 3) cols8<INT4, MINS, 3>(c, cols, wdT.data(), wmT.data(), r, out, p); break;
+        default: if constexpr (MTX >= 4) cols8<INT4, MINS, 4>(c, cols, wdT.data(), wmT.data(), r, out, p); break;
       }
       for (int64_t i = 0; i < mt; ++i) store(r + i, out[i]);
       r += mt;
