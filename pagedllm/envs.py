@@ -75,6 +75,9 @@ ENV_VARS: dict[str, EnvVar] = {v.name: v for v in (
        "Rows above which the quantized-weight GEMM dequantizes tiles for ATen's GEMM."),
     _v("PAGEDLLM_W8A8_PACKED_MAX_M", "int", 256,
        "Rows up to which W8A8 uses the packed VNNI int8 GEMM (0 = always oneDNN)."),
+    _v("PAGEDLLM_W8A8_NK_GEMM", "bool", True,
+       "0 runs W8A8's int8 GEMM through torch._int_mm on CPUs without AVX512-VNNI instead of the AVX2 kernel "
+       "(ATen's reference loop there; for A/B runs)."),
     _v("PAGEDLLM_BATCH_INVARIANT", "bool", False,
        "1 makes every kernel batch invariant (as --batch-invariant).", aliases=("VLLM_BATCH_INVARIANT",)),
     _v("PAGEDLLM_ATTENTION_BACKEND", "choice", None,

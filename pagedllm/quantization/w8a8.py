@@ -10,8 +10,9 @@
   stored in the model dtype. Up to ``PACKED_GEMM_MAX_M`` rows (decode batches) it runs
   ``int8_gemm_packed`` (``kernels/csrc/int8_gemm.cpp``, AVX512-VNNI) on the weights packed once
   at load (``pack_int8_weight``, the only copy kept); larger M (prefill chunks) unpacks them for
-  ``torch._int_mm(q_x, q_w.t())`` (oneDNN), which machines without the kernel always run. Both
-  give the same integers.
+  ``torch._int_mm(q_x, q_w.t())`` (oneDNN). CPUs without VNNI run ``int8_gemm_nk`` (AVX2) on the
+  plain ``[N, K]`` weight at every M (``torch._int_mm`` is ATen's reference loop there). All give
+  the same integers.
 
 This is the scheme of vLLM's int8 W8A8 path (per-channel weights, dynamic per-token activations)
 and close to what llama.cpp does on CPU (activations quantized to Q8 for its integer dot products).
@@ -46,6 +47,10 @@ from pagedllm.quantization.weight_only import _param, _standalone, quantize_int8
 #: (benchmarks/results/performance-history-2026-11.md, step 18).
 #: ``PAGEDLLM_W8A8_PACKED_MAX_M=0`` turns it off (for A/B runs).
 PACKED_GEMM_MAX_M = int(os.environ.get("PAGEDLLM_W8A8_PACKED_MAX_M", "256"))
+#: The AVX2 int8 GEMM on the plain ``[N, K]`` weight (``int8_gemm_nk``, ``kernels/csrc/int8_gemm.cpp``)
+#: for every M where the packed VNNI kernel is not built; ``PAGEDLLM_W8A8_NK_GEMM=0`` runs
+#: ``torch._int_mm`` instead (for A/B runs). Both give the same integers.
+_NK_GEMM = os.environ.get("PAGEDLLM_W8A8_NK_GEMM", "1").strip().lower() not in ("0", "false", "no", "off")
 
 
 class QuantizedActivation(NamedTuple):
@@ -251,6 +256,11 @@ class W8A8LinearMethod(LinearMethodBase):
         if layer.weight_packed is not None and ops is not None and qa.q.shape[0] <= PACKED_GEMM_MAX_M:
             return ops.int8_gemm_packed(qa.q.contiguous(), layer.weight_packed, layer.weight_comp,
                                         layer.out_features)
+        if (layer.weight_int8 is not None and ops is not None and _NK_GEMM and qa.q.device.type == "cpu"
+                and ops.int8_gemm_nk_supported()):
+            # CPUs without AVX512-VNNI: torch._int_mm is ATen's reference loop there (13x slower
+            # than the float32 model on a 400-token prefill on Zen 1); the same integers
+            return ops.int8_gemm_nk(qa.q.contiguous(), layer.weight_int8)
         # NOTE: the transposed view of the [N, K] weight is what oneDNN runs fastest at small M.
         return torch._int_mm(qa.q, int8_weight(layer).t())
 

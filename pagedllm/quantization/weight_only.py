@@ -17,7 +17,9 @@ docs/performance.md "Low-bit weights"):
 Both kernels only pay off at small M and with bf16 activations, so activations are cast to
 bfloat16 for the kernel (and the output back to the input dtype), and for ``M > large_m`` rows the
 weight is dequantized on the fly to bf16 and a plain bf16 ``F.linear`` is used (no resident float
-copy of the weight).
+copy of the weight); on CPUs without native bf16, float32 activations of ``M > large_m`` rows run
+a float32 ``F.linear`` on the weight dequantized to float32 instead (torch emulates bf16 GEMMs
+there at ~1 GFLOP/s).
 """
 from __future__ import annotations
 
@@ -28,6 +30,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pagedllm.platforms import cpu_has_native_bf16
 from pagedllm.quantization.base import LinearMethodBase, QuantizationConfig, register_quantization_config
 
 logger = logging.getLogger("pagedllm")
@@ -99,9 +102,23 @@ class _WeightOnlyMethod(LinearMethodBase):
         w = self.dequantize_bf16(layer)
         return None if w is None else w.float()
 
+    def dequantize_f32(self, layer: nn.Module) -> Optional[torch.Tensor]:
+        """float32 ``[N, K]`` for the large-M path on CPUs without native bf16."""
+        w = self.dequantize_bf16(layer)
+        return None if w is None else w.float()
+
     def apply(self, layer, x, bias=None):
         shape = x.shape
         x2 = x.reshape(-1, layer.in_features)
+        if x2.shape[0] > self.large_m and x2.dtype == torch.float32 and x2.device.type == "cpu" \
+                and not cpu_has_native_bf16():
+            # float32 activations on a CPU without native bf16 (dtype auto there): a float32 GEMM on
+            # the dequantized weight; torch's emulated bf16 GEMM runs at ~1 GFLOP/s on such CPUs
+            # (a 400-token int8 prefill of SmolLM2 took 15 s on Zen 1, the float32 model 3.6 s)
+            w = self.dequantize_f32(layer)
+            if w is not None:
+                y = F.linear(x2, w, bias)
+                return y.reshape(*shape[:-1], layer.out_features)
         xc = x2 if x2.dtype == _CT else x2.to(_CT)
         w = self.dequantize_bf16(layer) if x2.shape[0] > self.large_m else None
         y = F.linear(xc, w) if w is not None else self._kernel(layer, xc.contiguous())
@@ -128,6 +145,10 @@ class Int8LinearMethod(_WeightOnlyMethod):
     def dequantize_bf16(self, layer) -> torch.Tensor:
         """bf16 ``[N, K]``."""
         return layer.weight_int8 * layer.scales[:, None]
+
+    def dequantize_f32(self, layer) -> torch.Tensor:
+        """float32 ``[N, K]``: ``q * scale`` (exact in float32)."""
+        return layer.weight_int8.float() * layer.scales.float()[:, None]
 
 
 class Int4LinearMethod(_WeightOnlyMethod):

@@ -219,6 +219,55 @@ def test_packed_and_onednn_paths_identical(dtype, monkeypatch):
         assert torch.equal(gate_up.q, gate_up_ref.q) and torch.equal(gate_up.scale, gate_up_ref.scale)
 
 
+HAS_NK_GEMM = HAS_OPS and hasattr(cpu_ops.get_ops(), "int8_gemm_nk_supported") and cpu_ops.get_ops().int8_gemm_nk_supported()
+
+
+@pytest.mark.skipif(not HAS_NK_GEMM, reason="the [N, K] int8 GEMM needs the C++ kernels with AVX2")
+@pytest.mark.parametrize("k", [1, 31, 32, 96, 577])
+def test_int8_gemm_nk_exact(k):
+    """int8_gemm_nk's int32 sums equal exact integer matmul for every tile shape (M mod 4 / 2, N mod
+    2 / 4, the 64-row and 64-column blocks, K tails), activations -127..127, weights -128..127."""
+    ops = cpu_ops.get_ops()
+    g = torch.Generator().manual_seed(11)
+    for n in (1, 2, 3, 5, 64, 67, 130):
+        w = torch.randint(-128, 128, (n, k), generator=g, dtype=torch.int8)
+        w[0, :] = -128
+        w[-1, ::2] = 127
+        for m in (0, 1, 2, 3, 5, 8, 65, 131):
+            x = torch.randint(-127, 128, (m, k), generator=g, dtype=torch.int8)
+            if m:
+                x[0, :] = 127
+                x[-1, :] = -127
+            got = ops.int8_gemm_nk(x, w)
+            assert got.dtype == torch.int32 and got.shape == (m, n)
+            assert torch.equal(got, (x.long() @ w.long().t()).int()), (n, k, m)
+    with pytest.raises(RuntimeError, match="K="):
+        ops.int8_gemm_nk(torch.zeros(2, k + 1, dtype=torch.int8), w)
+
+
+@pytest.mark.skipif(not HAS_NK_GEMM, reason="the [N, K] int8 GEMM needs the C++ kernels with AVX2")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_nk_and_int_mm_paths_identical(dtype, monkeypatch):
+    """W8A8Linear on the plain [N, K] weight (CPUs without VNNI) gives bit-identical outputs with
+    int8_gemm_nk and with torch._int_mm."""
+    monkeypatch.setattr(w8a8, "PACKED_GEMM_MAX_M", 0)  # the weight stays [N, K], as without VNNI
+    g = torch.Generator().manual_seed(9)
+    w = torch.randn(200, 96, generator=g) * 0.05
+    lin = W8A8Linear(w, torch.randn(200, generator=g) * 0.01)
+    gate_up_lin = W8A8Linear(w)
+    assert lin.weight_int8 is not None and lin.weight_packed is None
+    for m in (1, 3, 70):
+        x = torch.randn(m, 96, generator=g).to(dtype)
+        monkeypatch.setattr(w8a8, "_NK_GEMM", True)
+        nk = lin(x)
+        gate_up = gate_up_lin.quant_method.forward_silu_mul_quant(gate_up_lin, x)
+        monkeypatch.setattr(w8a8, "_NK_GEMM", False)
+        ref = lin(x)
+        gate_up_ref = gate_up_lin.quant_method.forward_silu_mul_quant(gate_up_lin, x)
+        assert torch.equal(nk, ref), m
+        assert torch.equal(gate_up.q, gate_up_ref.q) and torch.equal(gate_up.scale, gate_up_ref.scale)
+
+
 # ----------------------------------------------------------------------------- tiny model
 
 

@@ -23,6 +23,8 @@ void rotary_inplace(at::Tensor q, at::Tensor k, at::Tensor positions, at::Tensor
 void reshape_and_cache(at::Tensor k, at::Tensor v, at::Tensor kv_cache, at::Tensor slots);
 at::Tensor rms_norm(at::Tensor x, c10::optional<at::Tensor> residual, at::Tensor weight, double eps);
 bool int8_gemm_supported();
+bool int8_gemm_nk_supported();
+at::Tensor int8_gemm_nk(at::Tensor x, at::Tensor w);
 at::Tensor int8_gemm_packed(at::Tensor x, at::Tensor packed, at::Tensor comp, int64_t N);
 at::Tensor int8_gemm_packed_dequant(at::Tensor x, at::Tensor packed, at::Tensor comp, int64_t N, at::Tensor sx,
                                    at::Tensor sw, c10::optional<at::Tensor> bias, at::ScalarType dtype);
@@ -66,6 +68,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rms_norm", &rms_norm, "[residual add +] RMSNorm, one pass", py::call_guard<py::gil_scoped_release>(), py::arg("x"), py::arg("residual"),
         py::arg("weight"), py::arg("eps"));
   m.def("int8_gemm_supported", &int8_gemm_supported, "whether int8_gemm_packed was built (AVX512-VNNI)");
+  m.def("int8_gemm_nk_supported", &int8_gemm_nk_supported, "whether int8_gemm_nk was built (AVX2)");
+  m.def("int8_gemm_nk", &int8_gemm_nk, "int8 [M, K] x int8 [N, K] weights -> int32 [M, N] (AVX2, exact)",
+        py::call_guard<py::gil_scoped_release>(), py::arg("x"), py::arg("w"));
   m.def("int8_gemm_packed", &int8_gemm_packed, "int8 x packed int8 weights -> int32 (small M, VNNI)", py::call_guard<py::gil_scoped_release>(),
         py::arg("x"), py::arg("packed"), py::arg("comp"), py::arg("n"));
   m.def("int8_gemm_packed_dequant", &int8_gemm_packed_dequant,
