@@ -334,14 +334,21 @@ inline __m256i hsum8x8(const __m256i* a) {
 }
 
 // out[i, j] (row stride ldo) = x row i (stride K) . w row j (stride K), i < MR, j < NR
+// pf: the next tile's weight rows (pfl lines from it), prefetched a few lines per 32 k: the rows are
+// NR interleaved streams, which the hardware prefetcher follows poorly when they come from DRAM
+// (decode); nullptr: no prefetch
 template <int MR, int NR>
-void nk_tile(const int8_t* __restrict x, const int8_t* __restrict w, int64_t K, int32_t* __restrict out, int64_t ldo) {
+void nk_tile(const int8_t* __restrict x, const int8_t* __restrict w, int64_t K, int32_t* __restrict out, int64_t ldo,
+             const char* pf = nullptr, int64_t pfl = 0) {
   static_assert(MR * NR <= 8, "at most 8 accumulators");
   __m256i acc[8];
   for (int i = 0; i < 8; ++i) acc[i] = _mm256_setzero_si256();
   const __m256i ones = _mm256_set1_epi16(1);
   const int64_t K32 = K & ~int64_t{31};
-  for (int64_t k = 0; k < K32; k += 32) {
+  const int64_t per = K32 ? (pfl * 32 + K32 - 1) / K32 : 0;  // lines per iteration
+  for (int64_t k = 0, l = 0; k < K32; k += 32) {
+    if (pf)
+      for (const int64_t e = std::min(pfl, l + per); l < e; ++l) _mm_prefetch(pf + 64 * l, _MM_HINT_T0);
     __m256i wv[NR], wa[NR];
     for (int j = 0; j < NR; ++j) {
       wv[j] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + j * K + k));
@@ -364,12 +371,17 @@ void nk_tile(const int8_t* __restrict x, const int8_t* __restrict w, int64_t K, 
     }
 }
 
+// rows of x against NR weight rows; the first tile prefetches the next NR weight rows (up to w_end)
 template <int NR>
-void nk_rows(const int8_t* x, const int8_t* w, int64_t K, int32_t* out, int64_t ldo, int64_t rows) {
+void nk_rows(const int8_t* x, const int8_t* w, int64_t K, int32_t* out, int64_t ldo, int64_t rows,
+             const int8_t* w_end) {
   constexpr int MR = NR == 2 ? 4 : 2;
+  const int8_t* nw = w + NR * K;
+  const char* pf = nw < w_end ? reinterpret_cast<const char*>(nw) : nullptr;
+  const int64_t pfl = pf ? (std::min<int64_t>(NR * K, w_end - nw) + 63) / 64 : 0;
   int64_t i = 0;
-  for (; i + MR <= rows; i += MR) nk_tile<MR, NR>(x + i * K, w, K, out + i * ldo, ldo);
-  for (; i < rows; ++i) nk_tile<1, NR>(x + i * K, w, K, out + i * ldo, ldo);
+  for (; i + MR <= rows; i += MR) nk_tile<MR, NR>(x + i * K, w, K, out + i * ldo, ldo, i ? nullptr : pf, pfl);
+  for (; i < rows; ++i) nk_tile<1, NR>(x + i * K, w, K, out + i * ldo, ldo, i ? nullptr : pf, pfl);
 }
 
 }  // namespace
@@ -397,9 +409,10 @@ at::Tensor int8_gemm_nk(at::Tensor x, at::Tensor w) {
       for (int64_t m0 = 0; m0 < M; m0 += kBlock) {
         const int64_t rows = std::min(M, m0 + kBlock) - m0;
         int64_t n = n0;
+        const int8_t* w_end = wp + b1 * kBlock * K < wp + N * K ? wp + b1 * kBlock * K : wp + N * K;
         if (narrow)
-          for (; n + 4 <= n1; n += 4) nk_rows<4>(xp + m0 * K, wp + n * K, K, op + m0 * N + n, N, rows);
-        for (; n + 2 <= n1; n += 2) nk_rows<2>(xp + m0 * K, wp + n * K, K, op + m0 * N + n, N, rows);
+          for (; n + 4 <= n1; n += 4) nk_rows<4>(xp + m0 * K, wp + n * K, K, op + m0 * N + n, N, rows, w_end);
+        for (; n + 2 <= n1; n += 2) nk_rows<2>(xp + m0 * K, wp + n * K, K, op + m0 * N + n, N, rows, w_end);
         for (; n < n1; ++n) {
           for (int64_t i = 0; i < rows; ++i) nk_tile<1, 1>(xp + (m0 + i) * K, wp + n * K, K, op + (m0 + i) * N + n, N);
         }
