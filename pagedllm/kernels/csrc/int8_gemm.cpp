@@ -348,7 +348,7 @@ void nk_tile(const int8_t* __restrict x, const int8_t* __restrict w, int64_t K, 
   const int64_t per = K32 ? (pfl * 32 + K32 - 1) / K32 : 0;  // lines per iteration
   for (int64_t k = 0, l = 0; k < K32; k += 32) {
     if (pf)
-      for (const int64_t e = std::min(pfl, l + per); l < e; ++l) _mm_prefetch(pf + 64 * l, _MM_HINT_T0);
+      for (const int64_t e = std::min(pfl, l + per); l < e; ++l) _mm_prefetch(pf + 64 * l, _MM_HINT_T1);
     __m256i wv[NR], wa[NR];
     for (int j = 0; j < NR; ++j) {
       wv[j] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + j * K + k));

@@ -677,7 +677,9 @@ inline void transpose_scales(const S* src, const int64_t* n, int64_t nb, float* 
 // loop instead of in one burst at its start (AVX2 path). A burst of a group's 36-96 code lines
 // overruns the core's outstanding-miss queue: on Zen 1 a loads-only pass over the Q8_0 LM head's
 // codes in the kernel's order reads 9.8 GB/s with the burst, 10.4 without prefetch and 13.5 with
-// 4 lines per block into L1 (plain sequential loads: 10.6); in the kernel, the LM head 5.3 -> 3.2 ms
+// 4 lines per block into L1 (plain sequential loads: 10.6). The codes go to L2 (T1): in the kernel
+// T0 and T1 measured the same on SmolLM2's shapes, and a group of a large model (K = 4096: 16 KiB of
+// int4 codes) would not fit L1 beside the group being read. In the kernel, the LM head 5.3 -> 3.2 ms
 // and a SmolLM2 layer's GEMMs 425 -> 317 us on one thread (benchmarks/intdot_kernel_ab.py --copies 30).
 // NOTE: `at` must stay always_inline: out of line, GCC 12's IPA mod/ref analysis sees a function
 // whose only statements are prefetches as having no effect and deletes every call to it (measured:
@@ -689,7 +691,7 @@ struct GroupPrefetch {
   int64_t ql = 0, sl = 0, ml = 0, per = 0;  // per: code lines per iteration
   __attribute__((always_inline)) inline void at(int64_t i) const {
     if (!q) return;
-    for (int64_t l = i * per, e = std::min(ql, l + per); l < e; ++l) _mm_prefetch(q + 64 * l, _MM_HINT_T0);
+    for (int64_t l = i * per, e = std::min(ql, l + per); l < e; ++l) _mm_prefetch(q + 64 * l, _MM_HINT_T1);
     if (i < sl) _mm_prefetch(s + 64 * i, _MM_HINT_T0);
     if (i < ml) _mm_prefetch(m + 64 * i, _MM_HINT_T0);
   }
