@@ -103,9 +103,8 @@ class _WeightOnlyMethod(LinearMethodBase):
         return None if w is None else w.float()
 
     def dequantize_f32(self, layer: nn.Module) -> Optional[torch.Tensor]:
-        """float32 ``[N, K]`` for the large-M path on CPUs without native bf16."""
-        w = self.dequantize_bf16(layer)
-        return None if w is None else w.float()
+        """float32 ``[N, K]`` for the large-M path on CPUs without native bf16 (default: ``dequantize``)."""
+        return self.dequantize(layer)
 
     def apply(self, layer, x, bias=None):
         shape = x.shape
