@@ -70,14 +70,20 @@ def quantize_int4(w: torch.Tensor, group_size: int) -> tuple[torch.Tensor, torch
     return q, scales, mn + 8.0 * scales
 
 
-def _unpack_int4_cpu(packed: torch.Tensor, n: int, k: int) -> Optional[torch.Tensor]:
-    """Inverse of ``_convert_weight_to_int4pack_for_cpu`` for ``N % 64 == 0`` (the layout torch
-    2.x uses: blocks of 64 rows stored ``[K, 32]`` bytes, low nibble = row j, high = row j + 32).
-    Returns uint8 ``q [N, K]`` or None for other N (caller checks the result against the source)."""
-    if n % 64:
+#: row blocks of ``_convert_weight_to_int4pack_for_cpu``'s layout: torch 2.x packs 64-row blocks on
+#: AVX-512 CPUs and 32-row blocks on AVX2-only ones (measured with torch 2.13 on Zen 1)
+_INT4_PACK_BLOCKS = (64, 32)
+
+
+def _unpack_int4_cpu(packed: torch.Tensor, n: int, k: int, block: int = 64) -> Optional[torch.Tensor]:
+    """Inverse of ``_convert_weight_to_int4pack_for_cpu`` for ``N % block == 0`` (the layout torch
+    2.x uses: blocks of ``block`` rows stored ``[K, block / 2]`` bytes, low nibble = row j, high =
+    row j + block / 2). Returns uint8 ``q [N, K]`` or None for other N or another packed size
+    (the caller checks the result against the source)."""
+    if n % block or packed.numel() != n * k // 2:
         return None
-    p = packed.reshape(n // 64, k, 32)
-    q = torch.cat((p & 0xF, p >> 4), dim=-1)  # [N/64, K, 64]
+    p = packed.reshape(n // block, k, block // 2)
+    q = torch.cat((p & 0xF, p >> 4), dim=-1)  # [N/block, K, block]
     return q.transpose(1, 2).reshape(n, k)
 
 
@@ -176,9 +182,11 @@ class Int4LinearMethod(_WeightOnlyMethod):
         packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 1)
         layer.weight_int4pack = _param(packed)
         layer.scales_and_zeros = _param(torch.stack((scales.t(), zeros.t()), dim=-1).to(_CT).contiguous())
-        unpacked = _unpack_int4_cpu(packed, n, k)
         # NOTE: the dequantize path is enabled only if our unpacking reproduces q exactly.
-        layer._int4_can_dequantize = unpacked is not None and bool(torch.equal(unpacked.to(torch.int32), q))
+        layer._int4_block = next((b for b in _INT4_PACK_BLOCKS
+                                  if (u := _unpack_int4_cpu(packed, n, k, b)) is not None
+                                  and bool(torch.equal(u.to(torch.int32), q))), None)
+        layer._int4_can_dequantize = layer._int4_block is not None
         _empty_weight(layer)
 
     def _kernel(self, layer, x):
@@ -190,7 +198,7 @@ class Int4LinearMethod(_WeightOnlyMethod):
         if not layer._int4_can_dequantize:
             return None
         n, k, gs = layer.out_features, layer.in_features, self.group_size
-        q = _unpack_int4_cpu(layer.weight_int4pack, n, k).reshape(n, k // gs, gs)
+        q = _unpack_int4_cpu(layer.weight_int4pack, n, k, layer._int4_block).reshape(n, k // gs, gs)
         sz = layer.scales_and_zeros.transpose(0, 1)  # [N, K/gs, 2]
         w = (q.to(_CT) - 8) * sz[..., :1] + sz[..., 1:]
         return w.reshape(n, k)
