@@ -67,7 +67,8 @@ else
   rm -f "$STAMP"
   pip install -q --upgrade pip >/dev/null 2>&1 || true
   # --no-compile: no .pyc for the ~30k files of torch, transformers & co. at install time (CPU the
-  # kernel builds beside pip need); Python writes them on first import, for what is imported.
+  # kernel builds beside pip need); Python writes them on first import, for what is imported
+  # (scripts/test.sh and serve.sh unset PYTHONDONTWRITEBYTECODE so that it can).
   pip install -q --no-compile torch==2.13.0
   start_early_builds
   if [ "$MODE" = test ]; then

@@ -487,8 +487,9 @@ def run_latency(args: argparse.Namespace) -> dict:
     return {
         "engine": "pagedllm", "input_len": args.input_len, "output_len": args.output_len,
         "avg_latency_s": statistics.mean(lat), "median_ttft_ms": 1000 * statistics.median(ttft),
-        "median_tpot_ms": 1000 * statistics.median(tpot),
-        "decode_tokens_per_s": 1.0 / statistics.median(tpot),
+        # One output token has no decode step: TPOT and decode speed are undefined (None).
+        "median_tpot_ms": 1000 * statistics.median(tpot) if args.output_len > 1 else None,
+        "decode_tokens_per_s": 1.0 / statistics.median(tpot) if args.output_len > 1 else None,
         "startup_s": load_s, "startup_to_first_token_s": first_token_s,
         **_spec_results(llm, spec0),
     }
