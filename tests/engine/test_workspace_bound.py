@@ -1,11 +1,11 @@
 """The per-step workspace is bounded by the prefill chunk (``max_num_batched_tokens``), not by the
-prompt (issue 30.4): a prompt 3x longer than another, both longer than one chunk, leaves the CPU
+prompt (issue 30.4): a prompt 2.5x longer than another, both longer than one chunk, leaves the CPU
 allocator's cache (which keeps a step's freed temporaries of 1 MiB and more, so after a step it holds
 that step's peak workspace) no larger, beyond what the torch attention path (CPUs without
 AVX512-BF16, float32 models) needs per context token: the gathered K/V, SDPA's K/V widened to the
 query heads, and ``PREFILL_Q_BLOCK`` rows of mask; ``max_model_len`` bounds those. Measured here
 (SmolLM2, 512-token chunks, 1,024 vs 4,096 tokens): bf16 kernel path 14.4 vs 14.4 MiB; float32
-torch path 42.0 vs 56.3 MiB (70.5 MiB before the query blocks)."""
+torch path 42.0 vs 56.3 MiB (70.5 MiB before the query blocks). The test runs 384-token chunks."""
 from __future__ import annotations
 
 import pytest
@@ -19,15 +19,17 @@ MiB = 1 << 20
 
 @pytest.mark.slow
 def test_long_prompt_does_not_grow_the_workspace(smollm2_path):
-    chunk = 512
-    llm = LLM(smollm2_path, kv_cache_memory=256 * MiB, max_model_len=3584, max_num_batched_tokens=chunk,
+    # Prompts of 2 and 5 chunks (768 and 1,920 tokens: 35 s on a Zen 1; 2 and 6 chunks of 512 took 64 s). A
+    # chunk stays above WORKSPACE_BIG_STEP_TOKENS, so that its step counts as prefill for the trimmer.
+    chunk, k = 384, 5
+    llm = LLM(smollm2_path, kv_cache_memory=256 * MiB, max_model_len=(k + 1) * chunk, max_num_batched_tokens=chunk,
               enable_prefix_caching=False)
     if not cpu_allocator_stats():
         pytest.skip("the caching CPU allocator is not installed (PAGEDLLM_CPU_ALLOCATOR=0 or no C++ kernels)")
     cfg = llm.llm_engine.core.hf_config
     sp = SamplingParams(temperature=0, max_tokens=1)
     cached = {}
-    for n in (2 * chunk, 6 * chunk):
+    for n in (2 * chunk, k * chunk):
         ids = [(i * 7919) % 40000 + 100 for i in range(n)]
         cpu_allocator_empty_cache()
         out = llm.generate([{"prompt_token_ids": ids}], sp, use_tqdm=False)
@@ -35,10 +37,10 @@ def test_long_prompt_does_not_grow_the_workspace(smollm2_path):
         cached[n] = cpu_allocator_stats()["cached_bytes"]
     assert cached[2 * chunk] > 0  # the chunk's temporaries went through the cache
     head_dim = cfg.hidden_size // cfg.num_attention_heads
-    longer = 4 * chunk  # extra context tokens of the longer prompt
+    longer = (k - 2) * chunk  # extra context tokens of the longer prompt
     heads = cfg.num_attention_heads + cfg.num_key_value_heads
     context_part = longer * (2 * heads * head_dim * 4 + PREFILL_Q_BLOCK * 5)
-    assert cached[6 * chunk] <= cached[2 * chunk] + context_part + 4 * MiB, cached
+    assert cached[k * chunk] <= cached[2 * chunk] + context_part + 4 * MiB, cached
     # Once decode-only steps follow, the chunk's workspace is given back (issue 30.4,
     # ``WorkspaceTrimmer``): trimmed once, to at most WORKSPACE_KEEP_BYTES plus what the later
     # decode steps freed.
@@ -46,7 +48,7 @@ def test_long_prompt_does_not_grow_the_workspace(smollm2_path):
 
     trimmer = llm.llm_engine.core.executor.driver_worker.workspace_trimmer
     trims = trimmer.trims
-    ids = [(i * 7919) % 40000 + 100 for i in range(6 * chunk)]
+    ids = [(i * 7919) % 40000 + 100 for i in range(k * chunk)]
     llm.generate([{"prompt_token_ids": ids}], SamplingParams(temperature=0, max_tokens=3), use_tqdm=False)
     assert trimmer.trims == trims + 1 and not trimmer.dirty
     assert cpu_allocator_stats()["cached_bytes"] <= WORKSPACE_KEEP_BYTES + 4 * MiB
