@@ -174,9 +174,10 @@ MIXED_KINDS = ("chat", "completion", "long_prompt", "logprobs", "seeded", "chat_
                "aborted_stream", "completion_plain")
 
 
-def mixed_requests(num: int, seed: int, max_tokens: int) -> list[tuple[str, dict, bool]]:
+def mixed_requests(num: int, seed: int, max_tokens: int,
+                   long_prompt_chars: int = 5000) -> list[tuple[str, dict, bool]]:
     """``num`` requests cycling through ``MIXED_KINDS``: short streamed chats and completions, a
-    ~5,000-character prompt, top-5 logprobs, seeded sampling (temperature 0.8), non-streamed
+    prompt of ``long_prompt_chars`` characters (default ~5,000: ~1,000 SmolLM2 tokens), top-5 logprobs, seeded sampling (temperature 0.8), non-streamed
     chats/completions, and streams the client abandons after the first chunk.
 
     Returns:
@@ -202,7 +203,7 @@ def mixed_requests(num: int, seed: int, max_tokens: int) -> list[tuple[str, dict
         elif kind == "completion_plain":
             out.append(("/v1/completions", dict(comp, stream=False, n=2), False))
         elif kind == "long_prompt":
-            text = " ".join(rng.choice(_WORDS) for _ in range(900))[:5000]
+            text = " ".join(rng.choice(_WORDS) for _ in range(max(1, -(-900 * long_prompt_chars // 5000))))[:long_prompt_chars]
             out.append(("/v1/completions", dict(comp, prompt=text + "\nSummary:"), False))
         elif kind == "logprobs":
             out.append(("/v1/completions", dict(comp, logprobs=5, echo=False), False))
@@ -353,6 +354,8 @@ def add_bench_serve_args(parser: argparse.ArgumentParser) -> argparse.ArgumentPa
                              "'mixed': a soak mix of chats and completions, streamed and not, "
                              "~5,000-character prompts, logprobs, seeded sampling and streams the "
                              "client abandons (the endpoint flag is ignored).")
+    parser.add_argument("--mixed-long-prompt-chars", type=int, default=5000,
+                        help="Characters of the 'mixed' dataset's long prompt (one request in 8).")
     parser.add_argument("--memory-samples", type=int, default=0,
                         help="Read the server's resident memory (/metrics "
                              "process_resident_memory_bytes) once after --warmup-requests and then "
@@ -405,7 +408,8 @@ async def benchmark(args: argparse.Namespace) -> dict[str, Any]:
     base = (args.base_url or f"http://{args.host}:{args.port}").rstrip("/")
     headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
     if args.dataset_name == "mixed":
-        work = mixed_requests(args.num_prompts, args.seed, args.max_tokens)
+        work = mixed_requests(args.num_prompts, args.seed, args.max_tokens,
+                              getattr(args, "mixed_long_prompt_chars", 5000))
     else:
         make = synthetic_prompts if args.dataset_name == "synthetic" else random_prompts
         endpoint = args.endpoint

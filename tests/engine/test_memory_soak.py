@@ -33,7 +33,7 @@ def _prompts(rng, k: int) -> list[str]:
 
 def _mixed_round(llm, rng, round_no: int) -> None:
     """One batch of 10 requests: greedy, seeded sampling with logprobs, n=2, a stop string, a
-    prompt_logprobs request, a ~5,000-character prompt every 5th round, and an aborted request."""
+    prompt_logprobs request, a 2,000-character prompt every 5th round, and an aborted request."""
     from pagedllm import SamplingParams
 
     eng = llm.llm_engine
@@ -47,7 +47,7 @@ def _mixed_round(llm, rng, round_no: int) -> None:
               SamplingParams(temperature=0, max_tokens=4, ignore_eos=True),
               SamplingParams(temperature=1.0, top_k=20, seed=7, max_tokens=6)]
     if round_no % 5 == 0:
-        ps[0] = " ".join(_prompts(rng, 120))[:5000]
+        ps[0] = " ".join(_prompts(rng, 120))[:2000]  # ~450 tokens: two 256-token chunks
     # A request aborted halfway: added, stepped with the batch, then dropped by the caller.
     eng.add_request(f"abort-{round_no}", ps[1], SamplingParams(temperature=0, max_tokens=50))
     eng.step()
@@ -64,7 +64,7 @@ def test_offline_state_and_resident_memory_stay_flat():
     from pagedllm import LLM
 
     # The default dtype (bf16 where the CPU has native bf16, as users run it).
-    llm = LLM("SmolLM2-135M-Instruct", kv_cache_memory="128MiB", max_num_batched_tokens=512, seed=0,
+    llm = LLM("SmolLM2-135M-Instruct", kv_cache_memory="128MiB", max_num_batched_tokens=256, seed=0,
               kv_prefix_cache_memory="16MiB")
     core = llm.llm_engine.core
     pool = core.kv_cache_manager.block_pool
@@ -122,7 +122,7 @@ def test_server_resident_memory_stays_flat_under_the_mixed_soak():
     env = dict(os.environ, PAGEDLLM_NUM_THREADS="1", OMP_NUM_THREADS="1", PAGEDLLM_IDLE_RELEASE_S="3")
     proc = subprocess.Popen(
         [sys.executable, "-m", "pagedllm.entrypoints.cli", "serve", "--port", str(port),
-         "--max-model-len", "2048", "--kv-cache-memory", "128MiB", "--max-num-batched-tokens", "512",
+         "--max-model-len", "2048", "--kv-cache-memory", "128MiB", "--max-num-batched-tokens", "256",
          "--kv-prefix-cache-memory", "16MiB", "--disable-log-requests"],
         env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     base = f"http://127.0.0.1:{port}"
@@ -138,7 +138,10 @@ def test_server_resident_memory_stays_flat_under_the_mixed_soak():
             assert time.time() < deadline, "server did not start"
             time.sleep(0.3)
         args = add_bench_serve_args(argparse.ArgumentParser()).parse_args(
+            # Long prompts of 2,000 characters (~450 tokens: two 256-token prefill chunks): the
+            # default 5,000 made this the slowest test of the suite (129 s of a Zen 1 run).
             ["--base-url", base, "--dataset-name", "mixed", "--num-prompts", "160", "--max-tokens", "8",
+             "--mixed-long-prompt-chars", "2000",
              "--max-concurrency", "8", "--warmup-requests", "40", "--memory-samples", "4"])
         m = asyncio.run(benchmark(args))
         assert m["failed"] == 0, [e for e in m["errors"] if e][:3]

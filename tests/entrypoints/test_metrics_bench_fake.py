@@ -171,6 +171,9 @@ def test_mixed_workload_is_deterministic_and_covers_every_kind():
     assert any(not body["stream"] for _, body, _ in a)
     assert any(len(body.get("prompt", "")) > 4000 for _, body, _ in a)
     assert any("seed" in body for _, body, _ in a) and any(body.get("logprobs") == 5 for _, body, _ in a)
+    short = mixed_requests(24, 3, 8, long_prompt_chars=1000)
+    longest = max(len(body.get("prompt", "")) for _, body, _ in short) - len("\nSummary:")
+    assert 900 < longest <= 1000, longest
 
 
 def test_bench_serve_json_schema_on_a_share_of_requests():
