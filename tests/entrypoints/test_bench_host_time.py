@@ -148,3 +148,23 @@ def test_run_batch_first_tokens_and_prefix_cache_hits(tiny_smollm2_llama_dir):
     assert not eng.has_unfinished_requests()
     _, cached_again = run_batch(eng, prompts, sp)
     assert cached_again >= 3 * 32 > cached
+
+
+@pytest.mark.parametrize("output_len", [1, 3])
+def test_bench_latency_report(tiny_smollm2_llama_dir, output_len):
+    """``pagedllm bench latency``: TTFT and latency of a real (tiny) model; with one output token there
+    is no decode step, so TPOT and decode speed are None (they divided by zero)."""
+    import argparse
+
+    from pagedllm.entrypoints.bench import add_latency_parser, run_latency
+
+    p = argparse.ArgumentParser()
+    add_latency_parser(p.add_subparsers())
+    res = run_latency(p.parse_args(["latency", tiny_smollm2_llama_dir, "--dtype", "float32", "--num-threads", "1",
+                                    "--input-len", "24", "--output-len", str(output_len), "--num-iters", "1"]))
+    assert res["input_len"] == 24 and res["output_len"] == output_len
+    assert res["avg_latency_s"] > 0 and 0 < res["median_ttft_ms"] <= 1000 * res["avg_latency_s"]
+    if output_len == 1:
+        assert res["median_tpot_ms"] is None and res["decode_tokens_per_s"] is None
+    else:
+        assert res["median_tpot_ms"] > 0 and res["decode_tokens_per_s"] == pytest.approx(1000 / res["median_tpot_ms"])
