@@ -144,6 +144,34 @@ def test_bad_sizes():
                     "pagedllm serve: error: --gpu-memory-utilization: must be in (0, 1], got 1.5")
 
 
+def test_contradicting_parallel_backends():
+    _one_line_error(("serve", "-dp", "2", "--data-parallel-backend", "ray", "--distributed-executor-backend", "mp"),
+                    "pagedllm serve: error: --data-parallel-backend ray runs every replica's ranks as Ray actors; "
+                    "--distributed-executor-backend mp contradicts it (drop it, or use --data-parallel-backend mp)")
+
+
+@pytest.mark.parametrize("flags,named", [
+    (["-dp", "2", "--data-parallel-backend", "ray"], "--data-parallel-backend ray"),
+    (["--distributed-executor-backend", "ray", "-tp", "2"], "--distributed-executor-backend ray"),
+])
+def test_ray_backend_without_ray(monkeypatch, flags, named):
+    """Checked before the model loads (in process: Ray is installed here, so its absence is simulated)."""
+    import importlib.util
+
+    from pagedllm.entrypoints.openai.preflight import check_parallel
+
+    args = build_parser().parse_args(["serve", *flags])
+    if importlib.util.find_spec("ray") is not None:
+        check_parallel(args)  # Ray is found: no error
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "ray" else real(name, *a))
+    with pytest.raises(ValueError) as e:
+        check_parallel(args)
+    assert str(e.value) == f"{named} needs Ray, which is not installed (pip install ray)"
+    # Without a Ray backend nothing is asked of Ray.
+    check_parallel(build_parser().parse_args(["serve", "-dp", "2", "-tp", "2"]))
+
+
 def test_port_in_use():
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -8,6 +8,8 @@ error within a second instead of a traceback after the weights are read:
   config.json, ``--hf-overrides`` applied);
 * sizes: ``--gpu-memory-utilization`` outside (0, 1] (``--kv-cache-memory`` and the token
   counts are checked by their argparse types);
+* parallelism: ``--data-parallel-backend ray`` beside ``--distributed-executor-backend mp``/``uni``, a
+  Ray backend without Ray installed;
 * the listening address: ``bind_listen_socket`` binds ``--host``/``--port`` up front.
 
 Every check raises ``ValueError`` with the message to print after ``pagedllm serve: error:``.
@@ -101,6 +103,27 @@ def check_sizes(args: argparse.Namespace) -> None:
         raise ValueError(f"--gpu-memory-utilization: must be in (0, 1], got {gmu}")
 
 
+def check_parallel(args: argparse.Namespace) -> None:
+    """Parallelism flags that contradict each other or need a missing package.
+
+    Raises:
+        ValueError: ``--data-parallel-backend ray`` (with ``--data-parallel-size`` > 1) beside an explicit
+            ``--distributed-executor-backend`` other than ray (the replicas' ranks would silently become Ray
+            actors anyway); Ray not installed for either Ray backend.
+    """
+    import importlib.util
+
+    dp_ray = int(getattr(args, "data_parallel_size", 1) or 1) > 1 and getattr(args, "data_parallel_backend", "mp") == "ray"
+    backend = getattr(args, "distributed_executor_backend", None)
+    if dp_ray and backend not in (None, "ray"):
+        raise ValueError(f"--data-parallel-backend ray runs every replica's ranks as Ray actors; "
+                         f"--distributed-executor-backend {backend} contradicts it (drop it, or use "
+                         f"--data-parallel-backend mp)")
+    if (dp_ray or backend == "ray") and importlib.util.find_spec("ray") is None:
+        flag = "--data-parallel-backend ray" if dp_ray else "--distributed-executor-backend ray"
+        raise ValueError(f"{flag} needs Ray, which is not installed (pip install ray)")
+
+
 def check_model(args: argparse.Namespace) -> None:
     """The model exists (resolving a Hub id, downloading it if needed, fails fast when the Hub
     cannot be reached) and ``--max-model-len`` fits its context length.
@@ -164,7 +187,7 @@ def bind_listen_socket(host: str, port: int) -> socket.socket:
 def prepare_serve(args: argparse.Namespace) -> socket.socket:
     """Everything ``pagedllm serve`` checks before the model loads, in order: ``normalize_args``,
     the tool-call / reasoning parser flags, ``--lora-modules`` adapter configs, ``check_sizes``,
-    ``check_chat_template``, the listening socket (``bind_listen_socket``: an address in use
+    ``check_parallel``, ``check_chat_template``, the listening socket (``bind_listen_socket``: an address in use
     fails at once), then ``check_model``.
 
     Returns:
@@ -183,6 +206,7 @@ def prepare_serve(args: argparse.Namespace) -> socket.socket:
         for m in args.lora_modules:
             read_adapter_config(m.path, m.name)
     check_sizes(args)
+    check_parallel(args)
     check_chat_template(getattr(args, "chat_template", None))
     sock = bind_listen_socket(getattr(args, "host", None) or "127.0.0.1", int(getattr(args, "port", 8000)))
     try:
