@@ -128,7 +128,11 @@ def test_disk_tier_survives_the_engine_and_rejects_bad_files(tiny_dirs, tmp_path
         bad, st = _run(tiny_dirs[0], prompts, kv_cache_dir=d)
     _close(off, bad)  # recomputed, never a wrong token
     assert st["tiers"]["disk"]["errors"] > 0
-    assert "checksum" in caplog.text or "truncated" in caplog.text
+    # Every file is tampered with one of three ways (assigned by the order of their hashed names, which
+    # follow the model's path): a document's chain stops at its first bad block, so which kinds get read
+    # varies from run to run (all four first blocks among the planted files: ~1 run in 80). Each kind's
+    # own message is checked file by file in tests/kv_transfer/test_kv_tiers.py.
+    assert any(w in caplog.text for w in ("checksum", "truncated", "fingerprint differs")), caplog.text
     # the blocks that were recomputed were written again: the next engine hits them all
     healed, st = _run(tiny_dirs[0], prompts, kv_cache_dir=d)
     _close(off, healed)
