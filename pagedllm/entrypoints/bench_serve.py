@@ -177,8 +177,9 @@ MIXED_KINDS = ("chat", "completion", "long_prompt", "logprobs", "seeded", "chat_
 def mixed_requests(num: int, seed: int, max_tokens: int,
                    long_prompt_chars: int = 5000) -> list[tuple[str, dict, bool]]:
     """``num`` requests cycling through ``MIXED_KINDS``: short streamed chats and completions, a
-    prompt of ``long_prompt_chars`` characters (default ~5,000: ~1,000 SmolLM2 tokens), top-5 logprobs, seeded sampling (temperature 0.8), non-streamed
-    chats/completions, and streams the client abandons after the first chunk.
+    prompt of ``long_prompt_chars`` characters (default 5,000: ~1,000 SmolLM2 tokens), top-5 logprobs,
+    seeded sampling (temperature 0.8), non-streamed chats/completions, and streams the client abandons
+    after the first chunk.
 
     Returns:
         ``[(endpoint, payload without "model", abort_after_first), ...]``, deterministic in
@@ -354,8 +355,10 @@ def add_bench_serve_args(parser: argparse.ArgumentParser) -> argparse.ArgumentPa
                              "'mixed': a soak mix of chats and completions, streamed and not, "
                              "~5,000-character prompts, logprobs, seeded sampling and streams the "
                              "client abandons (the endpoint flag is ignored).")
-    parser.add_argument("--mixed-long-prompt-chars", type=int, default=5000,
-                        help="Characters of the 'mixed' dataset's long prompt (one request in 8).")
+    from pagedllm.entrypoints.openai.cli_args import _positive_int
+
+    parser.add_argument("--mixed-long-prompt-chars", type=_positive_int, default=5000,
+                        help="Characters of the 'mixed' dataset's long prompt, one request in 8 (default: %(default)s).")
     parser.add_argument("--memory-samples", type=int, default=0,
                         help="Read the server's resident memory (/metrics "
                              "process_resident_memory_bytes) once after --warmup-requests and then "
