@@ -80,6 +80,10 @@ def main() -> None:
     ap.add_argument("--no-base", action="store_true", help="time only this checkout's kernel")
     ap.add_argument("--with-rows", action="store_true",
                     help="also this checkout's rows kernel forced at every M ('new_rows': the crossover)")
+    ap.add_argument("--scale-dtype", default="float16", choices=("float16", "float32"),
+                    help="dtype of the scales and mins (float16: as a GGUF file's layers are held)")
+    ap.add_argument("--x-dtype", default="bfloat16", choices=("bfloat16", "float32"),
+                    help="activation and output dtype (float32 on CPUs without native bf16)")
     ap.add_argument("--json-output")
     args = ap.parse_args()
 
@@ -93,11 +97,12 @@ def main() -> None:
         mods = {"base": _base_module(args.base_ref), **mods}
     ms = [int(m) for m in args.ms.split(",")]
     want = set(args.shapes.split(","))
-    out: dict = {"cpu": _cpu(), "copies": args.copies, "base_ref": None if args.no_base else args.base_ref, "isa": args.isa,
+    out: dict = {"cpu": _cpu(), "copies": args.copies, "base_ref": None if args.no_base else args.base_ref, "isa": args.isa, "scale_dtype": args.scale_dtype, "x_dtype": args.x_dtype,
                  "isa_name": mods["new"].intdot_isa_name(args.isa if args.isa >= 0 else mods["new"].intdot_best_isa()),
                  "loadavg_start": os.getloadavg(), "started_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
                  "cases": []}
     layers = {}
+    xdt = getattr(torch, args.x_dtype)
     for name, k, n, kind, with_mins in SHAPES:
         if name not in want:
             continue
@@ -106,21 +111,22 @@ def main() -> None:
             q = gq.pack_int4(torch.randint(0, 16, (n, k), generator=g, dtype=torch.uint8))
         else:
             q = torch.randint(-128, 128, (n, k), generator=g, dtype=torch.int8)
-        s = torch.rand(n, k // 32, generator=g) * 0.01
-        mn = -torch.rand(n, k // 32, generator=g) * 0.05 if with_mins else None
+        sdt = getattr(torch, args.scale_dtype)
+        s = (torch.rand(n, k // 32, generator=g) * 0.01).to(sdt)
+        mn = (-torch.rand(n, k // 32, generator=g) * 0.05).to(sdt) if with_mins else None
         copies = 1 if name == "lm_head" else args.copies
         layers[name] = (k, [(q.clone(), s.clone(), None if mn is None else mn.clone()) for _ in range(copies)], kind)
     for th in [int(t) for t in args.threads.split(",")]:
         torch.set_num_threads(th)
         for m in ms:
             for name, (k, ws, kind) in layers.items():
-                x = torch.randn(m, k, generator=torch.Generator().manual_seed(m)).bfloat16()
+                x = torch.randn(m, k, generator=torch.Generator().manual_seed(m)).to(xdt)
 
                 def call(mod, rows_min_m=0, ws=ws, x=x, kind=kind, start=0):
                     # each kernel starts a third of the way from the previous one in the copies, so
                     # that none reads a copy another kernel has just brought into the cache
                     cyc = itertools.cycle(ws[start:] + ws[:start])
-                    return lambda: mod.intdot_gemm(x, *next(cyc), None, kind, 32, torch.bfloat16, args.isa,
+                    return lambda: mod.intdot_gemm(x, *next(cyc), None, kind, 32, xdt, args.isa,
                                                    rows_min_m)
                 fns = {key: call(mod, start=i * len(ws) // 3) for i, (key, mod) in enumerate(mods.items())}
                 if args.with_rows:

@@ -128,6 +128,9 @@ def compile_extension(name: str, so_path: str, srcs: list[str], what: str, cflag
             staged = f"{so_path}.{os.getpid()}.tmp"
             shutil.copyfile(mod.__file__, staged)
             os.replace(staged, so_path)
+            # the build directory goes away below: point __file__ at the cached copy of the same
+            # bytes (objdump and other tools read the module's file)
+            mod.__file__ = so_path
     except BaseException:
         print(f" failed after {time.perf_counter() - t0:.1f} s", file=sys.stderr, flush=True)
         raise

@@ -640,9 +640,40 @@ inline void widen(const uint16_t* src, int64_t n, float* dst) {
   for (; i < n; ++i) dst[i] = load1(src + i);
 }
 
-// dst[8 b + j] = src[n[j] * nb + b] for b < nb: 8 x 8 transposes (unpack / shuffle / permute);
-// src float32 or float16 (widened on load). When nb >= 8 a tail of nb % 8 blocks is one more
-// transpose of the last 8 blocks (rewriting a few with the same values), not scalar loads.
+// dst[8 b + j] = src[n[j] * nb + b] for b < nb: 8 x 8 transposes; when nb >= 8 a tail of nb % 8
+// blocks is one more transpose of the last 8 blocks (rewriting a few with the same values), not
+// scalar loads. float16 (the scales of a GGUF file's layers): the 16-bit codes are transposed in
+// 128-bit registers (three rounds of 8 unpacks, one uop each) and each block's 8 columns widened
+// with one vcvtph2ps (exact); float32: 256-bit unpack / shuffle / permute. On Zen 1, where a
+// 256-bit lane-crossing permute is 8 uops, the float16 form took a SmolLM2 layer's four M = 1
+// GEMMs from 316 to NNN us on one thread (these transposes run once per 8 columns per call).
+inline void transpose_scales(const uint16_t* src, const int64_t* n, int64_t nb, uint16_t* dst) {
+  auto block8 = [&](int64_t b) {
+    __m128i r[8], t[8];
+    for (int j = 0; j < 8; ++j) r[j] = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + n[j] * nb + b));
+    for (int j = 0; j < 8; j += 2) {  // t[j]: columns j, j+1 interleaved, blocks 0-3; t[j+1]: blocks 4-7
+      t[j] = _mm_unpacklo_epi16(r[j], r[j + 1]);
+      t[j + 1] = _mm_unpackhi_epi16(r[j], r[j + 1]);
+    }
+    for (int j = 0; j < 8; j += 4) {  // columns j..j+3 of blocks (0, 1), (2, 3), (4, 5), (6, 7)
+      r[j] = _mm_unpacklo_epi32(t[j], t[j + 2]);
+      r[j + 1] = _mm_unpackhi_epi32(t[j], t[j + 2]);
+      r[j + 2] = _mm_unpacklo_epi32(t[j + 1], t[j + 3]);
+      r[j + 3] = _mm_unpackhi_epi32(t[j + 1], t[j + 3]);
+    }
+    for (int i = 0; i < 4; ++i) {  // r[i]: columns 0-3, r[4 + i]: columns 4-7, of blocks 2i and 2i+1
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + 8 * (b + 2 * i)), _mm_unpacklo_epi64(r[i], r[4 + i]));
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + 8 * (b + 2 * i + 1)), _mm_unpackhi_epi64(r[i], r[4 + i]));
+    }
+  };
+  if (nb >= 8) {
+    for (int64_t b = 0; b < nb; b += 8) block8(std::min(b, nb - 8));
+    return;
+  }
+  for (int64_t b = 0; b < nb; ++b)
+    for (int j = 0; j < 8; ++j) dst[8 * b + j] = src[n[j] * nb + b];
+}
+
 template <typename S>
 inline void transpose_scales(const S* src, const int64_t* n, int64_t nb, float* dst) {
   auto block8 = [&](int64_t b) {
@@ -704,17 +735,17 @@ struct GroupPrefetch {
 // column and row; the codes are unpacked once for all MT rows. The 8 columns' dot vectors are
 // folded by an unpack + add tree two columns at a time (so few are live at once), to one vector
 // of 8 block sums per row and block, then one cvt + mul + fma per row and block.
-template <bool INT4, bool MINS, int MT>
-void cols8(const Ctx& c, const uint8_t* const* cols, const float* wdT, const float* wmT, int64_t r0, __m256* out,
+template <bool INT4, bool MINS, int MT, typename ST>
+void cols8(const Ctx& c, const uint8_t* const* cols, const ST* wdT, const ST* wmT, int64_t r0, __m256* out,
            const GroupPrefetch& pf) {
   const int64_t K = c.nb * QK, nb = c.nb;
   __m256 f[MT], m[MT];
   for (int r = 0; r < MT; ++r) f[r] = m[r] = _mm256_setzero_ps();
   const __m256i ones16 = _mm256_set1_epi16(1);
   auto step = [&](int r, int64_t b, __m256i sum) {
-    const __m256 s = _mm256_mul_ps(_mm256_loadu_ps(wdT + 8 * b), _mm256_set1_ps(c.xd[(r0 + r) * nb + b]));
+    const __m256 s = _mm256_mul_ps(load8(wdT + 8 * b), _mm256_set1_ps(c.xd[(r0 + r) * nb + b]));
     f[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum), s, f[r]);
-    if (MINS) m[r] = _mm256_fmadd_ps(_mm256_loadu_ps(wmT + 8 * b), _mm256_set1_ps(c.xs[(r0 + r) * nb + b]), m[r]);
+    if (MINS) m[r] = _mm256_fmadd_ps(load8(wmT + 8 * b), _mm256_set1_ps(c.xs[(r0 + r) * nb + b]), m[r]);
   };
   if constexpr (INT4) {
     const int64_t np = (nb + 1) / 2;
@@ -803,8 +834,15 @@ template <bool INT4, bool MINS>
 void cols_range(const Ctx& c, int64_t n0, int64_t n1, int64_t r0, int64_t r1) {
   // rows sharing one unpacking of the codes (VNNI: 32 registers; AVX2: 16)
   constexpr int MTX = kV ? 4 : 2;
+  // the 8 columns' scales and mins, transposed to [nb][8]: float32, or float16 kept as stored
+  // (widened in the block step: half the bytes written and read back per group)
   thread_local std::vector<float> wdT, wmT;
-  if (static_cast<int64_t>(wdT.size()) < 8 * c.nb) wdT.resize(8 * c.nb), wmT.resize(8 * c.nb);
+  thread_local std::vector<uint16_t> hdT, hmT;
+  if (c.wdh) {
+    if (static_cast<int64_t>(hdT.size()) < 8 * c.nb) hdT.resize(8 * c.nb), hmT.resize(8 * c.nb);
+  } else if (static_cast<int64_t>(wdT.size()) < 8 * c.nb) {
+    wdT.resize(8 * c.nb), wmT.resize(8 * c.nb);
+  }
   const uint8_t* cols[8];
   float bv[8];
   int64_t ns[8];
@@ -818,8 +856,8 @@ void cols_range(const Ctx& c, int64_t n0, int64_t n1, int64_t r0, int64_t r1) {
       ns[j] = n;
     }
     if (c.wdh) {
-      transpose_scales(c.wdh, ns, c.nb, wdT.data());
-      if (MINS) transpose_scales(c.wmh, ns, c.nb, wmT.data());
+      transpose_scales(c.wdh, ns, c.nb, hdT.data());
+      if (MINS) transpose_scales(c.wmh, ns, c.nb, hmT.data());
     } else {
       transpose_scales(c.wd, ns, c.nb, wdT.data());
       if (MINS) transpose_scales(c.wm, ns, c.nb, wmT.data());
@@ -879,12 +917,16 @@ void cols_range(const Ctx& c, int64_t n0, int64_t n1, int64_t r0, int64_t r1) {
       // chunks of at most MTX rows, as even as can be (M = 6 on VNNI: 3 + 3)
       const int64_t left = r1 - r, chunks = (left + MTX - 1) / MTX, mt = (left + chunks - 1) / chunks;
       const GroupPrefetch& p = r == r0 ? pf : none;  // the first chunk of rows prefetches
-      switch (mt) {
-        case 1: cols8<INT4, MINS, 1>(c, cols, wdT.data(), wmT.data(), r, out, p); break;
-        case 2: cols8<INT4, MINS, 2>(c, cols, wdT.data(), wmT.data(), r, out, p); break;
-        case 3: if constexpr (MTX >= 3) cols8<INT4, MINS, 3>(c, cols, wdT.data(), wmT.data(), r, out, p); break;
-        default: if constexpr (MTX >= 4) cols8<INT4, MINS, 4>(c, cols, wdT.data(), wmT.data(), r, out, p); break;
-      }
+      auto run = [&](const auto* sd, const auto* sm) {
+        switch (mt) {
+          case 1: cols8<INT4, MINS, 1>(c, cols, sd, sm, r, out, p); break;
+          case 2: cols8<INT4, MINS, 2>(c, cols, sd, sm, r, out, p); break;
+          case 3: if constexpr (MTX >= 3) cols8<INT4, MINS, 3>(c, cols, sd, sm, r, out, p); break;
+          default: if constexpr (MTX >= 4) cols8<INT4, MINS, 4>(c, cols, sd, sm, r, out, p); break;
+        }
+      };
+      if (c.wdh) run(hdT.data(), hmT.data());
+      else run(wdT.data(), wmT.data());
       for (int64_t i = 0; i < mt; ++i) store(r + i, out[i]);
       r += mt;
     }
