@@ -7,7 +7,8 @@ file at another git revision, in one process, calls interleaved (so both see the
 Per SmolLM2-135M Q4_1 layer shape (the fused projections the engine calls: qkv 576->960, o
 576->576, gate_up 576->3072, down 1536->576, and the tied Q8_0 LM head 576->49152), per M (decode
 M = 1, verify M = 2..8, 16) and per thread count: the median wall time in microseconds of each
-kernel on bf16 activations with a bf16 output (the engine's dtypes here), random codes in the
+kernel (activations and output in `--x-dtype`, default bf16; scales and mins in `--scale-dtype`,
+default float16 as a GGUF file's layers hold them), random codes in the
 layer's layout. ``layer_us`` sums the four projections (one decoder layer's GEMMs); ``ratio_vs_m1``
 is that sum over the same kernel's M = 1 sum (what a k+1-row verify step costs in GEMMs).
 The base module is built from ``git show REF:pagedllm/kernels/csrc/intdot_gemm.cpp`` with the same

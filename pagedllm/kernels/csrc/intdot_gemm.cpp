@@ -642,11 +642,13 @@ inline void widen(const uint16_t* src, int64_t n, float* dst) {
 
 // dst[8 b + j] = src[n[j] * nb + b] for b < nb: 8 x 8 transposes; when nb >= 8 a tail of nb % 8
 // blocks is one more transpose of the last 8 blocks (rewriting a few with the same values), not
-// scalar loads. float16 (the scales of a GGUF file's layers): the 16-bit codes are transposed in
-// 128-bit registers (three rounds of 8 unpacks, one uop each) and each block's 8 columns widened
-// with one vcvtph2ps (exact); float32: 256-bit unpack / shuffle / permute. On Zen 1, where a
-// 256-bit lane-crossing permute is 8 uops, the float16 form took a SmolLM2 layer's four M = 1
-// GEMMs from 316 to NNN us on one thread (these transposes run once per 8 columns per call).
+// scalar loads. float16 (how a GGUF file's scales and mins are held): the 16-bit values are
+// transposed in 128-bit registers (three rounds of 8 unpacks, one uop each) and stored as float16;
+// transpose_scales_widen stores them widened to float32 (one vcvtph2ps per block: exact). float32
+// sources: 256-bit unpack / shuffle / permute. On Zen 1 a 256-bit lane-crossing permute is 8 uops:
+// the float16 forms took a SmolLM2 layer's four one-row GEMMs from 320 to 296 us on one thread and
+// two rows from 488 to 453 (benchmarks/intdot_kernel_ab.py --copies 30 --x-dtype float32; these
+// transposes run once per 8 columns per call; with no transposes at all it would be ~255 us).
 inline void transpose_scales(const uint16_t* src, const int64_t* n, int64_t nb, uint16_t* dst) {
   auto block8 = [&](int64_t b) {
     __m128i r[8], t[8];
@@ -672,6 +674,34 @@ inline void transpose_scales(const uint16_t* src, const int64_t* n, int64_t nb, 
   }
   for (int64_t b = 0; b < nb; ++b)
     for (int j = 0; j < 8; ++j) dst[8 * b + j] = src[n[j] * nb + b];
+}
+
+// transpose_scales of float16 values, widened to float32 as they are stored.
+inline void transpose_scales_widen(const uint16_t* src, const int64_t* n, int64_t nb, float* dst) {
+  auto block8 = [&](int64_t b) {
+    __m128i r[8], t[8];
+    for (int j = 0; j < 8; ++j) r[j] = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + n[j] * nb + b));
+    for (int j = 0; j < 8; j += 2) {
+      t[j] = _mm_unpacklo_epi16(r[j], r[j + 1]);
+      t[j + 1] = _mm_unpackhi_epi16(r[j], r[j + 1]);
+    }
+    for (int j = 0; j < 8; j += 4) {
+      r[j] = _mm_unpacklo_epi32(t[j], t[j + 2]);
+      r[j + 1] = _mm_unpackhi_epi32(t[j], t[j + 2]);
+      r[j + 2] = _mm_unpacklo_epi32(t[j + 1], t[j + 3]);
+      r[j + 3] = _mm_unpackhi_epi32(t[j + 1], t[j + 3]);
+    }
+    for (int i = 0; i < 4; ++i) {
+      _mm256_storeu_ps(dst + 8 * (b + 2 * i), _mm256_cvtph_ps(_mm_unpacklo_epi64(r[i], r[4 + i])));
+      _mm256_storeu_ps(dst + 8 * (b + 2 * i + 1), _mm256_cvtph_ps(_mm_unpackhi_epi64(r[i], r[4 + i])));
+    }
+  };
+  if (nb >= 8) {
+    for (int64_t b = 0; b < nb; b += 8) block8(std::min(b, nb - 8));
+    return;
+  }
+  for (int64_t b = 0; b < nb; ++b)
+    for (int j = 0; j < 8; ++j) dst[8 * b + j] = load1(src + n[j] * nb + b);
 }
 
 template <typename S>
@@ -835,14 +865,15 @@ void cols_range(const Ctx& c, int64_t n0, int64_t n1, int64_t r0, int64_t r1) {
   // rows sharing one unpacking of the codes (VNNI: 32 registers; AVX2: 16)
   constexpr int MTX = kV ? 4 : 2;
   // the 8 columns' scales and mins, transposed to [nb][8]: float32, or float16 kept as stored
-  // (widened in the block step: half the bytes written and read back per group)
+  // (widened in the block step)
   thread_local std::vector<float> wdT, wmT;
   thread_local std::vector<uint16_t> hdT, hmT;
-  if (c.wdh) {
-    if (static_cast<int64_t>(hdT.size()) < 8 * c.nb) hdT.resize(8 * c.nb), hmT.resize(8 * c.nb);
-  } else if (static_cast<int64_t>(wdT.size()) < 8 * c.nb) {
-    wdT.resize(8 * c.nb), wmT.resize(8 * c.nb);
-  }
+  // float16 scales of a one-row call are widened while transposed (one vcvtph2ps per block of 8
+  // columns); with more rows each block step reads them back once per row, so they stay float16
+  // there (half the bytes written and read; measured on Zen 1, 2% either way)
+  const bool widen = c.wdh == nullptr || r1 - r0 == 1;
+  if (widen && static_cast<int64_t>(wdT.size()) < 8 * c.nb) wdT.resize(8 * c.nb), wmT.resize(8 * c.nb);
+  if (!widen && static_cast<int64_t>(hdT.size()) < 8 * c.nb) hdT.resize(8 * c.nb), hmT.resize(8 * c.nb);
   const uint8_t* cols[8];
   float bv[8];
   int64_t ns[8];
@@ -856,8 +887,13 @@ void cols_range(const Ctx& c, int64_t n0, int64_t n1, int64_t r0, int64_t r1) {
       ns[j] = n;
     }
     if (c.wdh) {
-      transpose_scales(c.wdh, ns, c.nb, hdT.data());
-      if (MINS) transpose_scales(c.wmh, ns, c.nb, hmT.data());
+      if (widen) {
+        transpose_scales_widen(c.wdh, ns, c.nb, wdT.data());
+        if (MINS) transpose_scales_widen(c.wmh, ns, c.nb, wmT.data());
+      } else {
+        transpose_scales(c.wdh, ns, c.nb, hdT.data());
+        if (MINS) transpose_scales(c.wmh, ns, c.nb, hmT.data());
+      }
     } else {
       transpose_scales(c.wd, ns, c.nb, wdT.data());
       if (MINS) transpose_scales(c.wm, ns, c.nb, wmT.data());
@@ -925,8 +961,8 @@ void cols_range(const Ctx& c, int64_t n0, int64_t n1, int64_t r0, int64_t r1) {
           default: if constexpr (MTX >= 4) cols8<INT4, MINS, 4>(c, cols, sd, sm, r, out, p); break;
         }
       };
-      if (c.wdh) run(hdT.data(), hmT.data());
-      else run(wdT.data(), wmT.data());
+      if (widen) run(wdT.data(), wmT.data());
+      else run(hdT.data(), hmT.data());
       for (int64_t i = 0; i < mt; ++i) store(r + i, out[i]);
       r += mt;
     }
