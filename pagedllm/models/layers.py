@@ -385,7 +385,14 @@ class GatedMLP(nn.Module):
             h = qm.apply_act_and_mul(self.gate_up_proj, x, self.act)
             if h is not None:
                 return self.down_proj(h)
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        gu = self.gate_up_proj(x)
+        if self.act is F.silu and gu.dtype == torch.float32 and gu.device.type == "cpu":
+            # NOTE: the fused CPU decode step (fused_decode.cpp act_mul) computes the same
+            silu_and_mul = cpu_op("silu_and_mul")
+            if silu_and_mul is not None:
+                lead, n2 = gu.shape[:-1], gu.shape[-1]
+                return self.down_proj(silu_and_mul(gu.reshape(-1, n2)).reshape(*lead, n2 // 2))
+        gate, up = gu.chunk(2, dim=-1)
         return self.down_proj(self.act(gate) * up)
 
 

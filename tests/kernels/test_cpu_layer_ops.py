@@ -3,7 +3,8 @@
 * ``quantize_rows_int8`` / ``rms_norm_quant`` / ``dequant_int32`` / ``dequant_silu_mul_quant`` vs
   the references in ``pagedllm.quantization.w8a8``;
 * ``rotary_inplace`` (through ``RotaryEmbedding.apply_``) vs ``RotaryEmbedding.forward``;
-* ``reshape_and_cache`` vs the torch path of ``attention.torch_paged.write_kv``.
+* ``reshape_and_cache`` vs the torch path of ``attention.torch_paged.write_kv``;
+* ``silu_and_mul`` vs ``silu(gate) * up`` (and GatedMLP's use of it).
 """
 from __future__ import annotations
 
@@ -319,3 +320,44 @@ def test_rms_norm_matches_torch_path(dtype, atol, gemma, m, k):
     assert res2 is res  # updated in place
     assert torch.equal(res, (x + r))  # the add is rounded to the dtype like torch's
     torch.testing.assert_close(out2.float(), ref(x + r), atol=atol, rtol=atol)
+
+
+@pytest.mark.parametrize("m,inter", [(1, 1536), (3, 37), (64, 256)])
+def test_silu_and_mul_matches_torch(m, inter):
+    """``silu_and_mul(gu)`` = ``silu(gate) * up`` within 1e-6 relative of torch (both ~2e-7 from
+    the exact value), with odd widths (the vector loop's tail), extreme gates (exp overflowing both
+    ways: silu -> 0 and -> gate) and a non-contiguous input; what GatedMLP.forward computes on CPU."""
+    gu = torch.randn(m, 2 * inter, generator=_gen(m)) * 4
+    gu[0, :6] = torch.tensor([0.0, -100.0, 100.0, -88.5, 88.5, -1e-30])
+    want = torch.nn.functional.silu(gu[:, :inter]) * gu[:, inter:]
+    got = ops.silu_and_mul(gu)
+    assert got.shape == (m, inter) and got.dtype == torch.float32
+    torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-30)
+    assert float(got[0, 0]) == 0.0 and abs(float(got[0, 1])) < 1e-30
+    assert float(got[0, 2]) == pytest.approx(100.0 * float(gu[0, inter + 2]), rel=1e-6)
+    wide = torch.randn(m, 4 * inter, generator=_gen(m + 1))
+    torch.testing.assert_close(ops.silu_and_mul(wide[:, ::2]), ops.silu_and_mul(wide[:, ::2].contiguous()),
+                               rtol=0, atol=0)
+    with pytest.raises(RuntimeError, match="float32"):
+        ops.silu_and_mul(gu.bfloat16())
+    with pytest.raises(RuntimeError, match="2I"):
+        ops.silu_and_mul(torch.randn(2, 5))
+
+
+def test_gated_mlp_uses_silu_and_mul_on_cpu_float32():
+    """GatedMLP (SiLU) on CPU float32 takes the kernel and agrees with the torch formula; bf16
+    keeps torch's silu."""
+    from pagedllm.models.layers import GatedMLP
+
+    torch.manual_seed(0)
+    mlp = GatedMLP(32, 48, "silu")
+    for p in mlp.parameters():
+        torch.nn.init.normal_(p, std=0.3)
+    x = torch.randn(5, 32)
+    gate, up = torch.nn.functional.linear(x, mlp.gate_up_proj.weight).chunk(2, dim=-1)
+    want = torch.nn.functional.linear(torch.nn.functional.silu(gate) * up, mlp.down_proj.weight)
+    with torch.inference_mode():
+        got = mlp(x)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+    gu = mlp.gate_up_proj(x)
+    assert torch.equal(got, mlp.down_proj(ops.silu_and_mul(gu)))

@@ -22,6 +22,7 @@ std::tuple<at::Tensor, at::Tensor> dequant_silu_mul_quant(at::Tensor acc, at::Te
 void rotary_inplace(at::Tensor q, at::Tensor k, at::Tensor positions, at::Tensor cos, at::Tensor sin);
 void reshape_and_cache(at::Tensor k, at::Tensor v, at::Tensor kv_cache, at::Tensor slots);
 at::Tensor rms_norm(at::Tensor x, c10::optional<at::Tensor> residual, at::Tensor weight, double eps);
+at::Tensor silu_and_mul(at::Tensor gu);
 bool int8_gemm_supported();
 bool int8_gemm_nk_supported();
 at::Tensor int8_gemm_nk(at::Tensor x, at::Tensor w);
@@ -65,6 +66,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("dequant_silu_mul_quant", &dequant_silu_mul_quant, "dequantize gate|up, silu(gate)*up, quantize", py::call_guard<py::gil_scoped_release>());
   m.def("rotary_inplace", &rotary_inplace, "NeoX-style rope applied to q and k in place", py::call_guard<py::gil_scoped_release>());
   m.def("reshape_and_cache", &reshape_and_cache, "store k/v rows at flat slots of the paged cache", py::call_guard<py::gil_scoped_release>());
+  m.def("silu_and_mul", &silu_and_mul, "silu(gu[:, :I]) * gu[:, I:] for float32 gu [T, 2I]",
+        py::call_guard<py::gil_scoped_release>(), py::arg("gu"));
   m.def("rms_norm", &rms_norm, "[residual add +] RMSNorm, one pass", py::call_guard<py::gil_scoped_release>(), py::arg("x"), py::arg("residual"),
         py::arg("weight"), py::arg("eps"));
   m.def("int8_gemm_supported", &int8_gemm_supported, "whether int8_gemm_packed was built (AVX512-VNNI)");

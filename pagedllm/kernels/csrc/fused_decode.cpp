@@ -27,6 +27,7 @@ std::tuple<at::Tensor, at::Tensor> dequant_silu_mul_quant(at::Tensor acc, at::Te
 void rotary_inplace(at::Tensor q, at::Tensor k, at::Tensor positions, at::Tensor cos, at::Tensor sin);
 void reshape_and_cache(at::Tensor k, at::Tensor v, at::Tensor kv_cache, at::Tensor slots);
 at::Tensor rms_norm(at::Tensor x, c10::optional<at::Tensor> residual, at::Tensor weight, double eps);
+at::Tensor silu_and_mul(at::Tensor gu);
 at::Tensor int8_gemm_packed(at::Tensor x, at::Tensor packed, at::Tensor comp, int64_t N);
 at::Tensor int8_gemm_packed_dequant(at::Tensor x, at::Tensor packed, at::Tensor comp, int64_t N, at::Tensor sx,
                                    at::Tensor sw, c10::optional<at::Tensor> bias, at::ScalarType dtype);
@@ -46,6 +47,14 @@ enum LayerTensor {
 
 c10::optional<at::Tensor> opt(const at::Tensor& t) {
   return t.numel() ? c10::optional<at::Tensor>(t) : c10::nullopt;
+}
+
+// silu(gate) * up of a fused gate|up output [T, 2I], as GatedMLP.forward computes it: the
+// silu_and_mul kernel for float32, torch's silu and mul otherwise.
+at::Tensor act_mul(const at::Tensor& gu) {
+  if (gu.scalar_type() == at::kFloat) return silu_and_mul(gu);
+  const int64_t I = gu.size(1) / 2;
+  return at::silu(gu.narrow(1, 0, I)) * gu.narrow(1, I, I);
 }
 
 // qkv [T, (Hq + 2 Hkv) * D] -> rope on q/k in place, K/V stored at slot_mapping, decode attention
@@ -187,8 +196,7 @@ at::Tensor llama_decode_dense(at::Tensor x, at::Tensor positions, std::vector<at
     h = linear(attn, w[dOW], w[dOBias], packed);
     at::Tensor n2 = rms_norm(h, residual, w[dPostNorm], eps);
     at::Tensor gu = linear(n2, w[dGuW], w[dGuBias], packed);
-    const int64_t I = gu.size(1) / 2;
-    h = linear(at::silu(gu.narrow(1, 0, I)) * gu.narrow(1, I, I), w[dDownW], w[dDownBias], packed);
+    h = linear(act_mul(gu), w[dDownW], w[dDownBias], packed);
   }
   TORCH_CHECK(h.defined(), "llama_decode_dense: no layers");
   return rms_norm(h, residual, final_norm, eps);
@@ -230,8 +238,7 @@ at::Tensor llama_decode_group(at::Tensor x, at::Tensor positions, std::vector<at
     h = gemm(attn, w + gO, md + kModesPerLinear);
     at::Tensor n2 = rms_norm(h, residual, w[gPostNorm], eps);
     at::Tensor gu = gemm(n2, w + gGu, md + 2 * kModesPerLinear);
-    const int64_t I = gu.size(1) / 2;
-    h = gemm(at::silu(gu.narrow(1, 0, I)) * gu.narrow(1, I, I), w + gDown, md + 3 * kModesPerLinear);
+    h = gemm(act_mul(gu), w + gDown, md + 3 * kModesPerLinear);
   }
   TORCH_CHECK(h.defined(), "llama_decode_group: no layers");
   return rms_norm(h, residual, final_norm, eps);
