@@ -117,7 +117,14 @@ def dequantize(qweight: torch.Tensor, scales: torch.Tensor, mins: Optional[torch
     """float32 ``[N, K]``: ``scale * code`` then ``+ min`` (two float32 roundings, as the reference
     dequantizers of GGUF / GPTQ / AWQ compute it). ``scales`` / ``mins``: float32 or float16 (GGUF's
     own fields; widened exactly)."""
-    w = codes_as_float(qweight, kind) * expand_groups(scales.float(), group, k)
+    codes = codes_as_float(qweight, kind)
+    n, g = scales.shape
+    if g * group == k and codes.shape == (n, k):  # NOTE: the same products and sums, broadcast per group
+        w = codes.view(n, g, group) * scales.float().unsqueeze(-1)
+        if mins is not None:
+            w = w + mins.float().unsqueeze(-1)
+        return w.view(n, k)
+    w = codes * expand_groups(scales.float(), group, k)
     if mins is not None:
         w = w + expand_groups(mins.float(), group, k)
     return w
@@ -347,8 +354,9 @@ class GroupQuantEmbeddingMethod(EmbeddingMethodBase):
 
     def embedding(self, layer, ids):
         ids = ids.reshape(-1)
-        mins = None if layer.mins is None else layer.mins[ids]
-        w = dequantize(layer.qweight[ids], layer.scales[ids], mins, layer.gq_kind, layer.gq_group, layer.embedding_dim)
+        mins = None if layer.mins is None else layer.mins.index_select(0, ids)
+        w = dequantize(layer.qweight.index_select(0, ids), layer.scales.index_select(0, ids), mins, layer.gq_kind,
+                       layer.gq_group, layer.embedding_dim)
         return w.to(self.dtype)
 
     def dequantize(self, layer):
