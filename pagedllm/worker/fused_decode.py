@@ -146,12 +146,15 @@ class FusedDecode:
         self.rotary, self.num_heads, self.num_kv_heads, self.head_dim = rotary, num_heads, num_kv_heads, head_dim
         self.scale, self.eps, self.ops = scale, eps, ops
         self._cache_ok: dict[tuple, bool] = {}
+        # layer_tensors as the kernels' TensorList, built on the first step (one object to convert
+        # per call instead of ~18 tensors a layer)
+        self._layer_list = None
 
     def __getstate__(self) -> dict:
         # NOTE: the kernels' extension module cannot be pickled or deep-copied (copy.deepcopy of a
         # model that has run a step); a copy looks it up again.
         state = dict(self.__dict__)
-        state["ops"] = None
+        state["ops"] = state["_layer_list"] = None
         return state
 
     def __setstate__(self, state: dict) -> None:
@@ -291,7 +294,10 @@ class FusedDecode:
                 or not self._cache_readable(x, caches[0])):
             return None
         self.rotary._ensure(positions)
-        args = (x.contiguous(), positions.contiguous(), self.layer_tensors, caches, meta.slot_mapping.contiguous(),
+        layer_list = self._layer_list
+        if layer_list is None:
+            layer_list = self._layer_list = self.ops.TensorList(self.layer_tensors)
+        args = (x.contiguous(), positions.contiguous(), layer_list, caches, meta.slot_mapping.contiguous(),
                 meta.block_tables, meta.seq_lens, self.rotary._cos_half, self.rotary._sin_half, self.final_norm,
                 self.windows, self.num_heads, self.num_kv_heads, self.head_dim, self.scale, self.eps)
         if self.kind == "w8a8":

@@ -32,17 +32,17 @@ at::Tensor int8_gemm_packed_dequant(at::Tensor x, at::Tensor packed, at::Tensor 
 bool install_cpu_allocator(int64_t min_bytes, int64_t max_cached_bytes, bool huge_pages);
 std::unordered_map<std::string, int64_t> cpu_allocator_stats();
 void cpu_allocator_empty_cache();
-at::Tensor llama_decode_w8a8(at::Tensor x, at::Tensor positions, std::vector<at::Tensor> layers,
+at::Tensor llama_decode_w8a8(at::Tensor x, at::Tensor positions, const TensorList& layers,
                              std::vector<at::Tensor> kv_caches, at::Tensor slot_mapping, at::Tensor block_tables,
                              at::Tensor seq_lens, at::Tensor cos, at::Tensor sin, at::Tensor final_norm,
                              std::vector<int64_t> windows, int64_t num_heads, int64_t num_kv_heads,
                              int64_t head_dim, double scale, double eps);
-at::Tensor llama_decode_dense(at::Tensor x, at::Tensor positions, std::vector<at::Tensor> layers,
+at::Tensor llama_decode_dense(at::Tensor x, at::Tensor positions, const TensorList& layers,
                               std::vector<at::Tensor> kv_caches, at::Tensor slot_mapping, at::Tensor block_tables,
                               at::Tensor seq_lens, at::Tensor cos, at::Tensor sin, at::Tensor final_norm,
                               std::vector<int64_t> windows, int64_t num_heads, int64_t num_kv_heads,
                               int64_t head_dim, double scale, double eps, bool packed);
-at::Tensor llama_decode_group(at::Tensor x, at::Tensor positions, std::vector<at::Tensor> layers,
+at::Tensor llama_decode_group(at::Tensor x, at::Tensor positions, const TensorList& layers,
                               std::vector<at::Tensor> kv_caches, at::Tensor slot_mapping, at::Tensor block_tables,
                               at::Tensor seq_lens, at::Tensor cos, at::Tensor sin, at::Tensor final_norm,
                               std::vector<int64_t> windows, int64_t num_heads, int64_t num_kv_heads,
@@ -85,6 +85,15 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("min_bytes"), py::arg("max_cached_bytes"), py::arg("huge_pages") = false);
   m.def("cpu_allocator_stats", &cpu_allocator_stats, "hits, misses, cached_bytes, live_bytes, settings ({} if not installed)");
   m.def("cpu_allocator_empty_cache", &cpu_allocator_empty_cache, "return the allocator's cached free blocks to the OS");
+  py::class_<TensorList>(m, "TensorList", "tensors held on the C++ side (the fused decode step's per-layer operands)")
+      .def(py::init([](std::vector<at::Tensor> t) { return TensorList{std::move(t)}; }), py::arg("tensors"))
+      .def("__len__", [](const TensorList& l) { return l.tensors.size(); })
+      .def("__getitem__", [](const TensorList& l, int64_t i) {
+        const int64_t n = static_cast<int64_t>(l.tensors.size());
+        if (i < 0) i += n;
+        if (i < 0 || i >= n) throw py::index_error("TensorList index out of range");
+        return l.tensors[i];
+      });
   m.def("llama_decode_w8a8", &llama_decode_w8a8,
         "the decoder layers + final norm of a decode-only W8A8 Llama step in one call (same kernels, same order)",
         py::call_guard<py::gil_scoped_release>(), py::arg("x"), py::arg("positions"), py::arg("layers"),

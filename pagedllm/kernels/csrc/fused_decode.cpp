@@ -135,11 +135,12 @@ struct GroupGemms {
 // per layer; slot_mapping int64 [T]; block_tables int64 [T, max_blocks]; seq_lens int64 [T];
 // cos/sin: float32 [P, D/2] rope tables; windows: per-layer sliding window (0 = none).
 // Returns the final norm's output [T, H] in x's dtype.
-at::Tensor llama_decode_w8a8(at::Tensor x, at::Tensor positions, std::vector<at::Tensor> layers,
+at::Tensor llama_decode_w8a8(at::Tensor x, at::Tensor positions, const TensorList& layer_list,
                              std::vector<at::Tensor> kv_caches, at::Tensor slot_mapping, at::Tensor block_tables,
                              at::Tensor seq_lens, at::Tensor cos, at::Tensor sin, at::Tensor final_norm,
                              std::vector<int64_t> windows, int64_t num_heads, int64_t num_kv_heads,
                              int64_t head_dim, double scale, double eps) {
+  const std::vector<at::Tensor>& layers = layer_list.tensors;
   const int64_t L = static_cast<int64_t>(kv_caches.size());
   TORCH_CHECK(static_cast<int64_t>(layers.size()) == L * kPerLayer, "llama_decode_w8a8: expected ", kPerLayer,
               " tensors per layer for ", L, " layers, got ", layers.size());
@@ -176,11 +177,12 @@ at::Tensor llama_decode_w8a8(at::Tensor x, at::Tensor positions, std::vector<at:
 // float32/bf16; layers: dPerLayer tensors per layer (weights oneDNN-packed when `packed`, as
 // prepack_cpu_linears leaves a bf16 model, else dense [N, K]; empty tensors for absent biases);
 // the other arguments as for llama_decode_w8a8. Returns the final norm's output [T, H].
-at::Tensor llama_decode_dense(at::Tensor x, at::Tensor positions, std::vector<at::Tensor> layers,
+at::Tensor llama_decode_dense(at::Tensor x, at::Tensor positions, const TensorList& layer_list,
                               std::vector<at::Tensor> kv_caches, at::Tensor slot_mapping, at::Tensor block_tables,
                               at::Tensor seq_lens, at::Tensor cos, at::Tensor sin, at::Tensor final_norm,
                               std::vector<int64_t> windows, int64_t num_heads, int64_t num_kv_heads,
                               int64_t head_dim, double scale, double eps, bool packed) {
+  const std::vector<at::Tensor>& layers = layer_list.tensors;
   const int64_t L = static_cast<int64_t>(kv_caches.size());
   TORCH_CHECK(static_cast<int64_t>(layers.size()) == L * dPerLayer, "llama_decode_dense: expected ", dPerLayer,
               " tensors per layer for ", L, " layers, got ", layers.size());
@@ -210,13 +212,14 @@ at::Tensor llama_decode_dense(at::Tensor x, at::Tensor positions, std::vector<at
 // register-path row limit (group_quant.LARGE_M); isa: the integer-dot ISA path; intdot_max_m:
 // its row limit (group_quant.INTDOT_MAX_M). The other arguments as for llama_decode_w8a8.
 // Returns the final norm's output [T, H] in x's dtype.
-at::Tensor llama_decode_group(at::Tensor x, at::Tensor positions, std::vector<at::Tensor> layers,
+at::Tensor llama_decode_group(at::Tensor x, at::Tensor positions, const TensorList& layer_list,
                               std::vector<at::Tensor> kv_caches, at::Tensor slot_mapping, at::Tensor block_tables,
                               at::Tensor seq_lens, at::Tensor cos, at::Tensor sin, at::Tensor final_norm,
                               std::vector<int64_t> windows, int64_t num_heads, int64_t num_kv_heads,
                               int64_t head_dim, double scale, double eps, std::vector<int64_t> modes,
                               int64_t group_fn, int64_t intdot_fn, int64_t large_m, int64_t isa,
                               int64_t intdot_max_m) {
+  const std::vector<at::Tensor>& layers = layer_list.tensors;
   const int64_t L = static_cast<int64_t>(kv_caches.size());
   TORCH_CHECK(static_cast<int64_t>(layers.size()) == L * gPerLayer, "llama_decode_group: expected ", gPerLayer,
               " tensors per layer for ", L, " layers, got ", layers.size());
