@@ -642,14 +642,20 @@ inline void widen(const uint16_t* src, int64_t n, float* dst) {
 
 // dst[8 b + j] = src[n[j] * nb + b] for b < nb: 8 x 8 transposes; when nb >= 8 a tail of nb % 8
 // blocks is one more transpose of the last 8 blocks (rewriting a few with the same values), not
-// scalar loads. float16 (how a GGUF file's scales and mins are held): the 16-bit values are
-// transposed in 128-bit registers (three rounds of 8 unpacks, one uop each) and stored as float16;
-// transpose_scales_widen stores them widened to float32 (one vcvtph2ps per block: exact). float32
+// scalar loads. float16 sources (how a GGUF file's scales and mins are held): the 16-bit values are
+// transposed in 128-bit registers (three rounds of 8 unpacks, one uop each) and stored as float16
+// (D = uint16_t) or widened to float32 (D = float: one vcvtph2ps per block, exact). float32
 // sources: 256-bit unpack / shuffle / permute. On Zen 1 a 256-bit lane-crossing permute is 8 uops:
 // the float16 forms took a SmolLM2 layer's four one-row GEMMs from 320 to 296 us on one thread and
 // two rows from 488 to 453 (benchmarks/intdot_kernel_ab.py --copies 30 --x-dtype float32; these
 // transposes run once per 8 columns per call; with no transposes at all it would be ~255 us).
-inline void transpose_scales(const uint16_t* src, const int64_t* n, int64_t nb, uint16_t* dst) {
+inline void store_block(uint16_t* p, __m128i v) { _mm_storeu_si128(reinterpret_cast<__m128i*>(p), v); }
+inline void store_block(float* p, __m128i v) { _mm256_storeu_ps(p, _mm256_cvtph_ps(v)); }
+inline void widen_to(uint16_t* p, uint16_t v) { *p = v; }
+inline void widen_to(float* p, uint16_t v) { *p = load1(&v); }
+
+template <typename D>
+inline void transpose_scales_f16(const uint16_t* src, const int64_t* n, int64_t nb, D* dst) {
   auto block8 = [&](int64_t b) {
     __m128i r[8], t[8];
     for (int j = 0; j < 8; ++j) r[j] = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + n[j] * nb + b));
@@ -664,8 +670,8 @@ inline void transpose_scales(const uint16_t* src, const int64_t* n, int64_t nb, 
       r[j + 3] = _mm_unpackhi_epi32(t[j + 1], t[j + 3]);
     }
     for (int i = 0; i < 4; ++i) {  // r[i]: columns 0-3, r[4 + i]: columns 4-7, of blocks 2i and 2i+1
-      _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + 8 * (b + 2 * i)), _mm_unpacklo_epi64(r[i], r[4 + i]));
-      _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + 8 * (b + 2 * i + 1)), _mm_unpackhi_epi64(r[i], r[4 + i]));
+      store_block(dst + 8 * (b + 2 * i), _mm_unpacklo_epi64(r[i], r[4 + i]));
+      store_block(dst + 8 * (b + 2 * i + 1), _mm_unpackhi_epi64(r[i], r[4 + i]));
     }
   };
   if (nb >= 8) {
@@ -673,35 +679,7 @@ inline void transpose_scales(const uint16_t* src, const int64_t* n, int64_t nb, 
     return;
   }
   for (int64_t b = 0; b < nb; ++b)
-    for (int j = 0; j < 8; ++j) dst[8 * b + j] = src[n[j] * nb + b];
-}
-
-// transpose_scales of float16 values, widened to float32 as they are stored.
-inline void transpose_scales_widen(const uint16_t* src, const int64_t* n, int64_t nb, float* dst) {
-  auto block8 = [&](int64_t b) {
-    __m128i r[8], t[8];
-    for (int j = 0; j < 8; ++j) r[j] = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + n[j] * nb + b));
-    for (int j = 0; j < 8; j += 2) {
-      t[j] = _mm_unpacklo_epi16(r[j], r[j + 1]);
-      t[j + 1] = _mm_unpackhi_epi16(r[j], r[j + 1]);
-    }
-    for (int j = 0; j < 8; j += 4) {
-      r[j] = _mm_unpacklo_epi32(t[j], t[j + 2]);
-      r[j + 1] = _mm_unpackhi_epi32(t[j], t[j + 2]);
-      r[j + 2] = _mm_unpacklo_epi32(t[j + 1], t[j + 3]);
-      r[j + 3] = _mm_unpackhi_epi32(t[j + 1], t[j + 3]);
-    }
-    for (int i = 0; i < 4; ++i) {
-      _mm256_storeu_ps(dst + 8 * (b + 2 * i), _mm256_cvtph_ps(_mm_unpacklo_epi64(r[i], r[4 + i])));
-      _mm256_storeu_ps(dst + 8 * (b + 2 * i + 1), _mm256_cvtph_ps(_mm_unpackhi_epi64(r[i], r[4 + i])));
-    }
-  };
-  if (nb >= 8) {
-    for (int64_t b = 0; b < nb; b += 8) block8(std::min(b, nb - 8));
-    return;
-  }
-  for (int64_t b = 0; b < nb; ++b)
-    for (int j = 0; j < 8; ++j) dst[8 * b + j] = load1(src + n[j] * nb + b);
+    for (int j = 0; j < 8; ++j) widen_to(dst + 8 * b + j, src[n[j] * nb + b]);
 }
 
 template <typename S>
@@ -888,11 +866,11 @@ void cols_range(const Ctx& c, int64_t n0, int64_t n1, int64_t r0, int64_t r1) {
     }
     if (c.wdh) {
       if (widen) {
-        transpose_scales_widen(c.wdh, ns, c.nb, wdT.data());
-        if (MINS) transpose_scales_widen(c.wmh, ns, c.nb, wmT.data());
+        transpose_scales_f16(c.wdh, ns, c.nb, wdT.data());
+        if (MINS) transpose_scales_f16(c.wmh, ns, c.nb, wmT.data());
       } else {
-        transpose_scales(c.wdh, ns, c.nb, hdT.data());
-        if (MINS) transpose_scales(c.wmh, ns, c.nb, hmT.data());
+        transpose_scales_f16(c.wdh, ns, c.nb, hdT.data());
+        if (MINS) transpose_scales_f16(c.wmh, ns, c.nb, hmT.data());
       }
     } else {
       transpose_scales(c.wd, ns, c.nb, wdT.data());
