@@ -120,7 +120,7 @@ def dequantize(qweight: torch.Tensor, scales: torch.Tensor, mins: Optional[torch
     codes = codes_as_float(qweight, kind)
     n, g = scales.shape
     if g * group == k and codes.shape == (n, k):  # NOTE: the same products and sums, broadcast per group
-        w = codes.view(n, g, group) * scales.float().unsqueeze(-1)
+        w = codes.reshape(n, g, group) * scales.float().unsqueeze(-1)
         if mins is not None:
             w = w + mins.float().unsqueeze(-1)
         return w.view(n, k)
