@@ -87,13 +87,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("cpu_allocator_empty_cache", &cpu_allocator_empty_cache, "return the allocator's cached free blocks to the OS");
   py::class_<TensorList>(m, "TensorList", "tensors held on the C++ side (the fused decode step's per-layer operands)")
       .def(py::init([](std::vector<at::Tensor> t) { return TensorList{std::move(t)}; }), py::arg("tensors"))
-      .def("__len__", [](const TensorList& l) { return l.tensors.size(); })
-      .def("__getitem__", [](const TensorList& l, int64_t i) {
-        const int64_t n = static_cast<int64_t>(l.tensors.size());
-        if (i < 0) i += n;
-        if (i < 0 || i >= n) throw py::index_error("TensorList index out of range");
-        return l.tensors[i];
-      });
+      .def("__len__", [](const TensorList& l) { return l.tensors.size(); });
   m.def("llama_decode_w8a8", &llama_decode_w8a8,
         "the decoder layers + final norm of a decode-only W8A8 Llama step in one call (same kernels, same order)",
         py::call_guard<py::gil_scoped_release>(), py::arg("x"), py::arg("positions"), py::arg("layers"),
