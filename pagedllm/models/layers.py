@@ -386,7 +386,7 @@ class GatedMLP(nn.Module):
             if h is not None:
                 return self.down_proj(h)
         gu = self.gate_up_proj(x)
-        if self.act is F.silu and gu.dtype == torch.float32 and gu.device.type == "cpu":
+        if self.act is F.silu and gu.dtype in (torch.float32, torch.bfloat16) and gu.device.type == "cpu":
             # NOTE: the fused CPU decode step (fused_decode.cpp act_mul) computes the same
             silu_and_mul = cpu_op("silu_and_mul")
             if silu_and_mul is not None:

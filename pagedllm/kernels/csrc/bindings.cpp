@@ -66,7 +66,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("dequant_silu_mul_quant", &dequant_silu_mul_quant, "dequantize gate|up, silu(gate)*up, quantize", py::call_guard<py::gil_scoped_release>());
   m.def("rotary_inplace", &rotary_inplace, "NeoX-style rope applied to q and k in place", py::call_guard<py::gil_scoped_release>());
   m.def("reshape_and_cache", &reshape_and_cache, "store k/v rows at flat slots of the paged cache", py::call_guard<py::gil_scoped_release>());
-  m.def("silu_and_mul", &silu_and_mul, "silu(gu[:, :I]) * gu[:, I:] for float32 gu [T, 2I]",
+  m.def("silu_and_mul", &silu_and_mul, "silu(gu[:, :I]) * gu[:, I:] for float32 / bfloat16 gu [T, 2I]",
         py::call_guard<py::gil_scoped_release>(), py::arg("gu"));
   m.def("rms_norm", &rms_norm, "[residual add +] RMSNorm, one pass", py::call_guard<py::gil_scoped_release>(), py::arg("x"), py::arg("residual"),
         py::arg("weight"), py::arg("eps"));
