@@ -85,6 +85,9 @@ def main() -> None:
                     help="dtype of the scales and mins (float16: as a GGUF file's layers are held)")
     ap.add_argument("--x-dtype", default="bfloat16", choices=("bfloat16", "float32"),
                     help="activation and output dtype (float32 on CPUs without native bf16)")
+    ap.add_argument("--with-interleaved", action="store_true",
+                    help="also this checkout's kernel given the interleaved scales ('new_inter', group_quant."
+                         "interleave_scales)")
     ap.add_argument("--json-output")
     args = ap.parse_args()
 
@@ -130,6 +133,14 @@ def main() -> None:
                     return lambda: mod.intdot_gemm(x, *next(cyc), None, kind, 32, xdt, args.isa,
                                                    rows_min_m)
                 fns = {key: call(mod, start=i * len(ws) // 3) for i, (key, mod) in enumerate(mods.items())}
+                if args.with_interleaved:
+                    wsi = [(q, s, mn, gq.interleave_scales(s, mn)) for q, s, mn in ws]
+                    cyc_i = itertools.cycle(wsi[2 * len(ws) // 3:] + wsi[:2 * len(ws) // 3])
+
+                    def inter(x=x, kind=kind, cyc=cyc_i):
+                        q, s, mn, smt = next(cyc)
+                        return mods["new"].intdot_gemm(x, q, s, mn, None, kind, 32, xdt, args.isa, 0, smt)
+                    fns["new_inter"] = inter
                 if args.with_rows:
                     fns["new_rows"] = call(mods["new"], 1, start=2 * len(ws) // 3)
                 if args.with_cols:

@@ -52,7 +52,7 @@ from torch import nn
 logger = logging.getLogger("pagedllm")
 
 #: bump when what the loader produces changes in a way the byte comparison should not have to catch
-LAYOUT_VERSION = 2  # 2: GGUF Q4_0/Q4_1/Q5_x/Q8_0 scales and mins float16 (was float32)
+LAYOUT_VERSION = 3  # 2: GGUF Q4_0/Q4_1/Q5_x/Q8_0 scales and mins float16 (was float32); 3: + scales_il
 MAGIC = b"PGLWMAP1"
 ALIGN = 4096
 SUFFIX = ".pwm"

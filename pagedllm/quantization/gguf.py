@@ -354,5 +354,6 @@ class _SharedHeadMethod(gq.GroupQuantLinearMethod):
     def process_weights_after_loading(self, layer):
         e = self.embed[0]
         layer.qweight, layer.scales, layer.mins = e.qweight, e.scales, e.mins
+        layer.scales_il = getattr(e, "scales_il", None)
         layer.gq_kind, layer.gq_group = e.gq_kind, e.gq_group
         layer.weight = nn.Parameter(torch.empty(0), requires_grad=False)

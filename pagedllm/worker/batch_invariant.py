@@ -123,7 +123,7 @@ def _dequantize_layer(m: nn.Module, dtype: torch.dtype) -> None:
     from pagedllm.quantization import group_quant as gq
 
     w = gq.layer_dequantize(m).to(dtype)
-    for name in ("qweight", "scales", "mins"):
+    for name in ("qweight", "scales", "mins", "scales_il"):
         if hasattr(m, name):
             delattr(m, name)
     m.quant_method = None

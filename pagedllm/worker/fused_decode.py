@@ -45,7 +45,7 @@ FUSED_W8A8_TENSORS_PER_LAYER = 17
 #: Tensors per decoder layer passed to ``llama_decode_dense`` (its ``DenseTensor`` enum).
 FUSED_DENSE_TENSORS_PER_LAYER = 10
 #: Tensors per decoder layer passed to ``llama_decode_group`` (its ``GroupTensor`` enum).
-FUSED_GROUP_TENSORS_PER_LAYER = 18
+FUSED_GROUP_TENSORS_PER_LAYER = 22
 
 
 def fused_decode_enabled() -> bool:
@@ -105,7 +105,8 @@ def _dense_tensors(lin, dtype: torch.dtype) -> Optional[tuple[list[torch.Tensor]
 
 def _group_tensors(lin) -> Optional[tuple[list[torch.Tensor], list[int]]]:
     """A group-quantized ``Linear``'s operands as ``group_quant.group_linear`` passes them to its
-    kernels (``[qweight, scales, mins or empty, bias or empty]``) and its modes ``[kind, group,
+    kernels (``[qweight, scales, mins or empty, bias or empty, interleaved scales or empty]``) and
+    its modes ``[kind, group,
     intdot allowed]``, or None for a layer whose calls do not always take the C++ kernels (K not a
     multiple of 32, group not a multiple of 16, a fixed output dtype, a method with its own apply)."""
     from pagedllm.models.layers import Linear
@@ -120,7 +121,9 @@ def _group_tensors(lin) -> Optional[tuple[list[torch.Tensor], list[int]]]:
         return None
     intdot = bool(qm.intdot and gq.INTDOT and lin.gq_kind in (gq.KIND_INT4, gq.KIND_INT8) and lin.gq_group % 32 == 0)
     empty = torch.empty(0)
-    return ([lin.qweight, lin.scales, empty if lin.mins is None else lin.mins, empty if lin.bias is None else lin.bias],
+    smt = getattr(lin, "scales_il", None)
+    return ([lin.qweight, lin.scales, empty if lin.mins is None else lin.mins, empty if lin.bias is None else lin.bias,
+             empty if smt is None else smt],
             [int(lin.gq_kind), int(lin.gq_group), int(intdot)])
 
 

@@ -368,6 +368,68 @@ def test_float16_scales_bit_identical_to_float32(isa, kind, with_mins):
             OPS.intdot_gemm(torch.randn(2, k), q, sh, mf, None, kind, 32, torch.float32, isa)
 
 
+@pytest.mark.parametrize("isa", [0, 1, 2])
+@pytest.mark.parametrize("kind,with_mins", CASES)
+def test_interleaved_scales_bit_identical(isa, kind, with_mins):
+    """The columns kernel reading the interleaved float16 scales (``group_quant.interleave_scales``,
+    ``smt``) in place of transposing them gives the bits of the plain call, at every M up to the rows
+    kernel's (which ignores them), ragged N (a last group of 8 columns with 5 valid), block counts
+    with and without a transpose tail, 1 and 2 threads; a wrong shape or dtype is refused."""
+    _require(isa)
+    for n, k in ((29, 32 * 11), (16, 32 * 3), (48, 32 * 18)):
+        q, scales, mins = _weight(kind, n, k, with_mins=with_mins, seed=n)
+        sh, mh = scales.half(), None if mins is None else mins.half()
+        smt = gq.interleave_scales(sh, mh)
+        assert smt.shape == (-(-n // 8), k // 32, 16 if with_mins else 8) and smt.dtype == torch.float16
+        assert torch.equal(smt[1, 2, :8], sh[8:16, 2])
+        if with_mins:
+            assert torch.equal(smt[0, 1, 8:], mh[:8, 1])
+        bias = torch.randn(n)
+        try:
+            for threads in (1, 2):
+                torch.set_num_threads(threads)
+                for m in (1, 2, 3, 4, 5, 7, 9):
+                    x = torch.randn(m, k, generator=torch.Generator().manual_seed(m))
+                    want = OPS.intdot_gemm(x, q, sh, mh, bias, kind, 32, torch.float32, isa)
+                    got = OPS.intdot_gemm(x, q, sh, mh, bias, kind, 32, torch.float32, isa, 0, smt)
+                    assert torch.equal(got, want), (n, k, m, threads)
+                    gb = OPS.intdot_gemm(x.bfloat16(), q, sh, mh, None, kind, 32, torch.bfloat16, isa, 0, smt)
+                    assert torch.equal(gb, OPS.intdot_gemm(x.bfloat16(), q, sh, mh, None, kind, 32, torch.bfloat16,
+                                                           isa)), (n, k, m, threads)
+        finally:
+            torch.set_num_threads(1)
+    x = torch.randn(1, k)
+    with pytest.raises(RuntimeError, match="interleaved"):
+        OPS.intdot_gemm(x, q, sh, mh, None, kind, 32, torch.float32, isa, 0, smt[:, :, :4].contiguous())
+    with pytest.raises(RuntimeError, match="interleaved"):
+        OPS.intdot_gemm(x, q, sh.float(), None if mh is None else mh.float(), None, kind, 32, torch.float32, isa, 0,
+                        smt)
+
+
+def test_install_adds_interleaved_scales_for_gguf_layouts():
+    """``group_quant.install`` keeps the interleaved copy for float16 32-group scales on x86-64
+    (GGUF's layouts), none for float32 or wider groups (GPTQ / AWQ layouts); ``group_linear`` gives
+    the same bits with and without it."""
+    from torch import nn
+
+    n, k = 40, 64
+    q, scales, mins = _weight(gq.KIND_INT4, n, k, seed=3)
+    codes = gq.unpack_int4(q)
+    half = nn.Linear(k, n, bias=False)
+    gq.install(half, gq.GroupWeight(codes, scales.half(), mins.half(), gq.KIND_INT4, 32))
+    full = nn.Linear(k, n, bias=False)
+    gq.install(full, gq.GroupWeight(codes, scales, mins, gq.KIND_INT4, 32))
+    assert full.scales_il is None
+    if not gq.interleave_wanted():
+        assert half.scales_il is None
+        return
+    assert torch.equal(half.scales_il, gq.interleave_scales(half.scales, half.mins))
+    x = torch.randn(3, k)
+    y = gq.group_linear(half, x, None, intdot=True)
+    half.scales_il = None
+    assert torch.equal(gq.group_linear(half, x, None, intdot=True), y)
+
+
 @pytest.mark.parametrize("kind,with_mins", CASES)
 def test_group_gemm_float16_scales_bit_identical(kind, with_mins):
     """group_gemm / group_dequantize (the float-activation kernel) take float16 scales / mins with

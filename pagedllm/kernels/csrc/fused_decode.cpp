@@ -50,9 +50,9 @@ c10::optional<at::Tensor> opt(const at::Tensor& t) {
 }
 
 // silu(gate) * up of a fused gate|up output [T, 2I], as GatedMLP.forward computes it: the
-// silu_and_mul kernel for float32, torch's silu and mul otherwise.
+// silu_and_mul kernel for float32 / bfloat16, torch's silu and mul otherwise.
 at::Tensor act_mul(const at::Tensor& gu) {
-  if (gu.scalar_type() == at::kFloat) return silu_and_mul(gu);
+  if (gu.scalar_type() == at::kFloat || gu.scalar_type() == at::kBFloat16) return silu_and_mul(gu);
   const int64_t I = gu.size(1) / 2;
   return at::silu(gu.narrow(1, 0, I)) * gu.narrow(1, I, I);
 }
@@ -102,12 +102,15 @@ enum DenseTensor {
 using GroupGemmFn = at::Tensor (*)(at::Tensor, at::Tensor, at::Tensor, c10::optional<at::Tensor>,
                                    c10::optional<at::Tensor>, int64_t, int64_t, int64_t, at::ScalarType);
 using IntdotGemmFn = at::Tensor (*)(at::Tensor, at::Tensor, at::Tensor, c10::optional<at::Tensor>,
-                                    c10::optional<at::Tensor>, int64_t, int64_t, at::ScalarType, int64_t, int64_t);
+                                    c10::optional<at::Tensor>, int64_t, int64_t, at::ScalarType, int64_t, int64_t,
+                                    c10::optional<at::Tensor>);
 
 // Per layer for llama_decode_group (FUSED_GROUP_TENSORS_PER_LAYER in pagedllm/worker/fused_decode.py):
-// each projection as qweight, scales, mins (or empty), bias (or empty).
+// each projection as qweight, scales, mins (or empty), bias (or empty), interleaved scales (or empty).
+constexpr int kPerProj = 5;
 enum GroupTensor {
-  gInNorm, gQkv, gO = gQkv + 4, gPostNorm = gO + 4, gGu, gDown = gGu + 4, gPerLayer = gDown + 4
+  gInNorm, gQkv, gO = gQkv + kPerProj, gPostNorm = gO + kPerProj, gGu, gDown = gGu + kPerProj,
+  gPerLayer = gDown + kPerProj
 };
 // Per projection (qkv, o, gate_up, down) in `modes`: kind, group, whether the integer-dot kernel may run it.
 constexpr int64_t kModesPerLinear = 3, kModesPerLayer = 4 * kModesPerLinear;
@@ -122,7 +125,7 @@ struct GroupGemms {
   at::Tensor operator()(const at::Tensor& x, const at::Tensor* p, const int64_t* mode) const {
     const at::Tensor xc = x.contiguous();
     if (mode[2] && intdot != nullptr && xc.size(0) <= intdot_max_m) {
-      return intdot(xc, p[0], p[1], opt(p[2]), opt(p[3]), mode[0], mode[1], xc.scalar_type(), isa, 0);
+      return intdot(xc, p[0], p[1], opt(p[2]), opt(p[3]), mode[0], mode[1], xc.scalar_type(), isa, 0, opt(p[4]));
     }
     return group(xc, p[0], p[1], opt(p[2]), opt(p[3]), mode[0], mode[1], large_m, xc.scalar_type());
   }
@@ -206,7 +209,8 @@ at::Tensor llama_decode_dense(at::Tensor x, at::Tensor positions, const TensorLi
 
 // The same loop for group-quantized projections (module path: RMSNorm -> Linear whose
 // GroupQuantLinearMethod runs group_linear): layers: gPerLayer tensors per layer (per projection
-// qweight, scales, mins or empty, bias or empty; the group layout of group_quant.install); modes:
+// qweight, scales, mins or empty, bias or empty, interleaved scales or empty; the group layout of
+// group_quant.install); modes:
 // kModesPerLayer ints per layer (kind, group, intdot allowed, per projection); group_fn /
 // intdot_fn: addresses of group_gemm / intdot_gemm (intdot_fn 0: never); large_m: group_gemm's
 // register-path row limit (group_quant.LARGE_M); isa: the integer-dot ISA path; intdot_max_m:

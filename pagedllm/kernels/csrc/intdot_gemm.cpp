@@ -106,6 +106,11 @@ struct Ctx {
   const float* wm;      // [N, nb] or nullptr
   const uint16_t* wdh;  // float16 scales [N, nb] (IEEE half bits) in place of wd, else nullptr
   const uint16_t* wmh;  // float16 mins [N, nb] in place of wm, else nullptr
+  // the same float16 scales (and mins) interleaved per group of 8 columns, [ceil(N / 8)][nb][ss]
+  // (ss = 8: d of the 8 columns; ss = 16: their d, then their m): the columns kernel reads them as
+  // they lie (no transposes); nullptr when not given
+  const uint16_t* smt;
+  int64_t ss;
   int64_t rb, nb, N, M;
   bool int4;
   const int8_t* a;      // [M, K] signed codes
@@ -436,7 +441,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> intdot_quantize(at::Tensor x, int
 
 at::Tensor intdot_gemm(at::Tensor x, at::Tensor qweight, at::Tensor scales, c10::optional<at::Tensor> mins,
                        c10::optional<at::Tensor> bias, int64_t kind, int64_t group, at::ScalarType out_dtype,
-                       int64_t isa, int64_t rows_min_m) {
+                       int64_t isa, int64_t rows_min_m, c10::optional<at::Tensor> smt) {
   isa = resolve_isa(isa);
   TORCH_CHECK(x.dim() == 2 && (x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16),
               "x must be a 2-D float32 or bfloat16 tensor");
@@ -502,8 +507,19 @@ at::Tensor intdot_gemm(at::Tensor x, at::Tensor qweight, at::Tensor scales, c10:
   auto ptr_h = [](const at::Tensor& t) {
     return t.defined() ? reinterpret_cast<const uint16_t*>(t.data_ptr<at::Half>()) : nullptr;
   };
+  // interleaved scales (intdot_interleave_scales of the same scales and mins): the columns kernel's
+  const uint16_t* smp = nullptr;
+  int64_t ss = 0;
+  if (smt.has_value() && smt->defined()) {
+    ss = mins.has_value() ? 16 : 8;
+    TORCH_CHECK(wh && group == QK, "intdot: interleaved scales are for float16 scales of 32-groups");
+    TORCH_CHECK(smt->scalar_type() == at::kHalf && smt->is_contiguous() && smt->dim() == 3 &&
+                    smt->size(0) == (N + 7) / 8 && smt->size(1) == nb && smt->size(2) == ss,
+                "intdot: interleaved scales must be a contiguous float16 [ceil(N/8), K/32, ", ss, "] tensor");
+    smp = reinterpret_cast<const uint16_t*>(smt->data_ptr<at::Half>());
+  }
   Ctx c{static_cast<const uint8_t*>(qweight.data_ptr()), wh ? nullptr : ptr_f(wd), wh ? nullptr : ptr_f(wm),
-        wh ? ptr_h(wd) : nullptr, wh ? ptr_h(wm) : nullptr, rb, nb, N, M, int4,
+        wh ? ptr_h(wd) : nullptr, wh ? ptr_h(wm) : nullptr, smp, ss, rb, nb, N, M, int4,
         a, a2, cs, xd, xs, ap, xdp, xsp, cp, ptr_f(bf), y};
 
   // Threads: one parallel region per call. The activations are quantized first (split over row
@@ -586,7 +602,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("intdot_gemm", &intdot_gemm, "x @ dequant(w).T via int8 activations and integer block dots",
         py::call_guard<py::gil_scoped_release>(), py::arg("x"), py::arg("qweight"), py::arg("scales"),
         py::arg("mins"), py::arg("bias"), py::arg("kind"), py::arg("group"), py::arg("out_dtype"),
-        py::arg("isa") = -1, py::arg("rows_min_m") = 0);
+        py::arg("isa") = -1, py::arg("rows_min_m") = 0, py::arg("smt") = py::none());
   m.def("intdot_quantize", &intdot_quantize, "per-32-block int8 quantization of x (codes, scales, scaled sums)",
         py::call_guard<py::gil_scoped_release>(), py::arg("x"), py::arg("isa") = -1);
   m.def("intdot_isa_supported", &intdot_isa_supported, "whether this CPU runs ISA path isa");
@@ -744,16 +760,16 @@ struct GroupPrefetch {
 // folded by an unpack + add tree two columns at a time (so few are live at once), to one vector
 // of 8 block sums per row and block, then one cvt + mul + fma per row and block.
 template <bool INT4, bool MINS, int MT, typename ST>
-void cols8(const Ctx& c, const uint8_t* const* cols, const ST* wdT, const ST* wmT, int64_t r0, __m256* out,
-           const GroupPrefetch& pf) {
+void cols8(const Ctx& c, const uint8_t* const* cols, const ST* wdT, const ST* wmT, int64_t ss, int64_t r0,
+           __m256* out, const GroupPrefetch& pf) {
   const int64_t K = c.nb * QK, nb = c.nb;
   __m256 f[MT], m[MT];
   for (int r = 0; r < MT; ++r) f[r] = m[r] = _mm256_setzero_ps();
   const __m256i ones16 = _mm256_set1_epi16(1);
   auto step = [&](int r, int64_t b, __m256i sum) {
-    const __m256 s = _mm256_mul_ps(load8(wdT + 8 * b), _mm256_set1_ps(c.xd[(r0 + r) * nb + b]));
+    const __m256 s = _mm256_mul_ps(load8(wdT + ss * b), _mm256_set1_ps(c.xd[(r0 + r) * nb + b]));
     f[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum), s, f[r]);
-    if (MINS) m[r] = _mm256_fmadd_ps(load8(wmT + 8 * b), _mm256_set1_ps(c.xs[(r0 + r) * nb + b]), m[r]);
+    if (MINS) m[r] = _mm256_fmadd_ps(load8(wmT + ss * b), _mm256_set1_ps(c.xs[(r0 + r) * nb + b]), m[r]);
   };
   if constexpr (INT4) {
     const int64_t np = (nb + 1) / 2;
@@ -849,9 +865,11 @@ void cols_range(const Ctx& c, int64_t n0, int64_t n1, int64_t r0, int64_t r1) {
   // float16 scales of a one-row call are widened while transposed (one vcvtph2ps per block of 8
   // columns); with more rows each block step reads them back once per row, so they stay float16
   // there (half the bytes written and read; measured on Zen 1, 2% either way)
-  const bool widen = c.wdh == nullptr || r1 - r0 == 1;
+  // interleaved float16 scales given (c.smt): read in place, nothing transposed
+  const bool inter = c.smt != nullptr;
+  const bool widen = !inter && (c.wdh == nullptr || r1 - r0 == 1);
   if (widen && static_cast<int64_t>(wdT.size()) < 8 * c.nb) wdT.resize(8 * c.nb), wmT.resize(8 * c.nb);
-  if (!widen && static_cast<int64_t>(hdT.size()) < 8 * c.nb) hdT.resize(8 * c.nb), hmT.resize(8 * c.nb);
+  if (!inter && !widen && static_cast<int64_t>(hdT.size()) < 8 * c.nb) hdT.resize(8 * c.nb), hmT.resize(8 * c.nb);
   const uint8_t* cols[8];
   float bv[8];
   int64_t ns[8];
@@ -864,7 +882,9 @@ void cols_range(const Ctx& c, int64_t n0, int64_t n1, int64_t r0, int64_t r1) {
       bv[j] = c.bias ? c.bias[n] : 0.f;
       ns[j] = n;
     }
-    if (c.wdh) {
+    const uint16_t* gs = inter ? c.smt + (g0 / 8) * c.nb * c.ss : nullptr;  // this group's interleaved scales
+    if (inter) {
+    } else if (c.wdh) {
       if (widen) {
         transpose_scales_f16(c.wdh, ns, c.nb, wdT.data());
         if (MINS) transpose_scales_f16(c.wmh, ns, c.nb, wmT.data());
@@ -889,10 +909,12 @@ void cols_range(const Ctx& c, int64_t n0, int64_t n1, int64_t r0, int64_t r1) {
         const char* p = reinterpret_cast<const char*>(c.q + pg * c.rb);
         for (int64_t o = 0; o < nn * c.rb; o += 64) _mm_prefetch(p + o, _MM_HINT_T1);
         const int64_t es = c.wdh ? 2 : 4;  // bytes per scale
-        const char* ps = c.wdh ? reinterpret_cast<const char*>(c.wdh + pg * c.nb)
-                               : reinterpret_cast<const char*>(c.wd + pg * c.nb);
-        for (int64_t o = 0; o < nn * c.nb * es; o += 64) _mm_prefetch(ps + o, _MM_HINT_T0);
-        if (MINS) {
+        const char* ps = inter ? reinterpret_cast<const char*>(c.smt + (pg / 8) * c.nb * c.ss)
+                         : c.wdh ? reinterpret_cast<const char*>(c.wdh + pg * c.nb)
+                                 : reinterpret_cast<const char*>(c.wd + pg * c.nb);
+        for (int64_t o = 0, e = inter ? c.nb * c.ss * 2 : nn * c.nb * es; o < e; o += 64)
+          _mm_prefetch(ps + o, _MM_HINT_T0);
+        if (MINS && !inter) {
           const char* pm = c.wmh ? reinterpret_cast<const char*>(c.wmh + pg * c.nb)
                                  : reinterpret_cast<const char*>(c.wm + pg * c.nb);
           for (int64_t o = 0; o < nn * c.nb * es; o += 64) _mm_prefetch(pm + o, _MM_HINT_T0);
@@ -906,9 +928,15 @@ void cols_range(const Ctx& c, int64_t n0, int64_t n1, int64_t r0, int64_t r1) {
         pf.q = reinterpret_cast<const char*>(c.q + pg * c.rb);
         pf.ql = (nn * c.rb + 63) / 64;
         pf.per = (pf.ql + iters - 1) / iters;
-        pf.s = c.wdh ? reinterpret_cast<const char*>(c.wdh + pg * c.nb) : reinterpret_cast<const char*>(c.wd + pg * c.nb);
-        pf.sl = (nn * c.nb * es + 63) / 64;
-        if (MINS) {
+        if (inter) {
+          pf.s = reinterpret_cast<const char*>(c.smt + (pg / 8) * c.nb * c.ss);
+          pf.sl = (c.nb * c.ss * 2 + 63) / 64;
+        } else {
+          pf.s = c.wdh ? reinterpret_cast<const char*>(c.wdh + pg * c.nb)
+                       : reinterpret_cast<const char*>(c.wd + pg * c.nb);
+          pf.sl = (nn * c.nb * es + 63) / 64;
+        }
+        if (MINS && !inter) {
           pf.m = c.wmh ? reinterpret_cast<const char*>(c.wmh + pg * c.nb) : reinterpret_cast<const char*>(c.wm + pg * c.nb);
           pf.ml = pf.sl;
         }
@@ -931,16 +959,17 @@ void cols_range(const Ctx& c, int64_t n0, int64_t n1, int64_t r0, int64_t r1) {
       // chunks of at most MTX rows, as even as can be (M = 6 on VNNI: 3 + 3)
       const int64_t left = r1 - r, chunks = (left + MTX - 1) / MTX, mt = (left + chunks - 1) / chunks;
       const GroupPrefetch& p = r == r0 ? pf : none;  // the first chunk of rows prefetches
-      auto run = [&](const auto* sd, const auto* sm) {
+      auto run = [&](const auto* sd, const auto* sm, int64_t ss) {
         switch (mt) {
-          case 1: cols8<INT4, MINS, 1>(c, cols, sd, sm, r, out, p); break;
-          case 2: cols8<INT4, MINS, 2>(c, cols, sd, sm, r, out, p); break;
-          case 3: if constexpr (MTX >= 3) cols8<INT4, MINS, 3>(c, cols, sd, sm, r, out, p); break;
-          default: if constexpr (MTX >= 4) cols8<INT4, MINS, 4>(c, cols, sd, sm, r, out, p); break;
+          case 1: cols8<INT4, MINS, 1>(c, cols, sd, sm, ss, r, out, p); break;
+          case 2: cols8<INT4, MINS, 2>(c, cols, sd, sm, ss, r, out, p); break;
+          case 3: if constexpr (MTX >= 3) cols8<INT4, MINS, 3>(c, cols, sd, sm, ss, r, out, p); break;
+          default: if constexpr (MTX >= 4) cols8<INT4, MINS, 4>(c, cols, sd, sm, ss, r, out, p); break;
         }
       };
-      if (widen) run(wdT.data(), wmT.data());
-      else run(hdT.data(), hmT.data());
+      if (inter) run(gs, gs + 8, c.ss);
+      else if (widen) run(wdT.data(), wmT.data(), 8);
+      else run(hdT.data(), hmT.data(), 8);
       for (int64_t i = 0; i < mt; ++i) store(r + i, out[i]);
       r += mt;
     }
