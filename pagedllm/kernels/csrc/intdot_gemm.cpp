@@ -759,9 +759,10 @@ struct GroupPrefetch {
 // column and row; the codes are unpacked once for all MT rows. The 8 columns' dot vectors are
 // folded by an unpack + add tree two columns at a time (so few are live at once), to one vector
 // of 8 block sums per row and block, then one cvt + mul + fma per row and block.
-template <bool INT4, bool MINS, int MT, typename ST>
-void cols8(const Ctx& c, const uint8_t* const* cols, const ST* wdT, const ST* wmT, int64_t ss, int64_t r0,
-           __m256* out, const GroupPrefetch& pf) {
+template <bool INT4, bool MINS, int MT, int SS, typename ST>
+void cols8(const Ctx& c, const uint8_t* const* cols, const ST* wdT, const ST* wmT, int64_t r0, __m256* out,
+           const GroupPrefetch& pf) {
+  constexpr int64_t ss = SS;  // scale elements per block (8 columns; 16: their scales, then mins)
   const int64_t K = c.nb * QK, nb = c.nb;
   __m256 f[MT], m[MT];
   for (int r = 0; r < MT; ++r) f[r] = m[r] = _mm256_setzero_ps();
@@ -959,17 +960,19 @@ void cols_range(const Ctx& c, int64_t n0, int64_t n1, int64_t r0, int64_t r1) {
       // chunks of at most MTX rows, as even as can be (M = 6 on VNNI: 3 + 3)
       const int64_t left = r1 - r, chunks = (left + MTX - 1) / MTX, mt = (left + chunks - 1) / chunks;
       const GroupPrefetch& p = r == r0 ? pf : none;  // the first chunk of rows prefetches
-      auto run = [&](const auto* sd, const auto* sm, int64_t ss) {
+      auto run = [&](const auto* sd, const auto* sm, auto ss_c) {
+        constexpr int SS = decltype(ss_c)::value;
         switch (mt) {
-          case 1: cols8<INT4, MINS, 1>(c, cols, sd, sm, ss, r, out, p); break;
-          case 2: cols8<INT4, MINS, 2>(c, cols, sd, sm, ss, r, out, p); break;
-          case 3: if constexpr (MTX >= 3) cols8<INT4, MINS, 3>(c, cols, sd, sm, ss, r, out, p); break;
-          default: if constexpr (MTX >= 4) cols8<INT4, MINS, 4>(c, cols, sd, sm, ss, r, out, p); break;
+          case 1: cols8<INT4, MINS, 1, SS>(c, cols, sd, sm, r, out, p); break;
+          case 2: cols8<INT4, MINS, 2, SS>(c, cols, sd, sm, r, out, p); break;
+          case 3: if constexpr (MTX >= 3) cols8<INT4, MINS, 3, SS>(c, cols, sd, sm, r, out, p); break;
+          default: if constexpr (MTX >= 4) cols8<INT4, MINS, 4, SS>(c, cols, sd, sm, r, out, p); break;
         }
       };
-      if (inter) run(gs, gs + 8, c.ss);
-      else if (widen) run(wdT.data(), wmT.data(), 8);
-      else run(hdT.data(), hmT.data(), 8);
+      using Eight = std::integral_constant<int, 8>;
+      if (inter) run(gs, gs + 8, std::integral_constant<int, MINS ? 16 : 8>{});  // c.ss
+      else if (widen) run(wdT.data(), wmT.data(), Eight{});
+      else run(hdT.data(), hmT.data(), Eight{});
       for (int64_t i = 0; i < mt; ++i) store(r + i, out[i]);
       r += mt;
     }
