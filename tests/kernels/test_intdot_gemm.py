@@ -452,21 +452,25 @@ def test_group_gemm_float16_scales_bit_identical(kind, with_mins):
 
 @pytest.mark.skipif(OPS is None or shutil.which("objdump") is None,
                     reason="needs the integer-dot kernel and binutils' objdump")
-def test_avx2_columns_kernel_keeps_its_prefetches():
-    """The AVX2 columns kernel (decode, verify) prefetches the next column group's codes into L2
-    (`GroupPrefetch`, intdot_gemm.cpp). Out of line, GCC 12's IPA mod/ref analysis deleted that
-    helper and every call to it (a function of prefetches only "has no effect"): no output
-    changes, only decode speed (the LM head 1.7x slower on Zen 1). Checked in the built object."""
+def test_columns_kernels_keep_their_prefetches():
+    """The columns kernel (decode, verify) of both x86 paths prefetches a later column group's codes
+    into L2 (`GroupPrefetch`, intdot_gemm.cpp). Out of line, GCC 12's IPA mod/ref analysis deleted
+    that helper and every call to it (a function of prefetches only "has no effect"): no output
+    changes, only decode speed (the LM head 1.7x slower on Zen 1). Checked in the built object, per
+    ISA path and <int4, mins> instantiation (in cols_range or the cols8 it calls)."""
     dis = subprocess.run(["objdump", "-d", "-C", "--no-show-raw-insn", OPS.__file__], check=True,
                          capture_output=True, text=True).stdout
-    per_fn: dict[str, int] = {}
-    fn = None
+    keys = [(ns, i4, mins) for ns in ("avx2", "vnni") for i4 in ("true", "false") for mins in ("true", "false")]
+    per_key = {k: 0 for k in keys}
+    seen = set()
+    fn_keys: list = []
     for line in dis.splitlines():
         if line.endswith(">:"):
-            fn = line
-            if "id_avx2::cols_range<" in line:
-                per_fn[line] = 0
-        elif fn in per_fn and "prefetcht1" in line:
-            per_fn[fn] += 1
-    assert len(per_fn) == 4, list(per_fn)  # <INT4, MINS> for int4 / int8 codes, with / without mins
-    assert all(n > 0 for n in per_fn.values()), per_fn
+            fn_keys = [k for k in keys if f"id_{k[0]}::cols_range<{k[1]}, {k[2]}>" in line
+                       or f"id_{k[0]}::cols8<{k[1]}, {k[2]}, " in line]
+            seen.update(k for k in keys if f"id_{k[0]}::cols_range<{k[1]}, {k[2]}>" in line)
+        elif fn_keys and "prefetcht1" in line:
+            for k in fn_keys:
+                per_key[k] += 1
+    assert seen == set(keys), sorted(set(keys) - seen)
+    assert all(n > 0 for n in per_key.values()), per_key

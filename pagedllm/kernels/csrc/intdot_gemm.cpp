@@ -37,8 +37,8 @@
 //     one cvt + mul + fma per 8 outputs. Each weight row is read once per call and its codes are
 //     unpacked once per block for up to 4 rows (5-7 rows: two groups, the second reading the 8
 //     columns' codes from L1), so a verify step of up to 7 rows streams the weights from memory once.
-//     The codes and scales of later column groups are software-prefetched (AVX2: the next group, a
-//     few lines per block; VNNI: the group kPrefetchGroups ahead in one burst).
+//     The codes and scales of a later column group are software-prefetched a few lines per block
+//     (AVX2: the next group; VNNI: 3 groups ahead).
 //   rows kernel (M >= kRowsMinM: verify and prefill): lanes = 8 activation rows ("row tile"), the
 //     activation codes repacked once per call as [tile][block][4-k group][row][4 codes], the
 //     weight codes of a column panel (~kPanelBytes) prepared once per call into unsigned bytes (int4:
@@ -95,9 +95,6 @@ enum Kind : int64_t { kInt4 = 0, kInt8 = 1 };
 constexpr int64_t kRowsMinM = 8;
 // bytes of prepared weight codes per column panel of the rows kernel (per thread, L2)
 constexpr int64_t kPanelBytes = 96 << 10;
-// column groups of 8 between the columns kernel's software prefetch and its use (measured on Zen 4 with
-// the weights in DRAM: 2 groups into L2 took 13% less time than 1 group into L1 on SmolLM2's layers)
-constexpr int64_t kPrefetchGroups = 2;
 
 // One call's operands, shared by the ISA paths.
 struct Ctx {
@@ -617,6 +614,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
        // its target region and namespace (this file includes itself; see the end of the x86 part)
 
 constexpr bool kV = PAGEDLLM_ID_BODY == 2;  // vpdpbusd (else vpmaddubsw + vpmaddwd)
+// column groups of 8 between the columns kernel's software prefetch and its use. AVX2: the next
+// group (measured on Zen 1). VNNI: 3 groups ahead, spread over the blocks as on AVX2 -- on Zen 4
+// (1 thread, bf16 activations, SmolLM2 Q4_1 decode) ~117 -> ~147 tok/s against one burst of the
+// group 2 ahead, whose prefetcht1 instructions stalled on the full miss queue (7% of decode time
+// in perf); 2 groups ahead ~139, 4 ~147, 6 ~145; 2 threads 160 -> 178 tok/s.
+constexpr int64_t kPrefetchAhead = kV ? 3 : 1;
 
 // 16 packed bytes (int4 layout) -> 32 codes 0..15 in k order
 inline __m256i unpack4(const uint8_t* p) {
@@ -728,8 +731,8 @@ inline void transpose_scales(const S* src, const int64_t* n, int64_t nb, float* 
     for (int j = 0; j < 8; ++j) dst[8 * b + j] = load1(src + n[j] * nb + b);
 }
 
-// The next column group's codes and scales, prefetched a few lines per block (pair) of this group's
-// loop instead of in one burst at its start (AVX2 path). A burst of a group's 36-96 code lines
+// A later column group's codes and scales (kPrefetchAhead), prefetched a few lines per block (pair)
+// of this group's loop instead of in one burst at its start (both paths). A burst of a group's 36-96 code lines
 // overruns the core's outstanding-miss queue: on Zen 1 a loads-only pass over the Q8_0 LM head's
 // codes in the kernel's order reads 9.8 GB/s with the burst, 10.4 without prefetch and 13.5 with
 // 4 lines per block into L1 (plain sequential loads: 10.6). The codes go to L2 (T1): in the kernel
@@ -740,7 +743,7 @@ inline void transpose_scales(const S* src, const int64_t* n, int64_t nb, float* 
 // whose only statements are prefetches as having no effect and deletes every call to it (measured:
 // no prefetch instruction left in the AVX2 kernels).
 struct GroupPrefetch {
-  const char* q = nullptr;  // codes of the next group, ql lines
+  const char* q = nullptr;  // codes of the group prefetched, ql lines
   const char* s = nullptr;  // its scales (then mins), sl and ml lines
   const char* m = nullptr;
   int64_t ql = 0, sl = 0, ml = 0, per = 0;  // per: code lines per iteration
@@ -897,50 +900,28 @@ void cols_range(const Ctx& c, int64_t n0, int64_t n1, int64_t r0, int64_t r1) {
       transpose_scales(c.wd, ns, c.nb, wdT.data());
       if (MINS) transpose_scales(c.wm, ns, c.nb, wmT.data());
     }
-    // the next groups' codes and scales, while these run: 8 interleaved row streams defeat the
-    // hardware prefetcher once the weights come from DRAM (a decode step's layers and the LM head),
-    // and the scale transposes above otherwise stall on it. VNNI path: the group kPrefetchGroups
-    // ahead in one burst (codes into L2, scales into L1; measured on Zen 4). AVX2 path: the next
-    // group a few lines per block inside cols8 (GroupPrefetch; measured on Zen 1).
+    // a later group's codes and scales, a few lines per block (pair) of this group's loop: 8
+    // interleaved row streams defeat the hardware prefetcher once the weights come from DRAM (a
+    // decode step's layers and the LM head). kPrefetchAhead groups ahead (GroupPrefetch).
     GroupPrefetch pf;
-    if constexpr (kV) {
-      const int64_t pg = g0 + 8 * kPrefetchGroups;
-      if (pg < n1) {
-        const int64_t nn = std::min<int64_t>(8, n1 - pg);
-        const char* p = reinterpret_cast<const char*>(c.q + pg * c.rb);
-        for (int64_t o = 0; o < nn * c.rb; o += 64) _mm_prefetch(p + o, _MM_HINT_T1);
-        const int64_t es = c.wdh ? 2 : 4;  // bytes per scale
-        const char* ps = inter ? reinterpret_cast<const char*>(c.smt + (pg / 8) * c.nb * c.ss)
-                         : c.wdh ? reinterpret_cast<const char*>(c.wdh + pg * c.nb)
-                                 : reinterpret_cast<const char*>(c.wd + pg * c.nb);
-        for (int64_t o = 0, e = inter ? c.nb * c.ss * 2 : nn * c.nb * es; o < e; o += 64)
-          _mm_prefetch(ps + o, _MM_HINT_T0);
-        if (MINS && !inter) {
-          const char* pm = c.wmh ? reinterpret_cast<const char*>(c.wmh + pg * c.nb)
-                                 : reinterpret_cast<const char*>(c.wm + pg * c.nb);
-          for (int64_t o = 0; o < nn * c.nb * es; o += 64) _mm_prefetch(pm + o, _MM_HINT_T0);
-        }
+    const int64_t pg = g0 + 8 * kPrefetchAhead;
+    if (pg < n1) {
+      const int64_t nn = std::min<int64_t>(8, n1 - pg), es = c.wdh ? 2 : 4;
+      const int64_t iters = INT4 ? (c.nb + 1) / 2 : c.nb;
+      pf.q = reinterpret_cast<const char*>(c.q + pg * c.rb);
+      pf.ql = (nn * c.rb + 63) / 64;
+      pf.per = (pf.ql + iters - 1) / iters;
+      if (inter) {
+        pf.s = reinterpret_cast<const char*>(c.smt + (pg / 8) * c.nb * c.ss);
+        pf.sl = (c.nb * c.ss * 2 + 63) / 64;
+      } else {
+        pf.s = c.wdh ? reinterpret_cast<const char*>(c.wdh + pg * c.nb)
+                     : reinterpret_cast<const char*>(c.wd + pg * c.nb);
+        pf.sl = (nn * c.nb * es + 63) / 64;
       }
-    } else {
-      const int64_t pg = g0 + 8;
-      if (pg < n1) {
-        const int64_t nn = std::min<int64_t>(8, n1 - pg), es = c.wdh ? 2 : 4;
-        const int64_t iters = INT4 ? (c.nb + 1) / 2 : c.nb;
-        pf.q = reinterpret_cast<const char*>(c.q + pg * c.rb);
-        pf.ql = (nn * c.rb + 63) / 64;
-        pf.per = (pf.ql + iters - 1) / iters;
-        if (inter) {
-          pf.s = reinterpret_cast<const char*>(c.smt + (pg / 8) * c.nb * c.ss);
-          pf.sl = (c.nb * c.ss * 2 + 63) / 64;
-        } else {
-          pf.s = c.wdh ? reinterpret_cast<const char*>(c.wdh + pg * c.nb)
-                       : reinterpret_cast<const char*>(c.wd + pg * c.nb);
-          pf.sl = (nn * c.nb * es + 63) / 64;
-        }
-        if (MINS && !inter) {
-          pf.m = c.wmh ? reinterpret_cast<const char*>(c.wmh + pg * c.nb) : reinterpret_cast<const char*>(c.wm + pg * c.nb);
-          pf.ml = pf.sl;
-        }
+      if (MINS && !inter) {
+        pf.m = c.wmh ? reinterpret_cast<const char*>(c.wmh + pg * c.nb) : reinterpret_cast<const char*>(c.wm + pg * c.nb);
+        pf.ml = pf.sl;
       }
     }
     const __m256 bias = _mm256_loadu_ps(bv);
