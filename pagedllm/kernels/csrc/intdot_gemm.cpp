@@ -763,6 +763,12 @@ struct GroupPrefetch {
 // folded by an unpack + add tree two columns at a time (so few are live at once), to one vector
 // of 8 block sums per row and block, then one cvt + mul + fma per row and block.
 template <bool INT4, bool MINS, int MT, int SS, typename ST>
+#if PAGEDLLM_ID_BODY == 1
+// AVX2: kept out of line. Inlined into cols_range (as GCC 12 chose once the scale stride became a
+// template parameter), one SmolLM2 layer's GEMMs at M = 1-2 took ~20% longer on Zen 4 (forced AVX2
+// path, float32 scales; benchmarks/intdot_kernel_ab.py --isa 1 --scale-dtype float32)
+__attribute__((noinline))
+#endif
 void cols8(const Ctx& c, const uint8_t* const* cols, const ST* wdT, const ST* wmT, int64_t r0, __m256* out,
            const GroupPrefetch& pf) {
   constexpr int64_t ss = SS;  // scale elements per block (8 columns; 16: their scales, then mins)
