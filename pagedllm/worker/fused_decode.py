@@ -106,9 +106,9 @@ def _dense_tensors(lin, dtype: torch.dtype) -> Optional[tuple[list[torch.Tensor]
 def _group_tensors(lin) -> Optional[tuple[list[torch.Tensor], list[int]]]:
     """A group-quantized ``Linear``'s operands as ``group_quant.group_linear`` passes them to its
     kernels (``[qweight, scales, mins or empty, bias or empty, interleaved scales or empty]``) and
-    its modes ``[kind, group,
-    intdot allowed]``, or None for a layer whose calls do not always take the C++ kernels (K not a
-    multiple of 32, group not a multiple of 16, a fixed output dtype, a method with its own apply)."""
+    its modes ``[kind, group, intdot allowed]``, or None for a layer whose calls do not always take
+    the C++ kernels (K not a multiple of 32, group not a multiple of 16, a fixed output dtype, a
+    method with its own apply)."""
     from pagedllm.models.layers import Linear
     from pagedllm.quantization import group_quant as gq
 
