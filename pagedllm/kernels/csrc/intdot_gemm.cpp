@@ -56,10 +56,14 @@
 //   0 portable C++; 1 AVX2 (+FMA): vpmaddubsw + vpmaddwd; 2 AVX512-VNNI (+VL/BW): vpdpbusd on
 //   256-bit vectors (32 registers: 6 columns x 16 rows; AVX2 2 x 8). The isa argument forces a path.
 //
-//   intdot_gemm(x [M, K] f32/bf16, qweight, scales, mins?, bias? [N], kind, group, out_dtype, isa=-1)
+//   intdot_gemm(x [M, K] f32/bf16, qweight, scales, mins?, bias? [N], kind, group, out_dtype, isa=-1,
+//               rows_min_m=0, smt=None)
 //       -> [M, N] out_dtype (float32 / bfloat16); isa -1 = best available. scales / mins float32
 //       or float16 [N, ceil(K / group)] (float16: read as stored, widened exactly on load, so the
-//       result is bit-identical to the same values in float32).
+//       result is bit-identical to the same values in float32). smt (float16 scales, group 32):
+//       the same scales (and mins) interleaved per 8 columns, float16 [ceil(N / 8), K / 32, 8 or 16]
+//       (group_quant.interleave_scales), read by the columns kernel instead of transposing them;
+//       the result is bit-identical with or without it.
 //   intdot_quantize(x, isa=-1) -> (a int8 [M, K], xd f32 [M, K/32], xs f32 [M, K/32])
 //   intdot_isa_supported(isa) -> bool; intdot_best_isa() -> int; intdot_isa_name(isa) -> str
 #ifndef PAGEDLLM_ID_BODY
@@ -504,7 +508,8 @@ at::Tensor intdot_gemm(at::Tensor x, at::Tensor qweight, at::Tensor scales, c10:
   auto ptr_h = [](const at::Tensor& t) {
     return t.defined() ? reinterpret_cast<const uint16_t*>(t.data_ptr<at::Half>()) : nullptr;
   };
-  // interleaved scales (intdot_interleave_scales of the same scales and mins): the columns kernel's
+  // smt: the same float16 scales (and mins) interleaved per 8 columns (group_quant.interleave_scales),
+  // which the columns kernel reads in place of transposing them
   const uint16_t* smp = nullptr;
   int64_t ss = 0;
   if (smt.has_value() && smt->defined()) {
@@ -893,8 +898,7 @@ void cols_range(const Ctx& c, int64_t n0, int64_t n1, int64_t r0, int64_t r1) {
       ns[j] = n;
     }
     const uint16_t* gs = inter ? c.smt + (g0 / 8) * c.nb * c.ss : nullptr;  // this group's interleaved scales
-    if (inter) {
-    } else if (c.wdh) {
+    if (!inter && c.wdh) {
       if (widen) {
         transpose_scales_f16(c.wdh, ns, c.nb, wdT.data());
         if (MINS) transpose_scales_f16(c.wmh, ns, c.nb, wmT.data());
@@ -902,7 +906,7 @@ void cols_range(const Ctx& c, int64_t n0, int64_t n1, int64_t r0, int64_t r1) {
         transpose_scales_f16(c.wdh, ns, c.nb, hdT.data());
         if (MINS) transpose_scales_f16(c.wmh, ns, c.nb, hmT.data());
       }
-    } else {
+    } else if (!inter) {
       transpose_scales(c.wd, ns, c.nb, wdT.data());
       if (MINS) transpose_scales(c.wm, ns, c.nb, wmT.data());
     }
