@@ -12,6 +12,7 @@ import sys
 from typing import Any, Optional
 
 from pagedllm.entrypoints.openai.cli_args import positive_float
+from pagedllm.router.policy import POLICIES
 from pagedllm.sim.trace import SYNTHETIC_KINDS
 
 #: The step model fitted on the development machine, used when ``--step-model`` is not given.
@@ -67,7 +68,7 @@ def add_simulate_args(p: argparse.ArgumentParser) -> None:
     _add_trace_args(p)
     g = p.add_argument_group("Fleet")
     g.add_argument("--replicas", type=_pos_int, default=1, help="Engine replicas behind the router.")
-    g.add_argument("--policy", default="least-load", choices=["prefix", "least-load", "round-robin", "sticky"],
+    g.add_argument("--policy", default="least-load", choices=list(POLICIES),
                    help="Routing policy (pagedllm/sim/simulator.py).")
     g.add_argument("--balance-abs-threshold", type=int, default=8,
                    help="prefix: go least-load when the prefix replica has this many more requests in flight "

@@ -52,11 +52,9 @@ from pagedllm.core.request import Request
 from pagedllm.core.scheduler import Scheduler
 from pagedllm.core.sched_output import ModelRunnerOutput
 from pagedllm.router.index import leading_matches
-from pagedllm.router.policy import PolicyConfig, Router as PolicyRouter
+from pagedllm.router.policy import POLICIES, PolicyConfig, Router as PolicyRouter
 from pagedllm.sim.step_model import COEFFICIENTS, StepModel
 from pagedllm.sim.trace import FILLER_TOKEN, TraceRequest
-
-POLICIES = ("prefix", "least-load", "round-robin", "sticky")
 
 # ITL histogram: bins of 0.2% relative width (log-spaced), so percentiles are within 0.1%.
 _ITL_BINS_PER_E = 500.0
