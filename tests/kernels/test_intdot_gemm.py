@@ -474,3 +474,24 @@ def test_columns_kernels_keep_their_prefetches():
                 per_key[k] += 1
     assert seen == set(keys), sorted(set(keys) - seen)
     assert all(n > 0 for n in per_key.values()), per_key
+
+
+@pytest.mark.parametrize("isa", [0, 1, 2])
+@pytest.mark.parametrize("kind,with_mins", CASES)
+def test_bfloat16_output_is_the_rounded_float32_output(isa, kind, with_mins):
+    """A bfloat16 output (the rows kernel rounds the rows as it writes them, 8 x 8 register
+    transposes; the columns kernel rounds a float32 copy) has exactly the bits of the float32
+    output's ``.to(torch.bfloat16)``, at decode, verify and prefill sizes, with N = 1030 (not a
+    multiple of 8: the transposes' scalar tail) over several column panels; outputs span ~1e-3 to
+    ~1e5 so that ties and carries into the exponent occur."""
+    _require(isa)
+    n, k = 1030, 256
+    q, scales, mins = _weight(kind, n, k, with_mins=with_mins, seed=51)
+    scales = scales * torch.logspace(-1, 4, n).unsqueeze(1)
+    g = torch.Generator().manual_seed(52)
+    for m in (1, 5, 8, 9, 33, 70):
+        x = torch.randn(m, k, generator=g) * torch.linspace(0.05, 4, k)
+        y32 = OPS.intdot_gemm(x, q, scales, mins, None, kind, 32, torch.float32, isa)
+        y16 = OPS.intdot_gemm(x, q, scales, mins, None, kind, 32, torch.bfloat16, isa)
+        assert y16.dtype == torch.bfloat16
+        assert torch.equal(y16.view(torch.int16), y32.to(torch.bfloat16).view(torch.int16)), m

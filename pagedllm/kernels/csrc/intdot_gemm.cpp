@@ -125,7 +125,8 @@ struct Ctx {
   const float* xsp;     // [T][nb][8]
   const int32_t* cp;    // [T][nb][8]: -128 sum_k a (VNNI on int8 weights) or nullptr
   const float* bias;    // [N] or nullptr
-  float* y;             // [M, N]
+  float* y;             // [M, N] float32 (the output, or scratch for a bfloat16 one)
+  uint16_t* yh;         // [M, N] bfloat16 output (bits) that the rows kernel writes directly, or nullptr
 };
 
 // ---------------------------------------------------------------------------------- portable
@@ -495,7 +496,10 @@ at::Tensor intdot_gemm(at::Tensor x, at::Tensor qweight, at::Tensor scales, c10:
     if (offs) cs = grow(S.cs, M * nb);
     if (pairs) a2 = grow(S.a2, M * ((nb + 1) / 2) * 64);
   }
-  float* y = obf16 ? grow(S.y, M * N) : out.data_ptr<float>();
+  // a bfloat16 output: the rows kernel rounds its rows as it writes them; the others fill a float32
+  // scratch that each thread rounds afterwards
+  uint16_t* yh = obf16 && rows ? reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>()) : nullptr;
+  float* y = !obf16 ? out.data_ptr<float>() : yh ? nullptr : grow(S.y, M * N);
   // groups wider than 32: one scale (and min) per 32-block, expanded for this call
   at::Tensor wd = scales, wm = mins.has_value() ? *mins : at::Tensor();
   if (group != QK) {
@@ -522,7 +526,7 @@ at::Tensor intdot_gemm(at::Tensor x, at::Tensor qweight, at::Tensor scales, c10:
   }
   Ctx c{static_cast<const uint8_t*>(qweight.data_ptr()), wh ? nullptr : ptr_f(wd), wh ? nullptr : ptr_f(wm),
         wh ? ptr_h(wd) : nullptr, wh ? ptr_h(wm) : nullptr, smp, ss, rb, nb, N, M, int4,
-        a, a2, cs, xd, xs, ap, xdp, xsp, cp, ptr_f(bf), y};
+        a, a2, cs, xd, xs, ap, xdp, xsp, cp, ptr_f(bf), y, yh};
 
   // Threads: one parallel region per call. The activations are quantized first (split over row
   // tiles / rows; on the calling thread alone when that is a few microseconds), then, after a
@@ -563,7 +567,7 @@ at::Tensor intdot_gemm(at::Tensor x, at::Tensor qweight, at::Tensor scales, c10:
 #else
     range_portable(c, n0, n1, r0, r1);
 #endif
-    if (obf16) {  // round-to-nearest-even, the bits of ATen's .to()
+    if (obf16 && !yh) {  // round-to-nearest-even, the bits of ATen's .to()
       at::BFloat16* yd = out.data_ptr<at::BFloat16>();
       for (int64_t r = r0; r < r1; ++r)
         for (int64_t n = n0; n < n1; ++n) yd[r * N + n] = static_cast<at::BFloat16>(y[r * N + n]);
@@ -1069,12 +1073,29 @@ inline void prep_col(const uint8_t* row, int64_t nb, bool int4, uint8_t* dst) {
   }
 }
 
+// 8 floats -> 8 bfloat16 bits, round to nearest even, NaN -> 0x7FC0: c10::BFloat16's conversion
+// (the bits of ATen's .to(torch.bfloat16)), in integer operations.
+inline __m128i to_bf16(__m256 v) {
+  const __m256i u = _mm256_castps_si256(v);
+  const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
+  __m256i r = _mm256_srli_epi32(_mm256_add_epi32(u, _mm256_add_epi32(lsb, _mm256_set1_epi32(0x7FFF))), 16);
+  r = _mm256_blendv_epi8(r, _mm256_set1_epi32(0x7FC0), _mm256_castps_si256(_mm256_cmp_ps(v, v, _CMP_UNORD_Q)));
+  const __m256i p = _mm256_packus_epi32(r, r);  // per 128-bit lane: its 4 values twice (all < 2^16)
+  return _mm_unpacklo_epi64(_mm256_castsi256_si128(p), _mm256_extracti128_si256(p, 1));
+}
+inline void store8(float* p, __m256 v) { _mm256_storeu_ps(p, v); }
+inline void store8(uint16_t* p, __m256 v) { _mm_storeu_si128(reinterpret_cast<__m128i*>(p), to_bf16(v)); }
+inline void store1(float* p, float v) { *p = v; }
+inline void store1(uint16_t* p, float v) { *p = c10::BFloat16(v).x; }
+
 // y[r * ldy + j] = src[16 j + r] for r < h, j < np: a panel's column-major outputs of one 8-row tile
-// (16 floats per column) written out as rows, 8 x 8 blocks transposed in registers. Storing each
-// column's 8 lanes straight into y instead touched 8 rows N floats apart: with N a multiple of 1024
-// (4 KiB) every row's line falls in one L1 set, and those stores were ~15% of the rows kernel's
-// time (perf, Zen 4, gate_up 576 -> 3072, M = 64).
-inline void store_rows(const float* src, int64_t np, int64_t h, float* y, int64_t ldy) {
+// (16 floats per column) written out as rows, 8 x 8 blocks transposed in registers; D = uint16_t:
+// rounded to bfloat16 on the way (the bits of ATen's .to()). Storing each column's 8 lanes straight
+// into y instead touched 8 rows N floats apart: with N a multiple of 1024 (4 KiB) every row's line
+// falls in one L1 set, and those stores were ~15% of the rows kernel's time (perf, Zen 4, gate_up
+// 576 -> 3072, M = 64); a bfloat16 output was then rounded in a second pass over a float32 copy.
+template <typename D>
+inline void store_rows(const float* src, int64_t np, int64_t h, D* y, int64_t ldy) {
   int64_t j = 0;
   for (; j + 8 <= np; j += 8) {
     __m256 r0 = _mm256_loadu_ps(src + 16 * (j + 0)), r1 = _mm256_loadu_ps(src + 16 * (j + 1));
@@ -1093,10 +1114,10 @@ inline void store_rows(const float* src, int64_t np, int64_t h, float* y, int64_
                            _mm256_permute2f128_ps(s2, s6, 0x20), _mm256_permute2f128_ps(s3, s7, 0x20),
                            _mm256_permute2f128_ps(s0, s4, 0x31), _mm256_permute2f128_ps(s1, s5, 0x31),
                            _mm256_permute2f128_ps(s2, s6, 0x31), _mm256_permute2f128_ps(s3, s7, 0x31)};
-    for (int64_t r = 0; r < h; ++r) _mm256_storeu_ps(y + r * ldy + j, row[r]);
+    for (int64_t r = 0; r < h; ++r) store8(y + r * ldy + j, row[r]);
   }
   for (; j < np; ++j)
-    for (int64_t r = 0; r < h; ++r) y[r * ldy + j] = src[16 * j + r];
+    for (int64_t r = 0; r < h; ++r) store1(y + r * ldy + j, src[16 * j + r]);
 }
 
 // Columns n0 .. n1-1 of rows r0 .. r1-1 (r0 a multiple of 8; r1 a multiple of 8 or M).
@@ -1148,8 +1169,11 @@ void rows_range(const Ctx& c, int64_t n0, int64_t n1, int64_t r0, int64_t r1) {
         for (int hh = 0; hh < rt; ++hh)
           for (int64_t j = 0; j < nv; ++j) _mm256_storeu_ps(yb.data() + (j0 + j) * 16 + 8 * hh, o[hh][j]);
       }
-      for (int hh = 0; hh < rt; ++hh)
-        store_rows(yb.data() + 8 * hh, np, std::min<int64_t>(8, c.M - 8 * (t + hh)), c.y + 8 * (t + hh) * c.N + p0, c.N);
+      for (int hh = 0; hh < rt; ++hh) {
+        const int64_t h = std::min<int64_t>(8, c.M - 8 * (t + hh)), at = 8 * (t + hh) * c.N + p0;
+        if (c.yh) store_rows(yb.data() + 8 * hh, np, h, c.yh + at, c.N);
+        else store_rows(yb.data() + 8 * hh, np, h, c.y + at, c.N);
+      }
       t += rt;
     }
   }
