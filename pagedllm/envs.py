@@ -65,6 +65,10 @@ ENV_VARS: dict[str, EnvVar] = {v.name: v for v in (
        "can differ between the two)."),
     _v("PAGEDLLM_GGUF_INTDOT_MAX_M", "int", 1 << 62,
        "Rows per call up to which GGUF layers take the integer-dot kernel (default: every M)."),
+    _v("PAGEDLLM_ONEDNN_FLOAT32", "choice", "auto",
+       "float32 linears on CPU run oneDNN's GEMM on weights packed once at load (instead of F.linear, whose "
+       "MKL sgemm packs them on every call): auto = on CPUs with AVX-512, 1 / 0 force it.",
+       choices=("auto", "1", "0")),
     _v("PAGEDLLM_ISA", "choice", "auto",
        "ISA path of the integer-dot kernel: auto (the best this CPU has), portable, avx2 or avx512vnni "
        "(a path the CPU lacks is an error).", choices=("auto", "portable", "avx2", "avx512vnni")),

@@ -290,13 +290,14 @@ def process_weights_after_loading(b: ModelBuild) -> None:
 
 def select_kernels(b: ModelBuild) -> None:
     """The float linears' kernels: batch-invariant GEMMs (batch-invariant mode), else oneDNN-packed
-    bf16 weights on CPU (their dense copies dropped; a tied head gets a packed copy)."""
+    bf16 weights on CPU, and float32 ones where ``kernels.onednn.float32_packing_wanted`` (their
+    dense copies dropped; a tied head gets a packed copy)."""
     if b.batch_invariant:
         from pagedllm.worker.batch_invariant import enable_batch_invariant
         # NOTE: instead of oneDNN prepacking: the invariant GEMM reads the dense weights.
         enable_batch_invariant(b.model)
         logger.info("pagedllm: batch-invariant mode: outputs do not depend on batching, chunking or caching")
-    elif b.device.type == "cpu" and b.dtype == torch.bfloat16:
+    elif b.device.type == "cpu" and b.dtype in (torch.bfloat16, torch.float32):
         from pagedllm.kernels.onednn import prepack_cpu_linears
         packed = prepack_cpu_linears(b.model, pack_head=b.args.runner == "generate")
         b.weight_bytes = b.resident_bytes() + packed

@@ -292,13 +292,13 @@ def restore(state: WeightSleep) -> None:
                     if n != g.nbytes:
                         raise OSError(f"sleep backup: read {n} of {g.nbytes} bytes")
             if f is not None:
-                from pagedllm.kernels.onednn import pack_bf16_weight
+                from pagedllm.kernels.onednn import pack_weight
                 for owner, name, nb, shape, dtype, off in state.packed:
                     dense = torch.empty(shape, dtype=dtype)
                     f.seek(off)
                     if f.readinto(_host_view(dense)) != nb:
                         raise OSError(f"sleep backup: short read of the packed weight {name}")
-                    setattr(owner, name, pack_bf16_weight(dense))
+                    setattr(owner, name, pack_weight(dense))
     finally:
         if f is not None:
             f.close()

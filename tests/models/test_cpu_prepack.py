@@ -47,7 +47,28 @@ def test_prepacked_model_is_bit_identical(tie, tiny_llama):
     assert torch.equal(got, ref)
 
 
-def test_float32_models_are_left_alone(tiny_llama):
+def test_float32_models_are_left_alone_unless_asked(tiny_llama):
     model = tiny_llama(True)
-    assert prepack_cpu_linears(model) == 0
+    assert prepack_cpu_linears(model, float32=False) == 0
     assert all(m.quant_method is None and m.weight.numel() > 0 for m in model.modules() if isinstance(m, Linear))
+
+
+@pytest.mark.parametrize("tie", [True, False])
+def test_float32_prepacked_model_matches_f_linear(tie, tiny_llama):
+    """float32 packing (``float32=True``; the default where ``float32_packing_wanted``): every
+    linear and a tied head packed, logits equal to the dense model's up to float32 rounding (oneDNN's
+    GEMM sums in another order than MKL's sgemm), and a bf16 model's float32 packing is a no-op."""
+    model = tiny_llama(tie, torch.float32, 0.05)
+    ids = torch.randint(0, 512, (19,), generator=torch.Generator().manual_seed(2))
+    ref = _logits(model, ids)
+    packed = copy.deepcopy(model)
+    nbytes = prepack_cpu_linears(packed, float32=True)
+    linears = [m for m in packed.modules() if isinstance(m, Linear)]
+    assert linears and all(isinstance(m.quant_method, OneDNNPackedLinearMethod) and m.weight.numel() == 0
+                           and m.onednn_weight.dtype == torch.float32 for m in linears)
+    dense = sum(m.weight.numel() * 4 for m in model.modules() if isinstance(m, Linear))
+    assert nbytes == dense + (model.model.embed_tokens.weight.numel() * 4 if tie else 0)
+    got = _logits(packed, ids)
+    assert got.dtype == torch.float32 and not torch.equal(got, torch.zeros_like(got))
+    torch.testing.assert_close(got, ref, rtol=1e-4, atol=1e-4)
+    assert got.argmax(-1).tolist() == ref.argmax(-1).tolist()
