@@ -41,6 +41,14 @@ def pack_bf16_weight(w: torch.Tensor) -> Optional[torch.Tensor]:
     return pack_weight(w) if w.dtype == torch.bfloat16 else None
 
 
+#: float32 models are packed only when every unquantized float32 linear has at least this many
+#: weight elements (512 x 512): oneDNN builds a primitive for each new row count M (~0.7 ms each,
+#: cached) and costs ~3x F.linear per call on tiny weights (64 x 64: ~20 vs ~6.5 us), which small
+#: models (and the test suite's) would pay without gaining; all or none, so that the fused decode
+#: step, which needs one kind, still runs.
+FLOAT32_PACK_MIN_ELEMENTS = 1 << 18
+
+
 def float32_packing_wanted() -> bool:
     """Whether float32 linears on CPU are packed for oneDNN: ``PAGEDLLM_ONEDNN_FLOAT32`` (``auto``:
     on CPUs where torch dispatches AVX-512, the kind it was measured faster on; ``1`` / ``0``
@@ -72,8 +80,9 @@ class OneDNNPackedLinearMethod(LinearMethodBase):
 
 
 def prepack_cpu_linears(model: nn.Module, pack_head: bool = True, float32: Optional[bool] = None) -> int:
-    """Give every unquantized bf16 ``Linear`` of ``model`` (and float32 one when ``float32``, default
-    :func:`float32_packing_wanted`) the ``OneDNNPackedLinearMethod`` (its dense weight dropped);
+    """Give every unquantized bf16 ``Linear`` of ``model`` (and float32 one when ``float32``, default:
+    :func:`float32_packing_wanted` and every such linear at least ``FLOAT32_PACK_MIN_ELEMENTS``)
+    the ``OneDNNPackedLinearMethod`` (its dense weight dropped);
     with ``pack_head``, a tied, unquantized LM head of those dtypes gets a packed copy of the
     embedding table (``embed_tokens.onednn_weight``, run by ``model.logits_processor.quant_method``;
     the table stays dense for lookups).
@@ -84,7 +93,9 @@ def prepack_cpu_linears(model: nn.Module, pack_head: bool = True, float32: Optio
     from pagedllm.models.layers import Linear
 
     if float32 is None:
-        float32 = float32_packing_wanted()
+        float32 = float32_packing_wanted() and all(
+            m.weight.numel() >= FLOAT32_PACK_MIN_ELEMENTS for m in model.modules()
+            if isinstance(m, Linear) and m.quant_method is None and m.weight.dtype == torch.float32)
     dtypes = (torch.bfloat16, torch.float32) if float32 else (torch.bfloat16,)
     extra = 0
     method = OneDNNPackedLinearMethod()

@@ -72,3 +72,21 @@ def test_float32_prepacked_model_matches_f_linear(tie, tiny_llama):
     assert got.dtype == torch.float32 and not torch.equal(got, torch.zeros_like(got))
     torch.testing.assert_close(got, ref, rtol=1e-4, atol=1e-4)
     assert got.argmax(-1).tolist() == ref.argmax(-1).tolist()
+
+
+def test_float32_packing_default_skips_small_models(tiny_llama, monkeypatch):
+    """With float32 packing wanted (``PAGEDLLM_ONEDNN_FLOAT32=1``), the default packs a float32 model
+    only when every linear has >= ``FLOAT32_PACK_MIN_ELEMENTS`` weights (all or none); ``=0`` never."""
+    from pagedllm.kernels import onednn
+
+    monkeypatch.setenv("PAGEDLLM_ONEDNN_FLOAT32", "1")
+    assert onednn.float32_packing_wanted()
+    small = tiny_llama(True)  # 64-wide linears
+    assert max(m.weight.numel() for m in small.modules() if isinstance(m, Linear)) < onednn.FLOAT32_PACK_MIN_ELEMENTS
+    assert prepack_cpu_linears(small) == 0
+    monkeypatch.setattr(onednn, "FLOAT32_PACK_MIN_ELEMENTS", 1)
+    assert prepack_cpu_linears(small) > 0
+    assert all(isinstance(m.quant_method, OneDNNPackedLinearMethod) for m in small.modules() if isinstance(m, Linear))
+    monkeypatch.setenv("PAGEDLLM_ONEDNN_FLOAT32", "0")
+    assert not onednn.float32_packing_wanted()
+    assert prepack_cpu_linears(tiny_llama(True)) == 0
