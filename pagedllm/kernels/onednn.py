@@ -110,7 +110,8 @@ def prepack_cpu_linears(model: nn.Module, pack_head: bool = True, float32: Optio
     embed = getattr(getattr(model, "model", None), "embed_tokens", None)
     lp = getattr(model, "logits_processor", None)
     if pack_head and getattr(model, "lm_head", True) is None and embed is not None and lp is not None \
-            and lp.tied_head is None and lp.quant_method is None and embed.weight.dtype in dtypes:
+            and lp.tied_head is None and lp.quant_method is None and embed.weight.dtype in dtypes \
+            and lp.emits_logits:  # (a pipeline stage before the last computes no logits)
         packed = pack_weight(embed.weight)
         if packed is not None:
             # NOTE: the dense table stays for lookups (and non-bf16 inputs)

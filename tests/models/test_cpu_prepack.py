@@ -90,3 +90,14 @@ def test_float32_packing_default_skips_small_models(tiny_llama, monkeypatch):
     monkeypatch.setenv("PAGEDLLM_ONEDNN_FLOAT32", "0")
     assert not onednn.float32_packing_wanted()
     assert prepack_cpu_linears(tiny_llama(True)) == 0
+
+
+def test_no_head_copy_on_a_pipeline_stage_without_logits(tiny_llama):
+    """A tied model on a pipeline stage before the last (``logits_processor.emits_logits`` False)
+    gets its linears packed but no packed copy of the embedding table, which it never multiplies."""
+    model = tiny_llama(True, torch.bfloat16, 0.05)
+    model.logits_processor.emits_logits = False
+    nbytes = prepack_cpu_linears(model)
+    assert nbytes == sum(m.onednn_weight.to_dense().numel() * 2 for m in model.modules() if isinstance(m, Linear))
+    assert getattr(model.model.embed_tokens, "onednn_weight", None) is None
+    assert model.logits_processor.quant_method is None
