@@ -50,7 +50,9 @@
 //     with no horizontal adds and the 12 chains keep the vpdpbusd port busy; per block and column
 //     one cvt + mul + fma for 8 rows (the mins' fma chains in a pass of their own, which frees the
 //     registers). The panel stays in L2 and a tile's activations in L1 while all row tiles pass
-//     over it, so cost grows far slower than M.
+//     over it, so cost grows far slower than M. A row tile's outputs of the panel are written out
+//     row by row (8 x 8 register transposes, store_rows), rounded to bfloat16 on the way when the
+//     output is bfloat16 (the columns kernel fills a float32 scratch that is rounded afterwards).
 //
 // ISA paths, chosen at run time (__builtin_cpu_supports) from one build without -march flags:
 //   0 portable C++; 1 AVX2 (+FMA): vpmaddubsw + vpmaddwd; 2 AVX512-VNNI (+VL/BW): vpdpbusd on
