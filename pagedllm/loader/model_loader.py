@@ -322,6 +322,11 @@ def map_weights(b: ModelBuild) -> None:
     options = {"dtype": str(b.dtype), "quantization": args.quantization, "source": loaded.source,
                "batch_invariant": bool(b.batch_invariant), "hf_overrides": args.hf_overrides,
                "quant": type(loaded.quant_config).__name__ if loaded.quant_config is not None else None}
+    # oneDNN-packed linears (select_kernels) drop their dense weights: the cached tensors differ
+    # (only added when some are packed, so that other models' existing cache keys stay valid)
+    packed = sum(1 for m in b.model.modules() if getattr(m, "onednn_weight", None) is not None)
+    if packed:
+        options["onednn_packed"] = packed
     t = time.perf_counter()
     mw = b.mapped_weights = map_model_weights(b.model, checkpoint_files(loaded), options)
     if mw.path is not None:
