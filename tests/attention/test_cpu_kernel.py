@@ -125,3 +125,44 @@ def test_decode_kernel_split_over_threads_matches_torch(hq, hkv, d):
     finally:
         torch.set_num_threads(prev)
     torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.skipif(not PREFILL, reason="the request-wise decode kernel needs AVX512-BF16")
+@pytest.mark.parametrize("hq,hkv,d", [(9, 3, 64), (4, 1, 256), (16, 2, 128), (6, 6, 64)])
+@pytest.mark.parametrize("kv_dtype", [torch.bfloat16, torch.float8_e4m3fn])
+@pytest.mark.parametrize("window,cap", [(None, None), (40, 10.0)])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_request_wise_decode_equals_the_per_head_split(hq, hkv, d, kv_dtype, window, cap, threads, monkeypatch):
+    """bf16 decode walks whole requests per thread (``decode_request_bf16``: one pass over the K
+    rows for every head, prefetching K and V ahead) where there are enough requests; the outputs
+    are bit-identical to the per-(request, kv head) split (PAGEDLLM_DECODE_PER_HEAD=1), over
+    requests of 1 to 900 tokens (900 keeps more K and V than the kernel holds in L2 and prefetches
+    V in its P.V pass instead), shuffled blocks, fp8 caches, a window and a soft cap, and close to
+    the torch oracle."""
+    bs = 16
+    lens = [1, 15, 16, 17, 100, 333, 900, 48, 2]
+    rng = random.Random(hq * 31 + d)
+    nb = sum(math.ceil(L / bs) for L in lens) + 4
+    kv = (torch.randn(nb, 2, bs, hkv, d) * 0.5).to(kv_dtype)
+    free = list(range(1, nb))
+    rng.shuffle(free)
+    reqs = []
+    for L in lens:
+        n = math.ceil(L / bs)
+        reqs.append((L - 1, 1, free[:n]))
+        free = free[n:]
+    meta = build_metadata(reqs, bs)
+    q = torch.randn(len(lens), hq, d).to(torch.bfloat16)
+    args = (q, kv, meta.block_tables, meta.seq_lens, d ** -0.5, window or 0, cap or 0.0)
+    prev = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        monkeypatch.setenv("PAGEDLLM_DECODE_PER_HEAD", "1")
+        per_head = ops.paged_decode_attention(*args)
+        monkeypatch.setenv("PAGEDLLM_DECODE_PER_HEAD", "0")
+        request_wise = ops.paged_decode_attention(*args)
+    finally:
+        torch.set_num_threads(prev)
+    assert torch.equal(request_wise, per_head)
+    ref = TorchPagedAttention._decode(q.float(), kv.float(), meta, d ** -0.5, window, cap)
+    torch.testing.assert_close(request_wise.float(), ref, atol=3e-2, rtol=3e-2)

@@ -290,9 +290,138 @@ static void decode_heads_bf16(int64_t G, const c10::BFloat16* q, const typename 
 }
 #endif
 
+// One request, every kv head (G <= 8 query heads per kv head): decode_group_bf16's arithmetic for
+// each (kv head, query head) -- the same products, sums and softmax in the same order, so the
+// outputs are bit-identical -- with the memory walked request-wise. The scores of every head come
+// from one pass over the context's K rows (a token's K row holds every kv head, and a block's K is
+// one contiguous run of block_size rows), and while a group of 16 rows is scored the K rows 32
+// ahead and the V rows 16 ahead are prefetched into L2, a few rows per (kv head, query head)
+// pass: the memory is busy during the compute-heavy score pass, and the P.V passes read V from L2.
+// A request whose K and V would not stay in L2 (kL2Budget) prefetches V during its first P.V pass
+// instead. Measured on one Zen 4 core (SmolLM2's 9 / 3 heads of 64, 64 requests of 50-430 tokens,
+// 30 layers' caches cycled so that they come from DRAM): 1.3x the per-(request, kv head) split,
+// which walked one head's 2 lines of every 6-line row per pass (8-9 GB/s); bursts of prefetches
+// (a whole group at once) stalled the core and were slower than no change.
+constexpr int64_t kL2Budget = 384 * 1024;  // bytes of K + V of one request kept in L2
+
+template <typename KV, int DIM, int G>
+static void decode_request_bf16(const c10::BFloat16* q, const typename KV::T* kv, const int64_t* bt, int64_t L,
+                                int64_t b, int64_t Hkv, c10::BFloat16* out, int64_t Hq, int64_t block_size,
+                                int64_t kv_block_stride, int64_t tok_stride, int64_t v_offset, float scale,
+                                int64_t window, float soft_cap, std::vector<float>& scores,
+                                std::vector<const typename KV::T*>& rows) {
+  using KT = typename KV::T;
+  constexpr int NC = DIM / 32;
+  constexpr int NV = DIM / 16;
+  constexpr int CV = decode_cv(G, NV);
+  constexpr int64_t kAheadK = 32, kAheadV = 16;  // rows ahead of the scored group
+  const int64_t first = (window > 0 && L > window) ? L - window : 0;
+  const int64_t n = L - first;
+  const int64_t n16 = (n + 15) / 16 * 16;
+  const int64_t HG = Hkv * G;
+  scores.resize(HG * n16);
+  rows.resize(n16);
+  context_rows(kv, bt, first, n, block_size, kv_block_stride, tok_stride, 0, rows.data());
+  const int64_t row_bytes = tok_stride * static_cast<int64_t>(sizeof(KT));  // one token's K (or V), all kv heads
+  const int64_t row_lines = (row_bytes + 63) / 64;
+  const bool v_in_scores = 2 * n * row_bytes <= kL2Budget;
+  auto prefetch_row = [&](int64_t j, int64_t off) {  // token j's K (off 0) or V (off v_offset) row into L2
+    const char* r = reinterpret_cast<const char*>(rows[j] + off);
+    for (int64_t l = 0; l < row_lines; ++l) _mm_prefetch(r + 64 * l, _MM_HINT_T1);
+  };
+  for (int64_t j = 0; j < std::min<int64_t>(kAheadK, n); ++j) prefetch_row(j, 0);
+  const __m512 vscale = _mm512_set1_ps(scale * KV::kScale);
+  for (int64_t p0 = 0; p0 < n; p0 += 16) {
+    const int64_t cnt = std::min<int64_t>(16, n - p0);
+    for (int64_t h = 0; h < Hkv; ++h) {
+      for (int g = 0; g < G; ++g) {
+        const int64_t k = h * G + g;
+        for (int64_t j = k * 16 / HG; j < (k + 1) * 16 / HG; ++j) {  // this pass's share of the 16 rows
+          if (p0 + kAheadK + j < n) prefetch_row(p0 + kAheadK + j, 0);
+          if (v_in_scores && p0 + kAheadV + j - 16 < n) prefetch_row(p0 + kAheadV + j - 16, v_offset);
+        }
+        const c10::BFloat16* qh = q + (b * Hq + h * G + g) * DIM;
+        __m512bh qv[NC];
+        for (int c = 0; c < NC; ++c) qv[c] = (__m512bh)_mm512_loadu_si512(qh + 32 * c);
+        __m512 acc[16];
+        for (int64_t j = 0; j < 16; ++j) {
+          __m512 a = _mm512_setzero_ps();
+          if (j < cnt) {
+            const KT* kp = rows[p0 + j] + h * DIM;
+            for (int c = 0; c < NC; ++c) a = _mm512_dpbf16_ps(a, qv[c], KV::load32_bf16(kp + 32 * c));
+          }
+          acc[j] = a;
+        }
+        _mm512_storeu_ps(scores.data() + k * n16 + p0, _mm512_mul_ps(reduce16(acc), vscale));
+      }
+    }
+  }
+  if (!v_in_scores)
+    for (int64_t j = 0; j < std::min<int64_t>(kAheadV, n); ++j) prefetch_row(j, v_offset);
+  for (int64_t hg = 0; hg < HG; ++hg) {
+    float* sg = scores.data() + hg * n16;
+    if (soft_cap > 0.f)
+      for (int64_t i = 0; i < n; ++i) sg[i] = soft_cap * std::tanh(sg[i] / soft_cap);
+    pagedllm_cpu::softmax_row(sg, n);
+  }
+  for (int64_t h = 0; h < Hkv; ++h) {
+    const float* sh = scores.data() + h * G * n16;
+    const bool prefetch_v = !v_in_scores && h == 0;
+    for (int c0 = 0; c0 < NV; c0 += CV) {
+      __m512 acc[G][CV];
+      for (int g = 0; g < G; ++g)
+        for (int c = 0; c < CV; ++c) acc[g][c] = _mm512_setzero_ps();
+      for (int64_t i = 0; i < n; ++i) {
+        if (prefetch_v && c0 == 0 && i + kAheadV < n) prefetch_row(i + kAheadV, v_offset);
+        const KT* vp = rows[i] + v_offset + h * DIM + 16 * c0;
+        __m512 v[CV];
+        for (int c = 0; c < CV; ++c) v[c] = KV::load16_f32(vp + 16 * c);
+        for (int g = 0; g < G; ++g) {
+          const __m512 w = _mm512_set1_ps(sh[g * n16 + i]);
+          for (int c = 0; c < CV; ++c) acc[g][c] = _mm512_fmadd_ps(w, v[c], acc[g][c]);
+        }
+      }
+      for (int g = 0; g < G; ++g) {
+        c10::BFloat16* o = out + (b * Hq + h * G + g) * DIM + 16 * c0;
+        for (int c = 0; c < CV; ++c) {
+          const __m512 a = KV::kScale == 1.f ? acc[g][c] : _mm512_mul_ps(acc[g][c], _mm512_set1_ps(KV::kScale));
+          _mm256_storeu_si256(reinterpret_cast<__m256i*>(o + 16 * c), (__m256i)_mm512_cvtneps_pbh(a));
+        }
+      }
+    }
+  }
+}
+
+template <typename KV, int DIM>
+static void decode_request_any_g(int64_t G, const c10::BFloat16* q, const typename KV::T* kv, const int64_t* bt,
+                                 int64_t L, int64_t b, int64_t Hkv, c10::BFloat16* out, int64_t Hq,
+                                 int64_t block_size, int64_t kv_block_stride, int64_t tok_stride, int64_t v_offset,
+                                 float scale, int64_t window, float soft_cap, std::vector<float>& scores,
+                                 std::vector<const typename KV::T*>& rows) {
+#define PAGEDLLM_REQ(GV)                                                                                     \
+  case GV:                                                                                                  \
+    decode_request_bf16<KV, DIM, GV>(q, kv, bt, L, b, Hkv, out, Hq, block_size, kv_block_stride, tok_stride, \
+                                     v_offset, scale, window, soft_cap, scores, rows);                       \
+    break;
+  switch (G) {
+    PAGEDLLM_REQ(1) PAGEDLLM_REQ(2) PAGEDLLM_REQ(3) PAGEDLLM_REQ(4)
+    PAGEDLLM_REQ(5) PAGEDLLM_REQ(6) PAGEDLLM_REQ(7) PAGEDLLM_REQ(8)
+  }
+#undef PAGEDLLM_REQ
+}
+
 #ifdef PAGEDLLM_AVX512_BF16
+// PAGEDLLM_DECODE_PER_HEAD=1: the bf16 kernel splits work per (request, kv head) even where it
+// would go request-wise (read on every call, so that one process can A/B both; for measurements
+// and tests).
+static bool pagedllm_decode_per_head() {
+  const char* e = std::getenv("PAGEDLLM_DECODE_PER_HEAD");
+  return e != nullptr && e[0] == '1';
+}
+
 // Decode with bf16 q and head size 64/128/256 on AVX512-BF16: the grouped kernel over a bf16 or
-// fp8 cache (KV: KvBf16, KvE4M3, KvE5M2), one task per (request, kv head).
+// fp8 cache (KV: KvBf16, KvE4M3, KvE5M2): request-wise (decode_request_bf16, whole requests per
+// thread) where there are enough requests, else one task per (request, kv head).
 template <typename KV>
 static void decode_kernel_bf16(const c10::BFloat16* q, const typename KV::T* kv, const int64_t* block_tables,
                                const int64_t* seq_lens, c10::BFloat16* out, int64_t B, int64_t Hq, int64_t Hkv,
@@ -306,6 +435,38 @@ static void decode_kernel_bf16(const c10::BFloat16* q, const typename KV::T* kv,
   for (int64_t b = 0; b < B; ++b) ctx_tokens += seq_lens[b];
   const int64_t kv_bytes = ctx_tokens * Hkv * D * static_cast<int64_t>(sizeof(typename KV::T));
   const int64_t grain = kv_bytes < 524288 ? B * Hkv : 1;
+  // Request-wise (decode_request_bf16) where every thread gets whole requests: threads split the
+  // requests into runs of about equal context tokens (not equal counts: prompts differ in length).
+  // A few requests over many threads keep the per-(request, kv head) split below.
+  const int64_t nthr = grain > 1 ? 1 : at::get_num_threads();
+  if (G <= 8 && (nthr == 1 || B >= 2 * nthr) && !pagedllm_decode_per_head()) {
+    std::vector<int64_t> split(nthr + 1, B);
+    split[0] = 0;
+    int64_t cum = 0, t = 1;
+    auto ctx = [&](int64_t i) { return (window > 0 && seq_lens[i] > window) ? window : seq_lens[i]; };
+    int64_t total = 0;
+    for (int64_t i = 0; i < B; ++i) total += ctx(i);
+    for (int64_t i = 0; i < B && t < nthr; ++i) {
+      cum += ctx(i);
+      while (t < nthr && cum * nthr >= t * total) split[t++] = i + 1;
+    }
+    at::parallel_for(0, nthr, 1, [&](int64_t tb, int64_t te) {
+      std::vector<float> scores;
+      std::vector<const typename KV::T*> rows;
+      for (int64_t tt = tb; tt < te; ++tt)
+        for (int64_t b = split[tt]; b < split[tt + 1]; ++b) {
+          const int64_t* bt = block_tables + b * max_blocks;
+#define PAGEDLLM_DECODE_REQ(DIMV)                                                                              \
+  decode_request_any_g<KV, DIMV>(G, q, kv, bt, seq_lens[b], b, Hkv, out, Hq, block_size, kv_block_stride, tok_stride, \
+                                 v_offset, scale, window, soft_cap, scores, rows)
+          if (D == 64) PAGEDLLM_DECODE_REQ(64);
+          else if (D == 128) PAGEDLLM_DECODE_REQ(128);
+          else PAGEDLLM_DECODE_REQ(256);
+#undef PAGEDLLM_DECODE_REQ
+        }
+    });
+    return;
+  }
   at::parallel_for(0, B * Hkv, grain, [&](int64_t begin, int64_t end) {
     std::vector<float> scores;
     std::vector<const typename KV::T*> rows;
