@@ -166,3 +166,41 @@ def test_request_wise_decode_equals_the_per_head_split(hq, hkv, d, kv_dtype, win
     assert torch.equal(request_wise, per_head)
     ref = TorchPagedAttention._decode(q.float(), kv.float(), meta, d ** -0.5, window, cap)
     torch.testing.assert_close(request_wise.float(), ref, atol=3e-2, rtol=3e-2)
+
+
+@pytest.mark.parametrize("hq,hkv,d", [(9, 3, 64), (4, 1, 256), (16, 2, 128), (6, 6, 80)])
+@pytest.mark.parametrize("kv_dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("window,cap", [(None, None), (40, 10.0)])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_float32_request_wise_decode_equals_the_per_head_split(hq, hkv, d, kv_dtype, window, cap, threads,
+                                                               monkeypatch):
+    """The float32-q kernel (AVX2, CPUs without AVX512-BF16 and float32 models) walks whole
+    requests too (``decode_request_f32``): bit-identical to its per-(request, kv head) split and
+    close to the torch oracle, over the same requests as the bf16 test above."""
+    bs = 16
+    lens = [1, 7, 8, 9, 100, 333, 900, 48, 2]
+    rng = random.Random(hq * 17 + d)
+    nb = sum(math.ceil(L / bs) for L in lens) + 4
+    kv = (torch.randn(nb, 2, bs, hkv, d) * 0.5).to(kv_dtype)
+    free = list(range(1, nb))
+    rng.shuffle(free)
+    reqs = []
+    for L in lens:
+        n = math.ceil(L / bs)
+        reqs.append((L - 1, 1, free[:n]))
+        free = free[n:]
+    meta = build_metadata(reqs, bs)
+    q = torch.randn(len(lens), hq, d)
+    args = (q, kv, meta.block_tables, meta.seq_lens, d ** -0.5, window or 0, cap or 0.0)
+    prev = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        monkeypatch.setenv("PAGEDLLM_DECODE_PER_HEAD", "1")
+        per_head = ops.paged_decode_attention(*args)
+        monkeypatch.setenv("PAGEDLLM_DECODE_PER_HEAD", "0")
+        request_wise = ops.paged_decode_attention(*args)
+    finally:
+        torch.set_num_threads(prev)
+    assert torch.equal(request_wise, per_head)
+    ref = TorchPagedAttention._decode(q, kv.float(), meta, d ** -0.5, window, cap)
+    torch.testing.assert_close(request_wise, ref, atol=1e-4, rtol=1e-4)

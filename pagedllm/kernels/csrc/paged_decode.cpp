@@ -101,6 +101,33 @@ __attribute__((noipa)) static void decode_one(const scalar_t* q, const kv_t* kv,
   }
 }
 
+// PAGEDLLM_DECODE_PER_HEAD=1: the grouped decode kernels split work per (request, kv head) even
+// where they would go request-wise (read on every call, so that one process can A/B both; for
+// measurements and tests).
+static bool pagedllm_decode_per_head() {
+  const char* e = std::getenv("PAGEDLLM_DECODE_PER_HEAD");
+  return e != nullptr && e[0] == '1';
+}
+
+// Requests b in [split[t], split[t + 1]) go to thread t: contiguous runs of about equal context
+// tokens (within a window, the window), not of equal counts, since prompts differ in length.
+static std::vector<int64_t> request_split(const int64_t* seq_lens, int64_t B, int64_t nthr, int64_t window) {
+  std::vector<int64_t> split(nthr + 1, B);
+  split[0] = 0;
+  auto ctx = [&](int64_t i) { return (window > 0 && seq_lens[i] > window) ? window : seq_lens[i]; };
+  int64_t total = 0, cum = 0, t = 1;
+  for (int64_t i = 0; i < B; ++i) total += ctx(i);
+  for (int64_t i = 0; i < B && t < nthr; ++i) {
+    cum += ctx(i);
+    while (t < nthr && cum * nthr >= t * total) split[t++] = i + 1;
+  }
+  return split;
+}
+
+// Bytes of one request's K + V that the request-wise decode kernels expect to keep in L2 while
+// they use them (the smallest L2 of the CPUs they run on is 512 KiB-1 MiB per core).
+constexpr int64_t kL2Budget = 384 * 1024;
+
 #if defined(__AVX512F__) && defined(__AVX512BF16__)
 #include <immintrin.h>
 #define PAGEDLLM_AVX512_BF16 1
@@ -295,15 +322,13 @@ static void decode_heads_bf16(int64_t G, const c10::BFloat16* q, const typename 
 // outputs are bit-identical -- with the memory walked request-wise. The scores of every head come
 // from one pass over the context's K rows (a token's K row holds every kv head, and a block's K is
 // one contiguous run of block_size rows), and while a group of 16 rows is scored the K rows 32
-// ahead and the V rows 16 ahead are prefetched into L2, a few rows per (kv head, query head)
+// ahead and the group's own V rows are prefetched into L2, a few rows per (kv head, query head)
 // pass: the memory is busy during the compute-heavy score pass, and the P.V passes read V from L2.
 // A request whose K and V would not stay in L2 (kL2Budget) prefetches V during its first P.V pass
 // instead. Measured on one Zen 4 core (SmolLM2's 9 / 3 heads of 64, 64 requests of 50-430 tokens,
 // 30 layers' caches cycled so that they come from DRAM): 1.3x the per-(request, kv head) split,
 // which walked one head's 2 lines of every 6-line row per pass (8-9 GB/s); bursts of prefetches
 // (a whole group at once) stalled the core and were slower than no change.
-constexpr int64_t kL2Budget = 384 * 1024;  // bytes of K + V of one request kept in L2
-
 template <typename KV, int DIM, int G>
 static void decode_request_bf16(const c10::BFloat16* q, const typename KV::T* kv, const int64_t* bt, int64_t L,
                                 int64_t b, int64_t Hkv, c10::BFloat16* out, int64_t Hq, int64_t block_size,
@@ -325,10 +350,12 @@ static void decode_request_bf16(const c10::BFloat16* q, const typename KV::T* kv
   const int64_t row_bytes = tok_stride * static_cast<int64_t>(sizeof(KT));  // one token's K (or V), all kv heads
   const int64_t row_lines = (row_bytes + 63) / 64;
   const bool v_in_scores = 2 * n * row_bytes <= kL2Budget;
-  auto prefetch_row = [&](int64_t j, int64_t off) {  // token j's K (off 0) or V (off v_offset) row into L2
+  // lines l0 .. l1-1 of token j's K (off 0) or V (off v_offset) row into L2
+  auto prefetch_lines = [&](int64_t j, int64_t off, int64_t l0, int64_t l1) {
     const char* r = reinterpret_cast<const char*>(rows[j] + off);
-    for (int64_t l = 0; l < row_lines; ++l) _mm_prefetch(r + 64 * l, _MM_HINT_T1);
+    for (int64_t l = l0; l < l1; ++l) _mm_prefetch(r + 64 * l, _MM_HINT_T1);
   };
+  auto prefetch_row = [&](int64_t j, int64_t off) { prefetch_lines(j, off, 0, row_lines); };
   for (int64_t j = 0; j < std::min<int64_t>(kAheadK, n); ++j) prefetch_row(j, 0);
   const __m512 vscale = _mm512_set1_ps(scale * KV::kScale);
   for (int64_t p0 = 0; p0 < n; p0 += 16) {
@@ -336,15 +363,14 @@ static void decode_request_bf16(const c10::BFloat16* q, const typename KV::T* kv
     for (int64_t h = 0; h < Hkv; ++h) {
       for (int g = 0; g < G; ++g) {
         const int64_t k = h * G + g;
-        for (int64_t j = k * 16 / HG; j < (k + 1) * 16 / HG; ++j) {  // this pass's share of the 16 rows
-          if (p0 + kAheadK + j < n) prefetch_row(p0 + kAheadK + j, 0);
-          if (v_in_scores && p0 + kAheadV + j - 16 < n) prefetch_row(p0 + kAheadV + j - 16, v_offset);
-        }
+        const int64_t l0 = k * row_lines / HG, l1 = (k + 1) * row_lines / HG;  // this pass's share of each row
         const c10::BFloat16* qh = q + (b * Hq + h * G + g) * DIM;
         __m512bh qv[NC];
         for (int c = 0; c < NC; ++c) qv[c] = (__m512bh)_mm512_loadu_si512(qh + 32 * c);
         __m512 acc[16];
         for (int64_t j = 0; j < 16; ++j) {
+          if (p0 + kAheadK + j < n) prefetch_lines(p0 + kAheadK + j, 0, l0, l1);
+          if (v_in_scores && j < cnt) prefetch_lines(p0 + j, v_offset, l0, l1);  // V of the group scored now
           __m512 a = _mm512_setzero_ps();
           if (j < cnt) {
             const KT* kp = rows[p0 + j] + h * DIM;
@@ -411,13 +437,6 @@ static void decode_request_any_g(int64_t G, const c10::BFloat16* q, const typena
 }
 
 #ifdef PAGEDLLM_AVX512_BF16
-// PAGEDLLM_DECODE_PER_HEAD=1: the bf16 kernel splits work per (request, kv head) even where it
-// would go request-wise (read on every call, so that one process can A/B both; for measurements
-// and tests).
-static bool pagedllm_decode_per_head() {
-  const char* e = std::getenv("PAGEDLLM_DECODE_PER_HEAD");
-  return e != nullptr && e[0] == '1';
-}
 
 // Decode with bf16 q and head size 64/128/256 on AVX512-BF16: the grouped kernel over a bf16 or
 // fp8 cache (KV: KvBf16, KvE4M3, KvE5M2): request-wise (decode_request_bf16, whole requests per
@@ -440,16 +459,7 @@ static void decode_kernel_bf16(const c10::BFloat16* q, const typename KV::T* kv,
   // A few requests over many threads keep the per-(request, kv head) split below.
   const int64_t nthr = grain > 1 ? 1 : at::get_num_threads();
   if (G <= 8 && (nthr == 1 || B >= 2 * nthr) && !pagedllm_decode_per_head()) {
-    std::vector<int64_t> split(nthr + 1, B);
-    split[0] = 0;
-    int64_t cum = 0, t = 1;
-    auto ctx = [&](int64_t i) { return (window > 0 && seq_lens[i] > window) ? window : seq_lens[i]; };
-    int64_t total = 0;
-    for (int64_t i = 0; i < B; ++i) total += ctx(i);
-    for (int64_t i = 0; i < B && t < nthr; ++i) {
-      cum += ctx(i);
-      while (t < nthr && cum * nthr >= t * total) split[t++] = i + 1;
-    }
+    const std::vector<int64_t> split = request_split(seq_lens, B, nthr, window);
     at::parallel_for(0, nthr, 1, [&](int64_t tb, int64_t te) {
       std::vector<float> scores;
       std::vector<const typename KV::T*> rows;
@@ -599,6 +609,94 @@ static void decode_group_f32(const float* q, const typename KV::T* kv, const int
   }
 }
 
+// One request, every kv head (G <= 8): decode_group_f32's arithmetic for each (kv head, query
+// head) -- bit-identical outputs -- with the memory walked request-wise, as decode_request_bf16:
+// one pass over the K rows scores every head, and while a group of 8 rows is scored the K rows 32
+// ahead and the group's own V rows are prefetched into L2 (each (kv head, token) pass of the group
+// takes its share of the lines), so the P.V passes read V from L2 (a request whose K and V exceed
+// kL2Budget prefetches V in its first P.V pass instead).
+template <typename KV, int DIM, int G>
+static void decode_request_f32(const float* q, const typename KV::T* kv, const int64_t* bt, int64_t L, int64_t b,
+                               int64_t Hkv, float* out, int64_t Hq, int64_t block_size, int64_t kv_block_stride,
+                               int64_t tok_stride, int64_t v_offset, float scale, int64_t window, float soft_cap,
+                               std::vector<float>& scores, std::vector<const typename KV::T*>& rows,
+                               std::vector<float>& qbuf) {
+  using KT = typename KV::T;
+  static_assert(DIM % 8 == 0, "head size a multiple of 8");
+  constexpr int NV = DIM / 8;
+  constexpr int CV = decode_cv_f32(G, NV);
+  constexpr int64_t kAheadK = 32, kAheadV = 16;
+  const int64_t first = (window > 0 && L > window) ? L - window : 0;
+  const int64_t n = L - first;
+  const int64_t n8 = (n + 7) / 8 * 8;
+  const int64_t HG = Hkv * G;
+  scores.resize(HG * n8);
+  rows.resize(n8);
+  context_rows(kv, bt, first, n, block_size, kv_block_stride, tok_stride, 0, rows.data());
+  for (int64_t i = n; i < n8; ++i) rows[i] = rows[0];  // padding tokens: scored, never used
+  qbuf.resize(HG * DIM + 8);
+  float* qs = reinterpret_cast<float*>((reinterpret_cast<uintptr_t>(qbuf.data()) + 31) & ~uintptr_t(31));
+  for (int64_t k = 0; k < HG; ++k)
+    for (int d = 0; d < DIM; ++d) qs[k * DIM + d] = q[(b * Hq + k) * DIM + d] * scale;
+  const int64_t row_bytes = tok_stride * static_cast<int64_t>(sizeof(KT));
+  const int64_t row_lines = (row_bytes + 63) / 64;
+  const bool v_in_scores = 2 * n * row_bytes <= kL2Budget;
+  auto prefetch_lines = [&](int64_t j, int64_t off, int64_t l0, int64_t l1) {
+    const char* r = reinterpret_cast<const char*>(rows[j] + off);
+    for (int64_t l = l0; l < l1; ++l) _mm_prefetch(r + 64 * l, _MM_HINT_T1);
+  };
+  for (int64_t j = 0; j < std::min<int64_t>(kAheadK, n); ++j) prefetch_lines(j, 0, 0, row_lines);
+  for (int64_t p0 = 0; p0 < n; p0 += 8) {
+    for (int64_t h = 0; h < Hkv; ++h) {
+      const int64_t l0 = h * row_lines / Hkv, l1 = (h + 1) * row_lines / Hkv;  // this pass's share of each row
+      const float* qh = qs + h * G * DIM;
+      __m256 part[G][8];
+      for (int j = 0; j < 8; ++j) {
+        if (p0 + kAheadK + j < n) prefetch_lines(p0 + kAheadK + j, 0, l0, l1);
+        if (v_in_scores && p0 + j < n) prefetch_lines(p0 + j, v_offset, l0, l1);  // V of the group scored now
+        const KT* kp = rows[p0 + j] + h * DIM;
+        __m256 a[G];
+        for (int g = 0; g < G; ++g) a[g] = _mm256_setzero_ps();
+        for (int c = 0; c < NV; ++c) {
+          const __m256 kc = KV::load8(kp + 8 * c);
+          for (int g = 0; g < G; ++g) a[g] = _mm256_fmadd_ps(_mm256_load_ps(qh + g * DIM + 8 * c), kc, a[g]);
+        }
+        for (int g = 0; g < G; ++g) part[g][j] = a[g];
+      }
+      for (int g = 0; g < G; ++g) _mm256_storeu_ps(scores.data() + (h * G + g) * n8 + p0, reduce8(part[g]));
+    }
+  }
+  if (!v_in_scores)
+    for (int64_t j = 0; j < std::min<int64_t>(kAheadV, n); ++j) prefetch_lines(j, v_offset, 0, row_lines);
+  for (int64_t k = 0; k < HG; ++k) {
+    float* sg = scores.data() + k * n8;
+    if (soft_cap > 0.f)
+      for (int64_t i = 0; i < n; ++i) sg[i] = soft_cap * std::tanh(sg[i] / soft_cap);
+    pagedllm_cpu::softmax_row(sg, n);
+  }
+  for (int64_t h = 0; h < Hkv; ++h) {
+    const float* sh = scores.data() + h * G * n8;
+    const bool prefetch_v = !v_in_scores && h == 0;
+    for (int c0 = 0; c0 < NV; c0 += CV) {
+      __m256 acc[G][CV];
+      for (int g = 0; g < G; ++g)
+        for (int c = 0; c < CV; ++c) acc[g][c] = _mm256_setzero_ps();
+      for (int64_t i = 0; i < n; ++i) {
+        if (prefetch_v && c0 == 0 && i + kAheadV < n) prefetch_lines(i + kAheadV, v_offset, 0, row_lines);
+        const KT* vp = rows[i] + v_offset + h * DIM + 8 * c0;
+        __m256 v[CV];
+        for (int c = 0; c < CV; ++c) v[c] = KV::load8(vp + 8 * c);
+        for (int g = 0; g < G; ++g) {
+          const __m256 w = _mm256_set1_ps(sh[g * n8 + i]);
+          for (int c = 0; c < CV; ++c) acc[g][c] = _mm256_fmadd_ps(w, v[c], acc[g][c]);
+        }
+      }
+      for (int g = 0; g < G; ++g)
+        for (int c = 0; c < CV; ++c) _mm256_storeu_ps(out + (b * Hq + h * G + g) * DIM + 8 * (c0 + c), acc[g][c]);
+    }
+  }
+}
+
 // decode_group_f32 over all (request, kv head) pairs, the G query heads of a kv head in chunks
 // of up to 8. Returns false (nothing done) for a head size it has no instance for.
 template <typename KV>
@@ -624,6 +722,43 @@ static bool decode_kernel_f32(const float* q, const typename KV::T* kv, const in
   if (par && B * Hkv < at::get_num_threads() && G > 1)
     gc = std::min<int64_t>(gc, (G * B * Hkv + at::get_num_threads() - 1) / at::get_num_threads() / (B * Hkv));
   gc = std::max<int64_t>(1, gc);
+  // request-wise (decode_request_f32) where every thread gets whole requests, split by context tokens
+  const int64_t nthr = par ? at::get_num_threads() : 1;
+  if (G <= 8 && (nthr == 1 || B >= 2 * nthr) && !pagedllm_decode_per_head()) {
+    const std::vector<int64_t> split = request_split(seq_lens, B, nthr, window);
+    at::parallel_for(0, nthr, 1, [&](int64_t tb, int64_t te) {
+      std::vector<float> scores, qbuf;
+      std::vector<const typename KV::T*> rows;
+      for (int64_t tt = tb; tt < te; ++tt)
+        for (int64_t b = split[tt]; b < split[tt + 1]; ++b) {
+          const int64_t* bt = block_tables + b * max_blocks;
+#define PAGEDLLM_F32_REQ(DIMV, GV)                                                                               \
+  decode_request_f32<KV, DIMV, GV>(q, kv, bt, seq_lens[b], b, Hkv, out, Hq, block_size, kv_block_stride,          \
+                                   tok_stride, v_offset, scale, window, soft_cap, scores, rows, qbuf)
+#define PAGEDLLM_F32_REQ_DIM(DIMV)                                                                               \
+  switch (G) {                                                                                                    \
+    case 1: PAGEDLLM_F32_REQ(DIMV, 1); break;                                                                     \
+    case 2: PAGEDLLM_F32_REQ(DIMV, 2); break;                                                                     \
+    case 3: PAGEDLLM_F32_REQ(DIMV, 3); break;                                                                     \
+    case 4: PAGEDLLM_F32_REQ(DIMV, 4); break;                                                                     \
+    case 5: PAGEDLLM_F32_REQ(DIMV, 5); break;                                                                     \
+    case 6: PAGEDLLM_F32_REQ(DIMV, 6); break;                                                                     \
+    case 7: PAGEDLLM_F32_REQ(DIMV, 7); break;                                                                     \
+    default: PAGEDLLM_F32_REQ(DIMV, 8); break;                                                                    \
+  }
+          switch (D) {
+            case 64: PAGEDLLM_F32_REQ_DIM(64); break;
+            case 80: PAGEDLLM_F32_REQ_DIM(80); break;
+            case 96: PAGEDLLM_F32_REQ_DIM(96); break;
+            case 128: PAGEDLLM_F32_REQ_DIM(128); break;
+            default: PAGEDLLM_F32_REQ_DIM(256); break;
+          }
+#undef PAGEDLLM_F32_REQ_DIM
+#undef PAGEDLLM_F32_REQ
+        }
+    });
+    return true;
+  }
   const int64_t chunks = (G + gc - 1) / gc;
   at::parallel_for(0, B * Hkv * chunks, par ? 1 : B * Hkv * chunks, [&](int64_t begin, int64_t end) {
     std::vector<float> scores;
