@@ -127,6 +127,33 @@ def test_decode_kernel_split_over_threads_matches_torch(hq, hkv, d):
     torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
 
 
+
+def _both_splits(q, kv, lens, bs, window, cap, threads, seed, monkeypatch):
+    """Run ``paged_decode_attention`` over requests of context lengths ``lens`` (blocks of ``kv``
+    shuffled by ``seed``) on ``threads`` threads, split per (request, kv head)
+    (PAGEDLLM_DECODE_PER_HEAD=1) and request-wise; returns (per_head, request_wise, metadata)."""
+    rng = random.Random(seed)
+    free = list(range(1, kv.shape[0]))
+    rng.shuffle(free)
+    reqs = []
+    for L in lens:
+        n = math.ceil(L / bs)
+        reqs.append((L - 1, 1, free[:n]))
+        free = free[n:]
+    meta = build_metadata(reqs, bs)
+    args = (q, kv, meta.block_tables, meta.seq_lens, q.shape[-1] ** -0.5, window or 0, cap or 0.0)
+    prev = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        monkeypatch.setenv("PAGEDLLM_DECODE_PER_HEAD", "1")
+        per_head = ops.paged_decode_attention(*args)
+        monkeypatch.setenv("PAGEDLLM_DECODE_PER_HEAD", "0")
+        request_wise = ops.paged_decode_attention(*args)
+    finally:
+        torch.set_num_threads(prev)
+    return per_head, request_wise, meta
+
+
 @pytest.mark.skipif(not PREFILL, reason="the request-wise decode kernel needs AVX512-BF16")
 @pytest.mark.parametrize("hq,hkv,d", [(9, 3, 64), (4, 1, 256), (16, 2, 128), (6, 6, 64)])
 @pytest.mark.parametrize("kv_dtype", [torch.bfloat16, torch.float8_e4m3fn])
@@ -139,30 +166,10 @@ def test_request_wise_decode_equals_the_per_head_split(hq, hkv, d, kv_dtype, win
     requests of 1 to 900 tokens (900 keeps more K and V than the kernel holds in L2 and prefetches
     V in its P.V pass instead), shuffled blocks, fp8 caches, a window and a soft cap, and close to
     the torch oracle."""
-    bs = 16
-    lens = [1, 15, 16, 17, 100, 333, 900, 48, 2]
-    rng = random.Random(hq * 31 + d)
-    nb = sum(math.ceil(L / bs) for L in lens) + 4
-    kv = (torch.randn(nb, 2, bs, hkv, d) * 0.5).to(kv_dtype)
-    free = list(range(1, nb))
-    rng.shuffle(free)
-    reqs = []
-    for L in lens:
-        n = math.ceil(L / bs)
-        reqs.append((L - 1, 1, free[:n]))
-        free = free[n:]
-    meta = build_metadata(reqs, bs)
+    bs, lens = 16, [1, 15, 16, 17, 100, 333, 900, 48, 2]
+    kv = (torch.randn(sum(math.ceil(L / bs) for L in lens) + 4, 2, bs, hkv, d) * 0.5).to(kv_dtype)
     q = torch.randn(len(lens), hq, d).to(torch.bfloat16)
-    args = (q, kv, meta.block_tables, meta.seq_lens, d ** -0.5, window or 0, cap or 0.0)
-    prev = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
-        monkeypatch.setenv("PAGEDLLM_DECODE_PER_HEAD", "1")
-        per_head = ops.paged_decode_attention(*args)
-        monkeypatch.setenv("PAGEDLLM_DECODE_PER_HEAD", "0")
-        request_wise = ops.paged_decode_attention(*args)
-    finally:
-        torch.set_num_threads(prev)
+    per_head, request_wise, meta = _both_splits(q, kv, lens, bs, window, cap, threads, hq * 31 + d, monkeypatch)
     assert torch.equal(request_wise, per_head)
     ref = TorchPagedAttention._decode(q.float(), kv.float(), meta, d ** -0.5, window, cap)
     torch.testing.assert_close(request_wise.float(), ref, atol=3e-2, rtol=3e-2)
@@ -176,31 +183,11 @@ def test_float32_request_wise_decode_equals_the_per_head_split(hq, hkv, d, kv_dt
                                                                monkeypatch):
     """The float32-q kernel (AVX2, CPUs without AVX512-BF16 and float32 models) walks whole
     requests too (``decode_request_f32``): bit-identical to its per-(request, kv head) split and
-    close to the torch oracle, over the same requests as the bf16 test above."""
-    bs = 16
-    lens = [1, 7, 8, 9, 100, 333, 900, 48, 2]
-    rng = random.Random(hq * 17 + d)
-    nb = sum(math.ceil(L / bs) for L in lens) + 4
-    kv = (torch.randn(nb, 2, bs, hkv, d) * 0.5).to(kv_dtype)
-    free = list(range(1, nb))
-    rng.shuffle(free)
-    reqs = []
-    for L in lens:
-        n = math.ceil(L / bs)
-        reqs.append((L - 1, 1, free[:n]))
-        free = free[n:]
-    meta = build_metadata(reqs, bs)
+    close to the torch oracle, over the same kind of requests as the bf16 test above."""
+    bs, lens = 16, [1, 7, 8, 9, 100, 333, 900, 48, 2]
+    kv = (torch.randn(sum(math.ceil(L / bs) for L in lens) + 4, 2, bs, hkv, d) * 0.5).to(kv_dtype)
     q = torch.randn(len(lens), hq, d)
-    args = (q, kv, meta.block_tables, meta.seq_lens, d ** -0.5, window or 0, cap or 0.0)
-    prev = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
-        monkeypatch.setenv("PAGEDLLM_DECODE_PER_HEAD", "1")
-        per_head = ops.paged_decode_attention(*args)
-        monkeypatch.setenv("PAGEDLLM_DECODE_PER_HEAD", "0")
-        request_wise = ops.paged_decode_attention(*args)
-    finally:
-        torch.set_num_threads(prev)
+    per_head, request_wise, meta = _both_splits(q, kv, lens, bs, window, cap, threads, hq * 17 + d, monkeypatch)
     assert torch.equal(request_wise, per_head)
     ref = TorchPagedAttention._decode(q, kv.float(), meta, d ** -0.5, window, cap)
     torch.testing.assert_close(request_wise, ref, atol=1e-4, rtol=1e-4)

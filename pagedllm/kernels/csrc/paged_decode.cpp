@@ -128,6 +128,29 @@ static std::vector<int64_t> request_split(const int64_t* seq_lens, int64_t B, in
 // they use them (the smallest L2 of the CPUs they run on is 512 KiB-1 MiB per core).
 constexpr int64_t kL2Budget = 384 * 1024;
 
+// f(std::integral_constant<int, g>{}) for g = 1 .. 8 (8 for more): the query heads per kv head
+// that a grouped kernel instance holds in registers.
+template <typename F>
+static inline void with_group(int64_t g, F&& f) {
+  switch (g) {
+    case 1: f(std::integral_constant<int, 1>{}); break;
+    case 2: f(std::integral_constant<int, 2>{}); break;
+    case 3: f(std::integral_constant<int, 3>{}); break;
+    case 4: f(std::integral_constant<int, 4>{}); break;
+    case 5: f(std::integral_constant<int, 5>{}); break;
+    case 6: f(std::integral_constant<int, 6>{}); break;
+    case 7: f(std::integral_constant<int, 7>{}); break;
+    default: f(std::integral_constant<int, 8>{}); break;
+  }
+}
+
+// f(std::integral_constant<int, d>{}) for the first of Ds equal to d (none: nothing is called;
+// the callers check the head size first).
+template <int... Ds, typename F>
+static inline void with_dim(int64_t d, F&& f) {
+  (void)((d == Ds ? (f(std::integral_constant<int, Ds>{}), true) : false) || ...);
+}
+
 #if defined(__AVX512F__) && defined(__AVX512BF16__)
 #include <immintrin.h>
 #define PAGEDLLM_AVX512_BF16 1
@@ -303,19 +326,13 @@ static void decode_heads_bf16(int64_t G, const c10::BFloat16* q, const typename 
   for (int64_t g0 = 0; g0 < G; g0 += 8) {
     const int64_t head0 = h * G + g0;
     const bool prefetch_rows = h == 0 && g0 == 0;
-#define PAGEDLLM_GROUP(GV)                                                                                \
-  case GV:                                                                                                \
-    decode_group_bf16<KV, DIM, GV>(q, kv, bt, L, b, h, head0, prefetch_rows, out, Hq, block_size,        \
-                               kv_block_stride, tok_stride, v_offset, scale, window, soft_cap, scores, rows); \
-    break;
-    switch (std::min<int64_t>(8, G - g0)) {
-      PAGEDLLM_GROUP(1) PAGEDLLM_GROUP(2) PAGEDLLM_GROUP(3) PAGEDLLM_GROUP(4)
-      PAGEDLLM_GROUP(5) PAGEDLLM_GROUP(6) PAGEDLLM_GROUP(7) PAGEDLLM_GROUP(8)
-    }
-#undef PAGEDLLM_GROUP
+    with_group(std::min<int64_t>(8, G - g0), [&](auto gc) {
+      decode_group_bf16<KV, DIM, decltype(gc)::value>(q, kv, bt, L, b, h, head0, prefetch_rows, out, Hq, block_size,
+                                                     kv_block_stride, tok_stride, v_offset, scale, window, soft_cap,
+                                                     scores, rows);
+    });
   }
 }
-#endif
 
 // One request, every kv head (G <= 8 query heads per kv head): decode_group_bf16's arithmetic for
 // each (kv head, query head) -- the same products, sums and softmax in the same order, so the
@@ -418,25 +435,7 @@ static void decode_request_bf16(const c10::BFloat16* q, const typename KV::T* kv
   }
 }
 
-template <typename KV, int DIM>
-static void decode_request_any_g(int64_t G, const c10::BFloat16* q, const typename KV::T* kv, const int64_t* bt,
-                                 int64_t L, int64_t b, int64_t Hkv, c10::BFloat16* out, int64_t Hq,
-                                 int64_t block_size, int64_t kv_block_stride, int64_t tok_stride, int64_t v_offset,
-                                 float scale, int64_t window, float soft_cap, std::vector<float>& scores,
-                                 std::vector<const typename KV::T*>& rows) {
-#define PAGEDLLM_REQ(GV)                                                                                     \
-  case GV:                                                                                                  \
-    decode_request_bf16<KV, DIM, GV>(q, kv, bt, L, b, Hkv, out, Hq, block_size, kv_block_stride, tok_stride, \
-                                     v_offset, scale, window, soft_cap, scores, rows);                       \
-    break;
-  switch (G) {
-    PAGEDLLM_REQ(1) PAGEDLLM_REQ(2) PAGEDLLM_REQ(3) PAGEDLLM_REQ(4)
-    PAGEDLLM_REQ(5) PAGEDLLM_REQ(6) PAGEDLLM_REQ(7) PAGEDLLM_REQ(8)
-  }
-#undef PAGEDLLM_REQ
-}
 
-#ifdef PAGEDLLM_AVX512_BF16
 
 // Decode with bf16 q and head size 64/128/256 on AVX512-BF16: the grouped kernel over a bf16 or
 // fp8 cache (KV: KvBf16, KvE4M3, KvE5M2): request-wise (decode_request_bf16, whole requests per
@@ -466,13 +465,13 @@ static void decode_kernel_bf16(const c10::BFloat16* q, const typename KV::T* kv,
       for (int64_t tt = tb; tt < te; ++tt)
         for (int64_t b = split[tt]; b < split[tt + 1]; ++b) {
           const int64_t* bt = block_tables + b * max_blocks;
-#define PAGEDLLM_DECODE_REQ(DIMV)                                                                              \
-  decode_request_any_g<KV, DIMV>(G, q, kv, bt, seq_lens[b], b, Hkv, out, Hq, block_size, kv_block_stride, tok_stride, \
-                                 v_offset, scale, window, soft_cap, scores, rows)
-          if (D == 64) PAGEDLLM_DECODE_REQ(64);
-          else if (D == 128) PAGEDLLM_DECODE_REQ(128);
-          else PAGEDLLM_DECODE_REQ(256);
-#undef PAGEDLLM_DECODE_REQ
+          with_dim<64, 128, 256>(D, [&](auto dc) {
+            with_group(G, [&](auto gc) {
+              decode_request_bf16<KV, decltype(dc)::value, decltype(gc)::value>(
+                  q, kv, bt, seq_lens[b], b, Hkv, out, Hq, block_size, kv_block_stride, tok_stride, v_offset, scale,
+                  window, soft_cap, scores, rows);
+            });
+          });
         }
     });
     return;
@@ -483,13 +482,11 @@ static void decode_kernel_bf16(const c10::BFloat16* q, const typename KV::T* kv,
     for (int64_t w = begin; w < end; ++w) {
       const int64_t b = w / Hkv, h = w % Hkv;
       const int64_t* bt = block_tables + b * max_blocks;
-#define PAGEDLLM_DECODE_BF16(DIMV)                                                                       \
-  decode_heads_bf16<KV, DIMV>(G, q, kv, bt, seq_lens[b], b, h, out, Hq, block_size, kv_block_stride, tok_stride, \
-                              v_offset, scale, window, soft_cap, scores, rows)
-      if (D == 64) PAGEDLLM_DECODE_BF16(64);
-      else if (D == 128) PAGEDLLM_DECODE_BF16(128);
-      else PAGEDLLM_DECODE_BF16(256);
-#undef PAGEDLLM_DECODE_BF16
+      with_dim<64, 128, 256>(D, [&](auto dc) {
+        decode_heads_bf16<KV, decltype(dc)::value>(G, q, kv, bt, seq_lens[b], b, h, out, Hq, block_size,
+                                                   kv_block_stride, tok_stride, v_offset, scale, window, soft_cap,
+                                                   scores, rows);
+      });
     }
   });
 }
@@ -732,29 +729,13 @@ static bool decode_kernel_f32(const float* q, const typename KV::T* kv, const in
       for (int64_t tt = tb; tt < te; ++tt)
         for (int64_t b = split[tt]; b < split[tt + 1]; ++b) {
           const int64_t* bt = block_tables + b * max_blocks;
-#define PAGEDLLM_F32_REQ(DIMV, GV)                                                                               \
-  decode_request_f32<KV, DIMV, GV>(q, kv, bt, seq_lens[b], b, Hkv, out, Hq, block_size, kv_block_stride,          \
-                                   tok_stride, v_offset, scale, window, soft_cap, scores, rows, qbuf)
-#define PAGEDLLM_F32_REQ_DIM(DIMV)                                                                               \
-  switch (G) {                                                                                                    \
-    case 1: PAGEDLLM_F32_REQ(DIMV, 1); break;                                                                     \
-    case 2: PAGEDLLM_F32_REQ(DIMV, 2); break;                                                                     \
-    case 3: PAGEDLLM_F32_REQ(DIMV, 3); break;                                                                     \
-    case 4: PAGEDLLM_F32_REQ(DIMV, 4); break;                                                                     \
-    case 5: PAGEDLLM_F32_REQ(DIMV, 5); break;                                                                     \
-    case 6: PAGEDLLM_F32_REQ(DIMV, 6); break;                                                                     \
-    case 7: PAGEDLLM_F32_REQ(DIMV, 7); break;                                                                     \
-    default: PAGEDLLM_F32_REQ(DIMV, 8); break;                                                                    \
-  }
-          switch (D) {
-            case 64: PAGEDLLM_F32_REQ_DIM(64); break;
-            case 80: PAGEDLLM_F32_REQ_DIM(80); break;
-            case 96: PAGEDLLM_F32_REQ_DIM(96); break;
-            case 128: PAGEDLLM_F32_REQ_DIM(128); break;
-            default: PAGEDLLM_F32_REQ_DIM(256); break;
-          }
-#undef PAGEDLLM_F32_REQ_DIM
-#undef PAGEDLLM_F32_REQ
+          with_dim<64, 80, 96, 128, 256>(D, [&](auto dc) {
+            with_group(G, [&](auto gc) {
+              decode_request_f32<KV, decltype(dc)::value, decltype(gc)::value>(
+                  q, kv, bt, seq_lens[b], b, Hkv, out, Hq, block_size, kv_block_stride, tok_stride, v_offset, scale,
+                  window, soft_cap, scores, rows, qbuf);
+            });
+          });
         }
     });
     return true;
@@ -768,29 +749,13 @@ static bool decode_kernel_f32(const float* q, const typename KV::T* kv, const in
       const int64_t* bt = block_tables + b * max_blocks;
       {
         const int64_t head0 = h * G + g0;
-#define PAGEDLLM_F32_CALL(DIMV, GV)                                                                             \
-  decode_group_f32<KV, DIMV, GV>(q, kv, bt, seq_lens[b], b, head0, h, out, Hq, block_size, kv_block_stride,     \
-                                 tok_stride, v_offset, scale, window, soft_cap, scores, rows)
-#define PAGEDLLM_F32_DIM(DIMV)                                                                                  \
-  switch (std::min<int64_t>(gc, G - g0)) {                                                                       \
-    case 1: PAGEDLLM_F32_CALL(DIMV, 1); break;                                                                   \
-    case 2: PAGEDLLM_F32_CALL(DIMV, 2); break;                                                                   \
-    case 3: PAGEDLLM_F32_CALL(DIMV, 3); break;                                                                   \
-    case 4: PAGEDLLM_F32_CALL(DIMV, 4); break;                                                                   \
-    case 5: PAGEDLLM_F32_CALL(DIMV, 5); break;                                                                   \
-    case 6: PAGEDLLM_F32_CALL(DIMV, 6); break;                                                                   \
-    case 7: PAGEDLLM_F32_CALL(DIMV, 7); break;                                                                   \
-    default: PAGEDLLM_F32_CALL(DIMV, 8); break;                                                                  \
-  }
-        switch (D) {
-          case 64: PAGEDLLM_F32_DIM(64); break;
-          case 80: PAGEDLLM_F32_DIM(80); break;
-          case 96: PAGEDLLM_F32_DIM(96); break;
-          case 128: PAGEDLLM_F32_DIM(128); break;
-          default: PAGEDLLM_F32_DIM(256); break;
-        }
-#undef PAGEDLLM_F32_DIM
-#undef PAGEDLLM_F32_CALL
+        with_dim<64, 80, 96, 128, 256>(D, [&](auto dc) {
+          with_group(std::min<int64_t>(gc, G - g0), [&](auto gcc) {
+            decode_group_f32<KV, decltype(dc)::value, decltype(gcc)::value>(
+                q, kv, bt, seq_lens[b], b, head0, h, out, Hq, block_size, kv_block_stride, tok_stride, v_offset,
+                scale, window, soft_cap, scores, rows);
+          });
+        });
       }
     }
   });
