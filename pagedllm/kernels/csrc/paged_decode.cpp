@@ -101,12 +101,37 @@ __attribute__((noipa)) static void decode_one(const scalar_t* q, const kv_t* kv,
   }
 }
 
-// PAGEDLLM_DECODE_PER_HEAD=1: the grouped decode kernels split work per (request, kv head) even
-// where they would go request-wise (read on every call, so that one process can A/B both; for
-// measurements and tests).
-static bool pagedllm_decode_per_head() {
+// K + V bytes of the distinct contexts of a step: rows whose block tables start with the same
+// block share their context (the k + 1 rows of a speculative verify, parallel samples, a shared
+// prefix), so each such group counts once, at its longest row.
+static int64_t distinct_kv_bytes(const int64_t* block_tables, const int64_t* seq_lens, int64_t B, int64_t max_blocks,
+                                 int64_t token_bytes) {
+  std::vector<std::pair<int64_t, int64_t>> first(B);
+  for (int64_t b = 0; b < B; ++b) first[b] = {max_blocks > 0 ? block_tables[b * max_blocks] : b, seq_lens[b]};
+  std::sort(first.begin(), first.end());
+  int64_t tokens = 0;
+  for (int64_t b = 0; b < B; ++b)
+    if (b + 1 == B || first[b + 1].first != first[b].first) tokens += first[b].second;  // the group's longest
+  return tokens * token_bytes;
+}
+
+// Whether a step's decode goes request-wise (decode_request_bf16 / _f32) rather than per
+// (request, kv head): with up to 8 query heads per kv head, every thread getting whole requests
+// (one thread, or at least two requests per thread), and more distinct K/V than stays in the
+// caches across a step (kRequestWiseMinBytes per layer; 30 layers of SmolLM2 at that size are
+// ~30 MiB, about this Zen 4's L3). Where K/V come from the caches the per-head split was faster
+// (0.76x for the request-wise walk, cache-resident, Zen 4), e.g. one stream's speculative verify
+// rows: n-gram speculation on SmolLM2 read 437.7 / 425.7 tok/s per head vs 397.0 / 415.7
+// request-wise. PAGEDLLM_DECODE_PER_HEAD=1 / 0 forces either (read on every call, so that one
+// process can A/B both; for measurements and tests).
+constexpr int64_t kRequestWiseMinBytes = 1 << 20;
+static bool decode_request_wise(int64_t G, int64_t B, int64_t nthr, const int64_t* block_tables,
+                                const int64_t* seq_lens, int64_t max_blocks, int64_t token_bytes) {
   const char* e = std::getenv("PAGEDLLM_DECODE_PER_HEAD");
-  return e != nullptr && e[0] == '1';
+  if (G > 8) return false;
+  if (e != nullptr && (e[0] == '0' || e[0] == '1')) return e[0] == '0';
+  return (nthr == 1 || B >= 2 * nthr) &&
+         distinct_kv_bytes(block_tables, seq_lens, B, max_blocks, token_bytes) >= kRequestWiseMinBytes;
 }
 
 // Requests b in [split[t], split[t + 1]) go to thread t: contiguous runs of about equal context
@@ -457,7 +482,8 @@ static void decode_kernel_bf16(const c10::BFloat16* q, const typename KV::T* kv,
   // requests into runs of about equal context tokens (not equal counts: prompts differ in length).
   // A few requests over many threads keep the per-(request, kv head) split below.
   const int64_t nthr = grain > 1 ? 1 : at::get_num_threads();
-  if (G <= 8 && (nthr == 1 || B >= 2 * nthr) && !pagedllm_decode_per_head()) {
+  if (decode_request_wise(G, B, nthr, block_tables, seq_lens, max_blocks,
+                          2 * Hkv * D * static_cast<int64_t>(sizeof(typename KV::T)))) {
     const std::vector<int64_t> split = request_split(seq_lens, B, nthr, window);
     at::parallel_for(0, nthr, 1, [&](int64_t tb, int64_t te) {
       std::vector<float> scores;
@@ -721,7 +747,8 @@ static bool decode_kernel_f32(const float* q, const typename KV::T* kv, const in
   gc = std::max<int64_t>(1, gc);
   // request-wise (decode_request_f32) where every thread gets whole requests, split by context tokens
   const int64_t nthr = par ? at::get_num_threads() : 1;
-  if (G <= 8 && (nthr == 1 || B >= 2 * nthr) && !pagedllm_decode_per_head()) {
+  if (decode_request_wise(G, B, nthr, block_tables, seq_lens, max_blocks,
+                          2 * Hkv * D * static_cast<int64_t>(sizeof(typename KV::T)))) {
     const std::vector<int64_t> split = request_split(seq_lens, B, nthr, window);
     at::parallel_for(0, nthr, 1, [&](int64_t tb, int64_t te) {
       std::vector<float> scores, qbuf;
