@@ -367,10 +367,12 @@ static void decode_heads_bf16(int64_t G, const c10::BFloat16* q, const typename 
 // ahead and the group's own V rows are prefetched into L2, a few rows per (kv head, query head)
 // pass: the memory is busy during the compute-heavy score pass, and the P.V passes read V from L2.
 // A request whose K and V would not stay in L2 (kL2Budget) prefetches V during its first P.V pass
-// instead. Measured on one Zen 4 core (SmolLM2's 9 / 3 heads of 64, 64 requests of 50-430 tokens,
-// 30 layers' caches cycled so that they come from DRAM): 1.3x the per-(request, kv head) split,
-// which walked one head's 2 lines of every 6-line row per pass (8-9 GB/s); bursts of prefetches
-// (a whole group at once) stalled the core and were slower than no change.
+// instead. Measured on Zen 4 (SmolLM2's 9 / 3 heads of 64, 64 requests of 50-430 tokens, 30
+// layers' caches cycled so that they come from DRAM; benchmarks/decode_attention_batch_ab.py):
+// 1.59x / 1.38x the per-(request, kv head) split on 1 / 2 threads, which walked one head's 2 lines
+// of every 6-line row per pass (9.4 GB/s on one core); bursts of prefetches (a whole group at
+// once) stalled the core and were slower than no change; cache-resident K/V run 0.76x (see
+// decode_request_wise).
 template <typename KV, int DIM, int G>
 static void decode_request_bf16(const c10::BFloat16* q, const typename KV::T* kv, const int64_t* bt, int64_t L,
                                 int64_t b, int64_t Hkv, c10::BFloat16* out, int64_t Hq, int64_t block_size,
