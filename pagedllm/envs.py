@@ -77,8 +77,9 @@ ENV_VARS: dict[str, EnvVar] = {v.name: v for v in (
        "on AVX2; read once by the C++ kernel, for A/B runs)."),
     _v("PAGEDLLM_DECODE_PER_HEAD", "choice", "auto",
        "How CPU decode attention splits work: auto = whole requests per thread when a step's distinct K/V "
-       "exceed 1 MiB per layer (else per (request, kv head)), 1 = always per (request, kv head), 0 = always "
-       "request-wise (read on every call by the C++ kernel, for A/B runs and tests).", choices=("auto", "1", "0")),
+       "exceed 1 MiB per layer and most rows have a context of their own (else per (request, kv head)), "
+       "1 = always per (request, kv head), 0 = always request-wise (read on every call by the C++ kernel, "
+       "for A/B runs and tests).", choices=("auto", "1", "0")),
     _v("PAGEDLLM_GROUP_GEMM_LARGE_M", "int", 16,
        "Rows above which the quantized-weight GEMM dequantizes tiles for ATen's GEMM."),
     _v("PAGEDLLM_W8A8_PACKED_MAX_M", "int", 256,

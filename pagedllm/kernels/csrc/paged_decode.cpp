@@ -101,28 +101,31 @@ __attribute__((noipa)) static void decode_one(const scalar_t* q, const kv_t* kv,
   }
 }
 
-// K + V bytes of the distinct contexts of a step: rows whose block tables start with the same
-// block share their context (the k + 1 rows of a speculative verify, parallel samples, a shared
-// prefix), so each such group counts once, at its longest row.
+// K + V bytes of the distinct contexts of a step: consecutive rows whose block tables start with
+// the same block share their context (the k + 1 rows of a speculative verify, parallel samples
+// of one prompt), so each such run counts once, at its longest row; *runs: how many runs. O(B),
+// once per layer call.
 static int64_t distinct_kv_bytes(const int64_t* block_tables, const int64_t* seq_lens, int64_t B, int64_t max_blocks,
-                                 int64_t token_bytes) {
-  std::vector<std::pair<int64_t, int64_t>> first(B);
-  for (int64_t b = 0; b < B; ++b) first[b] = {max_blocks > 0 ? block_tables[b * max_blocks] : b, seq_lens[b]};
-  std::sort(first.begin(), first.end());
-  int64_t tokens = 0;
-  for (int64_t b = 0; b < B; ++b)
-    if (b + 1 == B || first[b + 1].first != first[b].first) tokens += first[b].second;  // the group's longest
-  return tokens * token_bytes;
+                                 int64_t token_bytes, int64_t* runs) {
+  int64_t tokens = 0, run_max = 0;
+  *runs = 0;
+  for (int64_t b = 0; b < B; ++b) {
+    const bool same = b > 0 && max_blocks > 0 && block_tables[b * max_blocks] == block_tables[(b - 1) * max_blocks];
+    if (!same) tokens += run_max, run_max = 0, ++*runs;
+    run_max = std::max(run_max, seq_lens[b]);
+  }
+  return (tokens + run_max) * token_bytes;
 }
 
 // Whether a step's decode goes request-wise (decode_request_bf16 / _f32) rather than per
 // (request, kv head): with up to 8 query heads per kv head, every thread getting whole requests
-// (one thread, or at least two requests per thread), and more distinct K/V than stays in the
-// caches across a step (kRequestWiseMinBytes per layer; 30 layers of SmolLM2 at that size are
-// ~30 MiB, about this Zen 4's L3). Where K/V come from the caches the per-head split was faster
-// (0.76x for the request-wise walk, cache-resident, Zen 4), e.g. one stream's speculative verify
-// rows: n-gram speculation on SmolLM2 read 437.7 / 425.7 tok/s per head vs 397.0 / 415.7
-// request-wise. PAGEDLLM_DECODE_PER_HEAD=1 / 0 forces either (read on every call, so that one
+// (one thread, or at least two requests per thread), more distinct K/V than stays in the caches
+// across a step (kRequestWiseMinBytes per layer; 30 layers of SmolLM2 at that size are ~30 MiB,
+// about this Zen 4's L3), and most rows with a context of their own. Where K/V come from the
+// caches the per-head split was faster (0.76x for the request-wise walk, cache-resident, Zen 4),
+// and so it was where rows share a context, which the rows re-read from the caches: one stream's
+// speculative verify rows (n-gram speculation on SmolLM2's copy workload read 433.3 tok/s per
+// head vs 334.3 request-wise). PAGEDLLM_DECODE_PER_HEAD=1 / 0 forces either (read on every call, so that one
 // process can A/B both; for measurements and tests).
 constexpr int64_t kRequestWiseMinBytes = 1 << 20;
 static bool decode_request_wise(int64_t G, int64_t B, int64_t nthr, const int64_t* block_tables,
@@ -130,8 +133,10 @@ static bool decode_request_wise(int64_t G, int64_t B, int64_t nthr, const int64_
   const char* e = std::getenv("PAGEDLLM_DECODE_PER_HEAD");
   if (G > 8) return false;
   if (e != nullptr && (e[0] == '0' || e[0] == '1')) return e[0] == '0';
-  return (nthr == 1 || B >= 2 * nthr) &&
-         distinct_kv_bytes(block_tables, seq_lens, B, max_blocks, token_bytes) >= kRequestWiseMinBytes;
+  if (nthr > 1 && B < 2 * nthr) return false;
+  int64_t runs = 0;
+  const int64_t bytes = distinct_kv_bytes(block_tables, seq_lens, B, max_blocks, token_bytes, &runs);
+  return bytes >= kRequestWiseMinBytes && 2 * runs > B;
 }
 
 // Requests b in [split[t], split[t + 1]) go to thread t: contiguous runs of about equal context
