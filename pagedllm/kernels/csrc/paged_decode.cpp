@@ -154,6 +154,33 @@ static std::vector<int64_t> request_split(const int64_t* seq_lens, int64_t B, in
   return split;
 }
 
+// Score rows of the grouped decode kernels: every row starts on a 64-byte line (stride a multiple
+// of 16 floats), and one out-of-line function applies the soft cap and the softmax to a row. The
+// per-head and request-wise splits must give bit-identical outputs, and a vectorized sum's order
+// (the compiler peels unaligned leading elements, and may vectorize each inlined copy its own
+// way) would otherwise depend on where a row sits in memory and on which kernel inlined it.
+struct ScoreRows {
+  std::vector<float> buf;
+  float* base = nullptr;
+  int64_t stride = 0;
+  // rows x n floats, each row 64-byte aligned; returns the row stride in floats
+  int64_t resize(int64_t rows, int64_t n) {
+    stride = (n + 15) / 16 * 16;
+    buf.resize(rows * stride + 16);
+    base = reinterpret_cast<float*>((reinterpret_cast<uintptr_t>(buf.data()) + 63) & ~uintptr_t(63));
+    return stride;
+  }
+  float* row(int64_t r) { return base + r * stride; }
+};
+
+// s[0 .. n): soft cap (soft_cap * tanh(s / soft_cap), when soft_cap > 0) and then softmax_row, in
+// place. Not inlined: one body for every kernel (see ScoreRows).
+__attribute__((noinline)) static void normalize_scores(float* __restrict s, int64_t n, float soft_cap) {
+  if (soft_cap > 0.f)
+    for (int64_t i = 0; i < n; ++i) s[i] = soft_cap * std::tanh(s[i] / soft_cap);
+  pagedllm_cpu::softmax_row(s, n);
+}
+
 // Bytes of one request's K + V that the request-wise decode kernels expect to keep in L2 while
 // they use them (the smallest L2 of the CPUs they run on is 512 KiB-1 MiB per core).
 constexpr int64_t kL2Budget = 384 * 1024;
@@ -266,7 +293,7 @@ static void decode_group_bf16(const c10::BFloat16* q, const typename KV::T* kv, 
                               int64_t b, int64_t h, int64_t head0, bool prefetch_rows, c10::BFloat16* out,
                               int64_t Hq, int64_t block_size, int64_t kv_block_stride, int64_t tok_stride,
                               int64_t v_offset, float scale, int64_t window, float soft_cap,
-                              std::vector<float>& scores, std::vector<const typename KV::T*>& rows) {
+                              ScoreRows& scores, std::vector<const typename KV::T*>& rows) {
   using KT = typename KV::T;
   constexpr int NC = DIM / 32;  // 32-element bf16 chunks per row
   constexpr int NV = DIM / 16;  // 16-element float32 chunks per row
@@ -274,7 +301,7 @@ static void decode_group_bf16(const c10::BFloat16* q, const typename KV::T* kv, 
   const int64_t first = (window > 0 && L > window) ? L - window : 0;
   const int64_t n = L - first;
   const int64_t n16 = (n + 15) / 16 * 16;
-  scores.resize(G * n16);
+  const int64_t ss = scores.resize(G, n);
   rows.resize(n16);
   // K row address of every context token, walking the block table once.
   context_rows(kv, bt, first, n, block_size, kv_block_stride, tok_stride, h * DIM, rows.data());
@@ -306,15 +333,10 @@ static void decode_group_bf16(const c10::BFloat16* q, const typename KV::T* kv, 
         }
         acc[j] = a;
       }
-      _mm512_storeu_ps(scores.data() + g * n16 + p0, _mm512_mul_ps(reduce16(acc), vscale));
+      _mm512_storeu_ps(scores.row(g) + p0, _mm512_mul_ps(reduce16(acc), vscale));
     }
   }
-  for (int g = 0; g < G; ++g) {
-    float* sg = scores.data() + g * n16;
-    if (soft_cap > 0.f)
-      for (int64_t i = 0; i < n; ++i) sg[i] = soft_cap * std::tanh(sg[i] / soft_cap);
-    pagedllm_cpu::softmax_row(sg, n);
-  }
+  for (int64_t g = 0; g < G; ++g) normalize_scores(scores.row(g), n, soft_cap);
   // P.V for all G heads, CV vectors of the head dim at a time.
   for (int c0 = 0; c0 < NV; c0 += CV) {
     __m512 acc[G][CV];
@@ -331,7 +353,7 @@ static void decode_group_bf16(const c10::BFloat16* q, const typename KV::T* kv, 
       __m512 v[CV];
       for (int c = 0; c < CV; ++c) v[c] = KV::load16_f32(vp + 16 * c);
       for (int g = 0; g < G; ++g) {
-        const __m512 w = _mm512_set1_ps(scores[g * n16 + i]);
+        const __m512 w = _mm512_set1_ps(scores.base[g * ss + i]);
         for (int c = 0; c < CV; ++c) acc[g][c] = _mm512_fmadd_ps(w, v[c], acc[g][c]);
       }
     }
@@ -351,7 +373,7 @@ template <typename KV, int DIM>
 static void decode_heads_bf16(int64_t G, const c10::BFloat16* q, const typename KV::T* kv, const int64_t* bt,
                               int64_t L, int64_t b, int64_t h, c10::BFloat16* out, int64_t Hq, int64_t block_size,
                               int64_t kv_block_stride, int64_t tok_stride, int64_t v_offset, float scale,
-                              int64_t window, float soft_cap, std::vector<float>& scores,
+                              int64_t window, float soft_cap, ScoreRows& scores,
                               std::vector<const typename KV::T*>& rows) {
   for (int64_t g0 = 0; g0 < G; g0 += 8) {
     const int64_t head0 = h * G + g0;
@@ -382,7 +404,7 @@ template <typename KV, int DIM, int G>
 static void decode_request_bf16(const c10::BFloat16* q, const typename KV::T* kv, const int64_t* bt, int64_t L,
                                 int64_t b, int64_t Hkv, c10::BFloat16* out, int64_t Hq, int64_t block_size,
                                 int64_t kv_block_stride, int64_t tok_stride, int64_t v_offset, float scale,
-                                int64_t window, float soft_cap, std::vector<float>& scores,
+                                int64_t window, float soft_cap, ScoreRows& scores,
                                 std::vector<const typename KV::T*>& rows) {
   using KT = typename KV::T;
   constexpr int NC = DIM / 32;
@@ -393,7 +415,7 @@ static void decode_request_bf16(const c10::BFloat16* q, const typename KV::T* kv
   const int64_t n = L - first;
   const int64_t n16 = (n + 15) / 16 * 16;
   const int64_t HG = Hkv * G;
-  scores.resize(HG * n16);
+  const int64_t ss = scores.resize(HG, n);
   rows.resize(n16);
   context_rows(kv, bt, first, n, block_size, kv_block_stride, tok_stride, 0, rows.data());
   const int64_t row_bytes = tok_stride * static_cast<int64_t>(sizeof(KT));  // one token's K (or V), all kv heads
@@ -427,20 +449,15 @@ static void decode_request_bf16(const c10::BFloat16* q, const typename KV::T* kv
           }
           acc[j] = a;
         }
-        _mm512_storeu_ps(scores.data() + k * n16 + p0, _mm512_mul_ps(reduce16(acc), vscale));
+        _mm512_storeu_ps(scores.row(k) + p0, _mm512_mul_ps(reduce16(acc), vscale));
       }
     }
   }
   if (!v_in_scores)
     for (int64_t j = 0; j < std::min<int64_t>(kAheadV, n); ++j) prefetch_row(j, v_offset);
-  for (int64_t hg = 0; hg < HG; ++hg) {
-    float* sg = scores.data() + hg * n16;
-    if (soft_cap > 0.f)
-      for (int64_t i = 0; i < n; ++i) sg[i] = soft_cap * std::tanh(sg[i] / soft_cap);
-    pagedllm_cpu::softmax_row(sg, n);
-  }
+  for (int64_t hg = 0; hg < HG; ++hg) normalize_scores(scores.row(hg), n, soft_cap);
   for (int64_t h = 0; h < Hkv; ++h) {
-    const float* sh = scores.data() + h * G * n16;
+    const float* sh = scores.row(h * G);
     const bool prefetch_v = !v_in_scores && h == 0;
     for (int c0 = 0; c0 < NV; c0 += CV) {
       __m512 acc[G][CV];
@@ -452,7 +469,7 @@ static void decode_request_bf16(const c10::BFloat16* q, const typename KV::T* kv
         __m512 v[CV];
         for (int c = 0; c < CV; ++c) v[c] = KV::load16_f32(vp + 16 * c);
         for (int g = 0; g < G; ++g) {
-          const __m512 w = _mm512_set1_ps(sh[g * n16 + i]);
+          const __m512 w = _mm512_set1_ps(sh[g * ss + i]);
           for (int c = 0; c < CV; ++c) acc[g][c] = _mm512_fmadd_ps(w, v[c], acc[g][c]);
         }
       }
@@ -493,7 +510,7 @@ static void decode_kernel_bf16(const c10::BFloat16* q, const typename KV::T* kv,
                           2 * Hkv * D * static_cast<int64_t>(sizeof(typename KV::T)))) {
     const std::vector<int64_t> split = request_split(seq_lens, B, nthr, window);
     at::parallel_for(0, nthr, 1, [&](int64_t tb, int64_t te) {
-      std::vector<float> scores;
+      ScoreRows scores;
       std::vector<const typename KV::T*> rows;
       for (int64_t tt = tb; tt < te; ++tt)
         for (int64_t b = split[tt]; b < split[tt + 1]; ++b) {
@@ -510,7 +527,7 @@ static void decode_kernel_bf16(const c10::BFloat16* q, const typename KV::T* kv,
     return;
   }
   at::parallel_for(0, B * Hkv, grain, [&](int64_t begin, int64_t end) {
-    std::vector<float> scores;
+    ScoreRows scores;
     std::vector<const typename KV::T*> rows;
     for (int64_t w = begin; w < end; ++w) {
       const int64_t b = w / Hkv, h = w % Hkv;
@@ -577,7 +594,7 @@ template <typename KV, int DIM, int G>
 static void decode_group_f32(const float* q, const typename KV::T* kv, const int64_t* bt, int64_t L, int64_t b,
                              int64_t head0, int64_t h, float* out, int64_t Hq, int64_t block_size,
                              int64_t kv_block_stride, int64_t tok_stride, int64_t v_offset, float scale,
-                             int64_t window, float soft_cap, std::vector<float>& scores,
+                             int64_t window, float soft_cap, ScoreRows& scores,
                              std::vector<const typename KV::T*>& rows) {
   using KT = typename KV::T;
   static_assert(DIM % 8 == 0, "head size a multiple of 8");
@@ -586,7 +603,7 @@ static void decode_group_f32(const float* q, const typename KV::T* kv, const int
   const int64_t first = (window > 0 && L > window) ? L - window : 0;
   const int64_t n = L - first;
   const int64_t n8 = (n + 7) / 8 * 8;
-  scores.resize(G * n8);
+  const int64_t ss = scores.resize(G, n);
   rows.resize(n8);
   context_rows(kv, bt, first, n, block_size, kv_block_stride, tok_stride, h * DIM, rows.data());
   for (int64_t i = n; i < n8; ++i) rows[i] = rows[0];  // padding tokens: scored, never used
@@ -611,14 +628,9 @@ static void decode_group_f32(const float* q, const typename KV::T* kv, const int
       }
       for (int g = 0; g < G; ++g) part[g][j] = a[g];
     }
-    for (int g = 0; g < G; ++g) _mm256_storeu_ps(scores.data() + g * n8 + p0, reduce8(part[g]));
+    for (int g = 0; g < G; ++g) _mm256_storeu_ps(scores.row(g) + p0, reduce8(part[g]));
   }
-  for (int g = 0; g < G; ++g) {
-    float* sg = scores.data() + g * n8;
-    if (soft_cap > 0.f)
-      for (int64_t i = 0; i < n; ++i) sg[i] = soft_cap * std::tanh(sg[i] / soft_cap);
-    pagedllm_cpu::softmax_row(sg, n);
-  }
+  for (int64_t g = 0; g < G; ++g) normalize_scores(scores.row(g), n, soft_cap);
   // Pass 2: P.V for all G heads, CV vectors of the head dim at a time.
   for (int c0 = 0; c0 < NV; c0 += CV) {
     __m256 acc[G][CV];
@@ -630,7 +642,7 @@ static void decode_group_f32(const float* q, const typename KV::T* kv, const int
       __m256 v[CV];
       for (int c = 0; c < CV; ++c) v[c] = KV::load8(vp + 8 * c);
       for (int g = 0; g < G; ++g) {
-        const __m256 w = _mm256_set1_ps(scores[g * n8 + i]);
+        const __m256 w = _mm256_set1_ps(scores.base[g * ss + i]);
         for (int c = 0; c < CV; ++c) acc[g][c] = _mm256_fmadd_ps(w, v[c], acc[g][c]);
       }
     }
@@ -649,7 +661,7 @@ template <typename KV, int DIM, int G>
 static void decode_request_f32(const float* q, const typename KV::T* kv, const int64_t* bt, int64_t L, int64_t b,
                                int64_t Hkv, float* out, int64_t Hq, int64_t block_size, int64_t kv_block_stride,
                                int64_t tok_stride, int64_t v_offset, float scale, int64_t window, float soft_cap,
-                               std::vector<float>& scores, std::vector<const typename KV::T*>& rows,
+                               ScoreRows& scores, std::vector<const typename KV::T*>& rows,
                                std::vector<float>& qbuf) {
   using KT = typename KV::T;
   static_assert(DIM % 8 == 0, "head size a multiple of 8");
@@ -660,7 +672,7 @@ static void decode_request_f32(const float* q, const typename KV::T* kv, const i
   const int64_t n = L - first;
   const int64_t n8 = (n + 7) / 8 * 8;
   const int64_t HG = Hkv * G;
-  scores.resize(HG * n8);
+  const int64_t ss = scores.resize(HG, n);
   rows.resize(n8);
   context_rows(kv, bt, first, n, block_size, kv_block_stride, tok_stride, 0, rows.data());
   for (int64_t i = n; i < n8; ++i) rows[i] = rows[0];  // padding tokens: scored, never used
@@ -693,19 +705,14 @@ static void decode_request_f32(const float* q, const typename KV::T* kv, const i
         }
         for (int g = 0; g < G; ++g) part[g][j] = a[g];
       }
-      for (int g = 0; g < G; ++g) _mm256_storeu_ps(scores.data() + (h * G + g) * n8 + p0, reduce8(part[g]));
+      for (int g = 0; g < G; ++g) _mm256_storeu_ps(scores.row(h * G + g) + p0, reduce8(part[g]));
     }
   }
   if (!v_in_scores)
     for (int64_t j = 0; j < std::min<int64_t>(kAheadV, n); ++j) prefetch_lines(j, v_offset, 0, row_lines);
-  for (int64_t k = 0; k < HG; ++k) {
-    float* sg = scores.data() + k * n8;
-    if (soft_cap > 0.f)
-      for (int64_t i = 0; i < n; ++i) sg[i] = soft_cap * std::tanh(sg[i] / soft_cap);
-    pagedllm_cpu::softmax_row(sg, n);
-  }
+  for (int64_t k = 0; k < HG; ++k) normalize_scores(scores.row(k), n, soft_cap);
   for (int64_t h = 0; h < Hkv; ++h) {
-    const float* sh = scores.data() + h * G * n8;
+    const float* sh = scores.row(h * G);
     const bool prefetch_v = !v_in_scores && h == 0;
     for (int c0 = 0; c0 < NV; c0 += CV) {
       __m256 acc[G][CV];
@@ -717,7 +724,7 @@ static void decode_request_f32(const float* q, const typename KV::T* kv, const i
         __m256 v[CV];
         for (int c = 0; c < CV; ++c) v[c] = KV::load8(vp + 8 * c);
         for (int g = 0; g < G; ++g) {
-          const __m256 w = _mm256_set1_ps(sh[g * n8 + i]);
+          const __m256 w = _mm256_set1_ps(sh[g * ss + i]);
           for (int c = 0; c < CV; ++c) acc[g][c] = _mm256_fmadd_ps(w, v[c], acc[g][c]);
         }
       }
@@ -758,7 +765,8 @@ static bool decode_kernel_f32(const float* q, const typename KV::T* kv, const in
                           2 * Hkv * D * static_cast<int64_t>(sizeof(typename KV::T)))) {
     const std::vector<int64_t> split = request_split(seq_lens, B, nthr, window);
     at::parallel_for(0, nthr, 1, [&](int64_t tb, int64_t te) {
-      std::vector<float> scores, qbuf;
+      ScoreRows scores;
+      std::vector<float> qbuf;
       std::vector<const typename KV::T*> rows;
       for (int64_t tt = tb; tt < te; ++tt)
         for (int64_t b = split[tt]; b < split[tt + 1]; ++b) {
@@ -776,7 +784,7 @@ static bool decode_kernel_f32(const float* q, const typename KV::T* kv, const in
   }
   const int64_t chunks = (G + gc - 1) / gc;
   at::parallel_for(0, B * Hkv * chunks, par ? 1 : B * Hkv * chunks, [&](int64_t begin, int64_t end) {
-    std::vector<float> scores;
+    ScoreRows scores;
     std::vector<const typename KV::T*> rows;
     for (int64_t w = begin; w < end; ++w) {
       const int64_t b = w / (Hkv * chunks), h = (w / chunks) % Hkv, g0 = (w % chunks) * gc;
