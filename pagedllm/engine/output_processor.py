@@ -190,6 +190,9 @@ class RequestState:
         # ... and one that sends nothing before its end (offline ``LLM.generate``, n = 1): such a
         # step is handled inside ``OutputProcessor.process_outputs``' loop (no update() call).
         self._plain_final = self._plain and self.output_kind == FINAL_ONLY and parent is None
+        # ... whose text nobody reads before the end either: its tokens are detokenized once, when
+        # it finishes (IncrementalDetokenizer.defer_token), instead of one delta per step.
+        self._defer_text = self._plain_final and self.detokenizer is not None and self.detokenizer.can_defer
 
     # ------------------------------------------------------------------ helpers
     def _token_text(self) -> Optional[Callable[[int], str]]:
@@ -222,6 +225,9 @@ class RequestState:
                 and type(new_ids[0]) is int
                 and (not eco.num_cached_tokens or eco.num_cached_tokens <= self.num_cached_tokens)):
             self.token_ids.append(new_ids[0])
+            if self._defer_text:
+                self.detokenizer.defer_token(new_ids[0])
+                return True
             det = self.detokenizer
             if det is not None:
                 delta = det.add_tokens(new_ids)

@@ -231,3 +231,54 @@ def test_clean_token_fast_path_equals_stream_and_python_paths(tok, seed):
     # Bounded: one entry per token id seen (plus the added tokens), never past the vocabulary.
     assert len(table) <= len(tok) + 1
     assert table[tok.eos_token_id] == ""  # an added token is never clean
+
+
+def _deferred_vs_incremental(tok, ids, prompt, skip, stop_last):
+    """(incremental text, deferred text): every id through add_tokens one at a time, vs all
+    through defer_token and then the end as the output processor does it (the last id through
+    add_tokens, or dropped as a stop token that is not part of the text, then flush)."""
+    inc = IncrementalDetokenizer(tok, prompt, skip_special_tokens=skip)
+    body = ids[:-1] if stop_last else ids
+    text = "".join(inc.add_tokens([t]) for t in body) + inc.flush()
+    d = IncrementalDetokenizer(tok, prompt, skip_special_tokens=skip)
+    assert d.can_defer
+    for t in ids[:-1]:
+        d.defer_token(t)
+    deferred = ("" if stop_last else d.add_tokens([ids[-1]])) + d.flush()
+    assert d.output_text == deferred or deferred == d.output_text.rstrip("\ufffd")
+    return text, deferred
+
+
+@pytest.mark.parametrize("which", ["smollm2", "gemma3"])
+def test_deferred_text_equals_the_incremental_deltas(which, request):
+    """A request whose text is read only at its end (offline ``LLM.generate``) appends its tokens
+    with ``defer_token`` and decodes them once when it finishes: the same text as the sum of the
+    per-token deltas, for a byte-level (SmolLM2) and a SentencePiece (Gemma 3) tokenizer, with
+    split characters, special tokens, random ids, a prompt context or none, and a final stop token
+    that is or is not part of the text."""
+    if which == "smollm2":
+        tok = request.getfixturevalue("smollm2_hf_tokenizer")
+    else:
+        import os
+
+        from transformers import AutoTokenizer
+
+        path = request.getfixturevalue("gemma3_path")
+        if not os.path.exists(path):
+            pytest.skip("Gemma 3 GGUF not available")
+        tok = AutoTokenizer.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path))
+    rng = random.Random(7)
+    special = [tok.convert_tokens_to_ids(t) for t in tok.all_special_tokens]
+    checked = 0
+    for trial in range(40):
+        text = "".join(rng.choice(TEXTS) for _ in range(rng.randint(1, 3)))
+        ids = tok.encode(text, add_special_tokens=False)
+        ids += [rng.randrange(tok.vocab_size) for _ in range(rng.randint(0, 6))]
+        if trial % 3 == 0:
+            ids.insert(rng.randrange(len(ids)), rng.choice(special))
+        prompt = tok.encode(rng.choice(TEXTS)) if trial % 2 else None
+        skip = trial % 4 < 2
+        incremental, deferred = _deferred_vs_incremental(tok, ids, prompt, skip, stop_last=trial % 5 == 0)
+        assert deferred == incremental, (trial, ids)
+        checked += bool(incremental)
+    assert checked >= 30
