@@ -110,18 +110,18 @@ class IncrementalDetokenizer:
 
     @property
     def can_defer(self) -> bool:
-        """Whether :meth:`defer_token` may be used (a fast tokenizer: the deferred text is one
+        """Whether :meth:`defer_tokens` may be used (a fast tokenizer: the deferred text is one
         ``decode`` of the window, as the Python path computes every delta)."""
         return self._backend is not None
 
-    def defer_token(self, tok: int) -> None:
-        """Append one output token id without decoding it (for a request whose text is read only
+    def defer_tokens(self, token_ids: Sequence[int]) -> None:
+        """Append output token ids without decoding them (for a request whose text is read only
         at its end: offline ``LLM.generate``, non-streamed API requests without stop strings or
         logprobs). The offsets stay where they are, so the next :meth:`add_tokens` or
         :meth:`flush` decodes the whole window ``_ids[prefix_offset:]`` at once: the text equals
         the sum of the per-token deltas (the window algorithm's result does not depend on how the
         ids were grouped into steps), for one decode per request instead of one per token."""
-        self._ids.append(tok)
+        self._ids.extend(token_ids)
         self._stream = None
 
     def _clean_text(self, tok: int) -> str:

@@ -191,7 +191,7 @@ class RequestState:
         # step is handled inside ``OutputProcessor.process_outputs``' loop (no update() call).
         self._plain_final = self._plain and self.output_kind == FINAL_ONLY and parent is None
         # ... whose text nobody reads before the end either: its tokens are detokenized once, when
-        # it finishes (IncrementalDetokenizer.defer_token), instead of one delta per step.
+        # it finishes (IncrementalDetokenizer.defer_tokens), instead of one delta per step.
         self._defer_text = self._plain_final and self.detokenizer is not None and self.detokenizer.can_defer
 
     # ------------------------------------------------------------------ helpers
@@ -226,8 +226,7 @@ class RequestState:
                 and (not eco.num_cached_tokens or eco.num_cached_tokens <= self.num_cached_tokens)):
             self.token_ids.append(new_ids[0])
             if self._defer_text:
-                self.detokenizer.defer_token(new_ids[0])
-                return True
+                return True  # (the detokenizer catches up at the end: update())
             det = self.detokenizer
             if det is not None:
                 delta = det.add_tokens(new_ids)
@@ -241,6 +240,11 @@ class RequestState:
         core still runs the request (so the core must abort it)."""
         if self._plain and self._plain_step(eco):
             return False  # (the common decode step: append, detokenize)
+        if self._defer_text:  # the tokens _plain_step appended without text, into the detokenizer
+            det = self.detokenizer
+            behind = len(self.token_ids) - det.num_output_tokens
+            if behind > 0:
+                det.defer_tokens(self.token_ids[-behind:])
         if eco.num_cached_tokens and eco.num_cached_tokens > self.num_cached_tokens:
             self.num_cached_tokens = int(eco.num_cached_tokens)
         if eco.new_prompt_logprobs:

@@ -235,15 +235,15 @@ def test_clean_token_fast_path_equals_stream_and_python_paths(tok, seed):
 
 def _deferred_vs_incremental(tok, ids, prompt, skip, stop_last):
     """(incremental text, deferred text): every id through add_tokens one at a time, vs all
-    through defer_token and then the end as the output processor does it (the last id through
+    through defer_tokens and then the end as the output processor does it (the last id through
     add_tokens, or dropped as a stop token that is not part of the text, then flush)."""
     inc = IncrementalDetokenizer(tok, prompt, skip_special_tokens=skip)
     body = ids[:-1] if stop_last else ids
     text = "".join(inc.add_tokens([t]) for t in body) + inc.flush()
     d = IncrementalDetokenizer(tok, prompt, skip_special_tokens=skip)
     assert d.can_defer
-    for t in ids[:-1]:
-        d.defer_token(t)
+    d.defer_tokens(ids[:len(ids) // 2])
+    d.defer_tokens(ids[len(ids) // 2:-1])
     deferred = ("" if stop_last else d.add_tokens([ids[-1]])) + d.flush()
     assert d.output_text == deferred or deferred == d.output_text.rstrip("\ufffd")
     return text, deferred
@@ -252,7 +252,7 @@ def _deferred_vs_incremental(tok, ids, prompt, skip, stop_last):
 @pytest.mark.parametrize("which", ["smollm2", "gemma3"])
 def test_deferred_text_equals_the_incremental_deltas(which, request):
     """A request whose text is read only at its end (offline ``LLM.generate``) appends its tokens
-    with ``defer_token`` and decodes them once when it finishes: the same text as the sum of the
+    with ``defer_tokens`` and decodes them once when it finishes: the same text as the sum of the
     per-token deltas, for a byte-level (SmolLM2) and a SentencePiece (Gemma 3) tokenizer, with
     split characters, special tokens, random ids, a prompt context or none, and a final stop token
     that is or is not part of the text."""
