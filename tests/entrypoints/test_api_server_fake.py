@@ -387,6 +387,42 @@ def test_client_disconnect_aborts(engine):
     assert len(slow.aborted) == n + 1 and not slow.running
 
 
+@pytest.mark.parametrize("stream", [False, True])
+def test_duplicate_request_id_leaves_the_running_request_alone(stream):
+    """A second request with the X-Request-Id of one still running gets a 400 naming the id, and
+    the running one (streamed or not) completes untouched: the second's cleanup aborts nothing of
+    the first's (it used to abort the shared id, and the first then waited forever)."""
+    import httpx
+
+    slow = FakeAsyncLLM(max_model_len=256, step_delay=0.02)
+    app = build_app(slow, make_args())
+
+    async def run():
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://test") as c:
+            hdr = {"X-Request-Id": "dup"}
+            first = asyncio.ensure_future(c.post("/v1/completions", headers=hdr, json={
+                "prompt": "Hello", "max_tokens": 12, "stream": stream}))
+            for _ in range(500):
+                if "cmpl-dup-0" in slow.running:
+                    break
+                await asyncio.sleep(0.005)
+            assert "cmpl-dup-0" in slow.running
+            second = await c.post("/v1/completions", headers=hdr, json={"prompt": "Hi", "max_tokens": 3})
+            return await asyncio.wait_for(first, timeout=20), second
+
+    r1, r2 = asyncio.run(run())
+    assert r2.status_code == 400 and "cmpl-dup-0" in r2.json()["error"]["message"]
+    assert r1.status_code == 200
+    if stream:
+        events = [e for e in sse_events(r1.text) if e != "[DONE]"]
+        assert events[-1]["choices"][0]["finish_reason"] == "length"
+    else:
+        assert r1.json()["choices"][0]["finish_reason"] == "length"
+        assert r1.json()["usage"]["completion_tokens"] == 12
+    assert "cmpl-dup-0" in slow.finished_ids and "cmpl-dup-0" not in slow.aborted and not slow.running
+
+
 def test_cli_args():
     assert parse_bytes("2GiB") == 2 * 1024**3
     assert parse_bytes("512MiB") == 512 * 1024**2

@@ -102,3 +102,45 @@ def test_truncated_prompt_same_text_and_tokens(offline, client):
     c = r.json()["choices"][0]
     assert c["prompt_token_ids"] == off.prompt_token_ids and c["token_ids"] == off.outputs[0].token_ids
     assert c["text"] == off.prompt + off.outputs[0].text
+
+
+def test_duplicate_request_id_leaves_the_running_request_alone():
+    """The real engine behind the app: a request reusing the X-Request-Id of one in flight gets a
+    400, and the running request (non-streamed and streamed) still returns all its tokens (the
+    duplicate's cleanup used to abort the shared engine id: the first request then hung)."""
+    import asyncio
+    import json
+
+    from server_helpers import run_in_process
+
+    engine = AsyncLLM.from_engine_args(EngineArgs(model=MODEL, **KW))
+
+    async def body(client):
+        got = []
+        for stream in (False, True):
+            rid = f"dup{int(stream)}"
+            first = asyncio.ensure_future(client.post("/v1/completions", headers={"X-Request-Id": rid}, json={
+                "model": MODEL, "prompt": "Count: 1, 2,", "max_tokens": 24, "temperature": 0,
+                "ignore_eos": True, "stream": stream}))
+            for _ in range(2000):
+                if f"cmpl-{rid}-0" in engine._ids_in_use:
+                    break
+                await asyncio.sleep(0.005)
+            assert f"cmpl-{rid}-0" in engine._ids_in_use
+            second = await client.post("/v1/completions", headers={"X-Request-Id": rid},
+                                       json={"model": MODEL, "prompt": "Hi", "max_tokens": 2})
+            assert second.status_code == 400 and "already in use" in second.json()["error"]["message"]
+            r = await asyncio.wait_for(first, timeout=60)
+            assert r.status_code == 200, r.text
+            if stream:
+                events = [json.loads(b[len("data: "):]) for b in r.text.split("\n\n")
+                          if b.startswith("data: {")]
+                assert events[-1]["choices"][0]["finish_reason"] == "length"
+                got.append(sum(len(e["choices"][0]["text"]) > 0 for e in events))
+            else:
+                assert r.json()["usage"]["completion_tokens"] == 24
+                assert r.json()["choices"][0]["finish_reason"] == "length"
+        return got
+
+    got = run_in_process(lambda: build_app(engine, make_args()), body, engine.shutdown)
+    assert got and got[0] >= 12  # the streamed request's text came in many chunks

@@ -3,6 +3,7 @@ validation, running several engine generators at once, disconnect handling, SSE 
 from __future__ import annotations
 
 import asyncio
+import collections
 import dataclasses
 import json
 import logging
@@ -285,7 +286,7 @@ class OpenAIServing:
         self.log_requests = log_requests
         self.log_outputs = bool(log_outputs and log_requests)
         self.max_log_len = max_log_len
-        self.inflight: set[str] = set()
+        self.inflight: collections.Counter[str] = collections.Counter()  # engine request ids in flight
         self.inflight_streams: set[MergedGenerators] = set()
         # The served LoRA adapters (``serving_lora.LoRARegistry``), shared by the endpoints;
         # None when the server runs without --enable-lora.
@@ -521,7 +522,7 @@ class OpenAIServing:
             try:
                 await merged.prime()
             except BaseException:
-                self.inflight.difference_update(request_ids)
+                self._untrack(request_ids)
                 self.inflight_streams.discard(merged)
                 raise
         return merged
@@ -623,15 +624,24 @@ class OpenAIServing:
             except Exception:
                 logger.debug("abort of %s failed", rid, exc_info=True)
 
-    async def finish(self, merged: MergedGenerators, request_ids: Sequence[str],
-                     completed: bool) -> None:
-        """Cleanup after a request: close generators, abort unfinished engine requests."""
+    async def finish(self, merged: MergedGenerators, request_ids: Sequence[str]) -> None:
+        """Cleanup after a request: close its generators, which aborts the engine requests they
+        added and did not finish (``AsyncLLM.generate``'s own cleanup).
+
+        NOTE: nothing is aborted by id here: an id this request never added (a client's
+        ``X-Request-Id`` that another request in flight already uses: the engine refused it with
+        a 400) belongs to that other request, which must run on untouched."""
         with anyio.CancelScope(shield=True):
             await merged.aclose()
-            if not completed:
-                await self.abort_requests(request_ids)
-            self.inflight.difference_update(request_ids)
+            self._untrack(request_ids)
             self.inflight_streams.discard(merged)
+
+    def _untrack(self, request_ids: Sequence[str]) -> None:
+        """One reference of each of ``request_ids`` off ``inflight`` (a client may reuse an id)."""
+        self.inflight.subtract(request_ids)
+        for rid in request_ids:
+            if self.inflight.get(rid, 0) <= 0:
+                self.inflight.pop(rid, None)
 
     async def stream_results(self, merged: MergedGenerators, request_ids: Sequence[str], *,
                              on_result: Callable[[int, Any], Iterable[str]],
@@ -652,11 +662,9 @@ class OpenAIServing:
         ``done``: one last event after the cleanup (``SSE_DONE`` for the OpenAI endpoints);
         not sent when the client went away.
 
-        Cleanup (``finish``) always runs: the generators are closed and, unless the stream got
-        to its end (or to an error event), the engine requests ``request_ids`` are aborted (a
-        client disconnect closes this generator at a ``yield``).
+        Cleanup (``finish``) always runs: the generators are closed, which aborts the engine
+        requests they did not finish (a client disconnect closes this generator at a ``yield``).
         """
-        completed = False
         try:
             for event in start():
                 yield event
@@ -665,13 +673,11 @@ class OpenAIServing:
                     yield event
             for event in on_end(merged._stopping):
                 yield event
-            completed = True
         except Exception as e:
-            completed = True
             for event in on_error(e):
                 yield event
         finally:
-            await self.finish(merged, request_ids, completed)
+            await self.finish(merged, request_ids)
         if done is not None:
             yield done
 
@@ -700,13 +706,11 @@ class OpenAIServing:
                     if msg.get("type") == "http.disconnect":
                         return
             watcher = asyncio.ensure_future(watch_disconnect())
-        completed = False
         try:
             waits = {task} if watcher is None else {task, watcher}
             await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
             if task.done():
                 task.result()
-                completed = True
                 if any(not outs or not outs[-1].finished for outs in results.values()):
                     raise OpenAIError("the server is shutting down: the request was aborted before it "
                                       "finished", 503)
@@ -720,7 +724,7 @@ class OpenAIServing:
                 task.cancel()
                 with anyio.CancelScope(shield=True):
                     await asyncio.gather(task, return_exceptions=True)
-            await self.finish(merged, request_ids, completed)
+            await self.finish(merged, request_ids)
 
     async def abort_all(self) -> None:
         """Server shutdown: end every in-flight request (responses finish early)."""

@@ -654,7 +654,6 @@ class OllamaServing:
         calls: dict[int, list[str]] = {}  # call index -> [name, arguments so far]
         output_ids: list[int] = []
         finish: Optional[str] = None
-        completed = False
         try:
             async for _, res in merged:
                 for co in res.outputs:
@@ -677,15 +676,13 @@ class OllamaServing:
             if finish is None and merged._stopping:
                 finish = "abort"
             yield _line(self._final(run, self._piece(run, ""), finish, output_ids))
-            completed = True
         except Exception as e:
             if not isinstance(e, (ValueError, OpenAIError)):
                 logger.exception("error in Ollama stream %s", run.request_id)
-            completed = True
             msg = e.message if isinstance(e, OpenAIError) else str(e) or type(e).__name__
             yield _line({"error": msg})
         finally:
-            await chat.finish(merged, [run.request_id], completed)
+            await chat.finish(merged, [run.request_id])
 
     def _load_response(self, kind: str, model: str, keep_alive: Any) -> dict[str, Any]:
         # An empty prompt / message list loads (keep_alive 0: unloads) the model in Ollama; here
