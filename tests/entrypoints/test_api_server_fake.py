@@ -281,6 +281,13 @@ def test_auth(engine):
         m = data["data"][0]
         assert m["object"] == "model" and m["owned_by"] == "pagedllm"
         assert m["max_model_len"] == engine.max_model_len
+        # OpenAI's "retrieve model" (client.models.retrieve): one card, 404 for a name not served
+        assert_error(c.get("/v1/models/b"), 401)
+        one = c.get("/v1/models/b", headers={"Authorization": "Bearer sekret"})
+        assert one.status_code == 200 and one.json()["id"] == "b" and one.json()["object"] == "model"
+        assert one.json()["max_model_len"] == engine.max_model_len
+        assert "does not exist" in assert_error(c.get("/v1/models/org/nope", headers={
+            "Authorization": "Bearer sekret"}), 404, "model")["message"]
         # non-/v1 routes are open
         assert c.get("/health").status_code == 200
         assert c.post("/tokenize", json={"prompt": "hi"}).status_code == 200

@@ -57,12 +57,20 @@ class OpenAIServingTokenization(OpenAIServing):
 
 
 def build_models_router(models: OpenAIServingModels) -> APIRouter:
-    """``GET /v1/models``: the served names and LoRA adapters."""
+    """``GET /v1/models``: the served names and LoRA adapters; ``GET /v1/models/{id}``: one of them."""
     router = APIRouter()
 
     @router.get("/v1/models")
     async def show_available_models():
         return JSONResponse(models.show_available_models().model_dump(mode="json"))
+
+    @router.get("/v1/models/{model_id:path}")
+    async def retrieve_model(model_id: str):
+        """OpenAI's "retrieve model": the card of one served name or LoRA adapter; 404 otherwise."""
+        for card in models.show_available_models().data:
+            if card.id == model_id:
+                return JSONResponse(card.model_dump(mode="json"))
+        raise OpenAIError(f"The model `{model_id}` does not exist.", 404, "model")
 
     return router
 
