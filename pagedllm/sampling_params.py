@@ -12,6 +12,7 @@ import copy
 import enum
 import functools
 import logging
+import math
 from dataclasses import dataclass, field, fields
 from typing import Any, Optional
 
@@ -243,11 +244,14 @@ class SamplingParams:
         if not -2.0 <= self.frequency_penalty <= 2.0:
             raise InputValidationError(
                 f"frequency_penalty must be in [-2, 2], got {self.frequency_penalty}.", "frequency_penalty")
-        if not self.repetition_penalty > 0.0:
+        if not 0.0 < self.repetition_penalty < math.inf:
             raise InputValidationError(
-                f"repetition_penalty must be greater than zero, got {self.repetition_penalty}.", "repetition_penalty")
+                f"repetition_penalty must be a finite number greater than zero, got {self.repetition_penalty}.",
+                "repetition_penalty")
         if not self.temperature >= 0.0:
             raise InputValidationError(f"temperature must be non-negative, got {self.temperature}.", "temperature")
+        if self.temperature == math.inf:
+            raise InputValidationError("temperature must be a finite number, got inf.", "temperature")
         if not 0.0 < self.top_p <= 1.0:
             raise InputValidationError(f"top_p must be in (0, 1], got {self.top_p}.", "top_p")
         if not _is_int(self.top_k):
@@ -575,5 +579,5 @@ class BeamSearchParams:
             raise InputValidationError(f"max_tokens must be at least 1, got {self.max_tokens!r}.", "max_tokens")
         if not _is_number(self.temperature) or self.temperature < 0:
             raise InputValidationError(f"temperature must be non-negative, got {self.temperature!r}.", "temperature")
-        if not _is_number(self.length_penalty):
-            raise ValueError(f"length_penalty must be a number, got {self.length_penalty!r}.")
+        if not _is_number(self.length_penalty) or not math.isfinite(self.length_penalty):
+            raise ValueError(f"length_penalty must be a finite number, got {self.length_penalty!r}.")

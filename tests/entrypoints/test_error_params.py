@@ -14,6 +14,7 @@ from pagedllm.sampling_params import SamplingParams, validate_logprobs
     (dict(presence_penalty="x"), "presence_penalty"), (dict(min_tokens=5, max_tokens=2), "min_tokens"),
     (dict(stop=[""]), "stop"), (dict(logit_bias={"a": 1}), "logit_bias"), (dict(seed=2**64), "seed"),
     (dict(prompt_logprobs=-1), "prompt_logprobs"), (dict(allowed_token_ids=[]), "allowed_token_ids"),
+    (dict(temperature=float("inf")), "temperature"), (dict(repetition_penalty=float("inf")), "repetition_penalty"),
 ])
 def test_sampling_params_errors_carry_param(kwargs, param):
     with pytest.raises(InputValidationError) as info:
@@ -33,3 +34,34 @@ def test_max_logprobs_cap_names_the_field():
 def test_input_processor_reexports_the_same_class():
     from pagedllm.engine.input_processor import InputValidationError as FromProcessor
     assert FromProcessor is InputValidationError and issubclass(InputValidationError, ValueError)
+
+
+def test_non_finite_values_are_400s_over_http():
+    """Infinity (JSON's non-standard literal, which Python's json and pydantic read) as a
+    temperature or repetition penalty, and a NaN logit bias, are 400s naming the field; a bias
+    past +-100 is clamped (OpenAI's range, as vLLM does) and a NaN length penalty is refused."""
+    import json
+    import os
+    import sys
+
+    from fastapi.testclient import TestClient
+
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from api_helpers import assert_error, make_args
+    from fake_engine import FakeAsyncLLM
+
+    from pagedllm.entrypoints.openai.api_server import build_app
+
+    engine = FakeAsyncLLM()
+    with TestClient(build_app(engine, make_args())) as c:
+        def post(extra):
+            body = json.dumps({"prompt": "hi", "max_tokens": 2, **extra}, allow_nan=True)
+            return c.post("/v1/completions", content=body, headers={"content-type": "application/json"})
+
+        assert_error(post({"temperature": float("inf")}), 400, "temperature")
+        assert_error(post({"repetition_penalty": float("inf")}), 400, "repetition_penalty")
+        assert "NaN" in assert_error(post({"logit_bias": {"5": float("nan")}}), 400, "logit_bias")["message"]
+        assert assert_error(post({"use_beam_search": True, "n": 2, "length_penalty": float("nan")}), 400,
+                            "length_penalty")
+        assert post({"logit_bias": {"5": 500}}).status_code == 200
+        assert engine.received[-1][1].logit_bias == {5: 100.0}

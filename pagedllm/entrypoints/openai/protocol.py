@@ -9,6 +9,8 @@ from typing import Any, Literal, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from pagedllm.inputs import InputValidationError
+
 logger = logging.getLogger("pagedllm.entrypoints.openai")
 
 # vLLM's fallbacks for sampling fields neither the request nor the model's generation config set.
@@ -296,6 +298,9 @@ class _SamplingFields(OpenAIBaseModel):
                 except (TypeError, ValueError):
                     raise ValueError(f"Found token_id `{k}` in logit_bias but token_id must be an "
                                      "integer or string representing an integer") from None
+                if math.isnan(float(v)):
+                    raise InputValidationError(f"logit_bias: the bias of token {k} is NaN; biases are numbers "
+                                               "from -100 to 100", "logit_bias")
                 # OpenAI and vLLM clamp biases to [-100, 100].
                 logit_bias[tok] = min(100.0, max(-100.0, float(v)))
         stop = self.stop
