@@ -65,3 +65,30 @@ def test_non_finite_values_are_400s_over_http():
                             "length_penalty")
         assert post({"logit_bias": {"5": 500}}).status_code == 200
         assert engine.received[-1][1].logit_bias == {5: 100.0}
+
+
+def test_whole_body_errors_say_what_is_wrong():
+    """A body that is empty, not a JSON object, or sent without a JSON Content-Type (curl -d) gets
+    a 400 that says so (FastAPI's own message spoke of a missing field / "a valid dictionary")."""
+    import os
+    import sys
+
+    from fastapi.testclient import TestClient
+
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from api_helpers import assert_error, make_args
+    from fake_engine import FakeAsyncLLM
+
+    from pagedllm.entrypoints.openai.api_server import build_app
+
+    with TestClient(build_app(FakeAsyncLLM(), make_args())) as c:
+        js = {"content-type": "application/json"}
+        assert "empty" in assert_error(c.post("/v1/chat/completions"), 400)["message"]
+        assert "empty" in assert_error(c.post("/v1/completions", content=b"", headers=js), 400)["message"]
+        assert "must be a JSON object" in assert_error(
+            c.post("/v1/completions", content=b"[1, 2]", headers=js), 400)["message"]
+        form = {"content-type": "application/x-www-form-urlencoded"}
+        msg = assert_error(c.post("/v1/completions", content=b'{"prompt": "hi"}', headers=form), 400)["message"]
+        assert "Content-Type: application/json" in msg and "x-www-form-urlencoded" in msg
+        # a field's error still names the field
+        assert_error(c.post("/v1/chat/completions", json={"messages": "x"}), 400, "messages")

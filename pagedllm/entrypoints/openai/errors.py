@@ -155,12 +155,23 @@ def install_exception_handlers(app: FastAPI) -> None:
         return exc.to_response()
 
     @app.exception_handler(RequestValidationError)
-    async def _validation_error(_: Request, exc: RequestValidationError):
+    async def _validation_error(request: Request, exc: RequestValidationError):
         # vLLM answers 400 (not FastAPI's 422) to malformed or invalid request bodies.
         errs = exc.errors()
         if errs and errs[0].get("type") == "json_invalid":
             msg = "Invalid JSON in request body: " + str(errs[0].get("msg", ""))
             return error_response(msg, 400, None)
+        # the body as a whole is missing or not an object (not a validator's error about fields)
+        whole = [e for e in errs if tuple(e.get("loc", ())) == ("body",)
+                 and e.get("type") in ("missing", "model_attributes_type", "dict_type", "model_type")]
+        if whole:
+            ctype = request.headers.get("content-type", "")
+            if whole[0].get("type") == "missing":
+                return error_response("The request body is empty: expected a JSON object.", 400, None)
+            if "json" not in ctype.lower():
+                return error_response("The request body must be a JSON object sent with 'Content-Type: "
+                                      f"application/json' (got {ctype or 'no Content-Type'!r}).", 400, None)
+            return error_response("The request body must be a JSON object.", 400, None)
         msg, param = format_validation_errors(exc.errors())
         return error_response(msg, 400, param)
 
