@@ -45,6 +45,11 @@ def decode_image(data: bytes, field: str) -> Any:
     except InputValidationError:
         raise
     except Exception as e:  # PIL.UnidentifiedImageError, truncated files, decompression bombs
+        from PIL import UnidentifiedImageError
+
+        if isinstance(e, UnidentifiedImageError):  # (its message is the repr of our BytesIO)
+            raise InputValidationError(f"{field}: cannot decode the image: not a format Pillow reads (PNG, "
+                                       "JPEG, WebP, GIF, BMP, TIFF, ...)", field) from None
         raise InputValidationError(f"{field}: cannot decode the image ({e.__class__.__name__}: {e})", field) from None
     return img.convert("RGB")
 

@@ -92,3 +92,19 @@ def test_whole_body_errors_say_what_is_wrong():
         assert "Content-Type: application/json" in msg and "x-www-form-urlencoded" in msg
         # a field's error still names the field
         assert_error(c.post("/v1/chat/completions", json={"messages": "x"}), 400, "messages")
+
+
+def test_undecodable_image_message_names_the_field_not_an_object_repr():
+    """Bytes Pillow cannot identify: the 400 names the field and the formats, not Pillow's message
+    (which is the repr of the in-memory buffer, an address)."""
+    import base64
+
+    from pagedllm.multimodal.media import decode_base64_image, decode_image
+
+    with pytest.raises(InputValidationError) as info:
+        decode_image(b"definitely not an image", "images[0]")
+    msg = str(info.value)
+    assert info.value.param == "images[0]" and msg.startswith("images[0]: cannot decode the image")
+    assert "PNG" in msg and "BytesIO" not in msg and "0x" not in msg
+    with pytest.raises(InputValidationError, match="PNG"):
+        decode_base64_image(base64.b64encode(b"\x00" * 64).decode(), "messages[0].images[0]")
