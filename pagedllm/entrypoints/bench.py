@@ -183,8 +183,23 @@ def _add_bench_parser(sub: argparse._SubParsersAction, name: str) -> argparse.Ar
     p = sub.add_parser(name, help=help_, description=description)
     _common(p)
     for flag, default, text in int_flags:
-        p.add_argument(flag, type=int, default=default, help=text)
+        p.add_argument(flag, type=positive_int, default=default, help=text)
     return p
+
+
+def positive_int(value: str) -> int:
+    """An integer >= 1 (the bench commands' sizes): argparse names the flag in its error (exit 2).
+
+    Raises:
+        argparse.ArgumentTypeError: not an integer, or below 1.
+    """
+    try:
+        n = int(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value!r}") from None
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value!r}")
+    return n
 
 
 def _add_transformers_flags(p: argparse.ArgumentParser, help_: str) -> None:
@@ -198,10 +213,10 @@ def add_throughput_parser(sub: argparse._SubParsersAction) -> None:
     p = _add_bench_parser(sub, "throughput")
     p.add_argument("--dataset", choices=["builtin", "sharegpt-like"], default="builtin",
                    help="builtin: fixed English prompts; sharegpt-like: lognormal prompt/output lengths")
-    p.add_argument("--num-prompts", type=int, default=64, help="number of requests")
-    p.add_argument("--input-len-min", type=int, default=50, help="shortest prompt in tokens (builtin)")
-    p.add_argument("--input-len-max", type=int, default=300, help="longest prompt in tokens (builtin)")
-    p.add_argument("--output-len", type=int, default=128, help="output tokens per request (builtin)")
+    p.add_argument("--num-prompts", type=positive_int, default=64, help="number of requests")
+    p.add_argument("--input-len-min", type=positive_int, default=50, help="shortest prompt in tokens (builtin)")
+    p.add_argument("--input-len-max", type=positive_int, default=300, help="longest prompt in tokens (builtin)")
+    p.add_argument("--output-len", type=positive_int, default=128, help="output tokens per request (builtin)")
     _add_transformers_flags(p, "run the same requests through transformers generate (batched, left-padded)")
     p.add_argument("--null-model", action="store_true",
                    help="host time per decode step by phase: the real engine, scheduler, sampler, output "

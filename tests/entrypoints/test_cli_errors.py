@@ -74,6 +74,12 @@ def test_serve_parses_suffixed_lengths():
     (("serve", "--max-model-len", "0"),
      "pagedllm serve: error: argument --max-model-len: expected a positive integer, got '0' "
      "(see 'pagedllm serve --help')"),
+    (("bench", "latency", "--input-len", "-1"),
+     "pagedllm bench latency: error: argument --input-len: expected a positive integer, got '-1' "
+     "(see 'pagedllm bench latency --help')"),
+    (("bench", "throughput", "--num-prompts", "0"),
+     "pagedllm bench throughput: error: argument --num-prompts: expected a positive integer, got '0' "
+     "(see 'pagedllm bench throughput --help')"),
     (("serve", "--port", "70000"),
      "pagedllm serve: error: argument --port: expected a port number (1-65535), got 70000 "
      "(see 'pagedllm serve --help')"),
