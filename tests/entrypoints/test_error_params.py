@@ -108,3 +108,18 @@ def test_undecodable_image_message_names_the_field_not_an_object_repr():
     assert "PNG" in msg and "BytesIO" not in msg and "0x" not in msg
     with pytest.raises(InputValidationError, match="PNG"):
         decode_base64_image(base64.b64encode(b"\x00" * 64).decode(), "messages[0].images[0]")
+
+
+def test_stream_deltas_carry_only_their_fields():
+    """Chat stream chunks' ``delta`` as OpenAI and vLLM send it: the role chunk has role and an
+    empty content, a text chunk only content, a tool-call chunk only tool_calls (no nulls, no
+    empty list)."""
+    from pagedllm.entrypoints.openai.protocol import ChatCompletionResponseStreamChoice, DeltaMessage
+
+    assert DeltaMessage(role="assistant", content="").model_dump() == {"role": "assistant", "content": ""}
+    assert DeltaMessage(content="Hi").model_dump_json() == '{"content":"Hi"}'
+    assert DeltaMessage(tool_calls=[{"index": 0}]).model_dump() == {"tool_calls": [{"index": 0}]}
+    assert DeltaMessage(reasoning_content="r", reasoning="r").model_dump() == {"reasoning_content": "r",
+                                                                              "reasoning": "r"}
+    choice = ChatCompletionResponseStreamChoice(index=0, delta=DeltaMessage(content="x"), finish_reason=None)
+    assert choice.model_dump()["delta"] == {"content": "x"} and choice.model_dump()["finish_reason"] is None

@@ -7,7 +7,7 @@ import time
 import uuid
 from typing import Any, Literal, Optional, Union
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, model_serializer, model_validator
 
 from pagedllm.inputs import InputValidationError
 
@@ -620,11 +620,18 @@ class ChatCompletionResponse(_ResponseFields):
 
 
 class DeltaMessage(OpenAIBaseModel):
+    """A stream chunk's ``delta``: serialized with only the fields it carries (``None`` and an
+    empty ``tool_calls`` left out), as OpenAI and vLLM send them (``{"content": "Hi"}``)."""
+
     role: Optional[str] = None
     content: Optional[str] = None
     reasoning_content: Optional[str] = None
     reasoning: Optional[str] = None
     tool_calls: list[dict[str, Any]] = Field(default_factory=list)
+
+    @model_serializer(mode="wrap")
+    def _only_present(self, handler: Any) -> dict[str, Any]:
+        return {k: v for k, v in handler(self).items() if v is not None and not (k == "tool_calls" and not v)}
 
 
 class ChatCompletionResponseStreamChoice(OpenAIBaseModel):
