@@ -46,6 +46,8 @@ def test_stream_usage_only_when_asked(client, path, body, options, final_usage, 
         assert with_usage == events
     else:
         assert with_usage == [events[-1]]
+        # OpenAI: with include_usage every other chunk carries "usage": null
+        assert all("usage" in e and e["usage"] is None for e in events[:-1])
 
 
 # ----------------------------------------------------------------------------- X-Request-Id

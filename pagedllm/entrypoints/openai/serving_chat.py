@@ -278,7 +278,8 @@ class OpenAIServingChat(OpenAIServing):
                                         completion_tokens=completion_tokens,
                                         total_tokens=num_prompt_tokens + completion_tokens)
                 return chunk.model_dump_json()
-            return chunk.model_dump_json(exclude={"usage"})
+            # with include_usage every chunk carries "usage" (null until the last; OpenAI)
+            return chunk.model_dump_json(exclude=None if include_usage else {"usage"})
 
         def start() -> Iterator[str]:
             # First chunk(s): the role, for each choice.

@@ -390,7 +390,8 @@ class OpenAIServingCompletion(OpenAIServing):
                 sent_first[i] = True
                 chunk = CompletionStreamResponse(id=request_id, created=created,
                                                  model=model_name, choices=[choice])
-                exclude = {"usage"}
+                # with include_usage every chunk carries "usage" (null until the last; OpenAI)
+                exclude = set() if include_usage else {"usage"}
                 if include_continuous:
                     pt = num_prompt_tokens[p_idx]
                     chunk.usage = UsageInfo(prompt_tokens=pt,
@@ -404,7 +405,7 @@ class OpenAIServingCompletion(OpenAIServing):
                 yield from abort_unfinished(finished, lambda i: sse(CompletionStreamResponse(
                     id=request_id, created=created, model=model_name,
                     choices=[CompletionResponseStreamChoice(index=i, text="", finish_reason="abort")]
-                ).model_dump_json(exclude={"usage"}, exclude_none=False)))
+                ).model_dump_json(exclude=set() if include_usage else {"usage"}, exclude_none=False)))
             if include_usage:
                 pt = sum(num_prompt_tokens)
                 ct = sum(previous_num_tokens)
