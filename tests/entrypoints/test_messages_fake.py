@@ -115,6 +115,8 @@ def test_tool_use_and_stream(client):
     assert m.stop_reason == "tool_use"
     assert [(b.name, b.input) for b in m.content[1:]] == [
         ("get_weather", {"city": "Paris", "unit": "C"}), ("get_time", {"tz": "Europe/Paris"})]
+    assert all(b.id.startswith("toolu_") and len(b.id) > 20 for b in m.content[1:])  # Anthropic's id form
+    assert len({b.id for b in m.content[1:]}) == 2
     r = post(client, TWO_CALLS, tools=[WEATHER, TIME], stream=True)
     events = events_of(r.text)
     types = [e.type for e in events]
@@ -125,6 +127,7 @@ def test_tool_use_and_stream(client):
             for b in snap.content] == [(b.type, getattr(b, "name", None),
                                         getattr(b, "input", None)) for b in m.content]
     assert snap.content[0].text == m.content[0].text and snap.stop_reason == "tool_use"
+    assert all(b.id.startswith("toolu_") for b in snap.content[1:])
     partials = [e.delta.partial_json for e in events if e.type == "content_block_delta"
                 and e.delta.type == "input_json_delta"]
     assert len(partials) > 4
@@ -187,6 +190,8 @@ def test_count_tokens(client, engine):
     ({"max_tokens": 0}, "max_tokens"),
     ({"messages": []}, "messages"),
     ({"messages": [{"role": "system", "content": "x"}]}, "role"),
+    ({"messages": [{"role": "user", "content": []}]}, "messages.0.content: must not be empty"),
+    ({"messages": [{"role": "user", "content": ""}]}, "messages.0.content: must not be empty"),
     ({"messages": [{"role": "user", "content": [{"type": "image", "source": {}}]}]}, "image"),
     ({"messages": [{"role": "user", "content": [{"type": "tool_result"}]}]}, "tool_use_id"),
     ({"messages": [{"role": "assistant", "content": [{"type": "tool_use", "id": "t",

@@ -220,7 +220,7 @@ class _SamplingFields(OpenAIBaseModel):
     @model_validator(mode="after")
     def _check_common(self):
         if self.stream_options is not None and not self.stream:
-            raise ValueError("Stream options can only be defined when `stream=True`.")
+            raise ValueError("`stream_options` can only be defined when `stream=True`.")
         if self.stream and self.prompt_logprobs:
             raise ValueError("`prompt_logprobs` are not available when `stream=True`.")
         if self.prompt_logprobs is not None and self.prompt_logprobs < 0:

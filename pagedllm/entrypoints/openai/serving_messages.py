@@ -54,6 +54,13 @@ def _block_text(content: Any, where: str) -> str:
     return "\n".join(out)
 
 
+def tool_use_id(call_id: str) -> str:
+    """A tool call's id in Anthropic's form (``toolu_...``): the OpenAI-style id the tool parsers
+    give (``chatcmpl-tool-<hex>``) with Anthropic's prefix; other ids as they are."""
+    prefix = "chatcmpl-tool-"
+    return "toolu_" + call_id[len(prefix):] if call_id.startswith(prefix) else call_id
+
+
 def messages_to_chat(system: Any, messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """Anthropic ``system`` + ``messages`` as chat messages.
 
@@ -69,6 +76,9 @@ def messages_to_chat(system: Any, messages: list[dict[str, Any]]) -> list[dict[s
         if role not in ("user", "assistant"):
             raise _err(f"{where}.role: must be 'user' or 'assistant', got {role!r}")
         content = m.get("content")
+        if (content == "" or content == []) and not (role == "assistant" and i == len(messages) - 1):
+            raise _err(f"{where}.content: must not be empty (every message needs content, except an "
+                       "optional final assistant message)")
         if isinstance(content, str):
             out.append({"role": role, "content": content})
             continue
@@ -275,7 +285,7 @@ class _MessageRun:
             if parsed.content:
                 content.append({"type": "text", "text": parsed.content})
             for c in parsed.tool_calls:
-                content.append({"type": "tool_use", "id": c.id, "name": c.function.name,
+                content.append({"type": "tool_use", "id": tool_use_id(c.id), "name": c.function.name,
                                 "input": json.loads(c.function.arguments or "{}")})
             called = bool(parsed.tool_calls)
         else:
@@ -330,7 +340,7 @@ class _MessageRun:
                               delta={"type": "text_delta", "text": d.content}))
             for tc in d.tool_calls:
                 if tc.id is not None:
-                    evs += open_({"type": "tool_use", "id": tc.id, "name": tc.function.name,
+                    evs += open_({"type": "tool_use", "id": tool_use_id(tc.id), "name": tc.function.name,
                                   "input": {}})
                     call_blocks[tc.index] = open_idx
                 frag = tc.function.arguments if tc.function is not None else None
