@@ -140,6 +140,9 @@ def normalize_messages(messages: list[dict], images: Optional[ImageCollector] = 
             else:
                 m["content"] = "\n".join(parts)
         elif c is None:
+            if m.get("role") in ("user", "system", "developer", "tool"):  # (OpenAI, vLLM: required)
+                raise InputValidationError(f"messages[{i}].content: a {m['role']} message needs `content` "
+                                           "(a string or a list of content parts)", "messages")
             m["content"] = ""
         if m.get("role") == "assistant":
             reasoning = m.get("reasoning")

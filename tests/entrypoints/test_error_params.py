@@ -123,3 +123,18 @@ def test_stream_deltas_carry_only_their_fields():
                                                                               "reasoning": "r"}
     choice = ChatCompletionResponseStreamChoice(index=0, delta=DeltaMessage(content="x"), finish_reason=None)
     assert choice.model_dump()["delta"] == {"content": "x"} and choice.model_dump()["finish_reason"] is None
+
+
+@pytest.mark.parametrize("message", [{"role": "user"}, {"role": "user", "content": None},
+                                     {"role": "system", "content": None}])
+def test_message_without_content_is_a_400(message):
+    """A user / system / developer / tool message needs content (OpenAI and vLLM refuse it); an
+    assistant message with tool calls may have none."""
+    from pagedllm.engine.chat import normalize_messages
+
+    with pytest.raises(InputValidationError, match=r"messages\[0\]\.content") as info:
+        normalize_messages([message], None)
+    assert info.value.param == "messages"
+    ok = normalize_messages([{"role": "user", "content": "hi"}, {"role": "assistant", "content": None,
+                                                                 "tool_calls": []}], None)
+    assert ok[1]["content"] == ""
