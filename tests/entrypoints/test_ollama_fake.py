@@ -226,6 +226,13 @@ def test_model_names_and_errors(client):
         {"role": "robot", "content": "x"}]}), 400, "role")
     assert_ollama_error(client.post("/api/chat", json={"model": MODEL, "messages": USER, "think": "max"}),
                         400, "think")
+    # no reasoning parser: the model has no "thinking" capability, as Ollama says for such a model
+    assert_ollama_error(client.post("/api/chat", json={"model": MODEL, "messages": USER, "think": True}),
+                        400, "does not support thinking")
+    assert_ollama_error(client.post("/api/generate", json={"model": MODEL, "prompt": "x", "think": True}),
+                        400, "does not support thinking")
+    assert client.post("/api/chat", json={"model": MODEL, "messages": USER, "think": False,
+                                          "stream": False}).status_code == 200
     assert_ollama_error(client.post("/api/chat", json={"model": MODEL, "messages": USER, "tools": [WEATHER_TOOL]}),
                         400, "--enable-auto-tool-choice")
     assert_ollama_error(client.get("/api/nothing"), 404, "404")

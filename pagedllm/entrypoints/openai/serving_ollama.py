@@ -550,6 +550,10 @@ class OllamaServing:
         elif isinstance(req.format, dict):
             body["structured_outputs"] = {"json": req.format}
         kwargs: dict[str, Any] = {}
+        if req.think not in (None, False) and "thinking" not in self.capabilities():
+            # Ollama's answer for a model without the capability (``think: false`` is fine)
+            raise OpenAIError(f"\"{model}\" does not support thinking (start the server with a "
+                              "--reasoning-parser for a model that thinks)", 400, "think")
         if req.think is not None:
             kwargs["enable_thinking"] = req.think is not False
             if isinstance(req.think, str):
