@@ -138,3 +138,29 @@ def test_message_without_content_is_a_400(message):
     ok = normalize_messages([{"role": "user", "content": "hi"}, {"role": "assistant", "content": None,
                                                                  "tool_calls": []}], None)
     assert ok[1]["content"] == ""
+
+
+def test_union_bodies_name_the_field_of_the_form_sent():
+    """/tokenize takes chat messages or a prompt: a bad field of the prompt form names that field
+    (not a "messages: Field required" of the other form); a union of list types reads "a valid
+    list" once."""
+    import os
+    import sys
+
+    from fastapi.testclient import TestClient
+
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from api_helpers import assert_error, make_args
+    from fake_engine import FakeAsyncLLM
+
+    from pagedllm.entrypoints.openai.api_server import build_app
+
+    with TestClient(build_app(FakeAsyncLLM(), make_args())) as c:
+        e = assert_error(c.post("/tokenize", json={"prompt": "hi", "add_special_tokens": "maybe"}), 400,
+                         "add_special_tokens")
+        assert "messages" not in e["message"]
+        assert_error(c.post("/tokenize", json={"messages": [{"role": "user", "content": "hi"}],
+                                               "add_generation_prompt": "maybe"}), 400, "add_generation_prompt")
+        assert c.post("/tokenize", json={"prompt": "hi"}).json()["count"] >= 1
+        e = assert_error(c.post("/v1/completions", json={"prompt": 5}), 400, "prompt")
+        assert e["message"].count("a valid list") == 1

@@ -133,7 +133,8 @@ def format_validation_errors(errors: list[dict[str, Any]], skip: tuple[str, ...]
             param = loc[0] if loc else guess_param(msg)
         where = ".".join(loc)
         if parts and parts[-1][0] == where:
-            parts[-1][1].append(msg)
+            if msg not in parts[-1][1]:  # (a union of several list types: "a valid list" once)
+                parts[-1][1].append(msg)
         else:
             parts.append((where, [msg]))
     if not parts:

@@ -1,9 +1,10 @@
 """GET /v1/models, POST /tokenize, POST /detokenize."""
 from __future__ import annotations
 
-from typing import Union
+from typing import Annotated, Any, Union
 
 from fastapi import APIRouter
+from pydantic import Discriminator, Tag
 from fastapi.responses import JSONResponse
 
 from pagedllm.entrypoints.openai.errors import OpenAIError
@@ -13,6 +14,18 @@ from pagedllm.entrypoints.openai.protocol import (DetokenizeRequest, DetokenizeR
                                                   TokenizeResponse)
 from pagedllm.entrypoints.openai.serving_chat import render_chat
 from pagedllm.entrypoints.openai.serving_engine import OpenAIServing
+
+
+def _tokenize_kind(body: Any) -> str:
+    return "tokenize[chat]" if isinstance(body, dict) and "messages" in body else "tokenize[prompt]"
+
+
+# /tokenize's body: chat messages or a prompt, told apart by "messages" (so that an error names
+# the field of the form the client sent, not a "messages: Field required" of the other form). The
+# tags have the shape errors.format_validation_errors drops from an error's location.
+TokenizeBody = Annotated[Union[Annotated[TokenizeChatRequest, Tag("tokenize[chat]")],
+                               Annotated[TokenizeCompletionRequest, Tag("tokenize[prompt]")]],
+                         Discriminator(_tokenize_kind)]
 
 
 class OpenAIServingModels(OpenAIServing):
@@ -80,7 +93,7 @@ def build_tokenization_router(serving: OpenAIServingTokenization) -> APIRouter:
     router = APIRouter()
 
     @router.post("/tokenize")
-    async def tokenize(request: TokenizeChatRequest | TokenizeCompletionRequest):
+    async def tokenize(request: TokenizeBody):
         return JSONResponse(serving.tokenize(request).model_dump(mode="json", exclude_none=True))
 
     @router.post("/detokenize")
