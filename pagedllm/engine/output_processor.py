@@ -242,6 +242,7 @@ class RequestState:
             return False  # (the common decode step: append, detokenize)
         if self._defer_text:  # the tokens _plain_step appended without text, into the detokenizer
             det = self.detokenizer
+            assert det is not None  # (_defer_text implies one)
             behind = len(self.token_ids) - det.num_output_tokens
             if behind > 0:
                 det.defer_tokens(self.token_ids[-behind:])

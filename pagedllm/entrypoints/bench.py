@@ -368,8 +368,7 @@ def build_null_model_llm(model: str, num_prompts: int, max_prompt_len: int, outp
 
 
 # ``bench throughput --null-model``'s bounds: (argument, least value, why).
-_NULL_MODEL_MINIMUMS = (("num_prompts", 1, " with --null-model"),
-                        ("output_len", 2, " with --null-model (decode steps follow the first token)"),
+_NULL_MODEL_MINIMUMS = (("output_len", 2, " with --null-model (decode steps follow the first token)"),
                         ("null_model_vocab_size", 0, ""))
 
 

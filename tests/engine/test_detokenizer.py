@@ -258,15 +258,8 @@ def test_deferred_text_equals_the_incremental_deltas(which, request):
     that is or is not part of the text."""
     if which == "smollm2":
         tok = request.getfixturevalue("smollm2_hf_tokenizer")
-    else:
-        import os
-
-        from transformers import AutoTokenizer
-
-        path = request.getfixturevalue("gemma3_path")
-        if not os.path.exists(path):
-            pytest.skip("Gemma 3 GGUF not available")
-        tok = AutoTokenizer.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path))
+    else:  # (the session's shared transformers reference: its tokenizer)
+        tok = request.getfixturevalue("hf_gemma3")[1]
     rng = random.Random(7)
     special = [tok.convert_tokens_to_ids(t) for t in tok.all_special_tokens]
     checked = 0
