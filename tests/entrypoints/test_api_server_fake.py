@@ -395,10 +395,11 @@ def test_client_disconnect_aborts(engine):
 
 
 @pytest.mark.parametrize("stream", [False, True])
-def test_duplicate_request_id_leaves_the_running_request_alone(stream):
-    """A second request with the X-Request-Id of one still running gets a 400 naming the id, and
-    the running one (streamed or not) completes untouched: the second's cleanup aborts nothing of
-    the first's (it used to abort the shared id, and the first then waited forever)."""
+def test_reused_request_id_runs_both_requests(stream):
+    """A second request with the X-Request-Id of one still running runs too (its engine id gets a
+    random suffix, as vLLM does; both responses keep the client's id), and the first one (streamed
+    or not) completes untouched: nothing of it is aborted (the second's cleanup used to abort the
+    shared id, and the first then waited forever)."""
     import httpx
 
     slow = FakeAsyncLLM(max_model_len=256, step_delay=0.02)
@@ -419,15 +420,18 @@ def test_duplicate_request_id_leaves_the_running_request_alone(stream):
             return await asyncio.wait_for(first, timeout=20), second
 
     r1, r2 = asyncio.run(run())
-    assert r2.status_code == 400 and "cmpl-dup-0" in r2.json()["error"]["message"]
+    assert r2.status_code == 200 and r2.json()["id"] == "cmpl-dup" and r2.headers["x-request-id"] == "dup"
+    assert r2.json()["usage"]["completion_tokens"] == 3
+    second_id = slow.received[-1][2]
+    assert second_id.startswith("cmpl-dup-0-") and len(second_id) == len("cmpl-dup-0-") + 8
     assert r1.status_code == 200
     if stream:
         events = [e for e in sse_events(r1.text) if e != "[DONE]"]
-        assert events[-1]["choices"][0]["finish_reason"] == "length"
+        assert events[-1]["choices"][0]["finish_reason"] == "length" and events[-1]["id"] == "cmpl-dup"
     else:
-        assert r1.json()["choices"][0]["finish_reason"] == "length"
+        assert r1.json()["choices"][0]["finish_reason"] == "length" and r1.json()["id"] == "cmpl-dup"
         assert r1.json()["usage"]["completion_tokens"] == 12
-    assert "cmpl-dup-0" in slow.finished_ids and "cmpl-dup-0" not in slow.aborted and not slow.running
+    assert {"cmpl-dup-0", second_id} <= set(slow.finished_ids) and not slow.aborted and not slow.running
 
 
 def test_cli_args():

@@ -183,7 +183,7 @@ class OpenAIServingCompletion(OpenAIServing):
                                log_prompt=(f"<prompt_embeds {tuple(pp.prompt_embeds.shape)}>" if embeds
                                            else text if text is not None else ids))
             engine_requests.append(req)
-            rids.append(rid)
+            rids.append(req.request_id)  # (the engine id: process_inputs may have suffixed a reused one)
             prompt_texts.append("" if embeds else text if text is not None else self.tokenizer.decode(ids))
 
         builder = ResponseBuilder(

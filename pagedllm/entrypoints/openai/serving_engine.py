@@ -169,6 +169,7 @@ class MergedGenerators:
 
     def __init__(self, generators: Sequence[AsyncIterator[Any]]):
         self.gens = list(generators)
+        self.request_ids: Optional[list[str]] = None  # the engine request ids (set when tracked)
         self.tasks: dict[int, asyncio.Future] = {}
         self.finished: set[int] = set()
         self._closed = False
@@ -376,7 +377,11 @@ class OpenAIServing:
         body's, a nonzero one needs ``--scheduling-policy priority``). The W3C trace-context
         headers of ``raw_request`` (``traceparent``, ``tracestate``) ride along as the request's
         ``trace_headers`` (the parent of its span when ``--otlp-traces-endpoint`` is set).
-        Raises OpenAIError 400."""
+        An id still in flight here (a client's ``X-Request-Id`` or body ``request_id`` reused while
+        its first request runs) gets a random suffix, so both requests run (vLLM makes engine ids
+        unique the same way); the response keeps the client's id. Raises OpenAIError 400."""
+        if request_id in self.inflight:
+            request_id = f"{request_id}-{random_uuid()[:8]}"
         try:
             req = self.input_processor.process_inputs(request_id, prompt, params, cache_salt=cache_salt,
                                                       lora_request=lora_request, strict_length=True,
@@ -516,6 +521,7 @@ class OpenAIServing:
         """Count ``merged`` (the streams of ``request_ids``) as in flight (``inflight``,
         ``inflight_streams``: what a shutdown aborts) and, with ``prime``, wait for each first
         output; an error while priming untracks them again and propagates."""
+        merged.request_ids = list(request_ids)  # (the engine ids; finish untracks these)
         self.inflight.update(request_ids)
         self.inflight_streams.add(merged)
         if prime:
@@ -628,12 +634,15 @@ class OpenAIServing:
         """Cleanup after a request: close its generators, which aborts the engine requests they
         added and did not finish (``AsyncLLM.generate``'s own cleanup).
 
-        NOTE: nothing is aborted by id here: an id this request never added (a client's
-        ``X-Request-Id`` that another request in flight already uses: the engine refused it with
-        a 400) belongs to that other request, which must run on untouched."""
+        ``merged.request_ids`` (the engine ids ``start`` tracked) leave ``inflight``; ``request_ids``
+        only where nothing was tracked.
+
+        NOTE: nothing is aborted by id here: an id this request never added (a client's reused
+        ``X-Request-Id`` that the engine refused with a 400, when two such requests were prepared
+        at once) belongs to the other request, which must run on untouched."""
         with anyio.CancelScope(shield=True):
             await merged.aclose()
-            self._untrack(request_ids)
+            self._untrack(merged.request_ids if merged.request_ids is not None else request_ids)
             self.inflight_streams.discard(merged)
 
     def _untrack(self, request_ids: Sequence[str]) -> None:
