@@ -146,3 +146,27 @@ def test_duplicate_request_id_leaves_the_running_request_alone():
 
     got = run_in_process(lambda: build_app(engine, make_args()), body, engine.shutdown)
     assert got and got[0] >= 12  # the streamed request's text came in many chunks
+
+
+def test_anthropic_stream_reports_the_same_cached_tokens_at_start_and_end(client):
+    """/v1/messages streamed twice with the same long system prompt: the second reads the prompt's
+    blocks from the prefix cache, and message_start reports the same cache_read_input_tokens as
+    message_delta (message_start used to say 0)."""
+    import json
+
+    body = {"model": MODEL, "max_tokens": 3, "stream": True,
+            "system": "You are a careful assistant who answers in one short sentence. " * 6,
+            "messages": [{"role": "user", "content": "Name a colour."}]}
+    usages = []
+    for _ in range(2):
+        r = client.post("/v1/messages", json=body)
+        assert r.status_code == 200, r.text
+        events = {}
+        for block in r.text.split("\n\n"):
+            lines = dict(line.split(": ", 1) for line in block.splitlines() if ": " in line)
+            if "event" in lines:
+                events.setdefault(lines["event"], json.loads(lines["data"]))
+        usages.append((events["message_start"]["message"]["usage"]["cache_read_input_tokens"],
+                       events["message_delta"]["usage"]["cache_read_input_tokens"]))
+    assert usages[1][0] == usages[1][1] >= 16, usages
+    assert usages[0][0] == usages[0][1]

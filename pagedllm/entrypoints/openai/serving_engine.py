@@ -175,6 +175,14 @@ class MergedGenerators:
         self._closed = False
         self._stopping = False
 
+    def first_output(self, i: int = 0) -> Any:
+        """Generator ``i``'s first output when ``prime`` has it ready (not consumed: iteration
+        still yields it), else None."""
+        t = self.tasks.get(i)
+        if t is None or not t.done() or t.cancelled() or t.exception() is not None:
+            return None
+        return t.result()
+
     def stop(self) -> None:
         """End the iteration early (server shutdown): pending reads are cancelled (which
         aborts their engine requests) and iteration ends without an error."""

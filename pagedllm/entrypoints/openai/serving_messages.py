@@ -350,7 +350,11 @@ class _MessageRun:
             return evs
 
         def start() -> Iterator[str]:
-            yield ev("message_start", message=self._message([], None, None, 0, 0))
+            # the prompt tokens read from the prefix cache are known once the first output is in
+            # (the stream is primed), so message_start and message_delta report the same count
+            first = merged.first_output()
+            cached = int(getattr(first, "num_cached_tokens", 0) or 0) if first is not None else 0
+            yield ev("message_start", message=self._message([], None, None, 0, cached))
             yield ev("ping")
 
         def on_result(_: int, res: Any) -> Iterator[str]:
