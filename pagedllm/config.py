@@ -382,6 +382,19 @@ class EngineArgs:
         if mml == -1:
             mml = None
         self.max_model_len = mml
+        # NOTE: the checks the CLI makes on these flags, for LLM(...) / EngineArgs callers too
+        gmu = self.gpu_memory_utilization
+        if isinstance(gmu, bool) or not isinstance(gmu, (int, float)) or not 0.0 < gmu <= 1.0:
+            raise ValueError(f"gpu_memory_utilization: must be a number in (0, 1], got {gmu!r}")
+        nt = self.num_threads
+        if nt is not None and (isinstance(nt, bool) or not isinstance(nt, int) or nt < 1):
+            raise ValueError(f"num_threads: must be a positive integer (or None for the default), got {nt!r}")
+        if self.seed is not None:
+            try:
+                if isinstance(self.seed, bool) or int(self.seed) != self.seed:
+                    raise ValueError
+            except (TypeError, ValueError):
+                raise ValueError(f"seed: must be an integer, got {self.seed!r}") from None
 
     def kv_prefix_cache_bytes(self) -> int:
         """``kv_prefix_cache_memory`` in bytes (None = DEFAULT_KV_PREFIX_CACHE_BYTES; 0 = keep no

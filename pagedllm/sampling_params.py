@@ -177,9 +177,19 @@ class SamplingParams:
             self.stop = []
         elif isinstance(self.stop, str):
             self.stop = [self.stop]
-        else:
+        elif isinstance(self.stop, (list, tuple)) and all(isinstance(x, str) for x in self.stop):
             self.stop = list(self.stop)
-        self.stop_token_ids = [] if self.stop_token_ids is None else list(self.stop_token_ids)
+        else:
+            raise InputValidationError(
+                "stop must be a string or a list of strings.", "stop")
+        if self.stop_token_ids is None:
+            self.stop_token_ids = []
+        elif isinstance(self.stop_token_ids, (list, tuple, set)) and all(_is_int(t) for t in self.stop_token_ids):
+            self.stop_token_ids = list(self.stop_token_ids)
+        else:
+            raise InputValidationError("stop_token_ids must be a list of token ids (integers).", "stop_token_ids")
+        if isinstance(self.bad_words, str):  # (a word, not its letters)
+            self.bad_words = [self.bad_words]
         self.bad_words = [] if self.bad_words is None else list(self.bad_words)
 
         # logprobs=True means 1 (vLLM).

@@ -253,6 +253,15 @@ class LLMEngine:
     def has_unfinished_requests(self) -> bool:
         return self.core.has_unfinished_requests()
 
+    def get_num_unfinished_requests(self) -> int:
+        """Requests added and not yet finished or aborted (vLLM's ``LLMEngine`` method; the
+        children of an ``n > 1`` request count one each)."""
+        return self.output_processor.get_num_unfinished_requests()
+
+    def get_tokenizer(self) -> Any:
+        """The engine's tokenizer (vLLM's ``LLMEngine.get_tokenizer``)."""
+        return self.tokenizer
+
     # ------------------------------------------------------------------ sleep mode
     def sleep(self, level: int = 1) -> int:
         """Abort every unfinished request, then ``EngineCore.sleep(level)``; returns the resident

@@ -216,6 +216,8 @@ def add_throughput_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--num-prompts", type=positive_int, default=64, help="number of requests")
     p.add_argument("--input-len-min", type=positive_int, default=50, help="shortest prompt in tokens (builtin)")
     p.add_argument("--input-len-max", type=positive_int, default=300, help="longest prompt in tokens (builtin)")
+    p.add_argument("--input-len", type=positive_int, default=None,
+                   help="every prompt this many tokens (vLLM's flag; sets --input-len-min and --input-len-max)")
     p.add_argument("--output-len", type=positive_int, default=128, help="output tokens per request (builtin)")
     _add_transformers_flags(p, "run the same requests through transformers generate (batched, left-padded)")
     p.add_argument("--null-model", action="store_true",
@@ -230,7 +232,9 @@ def add_throughput_parser(sub: argparse._SubParsersAction) -> None:
 
 def add_latency_parser(sub: argparse._SubParsersAction) -> None:
     """``pagedllm bench latency``."""
-    _add_bench_parser(sub, "latency")
+    p = _add_bench_parser(sub, "latency")
+    p.add_argument("--num-iters-warmup", type=positive_int, default=1,
+                   help="untimed repetitions first (vLLM's flag; default %(default)s)")
 
 
 def add_prefix_parser(sub: argparse._SubParsersAction) -> None:
@@ -478,8 +482,9 @@ def run_latency(args: argparse.Namespace) -> dict:
     lat, ttft, tpot = [], [], []
     first_token_s = None
     spec0 = None
-    for it in range(args.num_iters + 1):
-        if it == 1:
+    warm = max(1, getattr(args, "num_iters_warmup", 1))
+    for it in range(args.num_iters + warm):
+        if it == warm:
             spec0 = _spec_snapshot(llm)  # after the warm-up
         llm.reset_prefix_cache()
         sp = SamplingParams(temperature=0.0, max_tokens=args.output_len, ignore_eos=True,
@@ -494,6 +499,7 @@ def run_latency(args: argparse.Namespace) -> dict:
                 done = done or o.finished
         if it == 0:
             first_token_s = load_s + (times[0] - t)
+        if it < warm:
             continue  # warm-up
         lat.append(times[-1] - t)
         ttft.append(times[0] - t)
@@ -718,6 +724,11 @@ def machine_report() -> dict:
 
 
 def run(args: argparse.Namespace) -> int:
+    lo, hi = getattr(args, "input_len_min", None), getattr(args, "input_len_max", None)
+    if getattr(args, "input_len", None) is not None and lo is not None:  # throughput's fixed length
+        lo = hi = args.input_len_min = args.input_len_max = args.input_len
+    if lo is not None and hi is not None and lo > hi:
+        raise ValueError(f"--input-len-min ({lo}) is larger than --input-len-max ({hi})")
     if args.bench_cmd == "throughput":
         res = run_throughput(args)
     elif args.bench_cmd == "latency":

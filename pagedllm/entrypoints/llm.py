@@ -86,6 +86,9 @@ class LLM:
         """
         if isinstance(prompts, (str, dict)):
             prompts = [prompts]
+        if prompts is None or isinstance(prompts, (int, float, bytes)):
+            raise TypeError(f"prompts: expected a string, a TextPrompt / TokensPrompt dict or a list of "
+                            f"them, got {type(prompts).__name__}")
         prompts = list(prompts)
         params_list = self._params_list(sampling_params, len(prompts))
         loras = self._lora_list(lora_request, len(prompts))
@@ -406,8 +409,15 @@ class LLM:
             if len(sampling_params) != n:
                 raise ValueError(
                     f"sampling_params: got {len(sampling_params)} for {n} prompts; the lengths must match")
-            return list(sampling_params)
-        return [sampling_params] * n
+            out = list(sampling_params)
+        else:
+            out = [sampling_params] * n
+        from pagedllm.sampling_params import SamplingParams
+        for p in out:
+            if not isinstance(p, SamplingParams):
+                raise TypeError(f"sampling_params: expected a SamplingParams or a list of them (one per "
+                                f"prompt), got {type(p).__name__}")
+        return out
 
     def _lora_list(self, lora_request: Any, n: int) -> list:
         """One LoRARequest (or None) per prompt.

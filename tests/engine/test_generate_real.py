@@ -127,3 +127,20 @@ def test_gemma3_greedy_batch_equals_reference(gemma3_path, hf_gemma3):
     for o, ref in zip(outs, refs):
         assert o.outputs[0].token_ids == ref, o.prompt
     assert "Paris" in outs[-1].outputs[0].text
+
+
+def test_wrong_argument_types_are_type_errors_naming_them(smollm2_llm):
+    """generate() with something other than SamplingParams, or a prompt that is not a prompt,
+    raises a TypeError naming the argument (not an AttributeError from inside), and the LLM keeps
+    working; vLLM's LLMEngine.get_num_unfinished_requests / get_tokenizer are there."""
+    with pytest.raises(TypeError, match="sampling_params: expected a SamplingParams"):
+        smollm2_llm.generate(["1 2 3"], {"temperature": 0}, use_tqdm=False)
+    with pytest.raises(TypeError, match="sampling_params"):
+        smollm2_llm.generate(["x"], 5, use_tqdm=False)
+    for bad in (None, 5):
+        with pytest.raises(TypeError, match="prompts: expected"):
+            smollm2_llm.generate(bad, use_tqdm=False)
+    eng = smollm2_llm.llm_engine
+    assert eng.get_num_unfinished_requests() == 0 and eng.get_tokenizer() is smollm2_llm.get_tokenizer()
+    out = smollm2_llm.generate("1, 2, 3,", SamplingParams(temperature=0, max_tokens=3), use_tqdm=False)
+    assert len(out[0].outputs[0].token_ids) == 3

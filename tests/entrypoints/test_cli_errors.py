@@ -336,3 +336,20 @@ def test_flag_parsing_does_not_import_torch():
             "assert before == [*registered_methods(), 'none'] == list(QUANTIZATION_CHOICES), before\n")
     p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=ROOT)
     assert p.returncode == 0, p.stderr
+
+
+def test_bench_input_range_and_vllm_flags(capsys):
+    """`bench throughput` with --input-len-min > --input-len-max is one line naming both (it said
+    "empty range for randrange()"); vLLM's `--input-len` (throughput) and `--num-iters-warmup`
+    (latency) parse."""
+    from pagedllm.entrypoints.cli import build_parser, main
+
+    assert main(["bench", "throughput", "SmolLM2-135M-Instruct", "--input-len-min", "64",
+                 "--input-len-max", "16"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == ["pagedllm bench throughput: error: --input-len-min (64) is larger than --input-len-max (16)"]
+    p = build_parser()
+    a = p.parse_args(["bench", "throughput", "m", "--input-len", "16"])
+    assert a.input_len == 16
+    a = p.parse_args(["bench", "latency", "m", "--num-iters-warmup", "2"])
+    assert a.num_iters_warmup == 2

@@ -164,3 +164,32 @@ def test_union_bodies_name_the_field_of_the_form_sent():
         assert c.post("/tokenize", json={"prompt": "hi"}).json()["count"] >= 1
         e = assert_error(c.post("/v1/completions", json={"prompt": 5}), 400, "prompt")
         assert e["message"].count("a valid list") == 1
+
+
+@pytest.mark.parametrize("kwargs,param", [
+    (dict(stop=5), "stop"), (dict(stop=[1, 2]), "stop"), (dict(stop_token_ids=5), "stop_token_ids"),
+    (dict(stop_token_ids=[1, "a"]), "stop_token_ids"),
+])
+def test_wrong_types_of_stop_fields_name_them(kwargs, param):
+    with pytest.raises(InputValidationError) as info:
+        SamplingParams(**kwargs)
+    assert info.value.param == param and param in str(info.value)
+
+
+def test_bad_words_string_is_one_word():
+    assert SamplingParams(bad_words="Paris").bad_words == ["Paris"]
+    assert SamplingParams(stop=("a", "b"), stop_token_ids=(1, 2)).stop_token_ids == [1, 2]
+
+
+@pytest.mark.parametrize("kwargs,field", [
+    (dict(gpu_memory_utilization=5), "gpu_memory_utilization"),
+    (dict(gpu_memory_utilization=float("nan")), "gpu_memory_utilization"),
+    (dict(num_threads=0), "num_threads"), (dict(num_threads=-3), "num_threads"), (dict(seed="x"), "seed"),
+])
+def test_engine_args_check_what_the_cli_checks(kwargs, field):
+    """LLM(...) / EngineArgs refuse what `pagedllm serve` refuses, naming the argument."""
+    from pagedllm.config import EngineArgs
+
+    with pytest.raises(ValueError, match=f"^{field}: "):
+        EngineArgs(model="m", **kwargs)
+    EngineArgs(model="m", seed=None, num_threads=None, gpu_memory_utilization=1.0)
