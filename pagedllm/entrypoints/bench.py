@@ -12,6 +12,7 @@ import time
 from typing import Any, Optional
 
 from pagedllm.config import QUANTIZATION_CHOICES
+from pagedllm.entrypoints.cli_utils import positive_int
 
 # A fixed bank of plain English sentences; prompts are drawn from it with a seeded RNG.
 _SENTENCES = [
@@ -185,21 +186,6 @@ def _add_bench_parser(sub: argparse._SubParsersAction, name: str) -> argparse.Ar
     for flag, default, text in int_flags:
         p.add_argument(flag, type=positive_int, default=default, help=text)
     return p
-
-
-def positive_int(value: str) -> int:
-    """An integer >= 1 (the bench commands' sizes): argparse names the flag in its error (exit 2).
-
-    Raises:
-        argparse.ArgumentTypeError: not an integer, or below 1.
-    """
-    try:
-        n = int(value)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value!r}") from None
-    if n < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value!r}")
-    return n
 
 
 def _add_transformers_flags(p: argparse.ArgumentParser, help_: str) -> None:

@@ -48,6 +48,21 @@ def human_readable_int(value: str) -> int:
             f"expected an integer such as 4096, 32k (32,000) or 32K (32,768), got {value!r}") from None
 
 
+def positive_int(value: str) -> int:
+    """An argparse ``type``: an integer >= 1 (argparse names the flag in its one-line error).
+
+    Raises:
+        argparse.ArgumentTypeError: not an integer, or below 1.
+    """
+    try:
+        n = int(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer, got {value!r}") from None
+    if n <= 0:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value!r}")
+    return n
+
+
 def positive_human_int(value: str) -> int:
     """``human_readable_int`` that must be > 0 (``--max-model-len``, ``--max-num-batched-tokens``).
 

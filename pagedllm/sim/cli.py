@@ -11,6 +11,7 @@ import os
 import sys
 from typing import Any, Optional
 
+from pagedllm.entrypoints.cli_utils import positive_int
 from pagedllm.entrypoints.openai.cli_args import positive_float
 from pagedllm.router.policy import POLICIES
 from pagedllm.sim.trace import SYNTHETIC_KINDS
@@ -19,14 +20,7 @@ from pagedllm.sim.trace import SYNTHETIC_KINDS
 DEFAULT_STEP_MODEL = os.path.join(os.path.dirname(__file__), "step_model_default.json")
 
 
-def _pos_int(v: str) -> int:
-    try:
-        n = int(v)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer, got {v!r}") from None
-    if n < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {n}")
-    return n
+_pos_int = positive_int  # (pagedllm.entrypoints.cli_utils)
 
 
 def _add_trace_args(p: argparse.ArgumentParser) -> None:

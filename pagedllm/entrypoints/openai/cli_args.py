@@ -9,7 +9,7 @@ from typing import Any, Callable, Optional
 
 from pagedllm.config import QUANTIZATION_CHOICES
 from pagedllm.config import parse_bytes as config_parse_bytes
-from pagedllm.entrypoints.cli_utils import FlexibleArgumentParser, port_number, positive_human_int
+from pagedllm.entrypoints.cli_utils import FlexibleArgumentParser, port_number, positive_human_int, positive_int
 from pagedllm import envs
 
 logger = logging.getLogger("pagedllm.entrypoints.openai")
@@ -30,14 +30,7 @@ def parse_bytes(value: str) -> int:
         raise argparse.ArgumentTypeError(str(e)) from None
 
 
-def _positive_int(value: str) -> int:
-    try:
-        n = int(value)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer, got {value!r}") from None
-    if n <= 0:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value!r}")
-    return n
+_positive_int = positive_int  # (cli_utils)
 
 
 def _json_arg(kind: type, expected: str) -> Callable[[str], Any]:
