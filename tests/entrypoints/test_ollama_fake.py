@@ -175,6 +175,20 @@ def test_go_template_subset():
 def test_generate_errors(client):
     assert_ollama_error(client.post("/api/generate", json={"model": MODEL, "prompt": "x", "images": ["aGk="]}),
                         400, "images")
+    # a text-only model refuses images before decoding them: a real PNG and junk get the same answer
+    import base64
+    import io
+
+    from PIL import Image
+    buf = io.BytesIO()
+    Image.new("RGB", (4, 4), (255, 0, 0)).save(buf, format="PNG")
+    png = base64.b64encode(buf.getvalue()).decode()
+    for imgs in ([png], ["aGk="], [png, "%%%not base64"]):
+        msg = assert_ollama_error(client.post("/api/generate", json={"model": MODEL, "prompt": "x", "images": imgs}),
+                                  400, "images: this model does not take images")
+        assert "text-only" in msg
+    msg = assert_ollama_error(client.post("/api/chat", json={"model": MODEL, "messages": [
+        {"role": "user", "content": "x", "images": [png]}]}), 400, "messages[0].images: this model does not take")
     assert_ollama_error(client.post("/api/generate", json={"model": MODEL, "prompt": "x", "suffix": "y"}),
                         400, "suffix")
     assert_ollama_error(client.post("/api/generate", json={"model": MODEL, "prompt": "x",

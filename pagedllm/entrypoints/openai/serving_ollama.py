@@ -319,16 +319,21 @@ def describe_model(model: str, max_model_len: int) -> ModelDescription:
 
 
 # ------------------------------------------------------------------------- messages
-def ollama_image_parts(images: list[Any], field: str) -> list[dict[str, Any]]:
-    """Ollama ``images`` (base64 strings, no ``data:`` prefix) as decoded ``image_pil`` chat parts
-    (refused for a text-only model when the chat is rendered).
+def ollama_image_parts(images: list[Any], field: str, takes_images: bool = True) -> list[dict[str, Any]]:
+    """Ollama ``images`` (base64 strings, no ``data:`` prefix) as decoded ``image_pil`` chat parts.
+
+    ``takes_images``: False for a text-only model, whose request is refused before anything is
+    decoded (a large image costs nothing to refuse).
 
     Raises:
-        OpenAIError: 400 naming ``field[k]`` for an entry that is not a string.
+        OpenAIError: 400 naming ``field`` for a text-only model, ``field[k]`` for an entry that is
+            not a string.
         InputValidationError: (param ``field[k]``) not base64, or not a decodable image.
     """
     from pagedllm.multimodal.media import MediaConnector, decode_base64_image
 
+    if images and not takes_images:
+        raise OpenAIError(f"{field}: this model does not take images (a text-only model)", 400, field)
     parts = []
     for k, b64 in enumerate(images):
         if not isinstance(b64, str) or not b64:
@@ -339,7 +344,7 @@ def ollama_image_parts(images: list[Any], field: str) -> list[dict[str, Any]]:
     return parts
 
 
-def ollama_messages_to_chat(messages: list[OllamaMessage]) -> list[dict[str, Any]]:
+def ollama_messages_to_chat(messages: list[OllamaMessage], takes_images: bool = True) -> list[dict[str, Any]]:
     """Ollama chat messages as Chat Completions messages: assistant ``tool_calls`` get ids and
     JSON-text arguments; a ``tool`` message answers the call its ``tool_call_id`` names, else
     the oldest unanswered call named ``tool_name``, else the oldest unanswered call.
@@ -358,7 +363,7 @@ def ollama_messages_to_chat(messages: list[OllamaMessage]) -> list[dict[str, Any
                               f"{m.role!r}", 400)
         d: dict[str, Any] = {"role": m.role, "content": m.content or ""}
         if m.images:
-            d["content"] = ollama_image_parts(m.images, f"messages[{i}].images") + [
+            d["content"] = ollama_image_parts(m.images, f"messages[{i}].images", takes_images) + [
                 {"type": "text", "text": m.content or ""}]
         if m.role == "assistant":
             if m.thinking:
@@ -699,6 +704,10 @@ class OllamaServing:
         obj.update(done=True, done_reason="unload" if _keep_alive_zero(keep_alive) else "load")
         return obj
 
+    def _takes_images(self) -> bool:
+        """Whether the served model has an image processor (else images are refused undecoded)."""
+        return getattr(self.chat.input_processor, "image_processor", None) is not None
+
     def _run(self, kind: str, req: Any, raw_request: Request, chat_req: ChatCompletionRequest,
              timing: _Timing) -> _Run:
         rid = f"ollama-{kind}-{base_request_id(raw_request)}"
@@ -713,7 +722,7 @@ class OllamaServing:
         self._check_generate(req.model)
         if not req.messages:
             return JSONResponse(self._load_response("chat", req.model, req.keep_alive))
-        messages = ollama_messages_to_chat(req.messages)
+        messages = ollama_messages_to_chat(req.messages, self._takes_images())
         chat_req = self._chat_request(req, messages, model, tools=req.tools)
         run = self._run("chat", req, raw_request, chat_req, timing)
         prompt_text = render_chat(self.chat, chat_req.messages, add_generation_prompt=True,
@@ -741,7 +750,7 @@ class OllamaServing:
         prompt = req.prompt or ""
         user: list[dict[str, Any]] = [{"role": "user", "content": prompt}]
         if req.images:
-            user[0]["content"] = ollama_image_parts(req.images, "images") + [{"type": "text", "text": prompt}]
+            user[0]["content"] = ollama_image_parts(req.images, "images", self._takes_images()) + [{"type": "text", "text": prompt}]
         messages = ([{"role": "system", "content": req.system}] if req.system else []) + user
         chat_req = self._chat_request(req, messages, model)
         run = self._run("generate", req, raw_request, chat_req, timing)
