@@ -209,6 +209,11 @@ def main(argv: Optional[list[str]] = None) -> int:
         model, rest = split_model(argv[1:])
         run_args, serve_args = parser.subcommand_parsers["run"].parse_known_args(rest)
         run_args.run_model = model
+        # the server's flags are checked here, before anything starts: a mistake is one line, exit 2
+        _, unknown = parser.subcommand_parsers["serve"].parse_known_args([model or "m", *serve_args])
+        if unknown:
+            return fail("pagedllm run", f"unrecognized arguments: {' '.join(unknown)} (see 'pagedllm run --help' "
+                        "and 'pagedllm serve --help')")
         return run_local(run_args, serve_args)
     if len(argv) > 1 and argv[0] == "simulate" and argv[1] in ("fit", "replay"):
         return _simulate_sub(parser.subcommand_parsers[f"simulate {argv[1]}"], argv[1], argv[2:])
@@ -271,8 +276,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     if args.cmd == "simulate":
         from pagedllm.sim.cli import run_simulate
         return _run_user_errors_one_line("pagedllm simulate", run_simulate, args)
-    parser.print_help()
-    return 1
+    parser.print_help()  # no subcommand: the help, exit 0 (as `vllm` and `ollama` with no arguments)
+    return 0
 
 
 def _simulate_sub(p: argparse.ArgumentParser, name: str, argv: list[str]) -> int:

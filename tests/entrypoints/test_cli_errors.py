@@ -100,12 +100,24 @@ def test_serve_parses_suffixed_lengths():
     (("frob",),
      "pagedllm: error: argument {serve,chat,complete,run,run-batch,bench,simulate,router,disagg-proxy}: invalid choice: 'frob' "
      "(choose from serve, chat, complete, run, run-batch, bench, simulate, router, disagg-proxy) (see 'pagedllm --help')"),
+    # `pagedllm run` checks the server's flags before it starts anything (no "starting ..." line)
+    (("run", "--bogus"), "pagedllm run: error: unrecognized arguments: --bogus (see 'pagedllm run --help' and "
+     "'pagedllm serve --help')"),
+    (("run", "SmolLM2-135M-Instruct", "--max-num-seqs", "0"),
+     "pagedllm serve: error: argument --max-num-seqs: expected a positive integer, got '0' "
+     "(see 'pagedllm serve --help')"),
     (("run-batch", "-i", "in.jsonl"),
      "pagedllm run-batch: error: the following arguments are required: -o/--output-file "
      "(see 'pagedllm run-batch --help')"),
 ])
 def test_argparse_errors_are_one_line(args, expected):
     _one_line_error(args, expected)
+
+
+def test_no_subcommand_prints_help_and_exits_0():
+    rc, out, err, _ = _cli()  # as `vllm` and `ollama` with no arguments
+    assert rc == 0, (rc, out, err)
+    assert out.startswith("usage: pagedllm") and "serve" in out and err == ""
 
 
 # ----------------------------------------------------------------------------- checked before the model loads
