@@ -13,6 +13,7 @@ from typing import Any, Optional
 
 from pagedllm.config import QUANTIZATION_CHOICES
 from pagedllm.entrypoints.cli_utils import positive_int
+from pagedllm import envs
 
 # A fixed bank of plain English sentences; prompts are drawn from it with a seeded RNG.
 _SENTENCES = [
@@ -698,7 +699,7 @@ def machine_report() -> dict:
         pass
     rep: dict = {"cpu_model": model, "isa_flags": flags, "cpu_count": os.cpu_count(),
                  "torch_threads": torch.get_num_threads(),
-                 "thread_policy": os.environ.get("PAGEDLLM_THREAD_POLICY") or "adaptive"}
+                 "thread_policy": envs.get("PAGEDLLM_THREAD_POLICY")}
     try:
         from pagedllm.quantization.group_quant import intdot_path
 

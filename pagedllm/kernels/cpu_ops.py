@@ -42,6 +42,7 @@ import tempfile
 import threading
 import time
 from typing import Any, Callable, Optional
+from pagedllm import envs
 
 logger = logging.getLogger("pagedllm")
 
@@ -52,7 +53,7 @@ _CFLAGS = ["-O3", "-march=native", "-fopenmp", "-ffast-math"]
 
 
 def _cache_dir() -> str:
-    base = os.environ.get("PAGEDLLM_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "pagedllm")
+    base = envs.get("PAGEDLLM_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "pagedllm")
     return os.path.join(base, "kernels")
 
 
@@ -210,7 +211,7 @@ class LazyExtension:
             if self.tried:
                 return self.ops
             self.tried = True
-            if self.optional and os.environ.get("PAGEDLLM_CPU_KERNELS", "1") == "0":
+            if self.optional and not envs.get("PAGEDLLM_CPU_KERNELS"):
                 return None
             try:
                 import torch  # noqa: F401  (the extension links against libtorch)
@@ -250,22 +251,14 @@ def install_cpu_allocator() -> bool:
     Raises:
         ValueError: ``PAGEDLLM_CPU_ALLOCATOR_CACHE`` is not a byte size.
     """
-    if os.environ.get("PAGEDLLM_CPU_ALLOCATOR", "1") == "0":
+    if not envs.get("PAGEDLLM_CPU_ALLOCATOR"):
         return False
     ops = get_ops()
     if ops is None or not hasattr(ops, "install_cpu_allocator"):
         return False
-    cache = os.environ.get("PAGEDLLM_CPU_ALLOCATOR_CACHE")
-    if cache:
-        from pagedllm.config import parse_bytes
-
-        try:
-            cache_bytes = parse_bytes(cache)
-        except ValueError as e:
-            raise ValueError(f"PAGEDLLM_CPU_ALLOCATOR_CACHE: {e}") from None
-    else:
-        cache_bytes = DEFAULT_ALLOCATOR_CACHE_BYTES
-    huge = os.environ.get("PAGEDLLM_CPU_ALLOCATOR_HUGEPAGES", "0") == "1"
+    cache_bytes = (envs.get("PAGEDLLM_CPU_ALLOCATOR_CACHE") if envs.is_set("PAGEDLLM_CPU_ALLOCATOR_CACHE")
+                   else DEFAULT_ALLOCATOR_CACHE_BYTES)
+    huge = bool(envs.get("PAGEDLLM_CPU_ALLOCATOR_HUGEPAGES"))
     if ops.install_cpu_allocator(DEFAULT_ALLOCATOR_MIN_BYTES, int(cache_bytes), huge):
         logger.debug("pagedllm: caching CPU allocator installed (keeps up to %d bytes of free blocks)", cache_bytes)
     return True

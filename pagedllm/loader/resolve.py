@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+from pagedllm import envs
 
 SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 GEMMA3_FILE = "gemma-3-270m-q4_k_m.gguf"
@@ -21,7 +22,7 @@ _GEMMA3_NAMES = ("gemma-3-270m", "gemma3-270m", "google/gemma-3-270m", "gemma-3-
 
 def cache_dir() -> str:
     """`$PAGEDLLM_CACHE_DIR` or `~/.cache/pagedllm` (created)."""
-    d = os.environ.get("PAGEDLLM_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "pagedllm")
+    d = envs.get("PAGEDLLM_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "pagedllm")
     os.makedirs(d, exist_ok=True)
     return d
 

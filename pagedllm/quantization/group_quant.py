@@ -31,7 +31,6 @@ float activations). Group-16 kinds (Q2_K, Q3_K, Q6_K) always take ``group_gemm``
 from __future__ import annotations
 
 import logging
-import os
 from typing import Optional
 
 import torch
@@ -39,13 +38,14 @@ import torch.nn.functional as F
 from torch import nn
 
 from pagedllm.quantization.base import EmbeddingMethodBase, LinearMethodBase
+from pagedllm import envs
 
 logger = logging.getLogger("pagedllm")
 
 KIND_INT4, KIND_INT8, KIND_FP8 = 0, 1, 2
 KIND_NAMES = {KIND_INT4: "int4", KIND_INT8: "int8", KIND_FP8: "fp8"}
 #: rows above which the C++ kernel dequantizes tiles for ATen's GEMM instead of its register path
-LARGE_M = int(os.environ.get("PAGEDLLM_GROUP_GEMM_LARGE_M", "16"))
+LARGE_M = int(envs.get("PAGEDLLM_GROUP_GEMM_LARGE_M"))
 #: the integer-dot kernel for GGUF's int4 / int8 group-32 layers, at every M (decode, verify,
 #: prefill) and for the tied LM head (float32 logits): the default (``PAGEDLLM_GGUF_INTDOT=0`` runs
 #: ``group_gemm`` with float activations instead). It is the fastest GGUF mode measured here
@@ -66,9 +66,9 @@ LARGE_M = int(os.environ.get("PAGEDLLM_GROUP_GEMM_LARGE_M", "16"))
 #: greedy tokens can differ between schedules at near ties where float activations happened not to
 #: (tests that pin scheduling invariance by token equality run with it off; see
 #: tests/engine/test_prefix_caching_real.py)
-INTDOT = os.environ.get("PAGEDLLM_GGUF_INTDOT", "1").strip().lower() not in ("0", "false", "no", "off")
+INTDOT = bool(envs.get("PAGEDLLM_GGUF_INTDOT"))
 #: rows above which the integer-dot kernel is not used (default: none)
-INTDOT_MAX_M = int(os.environ.get("PAGEDLLM_GGUF_INTDOT_MAX_M", str(1 << 62)))
+INTDOT_MAX_M = int(envs.get("PAGEDLLM_GGUF_INTDOT_MAX_M"))
 #: ``PAGEDLLM_ISA`` values: force one ISA path of the integer-dot kernel (default ``auto``: the
 #: best this CPU has, AVX512-VNNI > AVX2 > portable)
 ISA_PATHS = {"portable": 0, "avx2": 1, "avx512vnni": 2}
@@ -276,7 +276,7 @@ def intdot_isa(ops) -> int:
         ValueError: ``PAGEDLLM_ISA`` names no path, or one this CPU lacks."""
     global _intdot_isa
     if _intdot_isa is None:
-        want = os.environ.get("PAGEDLLM_ISA", "auto").strip().lower() or "auto"
+        want = envs.get("PAGEDLLM_ISA")
         if want == "auto":
             _intdot_isa = int(ops.intdot_best_isa())
         elif want not in ISA_PATHS:
@@ -311,7 +311,7 @@ def _intdot_ops_for(layer: nn.Module, x2: torch.Tensor, k: int, dtype: torch.dty
         _intdot_logged = True
         logger.info("pagedllm: GGUF integer-dot GEMM (int8 activations per 32-block, every M): %s path%s",
                     ops.intdot_isa_name(intdot_isa(ops)),
-                    "" if os.environ.get("PAGEDLLM_ISA", "auto") in ("", "auto") else " (PAGEDLLM_ISA)")
+                    "" if envs.get("PAGEDLLM_ISA") == "auto" else " (PAGEDLLM_ISA)")
     return ops
 
 

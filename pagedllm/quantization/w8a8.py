@@ -30,7 +30,6 @@ reference below, which is also the fallback):
 """
 from __future__ import annotations
 
-import os
 from typing import NamedTuple, Optional
 
 import torch
@@ -40,17 +39,18 @@ from torch import nn
 from pagedllm.kernels.cpu_ops import get_ops
 from pagedllm.quantization.base import LinearMethodBase, QuantizationConfig, register_quantization_config
 from pagedllm.quantization.weight_only import _param, _standalone, quantize_int8
+from pagedllm import envs
 
 
 #: Largest number of rows run by the packed VNNI kernel; larger GEMMs run ``torch._int_mm``. The
 #: kernel was 1.1-2x faster than oneDNN up to M = 256 on the 2-core AVX512-VNNI machine
 #: (benchmarks/results/performance-history-2026-11.md, step 18).
 #: ``PAGEDLLM_W8A8_PACKED_MAX_M=0`` turns it off (for A/B runs).
-PACKED_GEMM_MAX_M = int(os.environ.get("PAGEDLLM_W8A8_PACKED_MAX_M", "256"))
+PACKED_GEMM_MAX_M = int(envs.get("PAGEDLLM_W8A8_PACKED_MAX_M"))
 #: The AVX2 int8 GEMM on the plain ``[N, K]`` weight (``int8_gemm_nk``, ``kernels/csrc/int8_gemm.cpp``)
 #: for every M where the packed VNNI kernel is not built; ``PAGEDLLM_W8A8_NK_GEMM=0`` runs
 #: ``torch._int_mm`` instead (for A/B runs). Both give the same integers.
-_NK_GEMM = os.environ.get("PAGEDLLM_W8A8_NK_GEMM", "1").strip().lower() not in ("0", "false", "no", "off")
+_NK_GEMM = bool(envs.get("PAGEDLLM_W8A8_NK_GEMM"))
 
 
 class QuantizedActivation(NamedTuple):

@@ -38,6 +38,7 @@ import tempfile
 import threading
 import time
 from typing import Any, Optional
+from pagedllm import envs
 
 logger = logging.getLogger("pagedllm.router")
 
@@ -75,7 +76,7 @@ def _watch_parent(parent: int) -> None:
 def _replica_main(ns: argparse.Namespace, parent: int) -> None:
     """A child: ``pagedllm serve`` with this replica's rank and port (see the module docstring)."""
     threading.Thread(target=_watch_parent, args=(parent,), name="dp-parent-watch", daemon=True).start()
-    if getattr(ns, "num_threads", None) is None and not (os.environ.get("PAGEDLLM_NUM_THREADS")
+    if getattr(ns, "num_threads", None) is None and not (envs.is_set("PAGEDLLM_NUM_THREADS")
                                                         or os.environ.get("OMP_NUM_THREADS")):
         ns.num_threads = max(1, (os.cpu_count() or 1) // int(ns.data_parallel_size))
     from pagedllm.entrypoints.openai.api_server import run_server

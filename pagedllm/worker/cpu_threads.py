@@ -25,6 +25,7 @@ import logging
 import os
 import time
 from typing import Callable, Optional
+from pagedllm import envs
 
 logger = logging.getLogger("pagedllm")
 
@@ -37,9 +38,7 @@ def thread_policy() -> str:
     Raises:
         ValueError: a value other than "adaptive" or "fixed".
     """
-    v = (os.environ.get("PAGEDLLM_THREAD_POLICY") or "adaptive").strip().lower()
-    if v not in POLICIES:
-        raise ValueError(f"PAGEDLLM_THREAD_POLICY: must be one of {list(POLICIES)}, got {v!r}")
+    v: str = envs.get("PAGEDLLM_THREAD_POLICY")  # a declared choice: adaptive / fixed
     return v
 
 

@@ -31,12 +31,12 @@ step and runs the model's own forward when it returns None. Model files hold no 
 from __future__ import annotations
 
 import logging
-import os
 from typing import Any, Optional
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+from pagedllm import envs
 
 logger = logging.getLogger("pagedllm")
 
@@ -50,7 +50,7 @@ FUSED_GROUP_TENSORS_PER_LAYER = 22
 
 def fused_decode_enabled() -> bool:
     """Whether ``PAGEDLLM_FUSED_DECODE`` allows the fused path (default on; ``0`` turns it off)."""
-    return os.environ.get("PAGEDLLM_FUSED_DECODE", "1") != "0"
+    return bool(envs.get("PAGEDLLM_FUSED_DECODE"))
 
 
 def _unwrap(lin):

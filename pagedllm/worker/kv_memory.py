@@ -26,6 +26,7 @@ import sys
 from typing import Iterable, Sequence
 
 import torch
+from pagedllm import envs
 
 PAGE_SIZE = mmap.PAGESIZE
 # NOTE: Python < 3.12 has no mmap.MAP_NORESERVE; 0x4000 is its value on Linux (mman-linux.h).
@@ -36,7 +37,7 @@ def lazy_kv_enabled(device: torch.device) -> bool:
     """Whether KV caches on ``device`` are committed on use: CPU with ``mmap.madvise`` (Linux),
     unless ``PAGEDLLM_KV_LAZY=0``."""
     return (device.type == "cpu" and hasattr(mmap.mmap, "madvise") and hasattr(mmap, "MADV_DONTNEED")
-            and os.environ.get("PAGEDLLM_KV_LAZY", "1") != "0")
+            and bool(envs.get("PAGEDLLM_KV_LAZY")))
 
 
 def new_kv_cache(shape: Sequence[int], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
