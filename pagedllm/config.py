@@ -1,11 +1,11 @@
 """Engine configuration, with vLLM's argument names and defaults where they apply."""
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 import dataclasses
 from dataclasses import dataclass, field
 import re
-from typing import Any, Optional
+from typing import Any, Optional, overload
 
 # KV cache budget on CPU when --kv-cache-memory is not given (vLLM's CPU backend uses
 # VLLM_CPU_KVCACHE_SPACE, GiB): KV_AUTO_MEMORY_FRACTION of MemAvailable (/proc/meminfo) after the
@@ -45,13 +45,19 @@ class _QuantizationChoices(Sequence[str]):
 
         return (*registered_methods(), "none")
 
-    def __getitem__(self, i):  # type: ignore[override]
+    @overload
+    def __getitem__(self, i: int) -> str: ...
+
+    @overload
+    def __getitem__(self, i: slice) -> tuple[str, ...]: ...
+
+    def __getitem__(self, i: int | slice) -> str | tuple[str, ...]:
         return self._names()[i]
 
     def __len__(self) -> int:
         return len(self._names())
 
-    def __iter__(self):
+    def __iter__(self) -> Iterator[str]:
         return iter(self._names())
 
     def __contains__(self, name: object) -> bool:
@@ -153,7 +159,7 @@ def apply_hf_overrides(hf_config: Any, overrides: Any) -> Any:
         return overrides(hf_config)
     overrides = parse_json_arg(overrides, "hf_overrides", "a dict")
 
-    def merge(target: Any, updates: dict) -> None:
+    def merge(target: Any, updates: dict[str, Any]) -> None:
         for key, value in updates.items():
             cur = target.get(key) if isinstance(target, dict) else getattr(target, key, None)
             if isinstance(value, dict) and cur is not None and (isinstance(cur, dict) or hasattr(cur, "__dict__")):
@@ -343,7 +349,7 @@ class EngineArgs:
     trust_remote_code: bool = False
     model_impl: str = "auto"
     enable_expert_parallel: bool = False
-    structured_outputs_config: Optional[dict] = None
+    structured_outputs_config: Optional[dict[str, Any]] = None
     hf_overrides: Optional[Any] = None
     tensor_parallel_size: int = 1
     pipeline_parallel_size: int = 1
@@ -356,10 +362,10 @@ class EngineArgs:
     max_lora_rank: int = 16
     max_cpu_loras: Optional[int] = None
     enable_prompt_embeds: bool = False
-    limit_mm_per_prompt: Optional[dict] = None
-    mm_processor_kwargs: Optional[dict] = None
+    limit_mm_per_prompt: Optional[dict[str, Any]] = None
+    mm_processor_kwargs: Optional[dict[str, Any]] = None
     allowed_local_media_path: str = ""
-    allowed_media_domains: Optional[list] = None
+    allowed_media_domains: Optional[list[str]] = None
     encoder_cache_size: Optional[int] = None
     scheduling_policy: str = "fcfs"
     otlp_traces_endpoint: Optional[str] = None

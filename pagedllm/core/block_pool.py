@@ -195,7 +195,7 @@ class BlockPool:
         self.cached_block_hash_to_block: dict[BlockHash, KVCacheBlock] = {}
         self.prefix_cache_stats = PrefixCacheStats()
         #: KV cache events since the last ``take_kv_events`` (None = not recorded).
-        self.kv_events: Optional[list[tuple]] = None
+        self.kv_events: Optional[list[tuple[Any, ...]]] = None
         self.kv_event_block_size = 0
 
     def enable_kv_events(self, block_size: int) -> None:
@@ -205,7 +205,7 @@ class BlockPool:
         if self.kv_events is None:
             self.kv_events = []
 
-    def take_kv_events(self) -> list[tuple]:
+    def take_kv_events(self) -> list[tuple[Any, ...]]:
         """The events recorded since the last call (oldest first); [] when not recording."""
         ev = self.kv_events
         if not ev:

@@ -95,7 +95,7 @@ class Request:
         lora_request: Any = None,
         prompt_embeds: Any = None,
         prompt_embeds_hash: Optional[str] = None,
-        mm_features: Optional[list] = None,
+        mm_features: Optional[list[Any]] = None,
     ) -> None:
         self.request_id = request_id
         self.mm_features = mm_features or None
@@ -121,7 +121,7 @@ class Request:
         self.first_scheduled_time: Optional[float] = None
         self.structured_output_request: Any = None
         # The HTTP request's W3C trace-context headers (tracing; set by the front end).
-        self.trace_headers: Optional[dict] = None
+        self.trace_headers: Optional[dict[str, str]] = None
         if sampling_params is not None:
             self.max_tokens = sampling_params.max_tokens
         else:

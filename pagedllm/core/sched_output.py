@@ -121,7 +121,7 @@ class SchedulerOutput:
         self.__dict__["_scheduled"] = None
         self.__dict__["_flat_sources"] = sources
 
-    def __getstate__(self) -> dict:
+    def __getstate__(self) -> dict[str, Any]:
         d = dict(self.__dict__)
         d["_scheduled"] = self.scheduled  # (builds it: Request objects do not travel)
         d.pop("_flat_sources", None)
@@ -129,7 +129,7 @@ class SchedulerOutput:
 
 
 def _get_scheduled(self: SchedulerOutput) -> list[ScheduledRequest]:
-    got = self.__dict__["_scheduled"]
+    got: Optional[list[ScheduledRequest]] = self.__dict__["_scheduled"]
     if got is None:
         got = []
         for (req, blocks, nb), start in zip(self.__dict__.pop("_flat_sources"), self.cached_start_pos):

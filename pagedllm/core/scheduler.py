@@ -472,7 +472,7 @@ class Scheduler:
             self.check_invariants(out)
         return out
 
-    def _emit_flat(self, out: SchedulerOutput, order: list, block_ids: dict[str, list[int]]) -> bool:
+    def _emit_flat(self, out: SchedulerOutput, order: list[tuple[Request, int, int]], block_ids: dict[str, list[int]]) -> bool:
         """Emit the step in ``SchedulerOutput``'s flat form when every request in ``order`` is an
         unchanged decode (see ``SchedulerOutput``); returns False, having changed nothing, when
         one is not (then the general form is emitted)."""
@@ -735,7 +735,7 @@ class Scheduler:
         return False
 
 
-def mm_chunk_end(features: list, start: int, num_new: int) -> int:
+def mm_chunk_end(features: list[Any], start: int, num_new: int) -> int:
     """``num_new`` cut so that the chunk ``[start, start + num_new)`` does not end inside the
     placeholder run of a feature whose tokens attend bidirectionally (``feature.bidirectional``;
     vLLM's ``disable_chunked_mm_input``): the chunk stops before the run (0 when it starts inside

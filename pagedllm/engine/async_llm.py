@@ -13,13 +13,18 @@ import os
 import queue
 import threading
 import time
-from typing import Any, AsyncIterator, Optional
+from typing import TYPE_CHECKING, Any, AsyncIterator, Callable, Optional, TypeVar
 
 from pagedllm.config import EngineArgs
 from pagedllm.engine.core_request import EngineCoreRequest
 from pagedllm.outputs import PoolingRequestOutput, RequestOutput
 
+if TYPE_CHECKING:
+    from pagedllm.engine.llm_engine import LLMEngine
+
 logger = logging.getLogger("pagedllm")
+
+_T = TypeVar("_T")
 
 
 class _Deliveries:
@@ -31,10 +36,10 @@ class _Deliveries:
 
     def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
         self._loop = loop
-        self._items: list[tuple[asyncio.Queue, Any]] = []
+        self._items: list[tuple[asyncio.Queue[Any], Any]] = []
         self._lock = threading.Lock()
 
-    def add(self, q: asyncio.Queue, item: Any) -> None:
+    def add(self, q: asyncio.Queue[Any], item: Any) -> None:
         with self._lock:
             self._items.append((q, item))
 
@@ -48,7 +53,7 @@ class _Deliveries:
                 pass
 
 
-def _deliver(items: list) -> None:
+def _deliver(items: list[tuple[asyncio.Queue[Any], Any]]) -> None:
     for q, item in items:
         q.put_nowait(item)
 
@@ -56,7 +61,7 @@ def _deliver(items: list) -> None:
 class _LoopQueue:
     """Adapter the output processor writes to from the engine thread (delivered at the next flush)."""
 
-    def __init__(self, deliveries: _Deliveries, q: asyncio.Queue) -> None:
+    def __init__(self, deliveries: _Deliveries, q: asyncio.Queue[Any]) -> None:
         self._deliveries = deliveries
         self._q = q
 
@@ -88,7 +93,7 @@ class AsyncLLM:
 
     def __init__(self, args: EngineArgs) -> None:
         self.args = args
-        self._cmds: "queue.SimpleQueue[tuple]" = queue.SimpleQueue()
+        self._cmds: "queue.SimpleQueue[tuple[Any, ...]]" = queue.SimpleQueue()
         self._wake = threading.Event()
         self._stop = threading.Event()
         self._loop_known = threading.Event()  # set by _ensure_started (or shutdown)
@@ -108,7 +113,7 @@ class AsyncLLM:
         # thread and stepping on another made a batch-16 decode step 29 ms instead of 20.5 ms
         # (benchmarks/results/performance-history-2026-11.md, step 24).
         built = threading.Event()
-        init_error: list = []
+        init_error: list[BaseException] = []
         self._thread = threading.Thread(target=self._thread_main, args=(args, built, init_error),
                                         name="pagedllm-engine", daemon=True)
         self._thread.start()
@@ -139,14 +144,14 @@ class AsyncLLM:
                 and os.environ.get("PAGEDLLM_STRUCTURED_OUTPUTS_PREWARM", "0") == "1"):
             self.engine.core.structured_output_manager.prewarm()
         self.stat_loggers: list[Any] = []
-        self._last_stats: dict = self.engine.core.get_scheduler_stats()
+        self._last_stats: dict[str, Any] = self.engine.core.get_scheduler_stats()
 
     @classmethod
     def from_engine_args(cls, args: EngineArgs) -> "AsyncLLM":
         return cls(args)
 
     # ------------------------------------------------------------------ loop
-    def _thread_main(self, args: EngineArgs, built: threading.Event, init_error: list) -> None:
+    def _thread_main(self, args: EngineArgs, built: threading.Event, init_error: list[BaseException]) -> None:
         """The engine thread: build the engine, wait for the event loop, then run the step loop."""
         from pagedllm.engine.llm_engine import LLMEngine
 
@@ -169,7 +174,7 @@ class AsyncLLM:
             self._loop_known.set()
         return self._loop
 
-    def _submit(self, cmd: tuple) -> None:
+    def _submit(self, cmd: tuple[Any, ...]) -> None:
         self._cmds.put(cmd)
         self._wake.set()
 
@@ -209,7 +214,7 @@ class AsyncLLM:
                 except Exception as e:  # the caller's error (e.g. an adapter that cannot be loaded)
                     res, err = None, e
 
-                def settle(f=fut, r=res, x=err) -> None:
+                def settle(f: asyncio.Future[Any] = fut, r: Any = res, x: Optional[Exception] = err) -> None:
                     if not f.done():
                         f.set_exception(x) if x is not None else f.set_result(r)
 
@@ -239,7 +244,7 @@ class AsyncLLM:
             if self._dead is not None:
                 return
 
-    def _loop_once(self, eng) -> None:
+    def _loop_once(self, eng: LLMEngine) -> None:
         """One iteration of the engine thread: apply commands, then one step (or wait for work)."""
         try:
             drained = self._drain()
@@ -272,7 +277,7 @@ class AsyncLLM:
                 logger.exception("abort after failure failed")
                 self._dead = e
 
-    def _maybe_release_idle_memory(self, eng) -> None:
+    def _maybe_release_idle_memory(self, eng: LLMEngine) -> None:
         """Once per idle period of ``PAGEDLLM_IDLE_RELEASE_S`` seconds (default 10; 0 = never),
         return the workers' free allocator blocks and heap to the OS, so an idle server holds its
         weights, KV cache and runtime, not the last burst's activations."""
@@ -302,9 +307,9 @@ class AsyncLLM:
             from pagedllm.worker.sleep import EngineSleepingError
             raise EngineSleepingError()
 
-    def _add(self, request: EngineCoreRequest) -> asyncio.Queue:
+    def _add(self, request: EngineCoreRequest) -> asyncio.Queue[Any]:
         """Hand a validated request to the engine thread; its outputs arrive on the returned queue."""
-        q: asyncio.Queue = asyncio.Queue()
+        q: asyncio.Queue[Any] = asyncio.Queue()
         assert self._deliveries is not None, "call _ensure_started() first"
         self._ids_in_use.add(request.request_id)  # released by the caller's finally (generate / encode)
         self._submit(("add", request, _LoopQueue(self._deliveries, q)))
@@ -351,12 +356,12 @@ class AsyncLLM:
         if lora_request is not None and not self.args.enable_lora:
             raise ValueError("lora_request: LoRA is not enabled; start the server with --enable-lora")
 
-    async def _call(self, fn: Any, *args: Any) -> Any:
+    async def _call(self, fn: Callable[..., _T], *args: Any) -> _T:
         """Run ``fn(*args)`` on the engine thread (between steps) and return its result."""
         if self._dead is not None:
             raise EngineDeadError(f"engine loop is dead: {self._dead!r}")
         loop = self._ensure_started()
-        fut = loop.create_future()
+        fut: asyncio.Future[_T] = loop.create_future()
         self._submit(("call", fut, self._loop, fn, args))
         return await fut
 
@@ -442,7 +447,7 @@ class AsyncLLM:
         q = self._add(request)
         done = False
         try:
-            item = await q.get()
+            item: PoolingRequestOutput | BaseException = await q.get()
             done = True
             if isinstance(item, BaseException):
                 raise item
@@ -459,7 +464,7 @@ class AsyncLLM:
     async def reset_prefix_cache(self) -> bool:
         """Reset the prefix cache from the engine thread; True on success."""
         loop = self._ensure_started()
-        fut = loop.create_future()
+        fut: asyncio.Future[bool] = loop.create_future()
         self._submit(("reset_prefix_cache", fut, loop))
         return await fut
 
@@ -528,7 +533,7 @@ class AsyncLLM:
         """``is_sleeping()`` without awaiting (safe from any thread)."""
         return bool(self.engine.core.sleeping_tags)
 
-    def get_scheduler_stats(self) -> dict:
+    def get_scheduler_stats(self) -> dict[str, Any]:
         """The last step's scheduler snapshot; its ``kv_connector`` entry is read live from a
         connector whose counters are thread safe (P2P transfers end while the engine idles)."""
         with self._stats_lock:
@@ -538,11 +543,11 @@ class AsyncLLM:
             stats["kv_connector"] = conn.get_kv_connector_stats()
         return stats
 
-    def get_memory_stats(self) -> dict:
+    def get_memory_stats(self) -> dict[str, Any]:
         """Process memory in bytes (``EngineCore.get_memory_stats``); safe from any thread."""
         return self.engine.core.get_memory_stats()
 
-    def get_kv_events_stats(self) -> dict:
+    def get_kv_events_stats(self) -> dict[str, Any]:
         """The KV event publisher's counters (``KVEventPublisher.stats``), {} when events are off;
         safe from any thread."""
         pub = self.engine.core.kv_events

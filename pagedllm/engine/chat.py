@@ -24,7 +24,7 @@ class ChatPrompt(str):
     """A rendered chat prompt (a str) with the conversation's images, in order (``images``:
     RGB ``PIL.Image`` list); the input processor feeds them to the model's processor."""
 
-    images: list = []
+    images: list[Any] = []
 
 
 class ImageCollector:
@@ -34,9 +34,9 @@ class ImageCollector:
 
     def __init__(self, media: Any) -> None:
         self.media = media
-        self.images: list = []
+        self.images: list[Any] = []
 
-    def add(self, part: dict, field: str) -> None:
+    def add(self, part: dict[str, Any], field: str) -> None:
         from pagedllm.multimodal.media import load_image_part
 
         self.images.append(load_image_part(part, self.media, field))
@@ -85,7 +85,7 @@ def packaged_chat_template(value: str) -> Optional[str]:
     return path if os.path.isfile(path) else None
 
 
-def normalize_messages(messages: list[dict], images: Optional[ImageCollector] = None) -> list[dict]:
+def normalize_messages(messages: list[dict[str, Any]], images: Optional[ImageCollector] = None) -> list[dict[str, Any]]:
     """Copies of the messages with OpenAI content parts (``[{"type": "text", "text": ...}]``,
     also ``input_text`` / ``output_text`` / ``refusal``) joined into one string (newlines
     between parts, as vLLM) and ``None`` content as "". An assistant message's reasoning
@@ -198,7 +198,7 @@ def prepare_tool_history(conv: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return conv
 
 
-def map_developer_role(messages: list[dict], template: Optional[str]) -> list[dict]:
+def map_developer_role(messages: list[dict[str, Any]], template: Optional[str]) -> list[dict[str, Any]]:
     """OpenAI's ``developer`` role (what newer OpenAI models call the ``system`` message) as
     ``system`` when the chat template does not mention it.
 
@@ -220,10 +220,10 @@ def map_developer_role(messages: list[dict], template: Optional[str]) -> list[di
             for m in messages]
 
 
-def render_chat(tokenizer: Any, messages: list[dict], *, chat_template: Optional[str] = None,
+def render_chat(tokenizer: Any, messages: list[dict[str, Any]], *, chat_template: Optional[str] = None,
                 add_generation_prompt: bool = True, continue_final_message: bool = False,
-                chat_template_kwargs: Optional[dict] = None, tools: Optional[list[dict]] = None,
-                documents: Optional[list[dict]] = None, images: Optional[ImageCollector] = None) -> str:
+                chat_template_kwargs: Optional[dict[str, Any]] = None, tools: Optional[list[dict[str, Any]]] = None,
+                documents: Optional[list[dict[str, Any]]] = None, images: Optional[ImageCollector] = None) -> str:
     """Render a conversation with the given Jinja template, else the tokenizer's.
 
     ``images``: the collector of a model that takes images (see ``normalize_messages``); when the
@@ -268,23 +268,23 @@ def render_chat(tokenizer: Any, messages: list[dict], *, chat_template: Optional
     if chat_template:
         kwargs["chat_template"] = chat_template
     try:
-        text = tokenizer.apply_chat_template(conv, **kwargs)
+        rendered = tokenizer.apply_chat_template(conv, **kwargs)
     except (ValueError, TypeError, KeyError) as e:
         raise InputValidationError(f"Could not apply the chat template: {e}", "messages") from e
     except Exception as e:  # jinja2 errors (TemplateError, UndefinedError, ...)
         raise InputValidationError(f"Could not apply the chat template: {e.__class__.__name__}: {e}",
                                    "messages") from e
-    if not isinstance(text, str):  # some tokenizers return a list for batched input
-        text = text[0]
+    # (some tokenizers return a list for batched input)
+    text: str = rendered if isinstance(rendered, str) else rendered[0]
     if images is not None and images.images:
         text = ChatPrompt(text)
         text.images = list(images.images)
     return text
 
 
-def apply_chat_template(tokenizer: Any, messages: list[dict], chat_template: Optional[str] = None,
+def apply_chat_template(tokenizer: Any, messages: list[dict[str, Any]], chat_template: Optional[str] = None,
                         add_generation_prompt: bool = True, continue_final_message: bool = False,
-                        chat_template_kwargs: Optional[dict] = None) -> str:
+                        chat_template_kwargs: Optional[dict[str, Any]] = None) -> str:
     """``render_chat`` with positional arguments (the offline API's older helper).
 
     Raises:

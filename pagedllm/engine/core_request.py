@@ -49,10 +49,10 @@ class EngineCoreRequest:
     cache_salt: Optional[str] = None
     lora_request: Optional[Any] = None
     priority: int = 0
-    trace_headers: Optional[dict] = None
+    trace_headers: Optional[dict[str, str]] = None
     prompt_embeds: Optional[Any] = None
     prompt_embeds_hash: Optional[str] = None
-    mm_features: Optional[list] = None
+    mm_features: Optional[list[Any]] = None
 
     @property
     def params(self) -> Any:

@@ -157,14 +157,17 @@ class IncrementalDetokenizer:
     def _decode(self, ids: list[int]) -> str:
         if not ids:
             return ""
+        text: str
         if self._backend is not None:
-            return self._backend.decode(ids, skip_special_tokens=self.skip_special_tokens)
-        return self.tokenizer.decode(
+            text = self._backend.decode(ids, skip_special_tokens=self.skip_special_tokens)
+            return text
+        text = self.tokenizer.decode(
             ids,
             skip_special_tokens=self.skip_special_tokens,
             spaces_between_special_tokens=self.spaces_between_special_tokens,
             clean_up_tokenization_spaces=False,
         )
+        return text
 
     @property
     def token_ids(self) -> list[int]:
@@ -236,7 +239,7 @@ class IncrementalDetokenizer:
                     ids = self._ids
                     ids.append(tok)
                     try:
-                        delta = st.step(self._backend, tok)
+                        delta: Optional[str] = st.step(self._backend, tok)
                     except Exception:  # e.g. the text does not extend the prefix: the Python path
                         self._stream = None
                         return self._step(force=False)
@@ -283,10 +286,12 @@ def decode_token_text(tokenizer: Any, token_id: int) -> str:
     tok = tokenizer.convert_ids_to_tokens(int(token_id))
     if tok is None:
         return ""
+    text: str
     try:
-        return tokenizer.convert_tokens_to_string([tok])
+        text = tokenizer.convert_tokens_to_string([tok])
     except Exception:  # pragma: no cover - tokenizer without the method
-        return tokenizer.decode([int(token_id)])
+        text = tokenizer.decode([int(token_id)])
+    return text
 
 
 # ---------------------------------------------------------------------- stop strings

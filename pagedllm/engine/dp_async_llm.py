@@ -174,10 +174,10 @@ class DPAsyncLLM:
             ok = (await r.reset_prefix_cache()) and ok
         return ok
 
-    def get_scheduler_stats(self) -> dict:
+    def get_scheduler_stats(self) -> dict[str, Any]:
         """Totals over the replicas (KV usage: the mean); ``per_replica`` lists each one's."""
         per = [r.get_scheduler_stats() for r in self.replicas]
-        out: dict = {k: sum(s.get(k, 0) for s in per) for k in
+        out: dict[str, Any] = {k: sum(s.get(k, 0) for s in per) for k in
                      ("num_running", "num_waiting", "num_preemptions_total", "prefix_cache_queries",
                       "prefix_cache_hits")}
         out["kv_cache_usage"] = sum(s.get("kv_cache_usage", 0.0) for s in per) / len(per)
@@ -189,7 +189,7 @@ class DPAsyncLLM:
         out["per_replica"] = per
         return out
 
-    def get_memory_stats(self) -> dict:
+    def get_memory_stats(self) -> dict[str, Any]:
         """Memory in bytes: this process (where every replica's engine runs) plus each
         replica's worker processes; the caching allocator is the process's one."""
         out = self.replicas[0].get_memory_stats()
@@ -197,10 +197,10 @@ class DPAsyncLLM:
             out["resident_memory_bytes"] += r.engine.core.executor.get_memory_stats().get("resident_memory_bytes", 0)
         return out
 
-    def get_kv_events_stats(self) -> dict:
+    def get_kv_events_stats(self) -> dict[str, Any]:
         """The replicas' KV event publishers' counters, summed ({} when events are off); each
         replica publishes on its own endpoint (the port offset by its rank)."""
-        out: dict = {}
+        out: dict[str, Any] = {}
         for r in self.replicas:
             for k, v in r.get_kv_events_stats().items():
                 out[k] = out.get(k, 0) + v

@@ -143,7 +143,7 @@ class EngineCore:
                 self.tokenizer, self.vocab_size, self.eos_token_id, so_cfg)
         # Steps in flight (pipeline parallelism): (SchedulerOutput, Future of its output).
         self.batch_queue_size = self.executor.max_concurrent_batches
-        self._batch_queue: deque = deque()
+        self._batch_queue: deque[tuple[Any, Any]] = deque()
         # Sleep mode: the tags asleep ("weights", "kv_cache") and the level they went to sleep at.
         self.sleeping_tags: set[str] = set()
         self.sleep_level = 0
@@ -252,8 +252,8 @@ class EngineCore:
         self.block_size = args.block_size
         self.kv_capacity_tokens = capacity_tokens
         self.executor.initialize(num_blocks, max_model_len)
-        self.kv_cache_bytes = num_blocks * args.block_size * bytes_per_token
-        self.kv_block_bytes = args.block_size * bytes_per_token
+        self.kv_cache_bytes: int = num_blocks * args.block_size * bytes_per_token
+        self.kv_block_bytes: int = args.block_size * bytes_per_token
         # Free blocks holding cached prefixes kept resident (ahead of never-used blocks, and
         # across the idle release): kv_prefix_cache_memory in whole blocks.
         self.kv_prefix_keep_blocks = args.kv_prefix_cache_bytes() // self.kv_block_bytes
@@ -541,7 +541,7 @@ class EngineCore:
         self.reset_prefix_cache()
         kv = self.release_kv_pages(max_cached_kept=0) * self.kv_block_bytes
         results = self.executor.collective_rpc("sleep", args=(level,))
-        released = kv + sum(r[0] for r in results)
+        released: int = kv + sum(r[0] for r in results)
         self.sleep_backup_bytes = sum(r[1] for r in results)
         self.sleeping_tags = {"weights", "kv_cache"}
         self.sleep_level = level
@@ -584,7 +584,7 @@ class EngineCore:
             raise ValueError("sleep mode is not enabled; start the engine with enable_sleep_mode=True "
                              "(pagedllm serve --enable-sleep-mode)")
 
-    def get_scheduler_stats(self) -> dict:
+    def get_scheduler_stats(self) -> dict[str, Any]:
         s = self.scheduler
         return {
             "num_running": s.num_running,
@@ -602,7 +602,7 @@ class EngineCore:
             **self._encoder_cache_stats(),
         }
 
-    def _encoder_cache_stats(self) -> dict:
+    def _encoder_cache_stats(self) -> dict[str, Any]:
         """``{"encoder_cache": {usage, capacity (tokens), queries, hits, evictions (totals)}}`` of an
         in-process worker's encoder cache (image-text models); empty otherwise."""
         w = getattr(self.executor, "driver_worker", None)
@@ -628,7 +628,7 @@ class EngineCore:
         kv = 0
         if not self.scheduler.has_unfinished_requests() and not self._batch_queue:
             kv = self.release_kv_pages() * self.kv_block_bytes
-        released = kv + sum(self.executor.collective_rpc("release_idle_memory"))
+        released: int = kv + sum(self.executor.collective_rpc("release_idle_memory"))
         if self.executor.get_memory_stats().get("resident_memory_bytes"):  # workers elsewhere: this one too
             from pagedllm.platforms import trim_heap
             trim_heap()
@@ -673,7 +673,7 @@ class EngineCore:
                      _fmt_bytes(n * self.kv_block_bytes))
         return n
 
-    def _jump_forward_stats(self) -> dict:
+    def _jump_forward_stats(self) -> dict[str, Any]:
         """Jump-forward structured decoding totals (empty when off): verified grammar drafts,
         their tokens, and the accepted ones."""
         st = self.scheduler.jump_forward_stats
@@ -683,7 +683,7 @@ class EngineCore:
                 "jump_forward_num_draft_tokens": st.num_draft_tokens,
                 "jump_forward_num_accepted_tokens": st.num_accepted_tokens}
 
-    def _spec_decode_stats(self) -> dict:
+    def _spec_decode_stats(self) -> dict[str, Any]:
         """Speculative decoding totals (empty when off): the scheduler's draft counters and, for
         an in-process worker, the suffix proposer's global cache."""
         st = self.scheduler.spec_stats
@@ -704,7 +704,7 @@ class EngineCore:
                     self.spec_config, "suffix_decoding_max_cached_requests", None)
         return out
 
-    def _lora_stats(self) -> dict:
+    def _lora_stats(self) -> dict[str, Any]:
         """``lora_running_adapters`` / ``lora_waiting_adapters`` (names), ``max_loras``,
         ``lora_cpu_cache_adapters`` (adapters loaded on the workers) and ``max_cpu_loras``."""
         running, waiting = self.scheduler.lora_adapter_names()
@@ -712,7 +712,7 @@ class EngineCore:
                 "max_loras": self.args.max_loras, "lora_cpu_cache_adapters": len(self.loras),
                 "max_cpu_loras": self.max_cpu_loras}
 
-    def get_memory_stats(self) -> dict:
+    def get_memory_stats(self) -> dict[str, Any]:
         """Memory now, in bytes: ``resident_memory_bytes`` (RSS of this process plus that of the
         executor's worker processes on this machine), ``weight_bytes``, ``weight_file_bytes`` (the
         checkpoint files), ``weight_mapped_bytes`` (weights served from the mapped weight cache, file-backed

@@ -88,7 +88,7 @@ def _special_prefix(tokenizer: Any) -> list[int]:
 
 
 def encode_fim(tokenizer: Any, prefix: str, suffix: str, *, middle: str = "",
-               extra: Optional[Sequence[dict]] = None, add_special_tokens: bool = True,
+               extra: Optional[Sequence[dict[str, Any]]] = None, add_special_tokens: bool = True,
                tokens: Optional[FIMTokens] = None) -> list[int]:
     """The token ids of a FIM prompt (layout in the module docstring).
 

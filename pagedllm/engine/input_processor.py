@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from typing import Any, Optional
 
 from pagedllm.engine.core_request import EngineCoreRequest
-from pagedllm.inputs import InputValidationError
+from pagedllm.inputs import InputValidationError as InputValidationError  # re-exported (chat, multimodal)
 
 
 @dataclass
@@ -35,7 +35,7 @@ class ProcessedPrompt:
     cache_salt: Optional[str] = None
     prompt_embeds: Any = None
     prompt_embeds_hash: Optional[str] = None
-    mm_features: Optional[list] = None
+    mm_features: Optional[list[Any]] = None
 
 
 class InputProcessor:
@@ -271,7 +271,7 @@ class InputProcessor:
         self.check_prompt_length(len(ids), strict_length)
         return ProcessedPrompt(text, ids, cache_salt)
 
-    def _mm_prompt(self, prompt: dict, truncate: Optional[int], add_special_tokens: bool,
+    def _mm_prompt(self, prompt: dict[str, Any], truncate: Optional[int], add_special_tokens: bool,
                    strict_length: bool) -> ProcessedPrompt:
         """A ``TextPrompt`` with ``multi_modal_data``: the HF processor expands each image's
         placeholder; the ids may not be truncated (an image run cannot be cut).

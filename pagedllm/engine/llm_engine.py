@@ -4,7 +4,7 @@ from __future__ import annotations
 import itertools
 import logging
 import time
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Any, Optional
 
 from pagedllm.config import EngineArgs
 from pagedllm.core.request import Request, RequestStatus
@@ -13,6 +13,11 @@ from pagedllm.engine.core_request import EngineCoreRequest
 from pagedllm.engine.engine_core import EngineCore
 from pagedllm.engine.input_processor import InputProcessor
 from pagedllm.metrics.stats import IterationStats, RequestStateStats
+
+if TYPE_CHECKING:
+    from concurrent.futures import Future
+
+    from pagedllm.sampling_params import SamplingParams
 
 logger = logging.getLogger("pagedllm")
 
@@ -70,12 +75,12 @@ class LLMEngine:
         from pagedllm.engine.gc_tuning import freeze_startup_heap
         freeze_startup_heap(self)
 
-    def _generation_defaults(self) -> dict:
+    def _generation_defaults(self) -> dict[str, Any]:
         """Default sampling values from the model's generation config (vLLM ``--generation-config``)."""
         gc = self.args.generation_config
         if gc == "vllm":
             return {}
-        cfg: dict = {}
+        cfg: dict[str, Any] = {}
         if gc == "auto":
             cfg = dict(self.core.loaded.generation_config or {})
         else:
@@ -95,7 +100,7 @@ class LLMEngine:
                 out[dst] = cfg[src]
         return out
 
-    def get_default_sampling_params(self):
+    def get_default_sampling_params(self) -> SamplingParams:
         from pagedllm.sampling_params import SamplingParams
         return SamplingParams(**self.default_sampling_params)
 
@@ -128,14 +133,16 @@ class LLMEngine:
         if so is not None:
             if wait_for_grammar:
                 try:
-                    self.grammar_future(req.sampling_params).result()
+                    fut = self.grammar_future(req.sampling_params)
+                    assert fut is not None, "req.structured_outputs is its params' structured_outputs"
+                    fut.result()
                 except ValueError as e:
                     raise so.rename_error(e) from None
             elif self.core.structured_output_manager is not None:
                 self.core.structured_output_manager.resolve_backend(so)
         return req
 
-    def grammar_future(self, params: Any):
+    def grammar_future(self, params: Any) -> Optional[Future[Any]]:
         """The compile of ``params.structured_outputs`` (a ``concurrent.futures.Future`` whose
         exception is a ValueError naming the field), or None without structured outputs.
 
@@ -386,7 +393,7 @@ class LLMEngine:
         self._iter_stats = IterationStats()
         return it
 
-    def step(self) -> list:
+    def step(self) -> list[Any]:
         """One engine step; returns the RequestOutputs (per ``output_kind``) and
         PoolingRequestOutputs produced for requests added without a queue."""
         core_outputs = self.core.step()

@@ -48,7 +48,7 @@ def _output_kind(params: Any) -> int:
     return int(getattr(kind, "value", kind))
 
 
-def _as_list(x: Any) -> list:
+def _as_list(x: Any) -> list[Any]:
     return x.tolist() if hasattr(x, "tolist") else list(x)
 
 
@@ -474,7 +474,7 @@ class OutputProcessor:
             RuntimeError: a pooling request without a queue finished without a pooled output
                 (with a queue, the error goes to the queue).
         """
-        results: list = []
+        results: list[Any] = []  # RequestOutputs and PoolingRequestOutputs
         reqs_to_abort: list[str] = []
         parent_updates: dict[str, list[RequestState]] = {}
 
@@ -550,7 +550,7 @@ class OutputProcessor:
         return results, reqs_to_abort
 
     @staticmethod
-    def _deliver(out: Any, queue: Any, results: list) -> None:
+    def _deliver(out: Any, queue: Any, results: list[Any]) -> None:
         if queue is not None:
             queue.put_nowait(out)
         else:

@@ -44,9 +44,9 @@ class EngineClient(Protocol):
     model_name: str
     runner: str
     pooler: Optional[Any]
-    default_sampling_params: dict
+    default_sampling_params: dict[str, Any]
     kv_capacity_tokens: int
-    stat_loggers: list
+    stat_loggers: list[Any]
     enable_lora: bool
     kv_transfer_config: Optional[Any]
 
@@ -96,16 +96,16 @@ class EngineClient(Protocol):
         """Drop the prefix cache; False when requests hold blocks."""
         ...
 
-    def get_scheduler_stats(self) -> dict:
+    def get_scheduler_stats(self) -> dict[str, Any]:
         """Totals: num_running, num_waiting, kv_cache_usage, num_preemptions_total,
         prefix_cache_queries, prefix_cache_hits (+ structured-output cache counters)."""
         ...
 
-    def get_memory_stats(self) -> dict:
+    def get_memory_stats(self) -> dict[str, Any]:
         """Memory in bytes: resident_memory_bytes (+ the CPU allocator's counters)."""
         ...
 
-    def get_kv_events_stats(self) -> dict:
+    def get_kv_events_stats(self) -> dict[str, Any]:
         """The KV cache event publisher's counters (``pagedllm.kv_events.KVEventPublisher.stats``:
         kv_events_queue_batches, kv_events_queue_capacity, kv_events_batches_published_total,
         kv_events_batches_dropped_total); {} without ``--kv-events-config``."""
