@@ -60,3 +60,20 @@ def test_aliases_are_read_when_the_own_name_is_unset(monkeypatch):
     assert envs.get("PAGEDLLM_BATCH_INVARIANT") is True and envs.is_set("PAGEDLLM_BATCH_INVARIANT")
     monkeypatch.setenv("PAGEDLLM_BATCH_INVARIANT", "0")
     assert envs.get("PAGEDLLM_BATCH_INVARIANT") is False      # the own name wins
+
+
+def test_the_package_reads_its_variables_through_envs():
+    """No module but ``envs.py`` reads a ``PAGEDLLM_*`` variable from ``os.environ`` / ``os.getenv``
+    itself (so every read gets the declared type, default and error); the worker processes'
+    connection variables, which pagedllm sets for its own children, are the exception."""
+    own_children = {"PAGEDLLM_WORKER_ADDRESS", "PAGEDLLM_WORKER_AUTHKEY"}
+    direct = re.compile(r"""(?:os\.environ\.get|os\.getenv|os\.environ\[)\(?\s*["'](PAGEDLLM_[A-Z0-9_]+)""")
+    found = []
+    for d, _, files in os.walk(os.path.join(ROOT, "pagedllm")):
+        for f in files:
+            path = os.path.join(d, f)
+            if f.endswith(".py") and path != os.path.join(ROOT, "pagedllm", "envs.py"):
+                for name in direct.findall(open(path, encoding="utf-8").read()):
+                    if name not in own_children:
+                        found.append(f"{os.path.relpath(path, ROOT)}: {name}")
+    assert not found, found

@@ -9,12 +9,12 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import os
 import queue
 import threading
 import time
 from typing import TYPE_CHECKING, Any, AsyncIterator, Callable, Optional, TypeVar
 
+from pagedllm import envs
 from pagedllm.config import EngineArgs
 from pagedllm.engine.core_request import EngineCoreRequest
 from pagedllm.outputs import PoolingRequestOutput, RequestOutput
@@ -105,7 +105,7 @@ class AsyncLLM:
         self._stats_lock = threading.Lock()
         self._idle_since: Optional[float] = None
         self._idle_released = False
-        self._idle_release_s = float(os.environ.get("PAGEDLLM_IDLE_RELEASE_S", "10"))
+        self._idle_release_s = float(envs.get("PAGEDLLM_IDLE_RELEASE_S"))
         # NOTE: the engine is built and stepped on one thread. OpenMP (libgomp) gives each thread
         # that enters a parallel region its own team of workers, and once the process has more
         # of them than cores it spins only ~100 times before sleeping, so each of a step's
@@ -133,6 +133,7 @@ class AsyncLLM:
         self.tokenizer = self.engine.tokenizer
         self.input_processor = self.engine.input_processor
         self.max_model_len = self.engine.max_model_len
+        self.model_config = self.engine.model_config  # vLLM's AsyncLLM.model_config
         self.vocab_size = self.engine.vocab_size
         self.model_name = args.model
         self.runner = args.runner
@@ -141,7 +142,7 @@ class AsyncLLM:
         self.kv_capacity_tokens = self.engine.core.kv_capacity_tokens
         # NOTE: opt-in (issue 30): the tokenizer tables cost 173 MiB resident for Gemma 3's 262k vocab.
         if (self.engine.core.structured_output_manager is not None
-                and os.environ.get("PAGEDLLM_STRUCTURED_OUTPUTS_PREWARM", "0") == "1"):
+                and envs.get("PAGEDLLM_STRUCTURED_OUTPUTS_PREWARM")):
             self.engine.core.structured_output_manager.prewarm()
         self.stat_loggers: list[Any] = []
         self._last_stats: dict[str, Any] = self.engine.core.get_scheduler_stats()

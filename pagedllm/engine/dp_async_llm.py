@@ -79,6 +79,8 @@ class DPAsyncLLM:
         # NOTE: the replicas are built from one EngineArgs: one front end checks for all of them
         # (the smallest max_model_len, should a replica's KV cache hold fewer tokens).
         self.input_processor = min((r.input_processor for r in self.replicas), key=lambda p: p.max_model_len)
+        # the replica with the smallest context: its max_model_len is the server's (vLLM's model_config)
+        self.model_config = min((r.model_config for r in self.replicas), key=lambda c: c.max_model_len)
         self.vocab_size = first.vocab_size
         self.model_name = first.model_name
         self.runner = first.runner

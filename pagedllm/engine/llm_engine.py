@@ -12,6 +12,7 @@ from pagedllm.engine.chat import load_chat_template
 from pagedllm.engine.core_request import EngineCoreRequest
 from pagedllm.engine.engine_core import EngineCore
 from pagedllm.engine.input_processor import InputProcessor
+from pagedllm.engine.model_config import ModelConfig, build_model_config
 from pagedllm.metrics.stats import IterationStats, RequestStateStats
 
 if TYPE_CHECKING:
@@ -49,6 +50,8 @@ class LLMEngine:
             self.tokenizer.chat_template = load_chat_template(args.chat_template)
         self.max_model_len = self.core.max_model_len
         self.vocab_size = self.core.vocab_size
+        #: the loaded model's settings under vLLM's names (``llm.llm_engine.model_config``)
+        self.model_config: ModelConfig = build_model_config(args, self.core)
         self.pooler = self.core.pooler
         self.input_processor = InputProcessor(self.tokenizer, self.max_model_len, self.vocab_size,
                                               args.max_logprobs, runner=args.runner, pooler=self.pooler,
@@ -268,6 +271,10 @@ class LLMEngine:
     def get_tokenizer(self) -> Any:
         """The engine's tokenizer (vLLM's ``LLMEngine.get_tokenizer``)."""
         return self.tokenizer
+
+    def get_model_config(self) -> ModelConfig:
+        """The loaded model's settings (vLLM's ``LLMEngine.get_model_config``): ``self.model_config``."""
+        return self.model_config
 
     # ------------------------------------------------------------------ sleep mode
     def sleep(self, level: int = 1) -> int:

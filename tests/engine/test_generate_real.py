@@ -144,3 +144,24 @@ def test_wrong_argument_types_are_type_errors_naming_them(smollm2_llm):
     assert eng.get_num_unfinished_requests() == 0 and eng.get_tokenizer() is smollm2_llm.get_tokenizer()
     out = smollm2_llm.generate("1, 2, 3,", SamplingParams(temperature=0, max_tokens=3), use_tqdm=False)
     assert len(out[0].outputs[0].token_ids) == 3
+
+
+def test_model_config_view_has_vllms_names(smollm2_llm):
+    """``llm.llm_engine.model_config`` (vLLM's ``ModelConfig`` names) states the loaded model:
+    SmolLM2-135M's published shape, the resolved dtype and context, and is read-only."""
+    import dataclasses
+
+    import torch
+    mc = smollm2_llm.llm_engine.model_config
+    assert mc.model == "SmolLM2-135M-Instruct" and mc.served_model_name == "SmolLM2-135M-Instruct"
+    assert mc.dtype == torch.float32 and mc.quantization == "none" and mc.seed == 0
+    assert mc.runner_type == "generate" and mc.max_logprobs == 20
+    assert mc.max_model_len == smollm2_llm.llm_engine.max_model_len > 0
+    # SmolLM2-135M: 30 layers, hidden 576, 9 query / 3 KV heads of 64, vocabulary 49,152
+    assert (mc.get_num_layers(), mc.get_hidden_size(), mc.get_vocab_size()) == (30, 576, 49152)
+    assert (mc.get_num_attention_heads(), mc.get_num_kv_heads(), mc.get_head_size()) == (9, 3, 64)
+    assert mc.hf_config.architectures == ["LlamaForCausalLM"] and mc.hf_text_config is mc.hf_config
+    assert not mc.is_multimodal_model and mc.get_sliding_window() is None
+    assert smollm2_llm.llm_engine.get_model_config() is mc
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        mc.max_model_len = 1  # type: ignore[misc]
