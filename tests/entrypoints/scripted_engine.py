@@ -25,6 +25,7 @@ class ScriptedAsyncLLM(FakeAsyncLLM):
         super().__init__(**kw)
         self.scripts = scripts
         self._next = 0
+        self.num_cached_tokens = 0  # prompt tokens each output reports as read from the prefix cache
 
     def _script(self, prompt_text: str) -> str:
         if callable(self.scripts):
@@ -77,7 +78,8 @@ class ScriptedAsyncLLM(FakeAsyncLLM):
                     else:
                         outs.append(CompletionOutput(k, text, list(gen[k]), None, None, finish[k],
                                                      None))
-                yield RequestOutput(request_id, ptext, ids, None, outs, done)
+                yield RequestOutput(request_id, ptext, ids, None, outs, done,
+                                    num_cached_tokens=self.num_cached_tokens)
             self.finished_ids.append(request_id)
         finally:
             if not done:

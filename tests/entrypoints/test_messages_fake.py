@@ -225,3 +225,81 @@ def test_forced_tool_choice(client, engine):
         return
     m = validate(r.json())
     assert m.stop_reason == "tool_use" and m.content[0].input == {"tz": "UTC"}
+
+
+def test_usage_counts_prefix_cache_hits_once(client, engine):
+    """Anthropic: input_tokens + cache_read_input_tokens (+ cache_creation) is the whole prompt,
+    so tokens read from the prefix cache are not in input_tokens too; the same in the stream."""
+    engine.num_cached_tokens = 16
+    try:
+        m = validate(post(client, "Hello!").json())
+        whole = len(engine.received[-1][0]["prompt_token_ids"])
+        assert m.usage.cache_read_input_tokens == 16 and m.usage.input_tokens == whole - 16 > 0
+        events = events_of(post(client, "Hello!", stream=True).text)
+        start, delta = events[0], [e for e in events if e.type == "message_delta"][0]
+        assert start.message.usage.input_tokens == delta.usage.input_tokens == whole - 16
+        assert start.message.usage.cache_read_input_tokens == delta.usage.cache_read_input_tokens == 16
+    finally:
+        engine.num_cached_tokens = 0
+
+
+def test_prefill_is_continued(client, engine):
+    """A final assistant message is a prefill: the prompt ends inside that turn (no end of turn,
+    no new assistant header) and the reply is the continuation only."""
+    r = post(client, " Paris.", messages=[{"role": "user", "content": "Capital of France?"},
+                                          {"role": "assistant", "content": "The capital is"}])
+    m = validate(r.json())
+    prompt = engine.received[-1][0]["prompt"]
+    assert prompt.endswith("<|im_start|>assistant\nThe capital is"), prompt[-80:]
+    assert [b.text for b in m.content] == [" Paris."]
+    # without a prefill the generation prompt opens a new assistant turn
+    post(client, "x")
+    assert engine.received[-1][0]["prompt"].endswith("<|im_start|>assistant\n")
+
+
+def test_empty_reply_is_empty_content_both_ways(client):
+    """An empty reply is ``content: []`` with and without streaming (Anthropic rejects empty text
+    blocks sent back)."""
+    m = validate(post(client, "").json())
+    assert m.content == [] and m.stop_reason == "end_turn"
+    snap = accumulate(events_of(post(client, "", stream=True).text))
+    assert snap.content == []
+
+
+def test_forced_tool_call_cut_by_max_tokens(client, engine):
+    """A forced tool call cut short by max_tokens is a 200 with stop_reason max_tokens and the
+    arguments parsed as far as they go (not a 400 from a JSON error), streamed or not."""
+    if not has_structured_outputs():
+        pytest.skip("forced tool choice needs a structured-outputs backend")
+    args = '{"city": "Paris", "unit": "C"}'
+    r = post(client, args, tools=[WEATHER], tool_choice={"type": "tool", "name": "get_weather"}, max_tokens=5)
+    assert r.status_code == 200, r.text
+    m = validate(r.json())
+    assert m.stop_reason == "max_tokens"
+    uses = [b for b in m.content if b.type == "tool_use"]
+    assert len(uses) == 1 and uses[0].name == "get_weather" and isinstance(uses[0].input, dict)
+    assert set(uses[0].input) <= {"city", "unit"}
+    snap = accumulate(events_of(post(client, args, tools=[WEATHER], stream=True, max_tokens=5,
+                                     tool_choice={"type": "tool", "name": "get_weather"}).text))
+    assert snap.stop_reason == "max_tokens"
+    # a complete call still says tool_use
+    m = validate(post(client, args, tools=[WEATHER], tool_choice={"type": "tool", "name": "get_weather"}).json())
+    assert m.stop_reason == "tool_use" and m.content[-1].input == {"city": "Paris", "unit": "C"}
+
+
+def test_count_tokens_with_tools_needs_no_tool_parser(engine):
+    """count_tokens renders the tools into the prompt without a tool-call parser (a server
+    started without --enable-auto-tool-choice), and counts the same prompt as a request with
+    tool_choice none."""
+    app = build_app(engine, make_args(chat_template=TEMPLATE))
+    with TestClient(app) as c:
+        body = {"model": MODEL, "messages": [{"role": "user", "content": "Weather?"}], "tools": [WEATHER]}
+        r = c.post("/v1/messages/count_tokens", json=body)
+        assert r.status_code == 200, r.text
+        n = r.json()["input_tokens"]
+        BOX.script = "x"
+        assert c.post("/v1/messages", json={**body, "max_tokens": 4, "tool_choice": {"type": "none"}}).status_code == 200
+        assert n == len(engine.received[-1][0]["prompt_token_ids"])
+        assert "get_weather" in engine.received[-1][0]["prompt"]
+        no_tools = c.post("/v1/messages/count_tokens", json={k: v for k, v in body.items() if k != "tools"})
+        assert no_tools.json()["input_tokens"] < n

@@ -195,20 +195,25 @@ class AnthropicServingMessages:
         except ValueError as e:
             return JSONResponse(anthropic_error_body(str(e), 400), status_code=400)
 
-    def _prepare(self, request: AnthropicMessagesRequest
+    def _prepare(self, request: AnthropicMessagesRequest, count_only: bool = False
                  ) -> tuple[ChatCompletionRequest, ChatToolSetup, str, list[int]]:
         chat = self.chat
         messages = messages_to_chat(request.system, request.messages)
+        # a final assistant turn is a prefill: the reply continues it (Anthropic's "prefill")
+        prefill = bool(messages) and messages[-1].get("role") == "assistant"
         body: dict[str, Any] = {
             "model": request.model, "messages": messages,
             "max_completion_tokens": request.max_tokens, "temperature": request.temperature,
             "top_p": request.top_p, "top_k": request.top_k, "stream": bool(request.stream),
             "stop": request.stop_sequences,
+            "add_generation_prompt": not prefill, "continue_final_message": prefill,
         }
         if request.thinking is not None:
             body["chat_template_kwargs"] = {
                 "enable_thinking": request.thinking.get("type") == "enabled"}
         tc, parallel = _chat_tool_choice(request.tool_choice)
+        if count_only and tc == "auto" and not (chat.enable_auto_tools and chat.tool_parser_cls):
+            tc = "none"  # counting renders the tools into the prompt; it needs no tool-call parser
         if request.tools:
             body.update(tools=_chat_tools(request.tools), tool_choice=tc,
                         parallel_tool_calls=parallel)
@@ -230,7 +235,7 @@ class AnthropicServingMessages:
         if request.model not in chat.served_model_names and chat.lora_request(request.model) is None:
             raise _err(f"model: {request.model!r} not found (served: "
                        f"{', '.join(chat.served_model_names)})", 404)
-        chat_req, setup, prompt_text, ids = self._prepare(request)
+        chat_req, setup, prompt_text, ids = self._prepare(request, count_only)
         rename = {"prompt": "messages"}
         pp = None
         if ids is None:  # a prompt with images
@@ -249,6 +254,22 @@ class AnthropicServingMessages:
                               raw_request)
 
 
+def _tool_input(arguments: Optional[str]) -> dict[str, Any]:
+    """A tool call's JSON arguments as the ``tool_use`` block's ``input`` object. Arguments cut
+    short by ``max_tokens`` are parsed as far as they go (``partial_json_parser``: complete
+    members kept); anything that is not an object then is ``{}``."""
+    text = (arguments or "").strip() or "{}"
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError:
+        from partial_json_parser import loads as partial_loads
+        try:
+            value = partial_loads(text)
+        except Exception:  # noqa: BLE001 - not even a JSON prefix
+            value = {}
+    return value if isinstance(value, dict) else {}
+
+
 class _MessageRun:
     def __init__(self, chat: OpenAIServingChat, request: AnthropicMessagesRequest, msg_id: str,
                  setup: ChatToolSetup, input_tokens: int):
@@ -256,10 +277,10 @@ class _MessageRun:
         self.setup, self.input_tokens = setup, input_tokens
 
     def _stop(self, co: Any, called: bool) -> tuple[str, Optional[str]]:
+        if co.finish_reason == "length":  # also when the cut fell inside a tool call
+            return "max_tokens", None
         if called:
             return "tool_use", None
-        if co.finish_reason == "length":
-            return "max_tokens", None
         if isinstance(co.stop_reason, str):
             return "stop_sequence", co.stop_reason
         return "end_turn", None
@@ -269,7 +290,9 @@ class _MessageRun:
         return {"id": self.msg_id, "type": "message", "role": "assistant",
                 "model": self.request.model, "content": content, "stop_reason": stop,
                 "stop_sequence": stop_seq,
-                "usage": {"input_tokens": self.input_tokens, "output_tokens": output_tokens,
+                # Anthropic: input_tokens + cache_read_input_tokens + cache_creation_input_tokens
+                # is the whole prompt, so the prefix-cache hits are not counted twice
+                "usage": {"input_tokens": self.input_tokens - cached, "output_tokens": output_tokens,
                           "cache_creation_input_tokens": 0, "cache_read_input_tokens": cached}}
 
     def build(self, outs: list[Any]) -> dict[str, Any]:
@@ -286,10 +309,11 @@ class _MessageRun:
                 content.append({"type": "text", "text": parsed.content})
             for c in parsed.tool_calls:
                 content.append({"type": "tool_use", "id": tool_use_id(c.id), "name": c.function.name,
-                                "input": json.loads(c.function.arguments or "{}")})
+                                "input": _tool_input(c.function.arguments)})
             called = bool(parsed.tool_calls)
         else:
-            content.append({"type": "text", "text": co.text})
+            if co.text:  # an empty reply is content [] (as streamed: no block opened)
+                content.append({"type": "text", "text": co.text})
             called = False
         stop, seq = self._stop(co, called)
         return self._message(content, stop, seq, len(co.token_ids), cached)
@@ -368,7 +392,7 @@ class _MessageRun:
             else:
                 stop, seq = self._stop(tally.last, parser.tools_called)
             yield ev("message_delta", delta={"stop_reason": stop, "stop_sequence": seq},
-                     usage={"output_tokens": tally.num_tokens, "input_tokens": self.input_tokens,
+                     usage={"output_tokens": tally.num_tokens, "input_tokens": self.input_tokens - tally.cached,
                             "cache_read_input_tokens": tally.cached})
             yield ev("message_stop")
 
