@@ -96,14 +96,14 @@ def test_options_map_to_sampling_params(client, engine):
 
 
 def test_num_predict_unlimited_is_the_context(client, engine):
-    for n in (-1, -2, None, 100_000):
+    for n in (-1, -2, 0, None, 100_000):  # 0 too: Ollama's runner limits only a positive num_predict
         opts = {} if n is None else {"num_predict": n}
         r = client.post("/api/generate", json={"model": MODEL, "prompt": "Hi", "stream": False, "options": opts})
         assert r.status_code == 200, r.text
         prompt_len = len(engine.received[-1][0]["prompt_token_ids"])
         assert engine.received[-1][1].max_tokens == MAX_LEN - prompt_len, n
         assert r.json()["eval_count"] == MAX_LEN - prompt_len and r.json()["done_reason"] == "length"
-    for bad in (0, -3):
+    for bad in (-3, -100):
         r = client.post("/api/generate", json={"model": MODEL, "prompt": "Hi", "options": {"num_predict": bad}})
         assert_ollama_error(r, 400, "num_predict")
 
@@ -401,3 +401,30 @@ def test_official_client_over_asgi(engine):
         assert e.value.status_code == 400 and "pooling" in e.value.error
 
     asyncio.run(main())
+
+
+def test_unclosed_template_action_and_bad_keep_alive(client, engine):
+    """A template whose action never closes is a 400 (Go's "unclosed action"), not the literal
+    text sent to the model; keep_alive takes seconds or Go durations and refuses anything else."""
+    for t in ("{{ .Prompt ", "<s>{{ .System }}</s>{{ .Prompt"):
+        assert_ollama_error(client.post("/api/generate", json={"model": MODEL, "prompt": "Hi", "template": t}),
+                            400, "template: unclosed action")
+    for ka in ("5m", "1h30m", -1, "-1", 0, "0", 300, "1.5h"):
+        r = client.post("/api/generate", json={"model": MODEL, "prompt": "Hi", "stream": False, "keep_alive": ka,
+                                               "options": {"num_predict": 1}})
+        assert r.status_code == 200, (ka, r.text)
+    for ka in ("bogus", "5 minutes", ""):
+        for route, body in (("/api/generate", {"prompt": "Hi"}), ("/api/chat", {"messages": USER})):
+            assert_ollama_error(client.post(route, json={"model": MODEL, "keep_alive": ka, **body}), 400, "keep_alive")
+
+
+def test_chat_final_assistant_message_is_a_prefill(client, engine):
+    """A last assistant message with text is continued: the prompt ends inside that turn."""
+    r = client.post("/api/chat", json={"model": MODEL, "stream": False, "options": {"num_predict": 2}, "messages": [
+        {"role": "user", "content": "Capital of France?"}, {"role": "assistant", "content": "The capital is"}]})
+    assert r.status_code == 200, r.text
+    prompt = engine.received[-1][0]["prompt"]
+    assert prompt.rstrip().endswith("The capital is"), prompt[-60:]
+    r = client.post("/api/chat", json={"model": MODEL, "stream": False, "options": {"num_predict": 2},
+                                       "messages": USER})
+    assert not engine.received[-1][0]["prompt"].rstrip().endswith(USER[-1]["content"])

@@ -8,9 +8,10 @@ Source: Ollama's API reference (``docs/api.md`` of github.com/ollama/ollama): fi
 from __future__ import annotations
 
 import logging
-from typing import Any, Optional, Union
+import re
+from typing import Annotated, Any, Optional, Union
 
-from pydantic import ConfigDict, model_validator
+from pydantic import AfterValidator, ConfigDict, model_validator
 
 from pagedllm.entrypoints.openai.protocol import OpenAIBaseModel
 
@@ -81,6 +82,21 @@ class OllamaOptions(OpenAIBaseModel):
         return out
 
 
+_GO_DURATION = re.compile(r"[-+]?(?:(?:\d+\.?\d*|\.\d+)(?:ns|us|\u00b5s|ms|s|m|h))+|[-+]?\d+(?:\.\d*)?")
+
+
+def _check_keep_alive(v: Any) -> Any:
+    """``keep_alive`` as Ollama reads it: a number of seconds (negative: forever) or a Go
+    duration string ("5m", "1h30m", "-1", "0"); anything else is refused, as Ollama does."""
+    if isinstance(v, str) and not _GO_DURATION.fullmatch(v.strip()):
+        raise ValueError(f"invalid duration {v!r} (a number of seconds, or a duration such as \"5m\" or \"1h30m\")")
+    return v
+
+
+#: ``keep_alive`` of the Ollama routes (accepted; the model stays loaded either way).
+KeepAlive = Annotated[Optional[Union[int, float, str]], AfterValidator(_check_keep_alive)]
+
+
 class _OllamaBase(OpenAIBaseModel):
     """Shared by the generation routes: the model, ``options``, ``format``, ``keep_alive``."""
 
@@ -88,7 +104,7 @@ class _OllamaBase(OpenAIBaseModel):
     stream: Optional[bool] = True
     options: Optional[OllamaOptions] = None
     format: Optional[Union[str, dict[str, Any]]] = None
-    keep_alive: Optional[Union[int, float, str]] = None
+    keep_alive: KeepAlive = None
     think: Optional[Union[bool, str]] = None
     # Newer Ollama fields: accepted; logprobs are not returned by these routes.
     logprobs: Optional[bool] = None
@@ -142,7 +158,7 @@ class OllamaEmbedRequest(OpenAIBaseModel):
     input: Union[str, list[str]]
     truncate: Optional[bool] = True
     options: Optional[dict[str, Any]] = None
-    keep_alive: Optional[Union[int, float, str]] = None
+    keep_alive: KeepAlive = None
     dimensions: Optional[int] = None
 
 
@@ -152,7 +168,7 @@ class OllamaEmbeddingsRequest(OpenAIBaseModel):
     model: str
     prompt: str = ""
     options: Optional[dict[str, Any]] = None
-    keep_alive: Optional[Union[int, float, str]] = None
+    keep_alive: KeepAlive = None
 
 
 class OllamaModelRequest(OpenAIBaseModel):

@@ -202,6 +202,10 @@ def render_go_template(template: str, system: str, prompt: str) -> str:
             ".Response and if/else/end; use the model's chat template by leaving `template` out, or "
             "`raw: true` with a fully formatted prompt)", "template")
 
+    for kind, val in pieces:
+        if kind == "text" and "{{" in val:  # Go: "unclosed action" (the action never ends)
+            from pagedllm.engine.input_processor import InputValidationError
+            raise InputValidationError(f"template: unclosed action at {val[val.index('{{'):][:40]!r}", "template")
     out: list[str] = []
     stack: list[list[bool]] = []  # per open `if`: [condition, in_else]
     for kind, val in pieces:
@@ -547,9 +551,9 @@ class OllamaServing:
         opts: Optional[OllamaOptions] = req.options
         if opts is not None:
             body.update(opts.sampling_fields())
-            if opts.num_predict is not None and (opts.num_predict == 0 or opts.num_predict < -2):
-                raise OpenAIError(f"options.num_predict: must be a positive number of tokens, or -1 "
-                                  f"(no limit but the context length), got {opts.num_predict}", 400)
+            if opts.num_predict is not None and opts.num_predict < -2:
+                raise OpenAIError(f"options.num_predict: must be a number of tokens, or 0 / -1 / -2 (no limit "
+                                  f"but the context length), got {opts.num_predict}", 400)
         if req.format == "json":
             body["structured_outputs"] = {"json_object": True}
         elif isinstance(req.format, dict):
@@ -576,7 +580,7 @@ class OllamaServing:
     def _max_tokens(self, req: Any, prompt_len: int) -> int:
         room = int(self.engine.max_model_len) - prompt_len
         n = req.options.num_predict if req.options is not None else None
-        if n is None or n < 0:
+        if n is None or n <= 0:  # Ollama's runner limits only a positive num_predict
             return room
         return min(int(n), room)
 
@@ -725,8 +729,11 @@ class OllamaServing:
         messages = ollama_messages_to_chat(req.messages, self._takes_images())
         chat_req = self._chat_request(req, messages, model, tools=req.tools)
         run = self._run("chat", req, raw_request, chat_req, timing)
-        prompt_text = render_chat(self.chat, chat_req.messages, add_generation_prompt=True,
-                                  continue_final_message=False, chat_template=None,
+        # a final assistant message with text is a prefill the reply continues (as Ollama's templates)
+        last = messages[-1]
+        prefill = last["role"] == "assistant" and bool(last.get("content")) and not last.get("tool_calls")
+        prompt_text = render_chat(self.chat, chat_req.messages, add_generation_prompt=not prefill,
+                                  continue_final_message=prefill, chat_template=None,
                                   chat_template_kwargs=chat_req.chat_template_kwargs,
                                   tools=run.setup.tools or None)
         return await self._start(run, chat_req, prompt_text, raw_request, req)
