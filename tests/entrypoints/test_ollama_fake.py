@@ -196,8 +196,9 @@ def test_generate_errors(client):
                         400, "template")
     assert_ollama_error(client.post("/api/generate", json={"model": MODEL, "prompt": "x", "context": [10**9]}),
                         400, "context")
-    assert_ollama_error(client.post("/api/generate", json={"model": MODEL, "prompt": "word " * 400}),
-                        400, "maximum context length")
+    # over the context: cut as Ollama cuts (below); with truncate false, the 400
+    assert_ollama_error(client.post("/api/generate", json={"model": MODEL, "prompt": "word " * 400,
+                                                           "truncate": False}), 400, "maximum context length")
     assert_ollama_error(client.post("/api/generate", content=b"{not json"), 400, "invalid JSON")
     assert_ollama_error(client.post("/api/generate", json=[1, 2]), 400, "JSON object")
     assert_ollama_error(client.post("/api/generate", json={"prompt": "x"}), 400, "model")
@@ -428,3 +429,38 @@ def test_chat_final_assistant_message_is_a_prefill(client, engine):
     r = client.post("/api/chat", json={"model": MODEL, "stream": False, "options": {"num_predict": 2},
                                        "messages": USER})
     assert not engine.received[-1][0]["prompt"].rstrip().endswith(USER[-1]["content"])
+
+
+def test_prompt_over_the_context_is_truncated_as_ollama(client, engine):
+    """/api/generate: the first num_keep tokens (default 4) and the latest ones, max_model_len - 1
+    in all. /api/chat: older turns are dropped (system kept, the last message kept)."""
+    words = " ".join(f"w{i}" for i in range(600))
+    r = client.post("/api/generate", json={"model": MODEL, "prompt": words, "raw": True, "stream": False,
+                                           "options": {"num_predict": 1}})
+    assert r.status_code == 200, r.text
+    full = engine.tokenizer.encode(words, add_special_tokens=True)
+    got = engine.received[-1][0]["prompt_token_ids"]
+    assert len(got) == MAX_LEN - 1 and got[:4] == full[:4] and got[4:] == full[-(MAX_LEN - 5):]
+    assert r.json()["prompt_eval_count"] == MAX_LEN - 1
+    r = client.post("/api/generate", json={"model": MODEL, "prompt": words, "raw": True, "stream": False,
+                                           "options": {"num_predict": 1, "num_keep": 10}})
+    got = engine.received[-1][0]["prompt_token_ids"]
+    assert got[:10] == full[:10] and got[10:] == full[-(MAX_LEN - 11):]
+    # chat: 12 turns of ~40 tokens each do not fit 256; the system message and the latest turns do
+    turns = []
+    for i in range(12):
+        turns += [{"role": "user", "content": f"question {i} " + "x " * 30},
+                  {"role": "assistant", "content": f"answer {i} " + "y " * 30}]
+    msgs = [{"role": "system", "content": "SYSTEM-RULES"}] + turns + [{"role": "user", "content": "LAST-QUESTION"}]
+    r = client.post("/api/chat", json={"model": MODEL, "messages": msgs, "stream": False,
+                                       "options": {"num_predict": 1}})
+    assert r.status_code == 200, r.text
+    prompt = engine.received[-1][0]["prompt"]
+    ids = engine.received[-1][0]["prompt_token_ids"]
+    assert len(ids) <= MAX_LEN - 1
+    assert "SYSTEM-RULES" in prompt and "LAST-QUESTION" in prompt and "answer 11" in prompt
+    assert "question 0 " not in prompt
+    kept = [i for i in range(12) if f"question {i} " in prompt]
+    assert kept and kept == list(range(kept[0], 12))  # a run of the latest turns
+    assert_ollama_error(client.post("/api/chat", json={"model": MODEL, "messages": msgs, "truncate": False}),
+                        400, "maximum context length")

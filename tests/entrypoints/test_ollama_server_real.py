@@ -97,16 +97,20 @@ def test_metadata(client, server):
     assert httpx.get(server + "/").text == "Ollama is running"
 
 
-def test_errors_keep_the_server_serving(client):
+def test_errors_keep_the_server_serving(client, server):
     with pytest.raises(ollama.ResponseError) as e:
         client.chat(model="llama3.2", messages=MSGS)
     assert e.value.status_code == 404 and "llama3.2" in e.value.error
     with pytest.raises(ollama.ResponseError) as e:
         client.embed(model=MODEL, input="hello")
     assert e.value.status_code == 400 and "--runner pooling" in e.value.error
-    with pytest.raises(ollama.ResponseError) as e:
-        client.generate(model=MODEL, prompt="word " * 1100)
-    assert e.value.status_code == 400 and "context length" in e.value.error
+    # over the context: cut to max_model_len - 1 (the first 4 tokens and the latest), as Ollama;
+    # with "truncate": false, a 400
+    r = client.generate(model=MODEL, prompt="word " * 1100, options={"num_predict": 1})
+    assert r.done and r.prompt_eval_count == 1023 and r.eval_count == 1 and r.done_reason in ("stop", "length")
+    bad = httpx.post(server + "/api/generate", timeout=60,
+                     json={"model": MODEL, "prompt": "word " * 1100, "truncate": False})
+    assert bad.status_code == 400 and "context length" in bad.json()["error"]
     assert client.chat(model=MODEL, messages=MSGS, options={"num_predict": 2}).eval_count == 2
 
 

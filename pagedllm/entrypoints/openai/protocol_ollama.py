@@ -35,7 +35,7 @@ MAPPED_OPTIONS = {
 # Ollama options with no counterpart here (runner / llama.cpp settings, sampling methods this
 # engine does not have): accepted and ignored, with one logged warning naming them.
 IGNORED_OPTIONS = (
-    "num_keep", "typical_p", "repeat_last_n", "tfs_z", "mirostat", "mirostat_tau", "mirostat_eta",
+    "typical_p", "repeat_last_n", "tfs_z", "mirostat", "mirostat_tau", "mirostat_eta",
     "penalize_newline", "numa", "num_ctx", "num_batch", "num_gpu", "main_gpu", "low_vram",
     "vocab_only", "use_mmap", "use_mlock", "num_thread", "logits_all", "embedding_only", "f16_kv",
 )
@@ -53,6 +53,8 @@ class OllamaOptions(OpenAIBaseModel):
     min_p: Optional[float] = None
     seed: Optional[int] = None
     num_predict: Optional[int] = None
+    # prompt tokens kept from the start when a prompt over the context is truncated (Ollama's default 4)
+    num_keep: Optional[int] = None
     stop: Optional[Union[str, list[str]]] = None
     repeat_penalty: Optional[float] = None
     presence_penalty: Optional[float] = None
@@ -77,7 +79,7 @@ class OllamaOptions(OpenAIBaseModel):
         out: dict[str, Any] = {}
         for name, target in MAPPED_OPTIONS.items():
             val = getattr(self, name)
-            if target is not None and val is not None:
+            if target is not None and val is not None and name != "num_keep":
                 out[target] = val
         return out
 
@@ -106,6 +108,9 @@ class _OllamaBase(OpenAIBaseModel):
     format: Optional[Union[str, dict[str, Any]]] = None
     keep_alive: KeepAlive = None
     think: Optional[Union[bool, str]] = None
+    # a prompt over the context is cut to fit (older turns / the middle, as Ollama); false: a 400
+    truncate: Optional[bool] = None
+    shift: Optional[bool] = None  # accepted (no context shift here: the output stops at the context)
     # Newer Ollama fields: accepted; logprobs are not returned by these routes.
     logprobs: Optional[bool] = None
     top_logprobs: Optional[int] = None

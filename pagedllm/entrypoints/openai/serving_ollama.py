@@ -124,6 +124,10 @@ def _keep_alive_zero(v: Any) -> bool:
     return bool(re.fullmatch(r"\s*0+(\.0*)?\s*(ns|us|ms|s|m|h)?\s*", str(v)))
 
 
+def _role(m: Any) -> Optional[str]:
+    return m.get("role") if isinstance(m, dict) else getattr(m, "role", None)
+
+
 def _done_reason(finish_reason: Optional[str]) -> str:
     # Ollama's done_reason values are "stop", "length" (and "load" / "unload"); "abort" (the
     # server shutting down) is passed on as is.
@@ -584,11 +588,28 @@ class OllamaServing:
             return room
         return min(int(n), room)
 
+    def _truncate(self, prompt: dict[str, Any], req: Any, request_id: str) -> dict[str, Any]:
+        """A prompt over the context, cut as Ollama's runner cuts it: the first ``num_keep`` tokens
+        (option; default 4) and the latest ones, ``max_model_len - 1`` in all (room for one
+        generated token); a warning is logged. Shorter prompts are returned as they are."""
+        ids = list(prompt["prompt_token_ids"])
+        limit = int(self.engine.max_model_len) - 1
+        if len(ids) <= limit or getattr(req, "truncate", None) is False:
+            return prompt  # (over the context without truncation: process_prompt's 400)
+        keep = getattr(req.options, "num_keep", None) if req.options is not None else None
+        keep = max(0, min(4 if keep is None or keep < 0 else int(keep), limit - 1))
+        new = ids[:keep] + ids[len(ids) - (limit - keep):]
+        logger.warning("Ollama %s: truncating input prompt: limit=%d prompt=%d keep=%d new=%d", request_id,
+                       limit + 1, len(ids), keep, len(new))
+        return {"prompt_token_ids": new, "prompt": None}
+
     async def _start(self, run: _Run, chat_req: ChatCompletionRequest, prompt: dict[str, Any],
                      raw_request: Request, req: Any) -> Response:
         chat = self.chat
         rename = {"prompt": "messages" if run.kind == "chat" else "prompt",
                   "max_tokens": "options.num_predict"}
+        if isinstance(prompt, dict) and prompt.get("prompt_token_ids") is not None:
+            prompt = self._truncate(prompt, req, run.request_id)
         pp = chat.process_prompt(prompt, add_special_tokens=False, rename=rename)
         run.prompt_ids = list(pp.prompt_token_ids)
         chat_req.max_tokens = self._max_tokens(req, len(run.prompt_ids))
@@ -732,11 +753,42 @@ class OllamaServing:
         # a final assistant message with text is a prefill the reply continues (as Ollama's templates)
         last = messages[-1]
         prefill = last["role"] == "assistant" and bool(last.get("content")) and not last.get("tool_calls")
-        prompt_text = render_chat(self.chat, chat_req.messages, add_generation_prompt=not prefill,
-                                  continue_final_message=prefill, chat_template=None,
-                                  chat_template_kwargs=chat_req.chat_template_kwargs,
-                                  tools=run.setup.tools or None)
-        return await self._start(run, chat_req, prompt_text, raw_request, req)
+
+        def render(msgs: list[Any]) -> Any:
+            return render_chat(self.chat, msgs, add_generation_prompt=not prefill, continue_final_message=prefill,
+                               chat_template=None, chat_template_kwargs=chat_req.chat_template_kwargs,
+                               tools=run.setup.tools or None)
+
+        msgs = list(chat_req.messages)
+        prompt_text = render(msgs)
+        if getattr(prompt_text, "images", None):  # the image processor tokenizes it
+            return await self._start(run, chat_req, prompt_text, raw_request, req)
+        ids = self.chat.encode(prompt_text, False)
+        limit = int(self.engine.max_model_len) - 1  # room for one generated token at least
+        if len(ids) > limit and req.truncate is not False:
+            # Ollama's chatPrompt: keep the system messages and the longest run of the latest
+            # messages that fits (the last one always); older turns are dropped
+            system = [m for m in msgs[:-1] if _role(m) == "system"]
+            rest = [m for m in msgs[:-1] if _role(m) != "system"]
+            lo, hi = 0, len(rest)  # drop rest[:k]; find the smallest k that fits (monotone)
+            best = None
+            while lo <= hi:
+                k = (lo + hi) // 2
+                text = render(system + rest[k:] + msgs[-1:])
+                n_ids = self.chat.encode(text, False)
+                if len(n_ids) <= limit:
+                    best, hi = (k, text, n_ids), k - 1
+                else:
+                    lo = k + 1
+            if best is None:
+                prompt_text = render(system + msgs[-1:])
+                ids = self.chat.encode(prompt_text, False)
+                dropped = len(rest)
+            else:
+                dropped, prompt_text, ids = best
+            logger.warning("Ollama chat %s: %d message(s) dropped to fit the context of %d tokens", run.request_id,
+                           dropped, limit + 1)
+        return await self._start(run, chat_req, {"prompt_token_ids": ids, "prompt": prompt_text}, raw_request, req)
 
     async def generate(self, req: OllamaGenerateRequest, raw_request: Request) -> Response:
         """``POST /api/generate``."""
