@@ -303,3 +303,20 @@ def test_count_tokens_with_tools_needs_no_tool_parser(engine):
         assert "get_weather" in engine.received[-1][0]["prompt"]
         no_tools = c.post("/v1/messages/count_tokens", json={k: v for k, v in body.items() if k != "tools"})
         assert no_tools.json()["input_tokens"] < n
+
+
+def test_anthropic_sdk_models_list_and_retrieve(client):
+    """The anthropic SDK's client.models (it sends anthropic-version) gets Anthropic's shapes;
+    an OpenAI client's /v1/models is unchanged."""
+    import anthropic
+
+    sdk = anthropic.Anthropic(api_key=KEY, base_url="http://testserver", http_client=client)
+    page = sdk.models.list()
+    ids = [m.id for m in page.data]
+    assert MODEL in ids and all(m.type == "model" and m.display_name and m.created_at for m in page.data)
+    m = sdk.models.retrieve(MODEL)
+    assert m.id == MODEL and m.type == "model" and m.created_at.year >= 2026
+    with pytest.raises(anthropic.NotFoundError):
+        sdk.models.retrieve("no-such-model")
+    r = client.get("/v1/models", headers={"x-api-key": KEY})
+    assert r.json()["object"] == "list" and r.json()["data"][0]["object"] == "model"

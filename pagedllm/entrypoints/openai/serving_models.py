@@ -3,7 +3,9 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Union
 
-from fastapi import APIRouter
+import datetime
+
+from fastapi import APIRouter, Request
 from pydantic import Discriminator, Tag
 from fastapi.responses import JSONResponse
 
@@ -69,21 +71,48 @@ class OpenAIServingTokenization(OpenAIServing):
         return DetokenizeResponse(prompt=text)
 
 
+def anthropic_model(card: ModelCard) -> dict[str, Any]:
+    """A model card in the Anthropic Models API's shape (``type``, ``id``, ``display_name``,
+    ``created_at`` as RFC 3339)."""
+    created = datetime.datetime.fromtimestamp(card.created, datetime.timezone.utc)
+    return {"type": "model", "id": card.id, "display_name": card.id,
+            "created_at": created.isoformat().replace("+00:00", "Z")}
+
+
+def _wants_anthropic(raw_request: Request) -> bool:
+    # the anthropic SDK sends this header on every call; OpenAI clients do not
+    return "anthropic-version" in raw_request.headers
+
+
 def build_models_router(models: OpenAIServingModels) -> APIRouter:
-    """``GET /v1/models``: the served names and LoRA adapters; ``GET /v1/models/{id}``: one of them."""
+    """``GET /v1/models``: the served names and LoRA adapters; ``GET /v1/models/{id}``: one of them.
+    A request with an ``anthropic-version`` header (the anthropic SDK's ``client.models``) gets
+    the Anthropic Models API's shapes: ``{"data": [...], "has_more", "first_id", "last_id"}`` and
+    an Anthropic error body for an unknown id."""
     router = APIRouter()
 
     @router.get("/v1/models")
-    async def show_available_models():
-        return JSONResponse(models.show_available_models().model_dump(mode="json"))
+    async def show_available_models(raw_request: Request):
+        listing = models.show_available_models()
+        if _wants_anthropic(raw_request):
+            data = [anthropic_model(c) for c in listing.data]
+            return JSONResponse({"data": data, "has_more": False, "first_id": data[0]["id"] if data else None,
+                                 "last_id": data[-1]["id"] if data else None})
+        return JSONResponse(listing.model_dump(mode="json"))
 
     @router.get("/v1/models/{model_id:path}")
-    async def retrieve_model(model_id: str):
+    async def retrieve_model(model_id: str, raw_request: Request):
         """OpenAI's "retrieve model": the card of one served name or LoRA adapter; 404 otherwise."""
         for card in models.show_available_models().data:
             if card.id == model_id:
+                if _wants_anthropic(raw_request):
+                    return JSONResponse(anthropic_model(card))
                 return JSONResponse(card.model_dump(mode="json"))
-        raise OpenAIError(f"The model `{model_id}` does not exist.", 404, "model")
+        message = f"The model `{model_id}` does not exist."
+        if _wants_anthropic(raw_request):
+            from pagedllm.entrypoints.openai.protocol_anthropic import anthropic_error_body
+            return JSONResponse(anthropic_error_body(message, 404), status_code=404)
+        raise OpenAIError(message, 404, "model")
 
     return router
 
