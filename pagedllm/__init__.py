@@ -7,7 +7,8 @@ from __future__ import annotations
 __version__ = "0.1.0"
 
 __all__ = ["LLM", "SamplingParams", "PoolingParams", "RequestOutput", "CompletionOutput",
-           "PoolingRequestOutput", "EngineArgs", "RequestOutputKind", "PoolerConfig", "StructuredOutputsParams",
+           "PoolingRequestOutput", "EmbeddingRequestOutput", "ClassificationRequestOutput", "ScoringRequestOutput",
+           "EngineArgs", "RequestOutputKind", "PoolerConfig", "StructuredOutputsParams",
            "TextPrompt", "TokensPrompt", "PromptType", "LoRARequest", "BeamSearchParams", "BeamSearchOutput",
            "BeamSearchSequence", "__version__"]
 
@@ -29,7 +30,8 @@ def __getattr__(name: str):
     if name == "PoolerConfig":
         from pagedllm.pooling.config import PoolerConfig
         return PoolerConfig
-    if name in ("RequestOutput", "CompletionOutput", "PoolingRequestOutput"):
+    if name in ("RequestOutput", "CompletionOutput", "PoolingRequestOutput", "EmbeddingRequestOutput",
+                "ClassificationRequestOutput", "ScoringRequestOutput"):
         from pagedllm import outputs
         return getattr(outputs, name)
     if name in ("TextPrompt", "TokensPrompt", "PromptType"):

@@ -101,6 +101,16 @@ class PoolingOutput:
         d = self.data
         return float(d.reshape(-1)[0]) if d.numel() >= 1 else float("nan")
 
+    @property
+    def hidden_size(self) -> int:
+        """Length of the embedding (vLLM's ``EmbeddingOutput.hidden_size``)."""
+        return int(self.data.shape[-1])
+
+    @property
+    def num_classes(self) -> int:
+        """Number of class probabilities (vLLM's ``ClassificationOutput.num_classes``)."""
+        return int(self.data.shape[-1])
+
 
 @dataclass
 class PoolingRequestOutput:
@@ -117,3 +127,30 @@ class PoolingRequestOutput:
     outputs: PoolingOutput
     prompt_token_ids: list[int] = field(default_factory=list)
     finished: bool = True
+
+
+class EmbeddingRequestOutput(PoolingRequestOutput):
+    """``LLM.embed``'s result (vLLM's name): ``outputs.embedding`` is the vector."""
+
+    @classmethod
+    def from_base(cls, base: PoolingRequestOutput) -> "EmbeddingRequestOutput":
+        """The same request's result under this class (fields shared, nothing copied)."""
+        return cls(base.request_id, base.outputs, base.prompt_token_ids, base.finished)
+
+
+class ClassificationRequestOutput(PoolingRequestOutput):
+    """``LLM.classify``'s result (vLLM's name): ``outputs.probs`` are the class probabilities."""
+
+    @classmethod
+    def from_base(cls, base: PoolingRequestOutput) -> "ClassificationRequestOutput":
+        """The same request's result under this class (fields shared, nothing copied)."""
+        return cls(base.request_id, base.outputs, base.prompt_token_ids, base.finished)
+
+
+class ScoringRequestOutput(PoolingRequestOutput):
+    """``LLM.score``'s result (vLLM's name): ``outputs.score`` is the pair's score."""
+
+    @classmethod
+    def from_base(cls, base: PoolingRequestOutput) -> "ScoringRequestOutput":
+        """The same request's result under this class (fields shared, nothing copied)."""
+        return cls(base.request_id, base.outputs, base.prompt_token_ids, base.finished)

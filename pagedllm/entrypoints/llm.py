@@ -251,35 +251,58 @@ class LLM:
             truncate_prompt_tokens: keep only the last k tokens (-1 = max_model_len); None = an
                 input over max_model_len is an error.
             use_tqdm: show a progress bar.
-            pooling_task: "encode" (default: the raw pooled hidden state, or a classifier's raw
-                logits), "embed", "classify", "score", "token_embed" (every token's hidden state,
-                ``[T, hidden]``) or "token_classify" (every token's class probabilities).
+            pooling_task: required, as in vLLM: "embed", "classify", "score", "token_embed" (every
+                token's hidden state, ``[T, hidden]``), "token_classify" (every token's class
+                probabilities) or "encode" (the raw pooled hidden state, or a classifier's raw
+                logits).
             lora_request: a ``LoRARequest`` for every prompt, or a list (one per prompt).
 
         Returns:
             one PoolingRequestOutput per prompt (``outputs.data``: float32 tensor).
 
         Raises:
-            ValueError: not a pooling model, a task it does not serve, an empty list, an
-                invalid prompt or parameter (nothing is run then).
+            ValueError: not a pooling model, no ``pooling_task``, a task it does not serve, an
+                empty list, an invalid prompt or parameter (nothing is run then).
         """
-        return self._pool(prompts, pooling_params, pooling_task or "encode", truncate_prompt_tokens, use_tqdm,
-                          lora_request)
+        self._check_pooling("encode")
+        if pooling_task is None:
+            raise ValueError(
+                "pooling_task required for `LLM.encode` (as in vLLM); use one of the specific methods or set it: "
+                "embeddings: `LLM.embed(...)` or pooling_task=\"embed\"; class logits: `LLM.classify(...)` or "
+                "pooling_task=\"classify\"; similarity: `LLM.score(...)`; rewards: `LLM.reward(...)` or "
+                "pooling_task=\"token_classify\"; per-token vectors: pooling_task=\"token_embed\"; the raw pooled "
+                "hidden state: pooling_task=\"encode\"")
+        return self._pool(prompts, pooling_params, pooling_task, truncate_prompt_tokens, use_tqdm, lora_request)
 
     def embed(self, prompts: Union[PromptType, Sequence[PromptType]], pooling_params: Any = None,
               *, truncate_prompt_tokens: Optional[int] = None, use_tqdm: bool = True,
               lora_request: Any = None) -> list:
         """Embeddings (``outputs.embedding``: list of floats; L2-normalized unless
         ``use_activation=False`` in the PoolingParams or the PoolerConfig; Matryoshka
-        ``dimensions``), in input order. See ``encode``."""
-        return self._pool(prompts, pooling_params, "embed", truncate_prompt_tokens, use_tqdm, lora_request)
+        ``dimensions``), in input order, as ``EmbeddingRequestOutput``s. See ``encode``."""
+        from pagedllm.outputs import EmbeddingRequestOutput
+
+        return [EmbeddingRequestOutput.from_base(o) for o in
+                self._pool(prompts, pooling_params, "embed", truncate_prompt_tokens, use_tqdm, lora_request)]
 
     def classify(self, prompts: Union[PromptType, Sequence[PromptType]], pooling_params: Any = None,
                  *, truncate_prompt_tokens: Optional[int] = None, use_tqdm: bool = True,
                  lora_request: Any = None) -> list:
         """Class probabilities (``outputs.probs``; softmax, or sigmoid for one label; raw logits
-        with ``use_activation=False``) of a ``convert="classify"`` model. See ``encode``."""
-        return self._pool(prompts, pooling_params, "classify", truncate_prompt_tokens, use_tqdm, lora_request)
+        with ``use_activation=False``) of a ``convert="classify"`` model, as
+        ``ClassificationRequestOutput``s. See ``encode``."""
+        from pagedllm.outputs import ClassificationRequestOutput
+
+        return [ClassificationRequestOutput.from_base(o) for o in
+                self._pool(prompts, pooling_params, "classify", truncate_prompt_tokens, use_tqdm, lora_request)]
+
+    def reward(self, prompts: Union[PromptType, Sequence[PromptType]], pooling_params: Any = None,
+               *, truncate_prompt_tokens: Optional[int] = None, use_tqdm: bool = True,
+               lora_request: Any = None) -> list:
+        """Per-token rewards of a reward (token classification) model: vLLM's ``LLM.reward``, i.e.
+        ``encode(..., pooling_task="token_classify")`` (``outputs.data``: ``[T, num_labels]``)."""
+        return self.encode(prompts, pooling_params, truncate_prompt_tokens=truncate_prompt_tokens, use_tqdm=use_tqdm,
+                           pooling_task="token_classify", lora_request=lora_request)
 
     def score(self, text_1: Union[PromptType, Sequence[PromptType]], text_2: Union[PromptType, Sequence[PromptType]],
               /, *, truncate_prompt_tokens: Optional[int] = None, use_tqdm: bool = True,
@@ -291,7 +314,7 @@ class LLM:
         inputs are concatenated) through the classifier (sigmoid unless ``use_activation=False``).
 
         Returns:
-            one PoolingRequestOutput per pair (``outputs.score``), in pair order.
+            one ``ScoringRequestOutput`` per pair (``outputs.score``), in pair order.
 
         ``lora_request``: one LoRARequest for every input (``enable_lora=True``).
 
@@ -313,16 +336,21 @@ class LLM:
                              "or as many as text_2")
         plan = PairScoring(pooler.task, *pairs, self.llm_engine.tokenizer)
         outs = self._pool(plan.inputs, pooling_params, plan.task, truncate_prompt_tokens, use_tqdm, lora_request)
-        return plan.results(outs)
+        from pagedllm.outputs import ScoringRequestOutput
+
+        return [ScoringRequestOutput.from_base(o) for o in plan.results(outs)]
+
+    def _check_pooling(self, task: str) -> None:
+        if self.llm_engine.pooler is None:
+            raise ValueError(f"{task}: this model is not a pooling model (loaded with "
+                             f"runner={self.engine_args.runner!r}); load it with runner='pooling'")
 
     def _pool(self, prompts: Any, pooling_params: Any, task: str, truncate_prompt_tokens: Optional[int],
               use_tqdm: bool, lora_request: Any = None) -> list:
         from pagedllm.pooling_params import PoolingParams
 
         eng = self.llm_engine
-        if eng.pooler is None:
-            raise ValueError(f"{task}: this model is not a pooling model (loaded with "
-                             f"runner={self.engine_args.runner!r}); load it with runner='pooling'")
+        self._check_pooling(task)
         if isinstance(prompts, (str, dict)):
             prompts = [prompts]
         prompts = list(prompts)

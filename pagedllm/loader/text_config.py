@@ -189,6 +189,13 @@ class TextConfig:
         """Number of classifier labels: `len(id2label)` (2 by default), None without id2label."""
         return len(self.id2label) if self.id2label is not None else None
 
+    @num_labels.setter
+    def num_labels(self, n: int) -> None:
+        # transformers' setter: a new count gets default names (LABEL_i) in id2label / label2id
+        if self.id2label is None or len(self.id2label) != n:
+            self.id2label = {i: f"LABEL_{i}" for i in range(int(n))}
+            self.label2id = {f"LABEL_{i}": i for i in range(int(n))}
+
     @property
     def name_or_path(self) -> str:
         """Always "" (a config built from GGUF metadata, not loaded from a directory)."""

@@ -197,6 +197,13 @@ def build_pooler(args: Any, hf_config: Any, model: Any, score_weight: Optional[t
     if task not in ("embed", "classify"):
         raise ValueError(f"convert: must be 'embed' or 'classify', got {task!r}")
     id2label = getattr(hf_config, "id2label", None) if score_weight is not None else None
+    ov = getattr(args, "hf_overrides", None)
+    asked = isinstance(ov, (dict, str)) and ("num_labels" in ov or "id2label" in ov)  # (a JSON string: its text)
+    want = getattr(hf_config, "num_labels", None) if asked else None
+    if score_weight is not None and want and int(want) != int(score_weight.shape[0]):
+        # vLLM fails loading the head then (a shape mismatch); say which numbers disagree
+        raise ValueError(f"num_labels: the config says {want} labels (hf_overrides?) but the checkpoint's "
+                         f"classifier head has {int(score_weight.shape[0])} rows")
     # vLLM ModelConfig.is_matryoshka / .matryoshka_dimensions read the same two HF config keys.
     mdims = getattr(hf_config, "matryoshka_dimensions", None)
     is_matryoshka = bool(mdims) or bool(getattr(hf_config, "is_matryoshka", False))

@@ -72,7 +72,7 @@ def test_score_embed_model_is_cosine(tiny_llama_causal):
     assert embs[0].outputs.data.norm() == pytest.approx(1.0, abs=1e-5)
     e8 = llm.embed(a, PoolingParams(dimensions=8), use_tqdm=False)[0].outputs.embedding
     assert len(e8) == 8
-    raw = llm.encode(a, use_tqdm=False)[0].outputs.data
+    raw = llm.encode(a, use_tqdm=False, pooling_task="encode")[0].outputs.data
     torch.testing.assert_close(torch.tensor(e8), torch.nn.functional.normalize(raw[:8], dim=0))
 
 
@@ -126,3 +126,42 @@ def test_foreign_safetensors_file_is_named(tiny_llama_causal, tmp_path):
     ref = LLM(tiny_llama_causal, **KW)
     a = llm.embed("hello", use_tqdm=False)[0].outputs.data
     torch.testing.assert_close(a, ref.embed("hello", use_tqdm=False)[0].outputs.data, rtol=0, atol=0)
+
+
+def test_vllm_output_classes_reward_and_encode_task(tiny_llama_causal, tiny_llama_cls3):
+    """vLLM's names: embed / classify / score return Embedding- / Classification- /
+    ScoringRequestOutput (PoolingRequestOutput subclasses, importable from pagedllm); encode()
+    without pooling_task is vLLM's ValueError; reward() is encode(pooling_task="token_classify")."""
+    from pagedllm import (ClassificationRequestOutput, EmbeddingRequestOutput, PoolingRequestOutput,
+                          ScoringRequestOutput)
+    emb = LLM(tiny_llama_causal, convert="embed", max_model_len=32, **KW)
+    e = emb.embed(["hello world", "ok"], use_tqdm=False)
+    assert all(type(o) is EmbeddingRequestOutput and isinstance(o, PoolingRequestOutput) for o in e)
+    assert e[0].outputs.hidden_size == len(e[0].outputs.embedding) == 64
+    s = emb.score("hello world", ["hello world", "ok"], use_tqdm=False)
+    assert all(type(o) is ScoringRequestOutput for o in s) and s[0].outputs.score == pytest.approx(1.0, abs=1e-5)
+    with pytest.raises(ValueError, match="pooling_task required"):
+        emb.encode("hi")
+    raw = emb.encode("hello world", pooling_task="encode", use_tqdm=False)[0]
+    assert type(raw) is PoolingRequestOutput
+    torch.testing.assert_close(torch.nn.functional.normalize(raw.outputs.data, dim=0), e[0].outputs.data)
+    cls = LLM(tiny_llama_cls3, **KW)
+    c = cls.classify(TEXTS, use_tqdm=False)
+    assert all(type(o) is ClassificationRequestOutput for o in c) and c[0].outputs.num_classes == 3
+    r = cls.reward(TEXTS, use_tqdm=False)
+    tok = cls.encode(TEXTS, pooling_task="token_classify", use_tqdm=False)
+    for a, b, t in zip(r, tok, TEXTS):
+        assert a.outputs.data.shape == (len(a.prompt_token_ids), 3)
+        torch.testing.assert_close(a.outputs.data, b.outputs.data)
+
+
+def test_num_labels_override(tiny_llama_cls3, smollm2_path):
+    """hf_overrides num_labels: a count that disagrees with the checkpoint's classifier head is a
+    clear ValueError (vLLM fails loading the head); on a GGUF's config it is set, not a crash."""
+    with pytest.raises(ValueError, match="num_labels: the config says 2 labels .* head has 3 rows"):
+        LLM(tiny_llama_cls3, hf_overrides={"num_labels": 2}, **KW)
+    gguf = LLM(smollm2_path, hf_overrides={"num_labels": 3}, max_model_len=64, **KW)  # a GGUF's TextConfig
+    cfg = gguf.llm_engine.model_config.hf_config
+    assert cfg.num_labels == 3 and cfg.id2label == {0: "LABEL_0", 1: "LABEL_1", 2: "LABEL_2"}
+    assert cfg.label2id["LABEL_2"] == 2
+    assert len(gguf.embed("hello", use_tqdm=False)[0].outputs.embedding) == 576  # still an embedding model
