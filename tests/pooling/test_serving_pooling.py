@@ -203,3 +203,32 @@ def test_pooling_goes_the_one_input_path_and_is_counted(tiny_llama_causal):
     assert all(f.finish_reason == "stop" and f.num_generation_tokens == 0 for f in finished)
     assert sum(it.num_prompt_tokens for it in records) == len(ids) + len(b.prompt_token_ids)
     assert counts["output_processor.request_states"] == 0 and counts["engine.req_stats"] == 0
+
+
+def test_embeddings_of_chat_messages(tiny_llama_causal, smollm2_tokenizer):
+    """vLLM's chat embedding request: ``messages`` rendered with the chat template (no generation
+    prompt, no special tokens added) embed as the rendered text's ids do; input and messages
+    together, or neither, are a 400 naming the field."""
+    engine = AsyncLLM.from_engine_args(EngineArgs(model=tiny_llama_causal, runner="pooling", convert="embed", **KW))
+    msgs = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "red apples"}]
+    text = smollm2_tokenizer.apply_chat_template(msgs, tokenize=False, add_generation_prompt=False)
+    ids = smollm2_tokenizer(text, add_special_tokens=False)["input_ids"]
+
+    async def body(client):
+        r = await client.post("/v1/embeddings", json={"model": "tiny", "messages": msgs})
+        assert r.status_code == 200, r.text
+        by_ids = await client.post("/v1/embeddings", json={"model": "tiny", "input": [ids]})
+        assert by_ids.status_code == 200, (by_ids.text, ids)
+        assert r.json()["data"][0]["embedding"] == by_ids.json()["data"][0]["embedding"]
+        assert r.json()["usage"]["prompt_tokens"] == len(ids)
+        gen = await client.post("/v1/embeddings", json={"model": "tiny", "messages": msgs,
+                                                        "add_generation_prompt": True})
+        assert gen.json()["usage"]["prompt_tokens"] > len(ids)
+        pooled = await client.post("/pooling", json={"model": "tiny", "messages": msgs, "task": "embed"})
+        assert pooled.json()["data"][0]["data"] == r.json()["data"][0]["embedding"]
+        _err(await client.post("/v1/embeddings", json={"model": "tiny"}), 400, "input: Field required")
+        _err(await client.post("/v1/embeddings", json={"model": "tiny", "input": "x", "messages": msgs}), 400,
+             "not both")
+        _err(await client.post("/v1/embeddings", json={"model": "tiny", "messages": []}), 400, "messages")
+
+    _serve(engine, body)

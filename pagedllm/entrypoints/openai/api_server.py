@@ -196,7 +196,7 @@ def build_app(engine: EngineClient, args: Optional[argparse.Namespace] = None) -
                        allow_credentials=bool(get("allow_credentials", False)))
     if get("enable_request_id_headers", True) is not False:
         app.add_middleware(RequestIdHeaderMiddleware)
-    app.include_router(build_pooling_router(engine, s.served, s.loras))
+    app.include_router(build_pooling_router(engine, s.served, s.loras, s.chat))
     if get("api_key"):
         install_api_key_auth(app, get("api_key"))
     if get("enable_sleep_mode", False):  # (refused at start-up for data-parallel engines)

@@ -40,7 +40,7 @@ from typing import Any, Callable, Literal, Optional, Union
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
-from pydantic import Field
+from pydantic import Field, model_validator
 
 from pagedllm.engine.protocol import EngineClient
 from pagedllm.entrypoints.openai.errors import OpenAIError, value_error_to_openai
@@ -65,13 +65,28 @@ class _ActivationFields(_Base):
 
 
 class EmbeddingRequest(_ActivationFields):
+    """``input`` (texts or token ids), or ``messages`` rendered with the chat template (vLLM's
+    chat embedding request: no generation prompt, no special tokens added by default)."""
+
     model: Optional[str] = None
-    input: EmbeddingInput
+    input: Optional[EmbeddingInput] = None
+    messages: Optional[list[dict[str, Any]]] = None
+    add_generation_prompt: bool = False
+    continue_final_message: bool = False
+    chat_template: Optional[str] = None
+    chat_template_kwargs: Optional[dict[str, Any]] = None
     encoding_format: Literal["float", "base64"] = "float"
     dimensions: Optional[int] = None
     user: Optional[str] = None
     truncate_prompt_tokens: Optional[int] = None
-    add_special_tokens: bool = True
+    add_special_tokens: Optional[bool] = None  # default: True for input, False for messages
+
+    @model_validator(mode="after")
+    def _one_input(self) -> "EmbeddingRequest":
+        if (self.input is None) == (self.messages is None):
+            raise ValueError("input: Field required (or messages, a chat to render; not both)"
+                             if self.input is None else "messages: give input or messages, not both")
+        return self
 
 
 class PoolingRequest(EmbeddingRequest):
@@ -266,10 +281,11 @@ def _wrap(e: BaseException) -> OpenAIError:
 
 # ---------------------------------------------------------------------------------------- router
 def build_pooling_router(engine: EngineClient, served_model_names: Optional[list[str]] = None,
-                         loras: Any = None) -> APIRouter:
+                         loras: Any = None, chat: Any = None) -> APIRouter:
     """FastAPI router with the pooling endpoints for ``engine`` (see the module docstring);
     ``loras``: the server's ``LoRARegistry`` (a request's ``model`` may name an adapter), or
-    None."""
+    None; ``chat``: the server's chat serving, whose template renders ``messages`` inputs (None:
+    the tokenizer's template)."""
     from pagedllm.pooling_params import PoolingParams
 
     names = served_model_names or [str(engine.model_name)]
@@ -291,16 +307,37 @@ def build_pooling_router(engine: EngineClient, served_model_names: Optional[list
         ``{"index": i, **item(output)}`` a prompt, and the prompt tokens as usage."""
         rid = _request_id(raw_request, prefix)
         model = h.check(request.model, what)
-        prompts = to_prompts(request.input)
+        messages = getattr(request, "messages", None)
+        prompts = to_prompts(request.input) if messages is None else [render_messages(request)]
+        add_special = request.add_special_tokens
+        if add_special is None:
+            add_special = messages is None
         use_act = _use_activation(request)
         mk = lambda: PoolingParams(use_activation=use_act,  # noqa: E731
                                    truncate_prompt_tokens=request.truncate_prompt_tokens, **params)
         mk()  # parameter errors before any work
-        outs = await h.run(prompts, mk, task, rid, request.add_special_tokens, model=request.model)
+        outs = await h.run(prompts, mk, task, rid, add_special, model=request.model)
         data = [{"index": i, **item(o)} for i, o in enumerate(outs)]
         n = sum(len(o.prompt_token_ids) for o in outs)
         return JSONResponse({"id": rid, "object": "list", "created": int(time.time()),
                              "model": model, "data": data, "usage": _usage(n)})
+
+    def render_messages(request: Any) -> str:
+        """A chat embedding request's ``messages`` through the chat template."""
+        from pagedllm.entrypoints.openai.protocol import ChatMessageParam
+        from pagedllm.entrypoints.openai.serving_chat import render_chat
+
+        if not request.messages:
+            raise OpenAIError("messages: must contain at least one message", 400, "messages")
+        try:
+            msgs = [ChatMessageParam(**m) for m in request.messages]
+        except (TypeError, ValueError) as e:
+            raise OpenAIError(f"messages: {e}", 400, "messages") from None
+        text = render_chat(chat if chat is not None else h, msgs,
+                           add_generation_prompt=request.add_generation_prompt,
+                           continue_final_message=request.continue_final_message,
+                           chat_template=request.chat_template, chat_template_kwargs=request.chat_template_kwargs)
+        return str(text)
 
     def vector(request: Any) -> Callable[[Any], Any]:
         """An output's vector as the request's ``encoding_format`` asks (base64 or a list)."""
