@@ -232,3 +232,30 @@ def test_embeddings_of_chat_messages(tiny_llama_causal, smollm2_tokenizer):
         _err(await client.post("/v1/embeddings", json={"model": "tiny", "messages": []}), 400, "messages")
 
     _serve(engine, body)
+
+
+def test_an_empty_input_fails_the_whole_request_first(tiny_llama_causal):
+    """["ok", "", "fine"]: a 400 naming input[1] before any input runs (no request counted as
+    run or aborted); a lone "" names input."""
+    engine = AsyncLLM.from_engine_args(EngineArgs(model=tiny_llama_causal, runner="pooling", convert="embed", **KW))
+    seen = []
+    real = engine.encode
+
+    async def spy(prompt, *a, **kw):
+        seen.append(prompt)
+        return await real(prompt, *a, **kw)
+
+    engine.encode = spy
+
+    async def body(client):
+        e = _err(await client.post("/v1/embeddings", json={"model": "tiny", "input": ["ok", "", "fine"]}), 400,
+                 "input[1]: The prompt cannot be empty")
+        assert e["param"] == "input" and seen == []
+        e = _err(await client.post("/v1/embeddings", json={"model": "tiny", "input": ""}), 400, "input: The prompt")
+        assert e["param"] == "input" and seen == []
+        e = _err(await client.post("/classify", json={"model": "tiny", "input": [[5, 6], []]}), 400, "input[1]")
+        assert seen == []
+        assert (await client.post("/v1/embeddings", json={"model": "tiny", "input": ["ok", "fine"]})).status_code == 200
+        assert seen == ["ok", "fine"]
+
+    _serve(engine, body)

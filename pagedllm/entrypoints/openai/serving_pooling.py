@@ -312,6 +312,11 @@ def build_pooling_router(engine: EngineClient, served_model_names: Optional[list
         add_special = request.add_special_tokens
         if add_special is None:
             add_special = messages is None
+        for i, p in enumerate(prompts):  # an empty input fails the request before any input runs
+            if p == "" or (isinstance(p, dict) and not p["prompt_token_ids"]):
+                if isinstance(p, dict) or not h.engine.input_processor.tokenize("", add_special):
+                    where = "input" if len(prompts) == 1 else f"input[{i}]"
+                    raise OpenAIError(f"{where}: The prompt cannot be empty.", 400, "input")
         use_act = _use_activation(request)
         mk = lambda: PoolingParams(use_activation=use_act,  # noqa: E731
                                    truncate_prompt_tokens=request.truncate_prompt_tokens, **params)
