@@ -101,9 +101,10 @@ def fleet(ckpt):
 
 def _norm(raw: bytes) -> bytes:
     """A response with its per-request ids, timestamps and cached-token counts (the second call
-    hits the prefix cache) blanked."""
+    hits the prefix cache; Anthropic's input_tokens are the uncached part) blanked."""
     raw = re.sub(rb'"(id|request_id)":"[^"]*"', rb'"\1":"X"', raw)
-    return re.sub(rb'"(created|created_at|cached_tokens|cache_read_input_tokens)":[0-9.]+', rb'"\1":0', raw)
+    return re.sub(rb'"(created|created_at|cached_tokens|cache_read_input_tokens|input_tokens)":[0-9.]+', rb'"\1":0',
+                  raw)
 
 
 def _words(n: int, start: int) -> str:
