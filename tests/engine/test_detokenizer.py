@@ -249,7 +249,9 @@ def _deferred_vs_incremental(tok, ids, prompt, skip, stop_last):
     return text, deferred
 
 
-@pytest.mark.parametrize("which", ["smollm2", "gemma3"])
+# Gemma 3's tokenizer (262k entries, transformers' fast tokenizer built from its GGUF) takes ~15 s to
+# load: a real-model test, so in the slow tier
+@pytest.mark.parametrize("which", ["smollm2", pytest.param("gemma3", marks=pytest.mark.slow)])
 def test_deferred_text_equals_the_incremental_deltas(which, request):
     """A request whose text is read only at its end (offline ``LLM.generate``) appends its tokens
     with ``defer_tokens`` and decodes them once when it finishes: the same text as the sum of the
