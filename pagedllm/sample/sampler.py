@@ -11,7 +11,9 @@ Per step, on float32 logits ``[N, V]`` (row i = request i of the SamplingMetadat
    ``allowed_token_ids``: every other token is set to -inf.
 3. ``bad_words``: the last token of a bad-word sequence is set to -inf when the
    preceding tokens of that sequence match the tail of the output.
-4. ``min_tokens``: EOS and stop tokens are set to -inf while the output is shorter.
+4. ``min_tokens``: EOS and stop tokens are set to -inf while the output is shorter, except in a
+   row where that would leave no token at all (a grammar or ``allowed_token_ids`` that allows
+   only a stop token now, e.g. a finished ``choice``): the constraint wins, the row may stop.
 5. ``logit_bias`` is added.
 6. Penalties: repetition (prompt + output tokens; positive logits divided, negative
    multiplied), then frequency (times the count in the output) and presence (once if in
@@ -114,7 +116,14 @@ class Sampler:
             apply_bad_words(logits, meta.bad_words_token_ids, meta.output_token_ids)
         if meta.min_tokens_mask is not None:
             rows, cols = meta.min_tokens_mask
+            constrained = meta.grammar_bitmask is not None or meta.allowed_token_ids_mask is not None
+            kept = logits[rows, cols].clone() if constrained else None
             logits[rows, cols] = _NEG_INF
+            if kept is not None:
+                # a row left with no finite logit gets its stop tokens back (the grammar ends it)
+                dead = torch.isneginf(logits[rows]).all(dim=-1)
+                if bool(dead.any()):
+                    logits[rows[dead], cols[dead]] = kept[dead]
         if meta.logit_bias is not None:
             rows, cols, vals = meta.logit_bias
             logits.index_put_((rows, cols), vals, accumulate=True)

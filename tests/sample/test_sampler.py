@@ -234,6 +234,24 @@ def test_min_tokens_suppresses_eos_and_stop_tokens():
     assert Sampler()(LOGITS.clone(), meta_for([q])).sampled_token_ids.item() == 0
 
 
+def test_min_tokens_yields_when_the_constraint_allows_only_a_stop_token():
+    """min_tokens and a constraint that now allows only a stop token (a finished grammar, or
+    allowed_token_ids): the constraint wins and the row stops (was: every logit -inf, an
+    arbitrary token outside the constraint); a row that still has other allowed tokens keeps
+    min_tokens, and so does an unconstrained row in the same batch."""
+    eos = 7
+    only_stop = SamplingParams(temperature=0, min_tokens=5, allowed_token_ids=[eos])
+    stop_or_2 = SamplingParams(temperature=0, min_tokens=5, allowed_token_ids=[eos, 2])
+    free = SamplingParams(temperature=0, min_tokens=5)
+    meta = meta_for([only_stop, stop_or_2, free], outputs=[[1], [1], [1]], eos=[eos, eos, eos])
+    out = Sampler()(LOGITS.expand(3, -1).clone(), meta).sampled_token_ids.tolist()
+    assert out == [eos, 2, 0]  # (the free row: EOS masked, the next best is 0)
+    # sampled (not greedy) rows too, many draws
+    hot = SamplingParams(temperature=1.0, min_tokens=5, allowed_token_ids=[eos])
+    meta = meta_for([hot] * 64, outputs=[[1]] * 64, eos=[eos] * 64)
+    assert set(Sampler()(LOGITS.expand(64, -1).clone(), meta).sampled_token_ids.tolist()) == {eos}
+
+
 # ------------------------------------------------------------------ seeds
 def test_seeded_rows_reproduce_alone_and_in_a_batch():
     torch.manual_seed(1)

@@ -168,3 +168,16 @@ def test_offline_errors_are_value_errors_naming_the_field(smollm2_llm):
     out = smollm2_llm.generate("x", SamplingParams(max_tokens=3, structured_outputs=SOP(choice=["ok"])),
                                use_tqdm=False)
     assert out[0].outputs[0].text == "ok"
+
+
+def test_min_tokens_gives_way_to_a_finished_constraint(smollm2_llm):
+    """min_tokens longer than any string the constraint allows: the constraint wins (the output
+    is one of the choices / matches the regex and stops), it is not broken or aborted."""
+    for so in (SOP(choice=["yes", "no"]), SOP(regex=r"[0-9]{2}")):
+        outs = smollm2_llm.generate(["Say hi.", "Is the sky blue?"],
+                                    SamplingParams(max_tokens=16, min_tokens=10, structured_outputs=so, seed=0),
+                                    use_tqdm=False)
+        for o in outs:
+            c = o.outputs[0]
+            assert c.finish_reason == "stop", (so, c.text, c.finish_reason)
+            assert (c.text in ("yes", "no")) if so.choice else re.fullmatch(r"[0-9]{2}", c.text), c.text
