@@ -463,3 +463,36 @@ def test_cli_args():
     assert ea8.kv_cache_dtype == "fp8"
     with pytest.raises(SystemExit):  # argparse rejects names vLLM does not have
         make_arg_parser().parse_args(["--kv-cache-dtype", "int8"])
+
+
+def test_sagemaker_invocations_route_by_body_and_head_health(client):
+    """POST /invocations (SageMaker, as vLLM) runs the route its body is for, streaming included;
+    an unknown body is a 400; HEAD /health and /ping answer like GET."""
+    chat = {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 3}
+    direct = client.post("/v1/chat/completions", json=chat).json()
+    via = client.post("/invocations", json=chat)
+    assert via.status_code == 200, via.text
+    assert via.json()["object"] == "chat.completion"
+    assert via.json()["choices"][0]["message"] == direct["choices"][0]["message"]
+    comp = client.post("/invocations", json={"model": MODEL, "prompt": "Hello", "max_tokens": 5})
+    assert comp.json()["object"] == "text_completion" and comp.json()["choices"][0]["text"] == " The quick brown fox jumps"
+    streamed = client.post("/invocations", json={**chat, "stream": True})
+    assert streamed.headers["content-type"].startswith("text/event-stream") and "data: [DONE]" in streamed.text
+    bad = client.post("/invocations", json={"model": MODEL, "max_tokens": 3, "what": 1})
+    assert bad.status_code == 400 and "invocations" in bad.json()["error"]["message"]
+    # validation errors are the target route's own
+    assert_error(client.post("/invocations", json={**chat, "max_tokens": -1}), 400, "max_tokens")
+    for path in ("/health", "/ping"):
+        assert client.head(path).status_code == 200 == client.get(path).status_code
+
+
+@pytest.mark.parametrize("body,pooling,path", [
+    ({"messages": []}, False, "/v1/chat/completions"), ({"messages": []}, True, "/v1/embeddings"),
+    ({"prompt": "x"}, False, "/v1/completions"), ({"input": "x"}, True, "/v1/embeddings"),
+    ({"input": "x"}, False, "/v1/responses"), ({"query": "q", "documents": ["d"]}, True, "/rerank"),
+    ({"text_1": "a", "text_2": "b"}, True, "/score"), ({"queries": "a", "documents": "b"}, True, "/score"),
+    ({"x": 1}, False, None), ([1], False, None), (None, True, None),
+])
+def test_invocation_path(body, pooling, path):
+    from pagedllm.entrypoints.openai.serving_admin import invocation_path
+    assert invocation_path(body, pooling) == path

@@ -22,7 +22,7 @@ from fastapi.middleware.cors import CORSMiddleware
 
 from pagedllm.engine.protocol import EngineClient
 from pagedllm.entrypoints.openai.errors import install_exception_handlers
-from pagedllm.entrypoints.openai.serving_admin import (SLEEP_PROTECTED_PATHS,  # noqa: F401
+from pagedllm.entrypoints.openai.serving_admin import (SLEEP_PROTECTED_PATHS, InvocationsMiddleware,  # noqa: F401
                                                        build_admin_router, build_sleep_router,
                                                        install_api_key_auth, install_sleep_guard,
                                                        server_version)
@@ -196,6 +196,7 @@ def build_app(engine: EngineClient, args: Optional[argparse.Namespace] = None) -
                        allow_credentials=bool(get("allow_credentials", False)))
     if get("enable_request_id_headers", True) is not False:
         app.add_middleware(RequestIdHeaderMiddleware)
+    app.add_middleware(InvocationsMiddleware, pooling=getattr(engine, "runner", "generate") == "pooling")
     app.include_router(build_pooling_router(engine, s.served, s.loras, s.chat))
     if get("api_key"):
         install_api_key_auth(app, get("api_key"))

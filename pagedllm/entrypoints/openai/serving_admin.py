@@ -8,8 +8,9 @@
 from __future__ import annotations
 
 import hmac
+import json
 import logging
-from typing import Any
+from typing import Any, Optional
 
 from fastapi import APIRouter, FastAPI, Request
 from fastapi.responses import JSONResponse, Response
@@ -66,7 +67,7 @@ def build_admin_router(engine: Any, prom: Any) -> APIRouter:
     whose gauges are refreshed from the scheduler on each scrape) and the prefix-cache reset."""
     router = APIRouter()
 
-    @router.get("/health")
+    @router.api_route("/health", methods=["GET", "HEAD"])
     async def health():
         try:
             await engine.check_health()
@@ -74,7 +75,7 @@ def build_admin_router(engine: Any, prom: Any) -> APIRouter:
             return error_response(f"Engine is not healthy: {e}", 503)
         return Response(status_code=200)
 
-    @router.api_route("/ping", methods=["GET", "POST"])
+    @router.api_route("/ping", methods=["GET", "POST", "HEAD"])
     async def ping():
         return await health()
 
@@ -174,3 +175,66 @@ def build_sleep_router(engine: Any) -> APIRouter:
         return JSONResponse({"is_sleeping": await engine.is_sleeping()})
 
     return router
+
+
+def invocation_path(body: Any, pooling: bool) -> Optional[str]:
+    """The route a SageMaker ``POST /invocations`` body is for (vLLM routes by the request's
+    type): ``messages`` -> chat completions (a pooling model: embeddings of the chat),
+    ``prompt`` -> completions, ``input`` -> embeddings (a generation model: Responses),
+    ``query`` + ``documents`` -> rerank, ``text_1`` / ``queries`` / ``data_1`` -> score; None
+    when it is none of these."""
+    if not isinstance(body, dict):
+        return None
+    if "messages" in body:
+        return "/v1/embeddings" if pooling else "/v1/chat/completions"
+    if "query" in body and "documents" in body:
+        return "/rerank"
+    if any(k in body for k in ("text_1", "queries", "data_1")):
+        return "/score"
+    if "prompt" in body:
+        return "/v1/completions"
+    if "input" in body:
+        return "/v1/embeddings" if pooling else "/v1/responses"
+    return None
+
+
+class InvocationsMiddleware:
+    """ASGI middleware: ``POST /invocations`` (SageMaker's inference route, as vLLM serves it)
+    runs the route its body is for (``invocation_path``), as if posted there: the same
+    handler, validation, streaming and errors. A body of no known type is a 400."""
+
+    def __init__(self, app: Any, pooling: bool = False) -> None:
+        self.app, self.pooling = app, pooling
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] != "http" or scope["path"] != "/invocations" or scope["method"] != "POST":
+            await self.app(scope, receive, send)
+            return
+        chunks, more = [], True
+        while more:
+            msg = await receive()
+            if msg["type"] == "http.disconnect":
+                return
+            chunks.append(msg.get("body", b""))
+            more = msg.get("more_body", False)
+        body = b"".join(chunks)
+        try:
+            obj = json.loads(body) if body else None
+        except ValueError:
+            obj = None
+        target = invocation_path(obj, self.pooling)
+        if target is None:
+            await error_response("invocations: the body is not a request this server knows (it needs "
+                                 "messages, prompt, input, query + documents or text_1 / text_2)", 400)(
+                scope, receive, send)
+            return
+        replayed = False
+
+        async def replay() -> Any:
+            nonlocal replayed
+            if not replayed:
+                replayed = True
+                return {"type": "http.request", "body": body, "more_body": False}
+            return await receive()
+
+        await self.app(dict(scope, path=target, raw_path=target.encode()), replay, send)
