@@ -496,3 +496,17 @@ def test_sagemaker_invocations_route_by_body_and_head_health(client):
 def test_invocation_path(body, pooling, path):
     from pagedllm.entrypoints.openai.serving_admin import invocation_path
     assert invocation_path(body, pooling) == path
+
+
+def test_max_completion_tokens_errors_name_it(client):
+    """A bad max_completion_tokens is reported under its own name (message and param); a bad
+    max_tokens under max_tokens."""
+    msgs = [{"role": "user", "content": "hi"}]
+    for v in (0, -3):
+        e = assert_error(client.post("/v1/chat/completions", json={"model": MODEL, "messages": msgs,
+                                                                   "max_completion_tokens": v}), 400,
+                         "max_completion_tokens")
+        assert e["message"].startswith("max_completion_tokens must be at least 1")
+    e = assert_error(client.post("/v1/chat/completions", json={"model": MODEL, "messages": msgs, "max_tokens": 0}),
+                     400, "max_tokens")
+    assert e["message"].startswith("max_tokens must be at least 1")

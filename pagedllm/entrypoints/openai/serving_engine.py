@@ -411,15 +411,22 @@ class OpenAIServing:
 
         return prefill_response_params(self.engine.kv_transfer_config, params, engine_request_id)
 
-    def sampling_params(self, request: Any, prompt_len: int) -> Any:
+    def sampling_params(self, request: Any, prompt_len: int, rename: Optional[dict[str, str]] = None) -> Any:
         """``request.to_sampling_params`` for a prompt of ``prompt_len`` tokens (what is left of
         the context for output, the context length, the model's default sampling params).
-        Raises OpenAIError 400 (the param its message names)."""
+        Raises OpenAIError 400 (the param its message names, mapped through ``rename``: the
+        endpoint's name of an engine field, e.g. ``max_completion_tokens``)."""
         try:
             return request.to_sampling_params(self.max_model_len - prompt_len, self.max_model_len,
                                               self.default_sampling_params)
         except ValueError as e:
-            raise value_error_to_openai(e) from e
+            err = value_error_to_openai(e)
+            new = (rename or {}).get(err.param or "")
+            if new:
+                if err.message.startswith(f"{err.param} "):
+                    err.message = new + err.message[len(err.param or ""):]
+                err.param = new
+            raise err from e
 
     def prepare(self, request_id: str, prompt: ProcessedPrompt, request: Any, *,
                 prompt_len: Optional[int] = None, constrain: Optional[Callable[[Any], None]] = None,
@@ -432,7 +439,7 @@ class OpenAIServing:
         the request log line (``log_prompt``, default the prompt's text).
         Raises OpenAIError 400."""
         ids = prompt.prompt_token_ids
-        sp = self.sampling_params(request, len(ids) if prompt_len is None else prompt_len)
+        sp = self.sampling_params(request, len(ids) if prompt_len is None else prompt_len, inputs.get("rename"))
         if constrain is not None:
             constrain(sp)
         req = self.process_inputs(request_id, prompt, sp, lora_request=self.lora_request(model), **inputs)
