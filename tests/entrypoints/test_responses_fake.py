@@ -264,3 +264,21 @@ def test_text_format_json_schema(client, engine):
     assert r.status_code == 200
     assert engine.received[-1][1].structured_outputs.json == schema
     assert json.loads(validate(r.json()).output_text) == {"n": 3}
+
+
+def test_a_call_cut_by_max_output_tokens_streams_as_incomplete(client):
+    """max_output_tokens ends the output inside a hermes call: the streamed function_call item
+    is "incomplete" (as the response), and its raw text is not streamed again as a message."""
+    script = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "unit": "celsius"}}\n</tool_call>'
+    r = create(client, script, input="Weather?", tools=[FN_WEATHER], stream=True, max_output_tokens=20)
+    events = parse_events(r.text)
+    done = [e for e in events if e.type == "response.output_item.done"]
+    assert events[-1].type == "response.incomplete"
+    calls = [e.item for e in done if e.item.type == "function_call"]
+    assert len(calls) == 1 and calls[0].name == "get_weather" and calls[0].status == "incomplete"
+    msgs = [e.item for e in done if e.item.type == "message"]
+    assert all("<tool_call>" not in c.text and "get_weather" not in c.text for m in msgs for c in m.content), msgs
+    # the whole call: completed
+    events = parse_events(create(client, script, input="Weather?", tools=[FN_WEATHER], stream=True).text)
+    calls = [e.item for e in events if e.type == "response.output_item.done" and e.item.type == "function_call"]
+    assert calls[0].status == "completed" and json.loads(calls[0].arguments) == {"city": "Paris", "unit": "celsius"}

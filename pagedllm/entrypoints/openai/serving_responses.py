@@ -416,8 +416,8 @@ class _Run:
             else:
                 evs.append(ev("response.function_call_arguments.done", item_id=item["id"],
                               output_index=idx, arguments=item["arguments"], name=item["name"]))
-            item["status"] = "incomplete" if tally.finish_reason == "length" and item["type"] == "message" \
-                else "completed"
+            # the item open when max_output_tokens cut the output (a message or a call) is incomplete
+            item["status"] = "incomplete" if tally.finish_reason == "length" else "completed"
             evs.append(ev("response.output_item.done", output_index=idx, item=item))
             return evs
 

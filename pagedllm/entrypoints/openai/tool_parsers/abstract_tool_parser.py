@@ -377,6 +377,10 @@ class ToolCallStreamer:
 
     def update(self, text: str, final: bool = False) -> tuple[str, list[DeltaToolCall]]:
         res = self.parser.safe_parse(text, final)
+        if final and self.ids and (res is None or len(res.calls) < len(self.ids)):
+            # the output ended inside a call already streamed (cut by max_tokens): the final
+            # parse refuses it and would send its raw text again as content; keep the streamed view
+            res = self.parser.safe_parse(text, False)
         if res is None:
             return "", []
         calls = res.calls if self.max_calls is None else res.calls[: self.max_calls]
