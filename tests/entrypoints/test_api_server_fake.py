@@ -510,3 +510,23 @@ def test_max_completion_tokens_errors_name_it(client):
     e = assert_error(client.post("/v1/chat/completions", json={"model": MODEL, "messages": msgs, "max_tokens": 0}),
                      400, "max_tokens")
     assert e["message"].startswith("max_tokens must be at least 1")
+
+
+def test_responses_output_text_logprobs(client):
+    """/v1/responses with include ["message.output_text.logprobs"] (and top_logprobs) returns
+    the output tokens' logprobs on the output_text part, as chat completions gives them; without
+    the include, an empty list."""
+    from openai.types.responses import Response
+
+    body = {"model": MODEL, "input": "Hi", "max_output_tokens": 4, "temperature": 0}
+    r = client.post("/v1/responses", json={**body, "include": ["message.output_text.logprobs"], "top_logprobs": 2})
+    assert r.status_code == 200, r.text
+    part = Response.model_validate(r.json()).output[0].content[0]
+    assert len(part.logprobs) == 4 and all(len(lp.top_logprobs) == 2 for lp in part.logprobs)
+    assert "".join(lp.token for lp in part.logprobs) == part.text
+    chat = client.post("/v1/chat/completions", json={"model": MODEL, "messages": [{"role": "user", "content": "Hi"}],
+                                                     "max_tokens": 4, "temperature": 0, "logprobs": True,
+                                                     "top_logprobs": 2}).json()
+    assert [lp.logprob for lp in part.logprobs] == [c["logprob"] for c in chat["choices"][0]["logprobs"]["content"]]
+    plain = client.post("/v1/responses", json=body).json()
+    assert plain["output"][0]["content"][0]["logprobs"] == []

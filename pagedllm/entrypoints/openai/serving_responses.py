@@ -37,6 +37,9 @@ from pagedllm.entrypoints.openai.tool_calling import check_json_schema, constrai
 
 logger = logging.getLogger("pagedllm.entrypoints.openai")
 
+#: ``include`` value that asks for the output text's token logprobs (OpenAI's name).
+LOGPROBS_INCLUDE = "message.output_text.logprobs"
+
 _TEXT_PART_TYPES = ("input_text", "output_text", "text")
 
 
@@ -185,8 +188,8 @@ class OpenAIServingResponses:
             "repetition_penalty": request.repetition_penalty, "stop": request.stop,
             "cache_salt": request.cache_salt,
         }
-        if request.top_logprobs:
-            body.update(logprobs=True, top_logprobs=request.top_logprobs)
+        if request.top_logprobs or LOGPROBS_INCLUDE in (request.include or []):
+            body.update(logprobs=True, top_logprobs=request.top_logprobs or 0)
         kwargs = dict(request.chat_template_kwargs or {})
         effort = (request.reasoning or {}).get("effort")
         if effort is not None:
@@ -327,6 +330,10 @@ class _Run:
         if content or not (parsed and parsed.tool_calls):
             output.append(message_item(new_id("msg"), content or "",
                                        "incomplete" if truncated else "completed"))
+            if LOGPROBS_INCLUDE in (self.request.include or []) and co.logprobs is not None:
+                # every output token's logprob (OpenAI's output_text.logprobs shape)
+                lps = self.serving.chat.create_logprobs(co.token_ids, co.logprobs, self.request.top_logprobs or 0)
+                output[-1]["content"][0]["logprobs"] = [c.model_dump(mode="json") for c in lps.content]
         for c in (parsed.tool_calls if parsed else []):
             output.append(function_call_item(new_id("fc"), c.id, c.function.name,
                                              c.function.arguments))
