@@ -196,7 +196,7 @@ def build_app(engine: EngineClient, args: Optional[argparse.Namespace] = None) -
                        allow_credentials=bool(get("allow_credentials", False)))
     if get("enable_request_id_headers", True) is not False:
         app.add_middleware(RequestIdHeaderMiddleware)
-    app.add_middleware(InvocationsMiddleware, pooling=getattr(engine, "runner", "generate") == "pooling")
+    app.add_middleware(InvocationsMiddleware, pooling=engine.runner == "pooling")
     app.include_router(build_pooling_router(engine, s.served, s.loras, s.chat))
     if get("api_key"):
         install_api_key_auth(app, get("api_key"))
