@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Any, Optional, Self
 
 
 @dataclass
@@ -128,29 +128,21 @@ class PoolingRequestOutput:
     prompt_token_ids: list[int] = field(default_factory=list)
     finished: bool = True
 
+    @classmethod
+    def from_base(cls, base: "PoolingRequestOutput") -> Self:
+        """``base``'s result as this class (vLLM's ``EmbeddingRequestOutput.from_base`` and its
+        siblings): the same fields, nothing copied."""
+        return cls(base.request_id, base.outputs, base.prompt_token_ids, base.finished)
+
+
 
 class EmbeddingRequestOutput(PoolingRequestOutput):
     """``LLM.embed``'s result (vLLM's name): ``outputs.embedding`` is the vector."""
-
-    @classmethod
-    def from_base(cls, base: PoolingRequestOutput) -> "EmbeddingRequestOutput":
-        """The same request's result under this class (fields shared, nothing copied)."""
-        return cls(base.request_id, base.outputs, base.prompt_token_ids, base.finished)
 
 
 class ClassificationRequestOutput(PoolingRequestOutput):
     """``LLM.classify``'s result (vLLM's name): ``outputs.probs`` are the class probabilities."""
 
-    @classmethod
-    def from_base(cls, base: PoolingRequestOutput) -> "ClassificationRequestOutput":
-        """The same request's result under this class (fields shared, nothing copied)."""
-        return cls(base.request_id, base.outputs, base.prompt_token_ids, base.finished)
-
 
 class ScoringRequestOutput(PoolingRequestOutput):
     """``LLM.score``'s result (vLLM's name): ``outputs.score`` is the pair's score."""
-
-    @classmethod
-    def from_base(cls, base: PoolingRequestOutput) -> "ScoringRequestOutput":
-        """The same request's result under this class (fields shared, nothing copied)."""
-        return cls(base.request_id, base.outputs, base.prompt_token_ids, base.finished)

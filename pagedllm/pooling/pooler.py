@@ -198,7 +198,10 @@ def build_pooler(args: Any, hf_config: Any, model: Any, score_weight: Optional[t
         raise ValueError(f"convert: must be 'embed' or 'classify', got {task!r}")
     id2label = getattr(hf_config, "id2label", None) if score_weight is not None else None
     ov = getattr(args, "hf_overrides", None)
-    asked = isinstance(ov, (dict, str)) and ("num_labels" in ov or "id2label" in ov)  # (a JSON string: its text)
+    if isinstance(ov, str):
+        from pagedllm.config import parse_json_arg
+        ov = parse_json_arg(ov, "hf_overrides", "a dict")
+    asked = isinstance(ov, dict) and ("num_labels" in ov or "id2label" in ov)  # (a callable: not checked)
     want = getattr(hf_config, "num_labels", None) if asked else None
     if score_weight is not None and want and int(want) != int(score_weight.shape[0]):
         # vLLM fails loading the head then (a shape mismatch); say which numbers disagree
