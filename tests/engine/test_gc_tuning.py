@@ -72,3 +72,50 @@ def test_dropped_owner_releases(fresh):
     del o  # freed by reference counting: the finalizer unfreezes
     assert gct._owner is None and gc.get_freeze_count() == 0
     assert gc.get_threshold() == gct._PY_DEFAULT_THRESHOLD
+
+
+def test_collector_paused_restores_and_nests():
+    was = gc.isenabled()
+    gc.enable()
+    try:
+        with gct.collector_paused():
+            assert not gc.isenabled()
+            with gct.collector_paused():
+                assert not gc.isenabled()
+            assert not gc.isenabled(), "an inner pause leaves the outer one in force"
+        assert gc.isenabled()
+        with pytest.raises(RuntimeError):
+            with gct.collector_paused():
+                raise RuntimeError("construction failed")
+        assert gc.isenabled(), "restored after an exception too"
+        gc.disable()
+        with gct.collector_paused():
+            pass
+        assert not gc.isenabled(), "a collector that was off stays off"
+    finally:
+        (gc.enable if was else gc.disable)()
+
+
+class _Cycle:
+    def __init__(self):
+        self.me = self
+
+
+def test_freeze_after_a_full_collection_collects_young_only(fresh):
+    """After a full collection during construction, the freeze collects generations 0-1 (young
+    cyclic garbage still goes) without walking the whole heap again; otherwise it runs a full one."""
+    before = gct.full_collections()
+    gc.collect()  # the worker's, after loading
+    assert gct.full_collections() == before + 1
+    young = _Cycle()
+    ref = __import__("weakref").ref(young)
+    del young
+    o = Owner()
+    assert gct.freeze_startup_heap(o, before)
+    assert ref() is None, "the young cyclic garbage was collected before the freeze"
+    assert gct.full_collections() == before + 1, "no second full collection"
+    assert gct.release_startup_heap(o)
+    n = gct.full_collections()
+    assert gct.freeze_startup_heap(o, n), "no full collection since: a full one runs"
+    assert gct.full_collections() == n + 1
+    assert gct.release_startup_heap(o)
