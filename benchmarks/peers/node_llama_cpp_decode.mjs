@@ -3,11 +3,12 @@
 //
 //   node node_llama_cpp_decode.mjs '{"model": "/path/model.gguf", "prompt": "...", "threads": 1,
 //                                    "prompt_tokens": 64, "output_tokens": 64, "runs": 2,
-//                                    "node_llama_cpp_dir": "benchmarks/.peers/node-llama-cpp"}'
+//                                    "node_llama_cpp_dir": "benchmarks/.peers/node-llama-cpp",
+//                                    "context_size": 512}'
 //
 // node-llama-cpp is found under node_llama_cpp_dir (an `npm install --prefix DIR node-llama-cpp@3.22.1`),
 // else $NODE_LLAMA_CPP_DIR. Prints one line "RESULT {json}": load_s, rss_after_load and peak_rss
-// (bytes; peak = getrusage maxRSS), weight_bytes (llama.cpp model.size), single_decode_tok_s (1 / median over runs of the mean time per
+// (bytes; peak = getrusage maxRSS; the KV cache is context_size tokens, default 512, f16), weight_bytes (llama.cpp model.size), single_decode_tok_s (1 / median over runs of the mean time per
 // output token after the first, greedy, one sequence), per-token median, llama.cpp release.
 import {createRequire} from "node:module";
 import {join, resolve} from "node:path";
@@ -30,7 +31,7 @@ const t0 = now();
 // NOTE: build "never": use the prebuilt binaries only (a source build is what this peer avoids).
 const llama = await getLlama({gpu: false, build: "never"});
 const model = await llama.loadModel({modelPath: a.model});
-const ctx = await model.createContext({contextSize: 512, sequences: 1, threads: a.threads});
+const ctx = await model.createContext({contextSize: a.context_size || 512, sequences: 1, threads: a.threads});
 const loadS = now() - t0;
 const rssAfterLoad = process.memoryUsage().rss;
 const seq = ctx.getSequence();
