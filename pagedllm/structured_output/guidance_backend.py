@@ -11,9 +11,19 @@ from pagedllm.structured_output.backend import (CompiledGrammar, GrammarMatcher,
 
 
 class GuidanceMatcher(GrammarMatcher):
+    """llguidance's matcher under this module's contract. llguidance reports "stopped" as soon as
+    the grammar cannot continue, i.e. after its last real token; xgrammar's ``is_terminated``
+    (and this contract) means "a stop token was accepted". So the grammar is terminated here only
+    once EOS has been taken in the stopped state (the bitmask allows only EOS there): the engine
+    then finishes the request on that EOS, which the output text leaves out as with xgrammar.
+    Finishing on "stopped" instead ended the request on its last real token, and the output
+    processor, which drops a stop finish's final token (the EOS), cut that token from the text.
+    llguidance keeps no rollback entry for an EOS taken while stopped, so :meth:`rollback` counts it."""
+
     def __init__(self, matcher: Any, eos_token_id: Optional[int]) -> None:
         self._m = matcher
         self._eos = eos_token_id
+        self._eos_taken = False  # EOS accepted in the stopped state (the grammar's end)
 
     def accept_tokens(self, token_ids: list[int]) -> bool:
         m = self._m
@@ -22,8 +32,9 @@ class GuidanceMatcher(GrammarMatcher):
             if m.is_stopped():
                 # NOTE: a grammar that cannot continue allows only EOS; try_consume_tokens()
                 # refuses it there, consume_token() takes it.
-                if t != self._eos or not m.consume_token(t):
+                if self._eos_taken or t != self._eos or not m.consume_token(t):
                     return False
+                self._eos_taken = True
             # NOTE: consume_token() on a refused token leaves a permanent error state;
             # try_consume_tokens() stops before it (our contract: the valid prefix is consumed).
             elif m.try_consume_tokens([t]) != 1:
@@ -31,6 +42,9 @@ class GuidanceMatcher(GrammarMatcher):
         return not m.is_error()
 
     def rollback(self, num_tokens: int) -> None:
+        if num_tokens > 0 and self._eos_taken:
+            self._eos_taken = False  # (no llguidance rollback entry for it)
+            num_tokens -= 1
         if num_tokens > 0:
             self._m.rollback(num_tokens)
 
@@ -39,10 +53,13 @@ class GuidanceMatcher(GrammarMatcher):
         fill_next_token_bitmask(self._m, bitmask, row)
 
     def is_terminated(self) -> bool:
-        return self._m.is_stopped()
+        if self._eos is None:  # (no EOS to wait for: the grammar's end is the end)
+            return bool(self._m.is_stopped())
+        return self._eos_taken
 
     def reset(self) -> None:
         self._m.reset()
+        self._eos_taken = False
 
     def find_jump_forward_string(self) -> str:
         if self._m.is_stopped() or self._m.is_error():

@@ -192,3 +192,26 @@ def test_gemma3_tokenizer(gemma3_path, name):
     ids, ended = random_walk(compiled.new_matcher(), vocab, eos, rng, eos_bias=0.5)
     assert ended
     jsonschema.validate(json.loads(tok.decode(ids)), schema)
+
+
+@pytest.mark.parametrize("name", BACKENDS)
+def test_end_of_grammar_waits_for_eos(backends, smollm2_tokenizer, name):
+    """Both backends end a grammar the same way: after its last real token only EOS is allowed
+    and the grammar is not yet terminated (llguidance's "stopped" is not the end); EOS ends it;
+    rolling the EOS back (llguidance keeps no rollback entry for it) returns to the EOS-only
+    state, and one more step back to the last digit's choice."""
+    m = backends[name].compile(GrammarSpec("regex", "[0-9]{3}")).new_matcher()
+    ids = smollm2_tokenizer.encode("123", add_special_tokens=False)
+    assert len(ids) == 3 and m.accept_tokens(ids)
+    assert not m.is_terminated(), "the last digit is a real token, not the end"
+    assert allowed_ids(m, SMOLLM2_VOCAB) == [SMOLLM2_EOS]
+    assert m.accept_tokens([SMOLLM2_EOS]) and m.is_terminated()
+    assert not m.accept_tokens([SMOLLM2_EOS]), "nothing after the end"
+    m.rollback(1)
+    assert not m.is_terminated() and allowed_ids(m, SMOLLM2_VOCAB) == [SMOLLM2_EOS]
+    m.rollback(1)
+    digits = allowed_ids(m, SMOLLM2_VOCAB)
+    assert ids[2] in digits and SMOLLM2_EOS not in digits and len(digits) == 10
+    assert m.accept_tokens([ids[2], SMOLLM2_EOS]) and m.is_terminated()
+    m.reset()
+    assert not m.is_terminated() and SMOLLM2_EOS not in allowed_ids(m, SMOLLM2_VOCAB)

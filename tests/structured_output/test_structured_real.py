@@ -181,3 +181,32 @@ def test_min_tokens_gives_way_to_a_finished_constraint(smollm2_llm):
             c = o.outputs[0]
             assert c.finish_reason == "stop", (so, c.text, c.finish_reason)
             assert (c.text in ("yes", "no")) if so.choice else re.fullmatch(r"[0-9]{2}", c.text), c.text
+
+
+def test_guidance_backend_keeps_the_last_token():
+    """The guidance backend (llguidance) ends a grammar like xgrammar: the request finishes on the
+    EOS that follows the grammar's last token, and the text keeps that last token. (It used to
+    finish on llguidance's "stopped", right after the last real token, which the output processor
+    then cut as if it were the EOS: "SG-23" for a 6-character code, "" for a choice, JSON without
+    its closing brace.)"""
+    from pagedllm import LLM
+    llm = LLM("SmolLM2-135M-Instruct", kv_cache_memory=64 * 1024**2, seed=0,
+              structured_outputs_config={"backend": "guidance"})
+    eos = llm.get_tokenizer().eos_token_id
+    SMALL = {"type": "object", "properties": {"x": {"type": "integer", "minimum": 0, "maximum": 99}},
+             "required": ["x"], "additionalProperties": False}
+    code = r"\p{Lu}{2}-[0-9]{3}"  # (a Unicode class: what the auto backend sends to guidance)
+    cases = [("Code:", SOP(regex=code),  # (\p{Lu}: any uppercase letter, Cyrillic ones too)
+              lambda t: len(t) == 6 and t[:2].isupper() and re.fullmatch(r"-[0-9]{3}", t[2:])),
+             ("Is the sky blue?", SOP(choice=["yes", "no"]), lambda t: t in ("yes", "no")),
+             ("A JSON object with a small integer x:", SOP(json=SMALL),
+              lambda t: jsonschema.validate(json.loads(t), SMALL) is None)]
+    for prompt, so, ok in cases:
+        outs = llm.generate([prompt] * 3, [SamplingParams(temperature=1.0, seed=s, max_tokens=120, structured_outputs=so)
+                                           for s in range(3)], use_tqdm=False)
+        for o in outs:
+            c = o.outputs[0]
+            assert c.finish_reason == "stop", (so, c.text)
+            assert ok(c.text), (so, c.text)
+            assert c.token_ids[-1] == eos and eos not in c.token_ids[:-1], c.token_ids
+            assert llm.get_tokenizer().decode(c.token_ids[:-1]) == c.text
