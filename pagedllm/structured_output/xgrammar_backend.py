@@ -34,6 +34,69 @@ def bound_tag_whitespace(tag: Any, max_whitespace_cnt: int) -> Any:
     return out
 
 
+# String formats xgrammar enforces (its JSON schema converter); any other string format it ignores.
+_XGRAMMAR_STRING_FORMATS = frozenset({
+    "email", "date", "time", "date-time", "duration", "ipv4", "ipv6", "hostname", "uuid", "uri",
+    "uri-reference", "uri-template", "json-pointer", "relative-json-pointer"})
+# Keywords xgrammar accepts in a schema but does not enforce (measured on xgrammar 0.2.8 by
+# checking that the grammar accepts an instance that violates them; vLLM's
+# ``has_xgrammar_unsupported_json_features`` lists the first ones).
+_XGRAMMAR_UNENFORCED = ("multipleOf", "uniqueItems", "contains", "minContains", "maxContains", "not",
+                        "if", "then", "else", "dependentRequired", "dependentSchemas",
+                        "unevaluatedProperties", "unevaluatedItems")
+# Keys beside "$ref" that constrain nothing (anything else there xgrammar ignores).
+_ANNOTATIONS = frozenset({"$ref", "$defs", "definitions", "$schema", "$id", "$comment", "title",
+                          "description", "default", "examples", "deprecated", "readOnly", "writeOnly"})
+
+
+def unenforced_json_feature(schema: Any) -> Optional[str]:
+    """The first constraint in ``schema`` (a JSON schema, parsed) that xgrammar would compile
+    but not enforce, as "keyword at path"; None when xgrammar enforces all of it. Checked:
+    ``_XGRAMMAR_UNENFORCED``, ``allOf`` of more than one schema, a string ``pattern`` or
+    ``format`` together with ``minLength`` / ``maxLength`` (xgrammar keeps only the first), a
+    string ``format`` outside ``_XGRAMMAR_STRING_FORMATS``, constraints beside a ``$ref``."""
+    def walk(node: Any, path: str) -> Optional[str]:
+        if isinstance(node, list):
+            for i, v in enumerate(node):
+                found = walk(v, f"{path}[{i}]")
+                if found:
+                    return found
+            return None
+        if not isinstance(node, dict):
+            return None
+        at = path or "the root"
+        for k in _XGRAMMAR_UNENFORCED:
+            if k in node:
+                return f"'{k}' at {at}"
+        if isinstance(node.get("allOf"), list) and len(node["allOf"]) > 1:
+            return f"'allOf' of {len(node['allOf'])} schemas at {at}"
+        types = node.get("type")
+        types = {types} if isinstance(types, str) else set(types or ())
+        if "string" in types or not types:
+            if ("pattern" in node or "format" in node) and ("minLength" in node or "maxLength" in node):
+                return f"'{'pattern' if 'pattern' in node else 'format'}' with a length bound at {at}"
+            if "string" in types and "format" in node and node["format"] not in _XGRAMMAR_STRING_FORMATS:
+                return f"format {node['format']!r} at {at}"
+        if "$ref" in node:
+            extra = sorted(k for k in node if k not in _ANNOTATIONS)
+            if extra:
+                return f"'{extra[0]}' beside '$ref' at {at}"
+        for k in ("properties", "patternProperties", "$defs", "definitions"):
+            if isinstance(node.get(k), dict):
+                for name, sub in node[k].items():
+                    found = walk(sub, f"{path}.{k}.{name}" if path else f"{k}.{name}")
+                    if found:
+                        return found
+        for k in ("items", "prefixItems", "additionalProperties", "anyOf", "oneOf", "allOf", "propertyNames"):
+            if k in node:
+                found = walk(node[k], f"{path}.{k}" if path else k)
+                if found:
+                    return found
+        return None
+
+    return walk(schema, "")
+
+
 class XgrammarMatcher(GrammarMatcher):
     def __init__(self, matcher: Any) -> None:
         self._m = matcher
@@ -108,6 +171,13 @@ class XgrammarBackend(StructuredOutputBackend):
             raise ValueError(f"{spec.field}: whitespace_pattern is not supported by xgrammar "
                              "(use the guidance backend)")
         if spec.kind == "json":
+            unenforced = unenforced_json_feature(json.loads(spec.spec))
+            if unenforced:
+                # NOTE: a grammar that ignored it would let outputs break the schema; "auto" then
+                # takes the guidance backend, which enforces most of these (manager._compile_auto).
+                raise ValueError(f"{spec.field}: the schema uses {unenforced}, which the xgrammar "
+                                 "backend does not enforce (the guidance backend enforces multipleOf, "
+                                 "allOf and length bounds beside a pattern or format)")
             # NOTE: strict_mode (xgrammar's and vLLM's default) already gives objects only the
             # properties their schema names unless it allows more, so disable_additional_properties
             # needs nothing extra here.

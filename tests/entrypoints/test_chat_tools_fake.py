@@ -279,3 +279,22 @@ def test_forced_choice_is_constrained_or_refused(hermes, engine, tool_choice):
     assert call["function"]["name"] == "get_time" and json.loads(
         call["function"]["arguments"]) == {"tz": "UTC"}
     assert c["finish_reason"] == ("tool_calls" if tool_choice == "required" else "stop")
+
+
+def test_forced_choice_compile_error_names_tools(hermes, engine):
+    """A forced tool choice's grammar comes from ``tools``: when it cannot be compiled (here a
+    dangling ``$ref`` in a tool's parameters; the engine raises "structured_outputs.json: ..."),
+    the 400 names ``tools``, not ``structured_outputs`` (a field the request does not have)."""
+    if not has_structured_outputs():
+        pytest.skip("no structured outputs in this build")
+    from pagedllm.entrypoints.openai.errors import value_error_to_openai
+
+    bad_tool = {"type": "function", "function": {"name": "f", "parameters": {
+        "type": "object", "properties": {"a": {"$ref": "#/$defs/missing"}}}}}
+    r = chat(hermes, '{"a": 1}', tools=[bad_tool], tool_choice={"type": "function", "function": {"name": "f"}})
+    assert r.status_code == 200, r.text  # (the scripted engine compiles no grammar)
+    so = engine.received[-1][1].structured_outputs
+    assert so._source == "tools"
+    engine_error = ValueError(f"structured_outputs.{so.kind}: xgrammar cannot compile it: bad $ref")
+    err = value_error_to_openai(so.rename_error(engine_error))
+    assert err.param == "tools" and err.message.startswith("tools: "), (err.param, err.message)

@@ -167,3 +167,69 @@ def test_concurrent_compiles_share_one_compiler(smollm2_tokenizer):
         f.result(timeout=120)
     assert m.stats()["structured_output_grammars_compiled"] == 8
     m.shutdown()
+
+
+# (schema, an instance that breaks it): xgrammar 0.2.8 compiles each schema but accepts the instance.
+UNENFORCED_BY_XGRAMMAR = [
+    ({"type": "object", "properties": {"x": {"type": "integer", "multipleOf": 5, "minimum": 1}},
+      "required": ["x"], "additionalProperties": False}, {"x": 8}),
+    ({"allOf": [{"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]},
+                {"type": "object", "properties": {"b": {"type": "integer"}}, "required": ["b"]}]}, {"a": 1}),
+    ({"type": "string", "pattern": "^[a-z]+$", "maxLength": 3}, "abcdef"),
+    ({"$defs": {"I": {"type": "integer"}}, "type": "object",
+      "properties": {"x": {"$ref": "#/$defs/I", "maximum": 3}}, "required": ["x"]}, {"x": 9}),
+]
+
+
+@pytest.mark.parametrize("schema,bad", UNENFORCED_BY_XGRAMMAR)
+def test_auto_sends_what_xgrammar_would_not_enforce_to_guidance(smollm2_tokenizer, schema, bad):
+    """A schema keyword xgrammar compiles but ignores (multipleOf with bounds, allOf of several
+    schemas, a length bound beside a pattern, a constraint beside $ref) goes to llguidance under
+    "auto" (vLLM's has_xgrammar_unsupported_json_features rule), whose matcher refuses the
+    breaking instance; naming xgrammar explicitly is a ValueError that names the keyword."""
+    import json
+
+    import jsonschema
+
+    with pytest.raises(jsonschema.ValidationError):
+        jsonschema.validate(bad, schema)  # (the instance does break the schema)
+    m = make(smollm2_tokenizer)
+    compiled = m.compile(SOP(json=schema))
+    assert compiled.backend == "guidance"
+    ids = smollm2_tokenizer.encode(json.dumps(bad), add_special_tokens=False)
+    matcher = compiled.new_matcher()
+    assert not (matcher.accept_tokens(ids) and matcher.accept_tokens([SMOLLM2_EOS])), "guidance enforces it"
+    explicit = SOP(json=schema)
+    explicit._backend = "xgrammar"
+    with pytest.raises(ValueError, match=r"structured_outputs.json: the schema uses .* xgrammar backend does not enforce"):
+        m.compile(explicit)
+    m.shutdown()
+
+
+def test_what_neither_backend_enforces_is_an_error_and_annotations_are_not(smollm2_tokenizer):
+    """uniqueItems / not: neither backend enforces them, so the request fails with a message
+    naming the keyword instead of decoding unconstrained by it; what pydantic emits for nested
+    models and optional fields ($ref with a description, one-schema allOf, anyOf with null,
+    OpenAPI integer formats) stays on xgrammar."""
+    from pagedllm.structured_output.xgrammar_backend import unenforced_json_feature
+
+    m = make(smollm2_tokenizer)
+    for schema, word in [({"type": "array", "items": {"type": "integer"}, "uniqueItems": True}, "uniqueItems"),
+                         ({"type": "object", "properties": {"x": {"not": {"type": "string"}}}}, "'not' at properties.x")]:
+        with pytest.raises(ValueError) as e:
+            m.compile(SOP(json=schema))
+        assert str(e.value).startswith("structured_outputs.json: ") and word in str(e.value), str(e.value)
+        assert "guidance" in str(e.value)
+    pydantic_like = {
+        "$defs": {"Addr": {"type": "object", "properties": {"city": {"type": "string", "title": "City"}},
+                           "required": ["city"], "title": "Addr"}},
+        "type": "object", "title": "Person",
+        "properties": {"addr": {"$ref": "#/$defs/Addr", "description": "where"},
+                       "home": {"allOf": [{"$ref": "#/$defs/Addr"}], "default": None},
+                       "nick": {"anyOf": [{"type": "string", "maxLength": 8}, {"type": "null"}], "default": None},
+                       "n": {"type": "integer", "format": "int32", "minimum": 0},
+                       "when": {"type": "string", "format": "date-time"}},
+        "required": ["addr"]}
+    assert unenforced_json_feature(pydantic_like) is None
+    assert m.compile(SOP(json=pydantic_like)).backend == "xgrammar"
+    m.shutdown()

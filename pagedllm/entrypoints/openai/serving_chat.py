@@ -145,7 +145,7 @@ class OpenAIServingChat(OpenAIServing):
         """A forced tool choice constrains the output to its JSON schema."""
         schema = forced_tool_schema(setup.choice, setup.tools, setup.parallel)
         if schema is not None:
-            constrain_to_json(sp, schema, "tool_choice")
+            constrain_to_json(sp, schema, "tool_choice", source="tools")
 
     def get_role(self, request: ChatCompletionRequest) -> str:
         if request.add_generation_prompt:

@@ -186,9 +186,11 @@ def forced_tool_schema(choice: ToolChoice, tools: list[dict[str, Any]], parallel
 
 
 def constrain_to_json(sampling_params: Any, schema: Optional[dict[str, Any]], field: str,
-                      json_object: bool = False) -> None:
+                      json_object: bool = False, source: Optional[str] = None) -> None:
     """Constrain generation to ``schema`` (structured outputs: ``StructuredOutputsParams(json=
-    schema)``), or to any JSON object with ``json_object``.
+    schema)``), or to any JSON object with ``json_object``. A grammar that cannot be compiled
+    later is a 400 naming ``source`` (default ``field``): the request field the schema came from
+    (``tools`` for a forced tool choice), not ``structured_outputs``, which the request lacks.
 
     Raises:
         OpenAIError: 400 when this build has no structured outputs (never unconstrained
@@ -204,6 +206,7 @@ def constrain_to_json(sampling_params: Any, schema: Optional[dict[str, Any]], fi
                   else StructuredOutputsParams(json=schema))
     except ValueError as e:
         raise OpenAIError(f"`{field}`: {e}", 400, field) from None
+    params._source = source or field
     sampling_params.structured_outputs = params
 
 
