@@ -124,6 +124,17 @@ def test_run_batch_records_and_resume(tiny_dir, tmp_path):
     assert [r["id"] for r in again[:4]] == [r["id"] for r in recs[:4]]  # not rerun
     # a finished file: nothing runs
     assert _run(tiny_dir, inp, out)["skipped"] == 10 and len(_records(out)) == 10
+    # a record missing from the middle (and another's line moved): the rerun one goes back to its
+    # input position, the file ends in input order
+    with open(out) as f:
+        full = f.readlines()
+    with open(out, "w") as f:
+        f.writelines(full[:4] + full[5:])
+    counts = _run(tiny_dir, inp, out)
+    assert counts == {"total": 10, "skipped": 9, "ok": 0, "errors": 1}
+    third = _records(out)
+    _check(third, ref_b)
+    assert [r["id"] for i, r in enumerate(third) if i != 4] == [r["id"] for i, r in enumerate(again) if i != 4]
 
 
 @pytest.mark.slow

@@ -20,7 +20,8 @@ done, and a progress bar (tqdm, on stderr) counts them.
 
 Resumption: with ``-o`` an existing local file, the lines already in it are kept (a torn last
 line, from a run killed while writing, is dropped; so are 5xx records, to be retried) and only
-the input lines whose ``custom_id`` has no record there run, their records appended. Input
+the input lines whose ``custom_id`` has no record there run; when they are done the file is
+rewritten in input order (while the run lasts, their records follow the kept ones). Input
 lines are matched to the records in order: the k-th line with a ``custom_id`` to the k-th record
 of it (a repeated ``custom_id`` is an error record: OpenAI requires them unique), lines without a
 usable ``custom_id`` to the ``custom_id: null`` records.
@@ -272,6 +273,42 @@ def _plan(lines: list[str], done: dict[str, int], nulls_done: int) -> list[tuple
     return todo
 
 
+def _line_custom_id(line: str) -> Optional[str]:
+    """The usable ``custom_id`` of an input line (a non-empty string), else None."""
+    try:
+        obj = json.loads(line)
+    except ValueError:
+        return None
+    cid = obj.get("custom_id") if isinstance(obj, dict) else None
+    return cid if isinstance(cid, str) and cid else None
+
+
+def _rewrite_in_input_order(path: str, lines: list[str]) -> None:
+    """Rewrite the finished output file ``path`` with its records in the order of the input
+    ``lines`` (after a resumed run the new records follow the kept ones). A record is matched to
+    its line as the resumption matches them: the k-th record of a ``custom_id`` to the k-th
+    input line with it, the k-th ``custom_id: null`` record to the k-th line without a usable
+    one. Replaced atomically (a temporary file renamed over it)."""
+    where: dict[Optional[str], list[int]] = {}
+    for i, line in enumerate(lines):
+        where.setdefault(_line_custom_id(line), []).append(i)
+    used: dict[Optional[str], int] = {}
+    keyed: list[tuple[int, int, str]] = []
+    with open(path, encoding="utf-8") as f:
+        for n, rec_line in enumerate(f):
+            cid = json.loads(rec_line).get("custom_id")
+            cid = cid if isinstance(cid, str) and cid else None
+            k = used.get(cid, 0)
+            used[cid] = k + 1
+            slots = where.get(cid, [])
+            keyed.append((slots[k] if k < len(slots) else len(lines) + n, n, rec_line))
+    keyed.sort()
+    tmp = path + ".tmp"
+    with open(tmp, "w", encoding="utf-8") as f:
+        f.writelines(line for _, _, line in keyed)
+    os.replace(tmp, path)
+
+
 async def run_batch(engine: Any, args: argparse.Namespace) -> dict[str, int]:
     """Run ``args.input_file`` into ``args.output_file`` on ``engine`` (an ``EngineClient``).
 
@@ -323,6 +360,8 @@ async def run_batch(engine: Any, args: argparse.Namespace) -> dict[str, int]:
             bar.update(1)
 
         await asyncio.gather(*(one(i, cid, item) for i, cid, item in todo))
+    if kept and todo:  # resumed: the new records went after the kept ones; back to input order
+        _rewrite_in_input_order(path, lines)
     if out_url:
         import httpx
         try:
