@@ -120,6 +120,9 @@ def test_load_and_unload_while_requests_run(server, refs, tiny_ckpt, tmp_path):
     # vLLM's errors: a name in use, missing fields, nothing at the path, a bad adapter
     r = httpx.post(server + "/v1/load_lora_adapter", json={"lora_name": "a2", "lora_path": adapters["a2"]})
     assert r.status_code == 400 and "has already been loaded" in r.json()["error"]["message"]
+    r = httpx.post(server + "/v1/load_lora_adapter", json={"lora_name": "tiny", "lora_path": adapters["a2"]})
+    assert r.status_code == 400 and "is the served model's name" in r.json()["error"]["message"], r.text
+    assert r.json()["error"]["param"] == "lora_name"
     r = httpx.post(server + "/v1/load_lora_adapter", json={"lora_name": "", "lora_path": adapters["a2"]})
     assert r.status_code == 400 and "Both 'lora_name' and 'lora_path'" in r.json()["error"]["message"]
     r = httpx.post(server + "/v1/load_lora_adapter", json={"lora_name": "gone", "lora_path": str(tmp_path / "x")})

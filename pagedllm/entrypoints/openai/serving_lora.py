@@ -89,9 +89,12 @@ class LoRARegistry:
         if not name or not path:
             raise OpenAIError("Both 'lora_name' and 'lora_path' must be provided.", 400, None, "InvalidUserInput")
         async with self._lock:
-            if name in self.lora_requests or name in self.base_model_names:
+            if name in self.lora_requests:
                 raise OpenAIError(f"The lora adapter '{name}' has already been loaded.", 400, "lora_name",
                                   "InvalidUserInput")
+            if name in self.base_model_names:  # (requests naming it must keep meaning the base model)
+                raise OpenAIError(f"The lora adapter name '{name}' is the served model's name; choose "
+                                  "another name.", 400, "lora_name", "InvalidUserInput")
             lr = LoRARequest(name, next(self._ids), path,
                              base_model_name=base_model_name if base_model_name in self.base_model_names else None)
             try:
