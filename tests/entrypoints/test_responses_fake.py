@@ -282,3 +282,54 @@ def test_a_call_cut_by_max_output_tokens_streams_as_incomplete(client):
     events = parse_events(create(client, script, input="Weather?", tools=[FN_WEATHER], stream=True).text)
     calls = [e.item for e in events if e.type == "response.output_item.done" and e.item.type == "function_call"]
     assert calls[0].status == "completed" and json.loads(calls[0].arguments) == {"city": "Paris", "unit": "celsius"}
+
+
+def test_input_items_list_and_pages(client):
+    """GET /v1/responses/{id}/input_items: the items that led to a stored response (after
+    previous_response_id: the conversation before it too) as the API's item objects (checked with
+    the openai SDK's ResponseItem type), newest first by default, paged with limit / after."""
+    from openai.types.responses import ResponseItem
+    from pydantic import TypeAdapter
+
+    adapter = TypeAdapter(ResponseItem)
+    first = validate(create(client, "Nice to meet you, Ada.", input="I am Ada.").json())
+    second = validate(create(client, "You are Ada.", input="Who am I?", previous_response_id=first.id).json())
+    r = client.get(f"/v1/responses/{second.id}/input_items")
+    assert r.status_code == 200, r.text
+    page = r.json()
+    assert page["object"] == "list" and page["has_more"] is False
+    items = [adapter.validate_python(x) for x in page["data"]]
+    texts = [x.content[0].text for x in items]
+    assert texts == ["Who am I?", "Nice to meet you, Ada.", "I am Ada."]  # newest first
+    assert [x.role for x in items] == ["user", "assistant", "user"]
+    assert items[1].id == first.output[0].id  # the stored output message keeps its id
+    assert page["first_id"] == items[0].id and page["last_id"] == items[-1].id
+    assert len({x.id for x in items}) == 3
+    again = client.get(f"/v1/responses/{second.id}/input_items").json()
+    assert [x["id"] for x in again["data"]] == [x.id for x in items]  # ids are stable
+    asc = client.get(f"/v1/responses/{second.id}/input_items", params={"order": "asc"}).json()
+    assert [x["id"] for x in asc["data"]] == [x.id for x in reversed(items)]
+    # pages of one: has_more until the last, `after` continues
+    got, after = [], None
+    while True:
+        params = {"limit": 1, **({"after": after} if after else {})}
+        p = client.get(f"/v1/responses/{second.id}/input_items", params=params).json()
+        got += [x["id"] for x in p["data"]]
+        after = p["last_id"]
+        if not p["has_more"]:
+            break
+    assert got == [x.id for x in items]
+    assert_error(client.get(f"/v1/responses/{second.id}/input_items", params={"limit": 0}), 400, "limit")
+    assert_error(client.get(f"/v1/responses/{second.id}/input_items", params={"limit": 101}), 400, "limit")
+    assert_error(client.get(f"/v1/responses/{second.id}/input_items", params={"order": "up"}), 400, "order")
+    assert_error(client.get(f"/v1/responses/{second.id}/input_items", params={"after": "msg_nope"}), 400, "after")
+    assert_error(client.get("/v1/responses/resp_missing/input_items"), 404)
+    # function calls and their outputs come back as the SDK's item types, with ids
+    items = [{"role": "user", "content": "Weather in Paris?"},
+             {"type": "function_call", "call_id": "call_9", "name": "get_weather", "arguments": "{\"city\": \"Paris\"}"},
+             {"type": "function_call_output", "call_id": "call_9", "output": "21 C"}]
+    third = validate(create(client, "It is 21 C.", input=items, tools=[FN_WEATHER]).json())
+    listed = client.get(f"/v1/responses/{third.id}/input_items", params={"order": "asc"}).json()["data"]
+    typed = [adapter.validate_python(x) for x in listed]
+    assert [x.type for x in typed] == ["message", "function_call", "function_call_output"]
+    assert typed[0].content[0].type == "input_text" and typed[2].output == "21 C" and all(x.id for x in typed)

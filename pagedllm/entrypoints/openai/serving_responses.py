@@ -1,5 +1,5 @@
 """The OpenAI Responses API: ``POST /v1/responses``, ``GET`` / ``DELETE /v1/responses/{id}``,
-``POST /v1/responses/{id}/cancel``.
+``GET /v1/responses/{id}/input_items``, ``POST /v1/responses/{id}/cancel``.
 
 A request becomes a chat conversation (``instructions`` as the system message, ``input`` items:
 messages, ``function_call`` and ``function_call_output`` items; with ``previous_response_id``
@@ -15,6 +15,7 @@ response.completed (response.incomplete at ``max_output_tokens``, response.faile
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import json
 import logging
 import time
@@ -271,6 +272,46 @@ class OpenAIServingResponses:
     def retrieve(self, response_id: str) -> Response:
         return JSONResponse(self._get(response_id).response)
 
+    def list_input_items(self, response_id: str, after: Optional[str] = None, limit: int = 20,
+                         order: str = "desc") -> Response:
+        """``GET /v1/responses/{id}/input_items`` (OpenAI's list of the items used to generate a
+        stored response: its input and, after ``previous_response_id``, the conversation before
+        it), as ``{"object": "list", "data", "first_id", "last_id", "has_more"}``.
+
+        Items are returned as the API's item objects: a message with string content gets its
+        content as one ``input_text`` part (``output_text`` for the assistant) and
+        ``status: "completed"``; an item without an ``id`` gets a stable one derived from the
+        response id and its position (``msg_...``, ``fc_...``, ``fco_...``, ``item_...``).
+
+        Args:
+            after: an item id: list the items after it (in ``order``).
+            limit: 1-100 items (OpenAI's bound; default 20).
+            order: ``"desc"`` (newest first, OpenAI's default) or ``"asc"``.
+
+        Raises:
+            OpenAIError: 404 for an unknown response id; 400 (``limit`` / ``order`` / ``after``)
+                for a value out of range or an ``after`` that is not an item of this response.
+        """
+        if not 1 <= limit <= 100:
+            raise OpenAIError(f"`limit` must be between 1 and 100, got {limit}.", 400, "limit")
+        if order not in ("asc", "desc"):
+            raise OpenAIError(f"`order` must be 'asc' or 'desc', got {order!r}.", 400, "order")
+        entry = self._get(response_id)
+        items = [_as_input_item(it, response_id, i) for i, it in enumerate(entry.input_items)]
+        if order == "desc":
+            items.reverse()
+        start = 0
+        if after is not None:
+            ids = [it["id"] for it in items]
+            if after not in ids:
+                raise OpenAIError(f"`after`: no input item '{after}' in response '{response_id}'.", 400, "after")
+            start = ids.index(after) + 1
+        page = items[start:start + limit]
+        return JSONResponse({"object": "list", "data": page,
+                             "first_id": page[0]["id"] if page else None,
+                             "last_id": page[-1]["id"] if page else None,
+                             "has_more": start + limit < len(items)})
+
     def delete(self, response_id: str) -> Response:
         entry = self._get(response_id)
         if entry.running and entry.task is not None:
@@ -513,9 +554,32 @@ class _Run:
                                                 on_result=on_result, on_end=on_end, on_error=on_error)
 
 
+_ID_PREFIX = {"message": "msg", "function_call": "fc", "function_call_output": "fco"}
+
+
+def _as_input_item(item: dict[str, Any], response_id: str, index: int) -> dict[str, Any]:
+    """A stored conversation item as the API lists it (see ``list_input_items``)."""
+    out = dict(item)
+    kind = out.get("type") or ("message" if "role" in out else "item")
+    out["type"] = kind
+    if kind == "message":
+        content = out.get("content")
+        if isinstance(content, str):
+            part = "output_text" if out.get("role") == "assistant" else "input_text"
+            out["content"] = [{"type": part, "text": content}] if part == "input_text" else [
+                {"type": part, "text": content, "annotations": []}]
+    if kind in ("message", "function_call", "function_call_output"):
+        out.setdefault("status", "completed")
+    if not out.get("id"):
+        digest = hashlib.sha1(f"{response_id}:{index}".encode()).hexdigest()[:24]
+        out["id"] = f"{_ID_PREFIX.get(kind, 'item')}_{digest}"
+    return out
+
+
 def build_responses_router(serving: OpenAIServingResponses) -> APIRouter:
     """``POST /v1/responses`` (400 on a pooling model), ``GET`` / ``DELETE
-    /v1/responses/{response_id}``, ``POST /v1/responses/{response_id}/cancel``."""
+    /v1/responses/{response_id}``, ``GET /v1/responses/{response_id}/input_items``, ``POST
+    /v1/responses/{response_id}/cancel``."""
     router = APIRouter()
 
     @router.post("/v1/responses")
@@ -526,6 +590,11 @@ def build_responses_router(serving: OpenAIServingResponses) -> APIRouter:
     @router.get("/v1/responses/{response_id}")
     async def retrieve_response(response_id: str):
         return serving.retrieve(response_id)
+
+    @router.get("/v1/responses/{response_id}/input_items")
+    async def list_input_items(response_id: str, after: Optional[str] = None, limit: int = 20,
+                               order: str = "desc"):
+        return serving.list_input_items(response_id, after=after, limit=limit, order=order)
 
     @router.delete("/v1/responses/{response_id}")
     async def delete_response(response_id: str):
